@@ -1,0 +1,53 @@
+"""The two codec interfaces every compressor in this project implements.
+
+``TensorCodec``: stateless and usually lossy, wire size fixed by the element count (TACO and its
+ablations for tensor-parallel collectives; low-bit pipeline activations). Every rank that decodes the
+same wire bytes gets the same values, which is what keeps tensor-parallel replicas consistent.
+
+``ShardCodec``: stateful, for the distributed optimizer's parameter all-gather (CIERA, lossless delta).
+Each data-parallel rank encodes its own new shard against what it sent last time; every rank decodes
+every rank's payload into that rank's slice of the parameter buffer, which still holds the previous
+values. Payload sizes vary. After ``reset()`` the next payload is a keyframe that needs no state.
+"""
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class TensorCodec(ABC):
+    """Fixed-size wire format: ``encode`` of n elements always returns ``wire_nbytes(n)`` uint8 bytes."""
+
+    name: str = "codec"
+
+    @abstractmethod
+    def wire_nbytes(self, numel: int) -> int:
+        """Bytes on the wire for ``numel`` input elements (payload plus per-block scales)."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Flatten and compress ``x`` (any size; padding is internal) into a 1-D uint8 tensor."""
+
+    @abstractmethod
+    def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of ``encode``: a 1-D tensor of ``numel`` elements of ``dtype``."""
+
+
+class ShardCodec(ABC):
+    """Variable-size, stateful codec of one bucket's parameter shards (one instance per bucket)."""
+
+    name: str = "shard-codec"
+    lossless: bool = True
+
+    @abstractmethod
+    def encode(self, shard: torch.Tensor) -> torch.Tensor:
+        """Encode this rank's new shard; returns a 1-D uint8 payload (a keyframe after ``reset``)."""
+
+    @abstractmethod
+    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ``src_rank``'s new shard into ``out`` in place; ``out`` holds that rank's previous
+        shard (from the last gather) unless the payload is a keyframe."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget all state (after checkpoint load or anything that rewrites parameters)."""

@@ -1,0 +1,44 @@
+"""Byte telemetry: raw (what uncompressed Megatron would send) vs sent bytes per collective class.
+
+Each rank counts the bytes it hands to collectives as input; the training driver sums the counters
+over all ranks once per iteration. Counting is host-side integer arithmetic: no device sync.
+"""
+
+from collections import defaultdict
+
+COMM_CLASSES = ("tp", "dp_param_gather", "dp_grad_reduce", "pp", "ep")
+
+
+class CommTelemetry:
+    def __init__(self):
+        self._raw = defaultdict(int)
+        self._sent = defaultdict(int)
+        self._extra = defaultdict(int)
+
+    def record(self, comm_class: str, raw_bytes: int, sent_bytes: int) -> None:
+        if comm_class not in COMM_CLASSES:
+            raise ValueError(f"unknown communication class {comm_class!r}; one of {COMM_CLASSES}")
+        self._raw[comm_class] += int(raw_bytes)
+        self._sent[comm_class] += int(sent_bytes)
+
+    def add_counter(self, name: str, value: int) -> None:
+        """Free-form integer counters (e.g. ``dp_param_gather/blocks_changed``)."""
+        self._extra[name] += int(value)
+
+    def counters(self) -> list:
+        """Flat list [raw, sent] per class in COMM_CLASSES order, then the extra counters by name."""
+        flat = []
+        for c in COMM_CLASSES:
+            flat += [self._raw[c], self._sent[c]]
+        return flat + [self._extra[k] for k in sorted(self._extra)]
+
+    def extra_names(self) -> list:
+        return sorted(self._extra)
+
+    def reset(self) -> None:
+        self._raw.clear()
+        self._sent.clear()
+        self._extra.clear()
+
+
+TELEMETRY = CommTelemetry()

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv (CPU torch first, so that pip never pulls a multi-GB CUDA build), then installs the
+# project editable with the dev extras. Idempotent and quick once done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install -q "$TORCH_SPEC"
+fi
+if ! .venv/bin/python -c "import megatron.core, megatron.training, compression, pytest, yaml" 2>/dev/null; then
+  .venv/bin/pip install -q -e ".[dev]"
+fi
