@@ -21,8 +21,15 @@ class CommTelemetry:
         self._raw[comm_class] += int(raw_bytes)
         self._sent[comm_class] += int(sent_bytes)
 
+    def declare_counter(self, name: str) -> None:
+        """Register an extra counter on every rank at install time, so that all ranks reduce the same
+        list of counters even if some never increment it."""
+        self._extra[name] += 0
+
     def add_counter(self, name: str, value: int) -> None:
-        """Free-form integer counters (e.g. ``dp_param_gather/blocks_changed``)."""
+        """Extra integer counters (e.g. ``dp_param_gather/blocks_changed``); declare them first."""
+        if name not in self._extra:
+            raise KeyError(f"telemetry counter {name!r} was not declared with declare_counter()")
         self._extra[name] += int(value)
 
     def counters(self) -> list:
@@ -36,9 +43,11 @@ class CommTelemetry:
         return sorted(self._extra)
 
     def reset(self) -> None:
+        """Zero every counter (declared counters stay declared)."""
         self._raw.clear()
         self._sent.clear()
-        self._extra.clear()
+        for name in self._extra:
+            self._extra[name] = 0
 
 
 TELEMETRY = CommTelemetry()
