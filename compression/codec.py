@@ -16,20 +16,24 @@ import torch
 
 
 class TensorCodec(ABC):
-    """Fixed-size wire format: ``encode`` of n elements always returns ``wire_nbytes(n)`` uint8 bytes."""
+    """Fixed-size wire format: ``encode`` of n elements always returns ``wire_nbytes(n, rows)`` bytes.
+
+    ``rows`` splits the flattened input into that many equal rows (the last ones zero-padded), each
+    encoded into its own contiguous ``wire_nbytes(ceil(n / rows))`` bytes: row r's slice is what a
+    compressed all-to-all sends to rank r, with no copy."""
 
     name: str = "codec"
 
     @abstractmethod
-    def wire_nbytes(self, numel: int) -> int:
+    def wire_nbytes(self, numel: int, rows: int = 1) -> int:
         """Bytes on the wire for ``numel`` input elements (payload plus per-block scales)."""
 
     @abstractmethod
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
         """Flatten and compress ``x`` (any size; padding is internal) into a 1-D uint8 tensor."""
 
     @abstractmethod
-    def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, rows: int = 1) -> torch.Tensor:
         """Inverse of ``encode``: a 1-D tensor of ``numel`` elements of ``dtype``."""
 
 

@@ -1,0 +1,183 @@
+"""Compressed (TACO) vs NCCL bf16 all-reduce, all-gather and reduce-scatter time (GPU, torchrun).
+
+    torchrun --nproc-per-node 2 -m benchmarks.bench_tp_collectives --out tp_nvlink.json
+    NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m benchmarks.bench_tp_collectives --out tp_shm.json
+    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun ... --out tp_sockets.json
+
+The link class is whatever the caller's NCCL environment selects; every NCCL_* variable is
+recorded in the JSON. Per operation and size (bytes of the bf16 input each rank hands to the
+collective): first a correctness check (compressed result within 5% relative L2 of the bf16
+collective; all-reduce and all-gather results bit-identical on every rank), then the median time of
+--iters calls after --warmup (CUDA events; the slowest rank's median). ``min_bytes`` per operation
+is the smallest swept size from which the compressed collective is faster at every larger size: the
+measured value for --tp-comm-compression-min-bytes on this link (null: never faster).
+Exits non-zero if a check fails. ``--dry-run`` runs the same logic on gloo CPU ranks, tiny sizes.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from compression.taco import TacoCodec, TacoConfig
+from compression.tp_collectives import compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="compressed vs bf16 TP collectives")
+    p.add_argument("--out", required=True, help="JSON results path (written by rank 0)")
+    p.add_argument("--sizes-kib", default="64,256,1024,4096,16384,65536,262144",
+                   help="bf16 input bytes per rank, KiB (64 KiB .. 256 MiB)")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--format", default="e4m3")
+    p.add_argument("--transform", default="ash")
+    p.add_argument("--scaling", default="dual")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--dry-run", action="store_true", help="gloo CPU ranks, tiny sizes, 2 iterations")
+    return p.parse_args(argv)
+
+
+def _uncompressed(op, x, world):
+    if op == "all_reduce":
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+    if op == "all_gather":
+        out = x.new_empty(world * x.numel())
+        dist.all_gather_into_tensor(out, x)
+        return out
+    out = x.new_empty(x.numel() // world)
+    dist.reduce_scatter_tensor(out, x)
+    return out
+
+
+def _compressed(op, x, codec):
+    fn = {"all_reduce": compressed_all_reduce, "all_gather": compressed_all_gather,
+          "reduce_scatter": compressed_reduce_scatter}[op]
+    return fn(x, codec)
+
+
+def _time_ms(fn, device, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def _same_on_all_ranks(t, world) -> bool:
+    bits = t.contiguous().view(torch.int16).to(torch.int64)
+    fingerprint = torch.stack([bits.sum(), (bits * torch.arange(1, bits.numel() + 1, device=t.device)).sum()])
+    everyone = [torch.empty_like(fingerprint) for _ in range(world)]
+    dist.all_gather(everyone, fingerprint)
+    return all(torch.equal(f, fingerprint) for f in everyone)
+
+
+def check(op, x, codec, world) -> list:
+    exact = _uncompressed(op, x, world).float()
+    got = _compressed(op, x, codec)
+    problems = []
+    rel = ((got.float().reshape(-1) - exact.reshape(-1)).norm() / exact.norm()).item()
+    if not rel < 0.05:
+        problems.append(f"{op}: relative error {rel:.4f}")
+    if op != "reduce_scatter" and not _same_on_all_ranks(got, world):
+        problems.append(f"{op}: results differ across ranks")
+    return problems
+
+
+def _input(nbytes, rank, device):
+    g = torch.Generator(device=device).manual_seed(rank)
+    numel = nbytes // 2
+    x = torch.randn(numel, generator=g, device=device) * 0.02
+    return x.to(torch.bfloat16)
+
+
+def min_bytes(rows, op):
+    """Smallest swept size from which compression wins at every larger size (None if never)."""
+    answer = None
+    for row in sorted((r for r in rows if r["op"] == op), key=lambda r: -r["bytes"]):
+        if row["compressed_ms"] >= row["nccl_ms"]:
+            break
+        answer = row["bytes"]
+    return answer
+
+
+def run(args, device):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    codec = TacoCodec(TacoConfig(args.block_size, args.format, args.transform, args.scaling))
+    sizes = [4096, 16384] if args.dry_run else [int(k) * 1024 for k in args.sizes_kib.split(",")]
+    warmup, iters = (1, 2) if args.dry_run else (args.warmup, args.iters)
+    rows, problems = [], []
+    for nbytes in sizes:
+        x = _input(nbytes - nbytes % (2 * world), rank, device)
+        for op in OPS:
+            problems += check(op, x, codec, world)
+            nccl_ms = _time_ms(lambda: _uncompressed(op, x, world), device, warmup, iters)
+            compressed_ms = _time_ms(lambda: _compressed(op, x, codec), device, warmup, iters)
+            rows.append(dict(op=op, bytes=x.numel() * 2, nccl_ms=nccl_ms, compressed_ms=compressed_ms,
+                             speedup=nccl_ms / compressed_ms))
+    result = dict(
+        config=dataclasses.asdict(codec.config), world_size=world, device=str(device),
+        gpu=torch.cuda.get_device_name() if device.type == "cuda" else None, torch=torch.__version__,
+        nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
+        env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")}, dry_run=args.dry_run,
+        min_bytes={op: min_bytes(rows, op) for op in OPS}, problems=problems, rows=rows)
+    if rank == 0:
+        _print_table(result)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _print_table(result):
+    print(f"world {result['world_size']}, NCCL env {result['env'] or '{}'}, codec {result['config']}")
+    print(f"{'op':>15} {'bytes':>11} {'nccl ms':>9} {'taco ms':>9} {'speedup':>8}")
+    for r in result["rows"]:
+        print(f"{r['op']:>15} {r['bytes']:>11} {r['nccl_ms']:>9.3f} {r['compressed_ms']:>9.3f} {r['speedup']:>8.2f}")
+    print(f"min_bytes (compression wins from here up): {result['min_bytes']}")
+    for p in result["problems"]:
+        print("CHECK FAILED:", p)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    use_cuda = not args.dry_run
+    if use_cuda and not torch.cuda.is_available():
+        sys.exit("bench_tp_collectives needs CUDA (or --dry-run)")
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    try:
+        result = run(args, device)
+    finally:
+        dist.destroy_process_group()
+    if result["problems"]:
+        sys.exit(f"{len(result['problems'])} correctness check(s) failed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""TACO-compressed tensor-parallel collectives, installed by swapping the class of built modules.
+
+``apply_tp_compression`` sets ``module.__class__`` of every local-spec ``ColumnParallelLinear``,
+``RowParallelLinear`` and ``VocabParallelEmbedding`` (TP size > 1, not an expert linear with explicit
+expert communication) to a subclass whose TP collectives, forward and backward, go through
+``megatron.hooks.tp_functions``. Nothing is re-initialised: parameters, buffers and checkpoint layout
+stay those of the stock module. Left uncompressed: expert linears (MoE dispatcher traffic), frozen
+weights, the inference-only ``gather_output`` all-gather, the cross-entropy all-reduces, and
+Transformer Engine layers (their TP comm is inside TE; rejected with an error).
+
+The overrides are the smallest methods that carry the communication (megatron-core 0.16.1):
+- Column: ``_forward_impl``, which gets ``allreduce_dgrad`` and ``sequence_parallel`` as keywords.
+- Row: ``forward``, whose output all-reduce / reduce-scatter is in ``forward`` itself.
+- Embedding: ``forward`` (masked lookup of the vocab shard, then all-reduce / reduce-scatter).
+``tests/test_megatron_api.py`` pins the megatron-core names and signatures relied on here.
+"""
+
+import logging
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+from compression.codec import TensorCodec
+from compression.taco import TacoCodec, TacoConfig
+from megatron.hooks.tp_functions import (
+    TpComm,
+    all_reduce_forward,
+    column_parallel_linear,
+    reduce_scatter_forward,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class CompressedColumnParallelLinear(ColumnParallelLinear):
+    """qkv, fc1, output layer: fwd SP all-gather; bwd dgrad all-reduce / reduce-scatter + SP re-gather."""
+
+    def _forward_impl(
+        self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+        sequence_parallel=False, **kwargs,
+    ):
+        if not weight.requires_grad or not (allreduce_dgrad or sequence_parallel):
+            return super()._forward_impl(
+                input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, **kwargs
+            )
+        # gradient_accumulation_fusion only saves an add: the wgrad is returned as .grad and DDP's
+        # grad hook accumulates it into main_grad. tp_group is self.tp_group (in self.tp_comm);
+        # grad_output_buffer (deferred embedding wgrad) is rejected by apply_tp_compression.
+        return column_parallel_linear(input, weight, bias, self.tp_comm, sequence_parallel)
+
+
+class CompressedRowParallelLinear(RowParallelLinear):
+    """proj, fc2: fwd output all-reduce (no SP) or reduce-scatter (SP); bwd SP all-gather."""
+
+    def forward(self, input_, *args, **kwargs):
+        if not self.input_is_parallel:  # never in GPT; keeps the stock scatter path
+            return super().forward(input_, *args, **kwargs)
+        output_parallel = self._forward_impl(
+            input=input_,
+            weight=self.weight,
+            bias=None,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            tp_group=None,
+            grad_output_buffer=None,
+        )
+        if self.sequence_parallel:
+            output = reduce_scatter_forward(output_parallel, self.tp_comm)
+        else:
+            output = all_reduce_forward(output_parallel, self.tp_comm)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None
+
+
+class CompressedVocabParallelEmbedding(VocabParallelEmbedding):
+    """Word embedding: fwd all-reduce, or reduce-scatter to [s/tp, b, h] (SP); bwd SP all-gather."""
+
+    def forward(self, input_):
+        outside_shard = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+        local_ids = (input_ - self.vocab_start_index).masked_fill(outside_shard, 0)
+        if self.deterministic_mode:
+            partial = self.weight[local_ids]
+        else:
+            partial = F.embedding(local_ids, self.weight)
+        partial = partial.masked_fill(outside_shard.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            # [b, s, h] -> [s, b, h], then scatter the sequence.
+            return reduce_scatter_forward(partial.transpose(0, 1).contiguous(), self.tp_comm)
+        return all_reduce_forward(partial, self.tp_comm)
+
+
+_COMPRESSED_CLASS = {
+    ColumnParallelLinear: CompressedColumnParallelLinear,
+    RowParallelLinear: CompressedRowParallelLinear,
+    VocabParallelEmbedding: CompressedVocabParallelEmbedding,
+}
+
+
+def build_taco_codec(args) -> TensorCodec:
+    return TacoCodec(TacoConfig.from_args(args))
+
+
+def _check_args(args) -> None:
+    if args.tp_comm_compression != "taco":
+        raise ValueError(f"--tp-comm-compression must be 'none' or 'taco', got {args.tp_comm_compression!r}")
+    if getattr(args, "transformer_impl", "local") != "local":
+        raise ValueError(
+            "--tp-comm-compression taco needs --transformer-impl local (Transformer Engine runs its TP "
+            f"collectives inside TE, where they cannot be hooked), got {args.transformer_impl!r}"
+        )
+    if getattr(args, "tp_comm_overlap", False):
+        raise ValueError("--tp-comm-compression taco cannot be combined with --tp-comm-overlap (TE userbuffers)")
+    if args.tp_comm_compression_min_bytes < 0:
+        raise ValueError(f"--tp-comm-compression-min-bytes must be >= 0, got {args.tp_comm_compression_min_bytes}")
+
+
+def _check_module(name: str, module: torch.nn.Module) -> None:
+    if type(module).__module__.startswith(("transformer_engine", "megatron.core.extensions.transformer_engine")):
+        raise ValueError(
+            f"--tp-comm-compression taco needs --transformer-impl local, but {name} is a Transformer Engine "
+            f"layer ({type(module).__name__})"
+        )
+    config = getattr(module, "config", None)
+    if config is not None and getattr(config, "defer_embedding_wgrad_compute", False):
+        raise ValueError(
+            "--tp-comm-compression taco does not support --defer-embedding-wgrad-compute; drop that flag"
+        )
+
+
+def _compressible(module: torch.nn.Module) -> bool:
+    return (
+        type(module) in _COMPRESSED_CLASS
+        and module.tp_group.size() > 1
+        and not getattr(module, "explicit_expert_comm", False)
+    )
+
+
+def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) -> None:
+    """Route the TP collectives of every local tensor-parallel layer in ``model_chunks`` through
+    ``codec`` (default: TACO built from ``args``). Call after building (and Float16Module wrapping)
+    the model chunks and before DDP wrapping."""
+    _check_args(args)
+    codec = codec if codec is not None else build_taco_codec(args)
+    swapped, kept = Counter(), Counter()
+    for chunk in model_chunks:
+        for name, module in chunk.named_modules():
+            _check_module(name, module)
+            if not _compressible(module):
+                if type(module) in _COMPRESSED_CLASS:
+                    kept[type(module).__name__] += 1
+                continue
+            swapped[type(module).__name__] += 1
+            module.tp_comm = TpComm(codec, module.tp_group, args.tp_comm_compression_min_bytes)
+            module.__class__ = _COMPRESSED_CLASS[type(module)]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(
+            "TP compression (%r, min %d bytes): swapped %s; left stock (TP size 1 or expert) %s",
+            codec,
+            args.tp_comm_compression_min_bytes,
+            dict(swapped),
+            dict(kept),
+        )

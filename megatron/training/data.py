@@ -1,0 +1,257 @@
+"""Training data: indexed-dataset writing, the built-in corpus, GPT datasets and per-rank iterators.
+
+Iterators yield dicts of CPU tensors of shape [micro_batch_size, seq_length]: ``tokens``, ``labels``
+(int64), ``loss_mask`` (float32) and ``position_ids`` (int64); the causal mask is left to the model.
+
+Order (Megatron's MegatronPretrainingSampler): sample indices are consumed in steps of
+``micro_batch_size * dp`` from ``consumed_samples`` on; in each step data-parallel rank r takes the
+contiguous slice ``[r * mbs, (r + 1) * mbs)``. So a run resumed at ``consumed_train_samples = N``
+(N a multiple of mbs * dp) serves exactly the batches an uninterrupted run serves after N samples.
+Every TP/PP rank of one DP rank builds the same datasets and so gets identical batches. Multi-node
+runs need ``--data-cache-path`` on a shared filesystem (rank 0 writes the caches, as in Megatron-LM).
+
+Built-in corpus (``--builtin-corpus python-stdlib``): the ``.py`` sources of the running Python's
+standard library (no download), sorted by relative path, the first ``BUILTIN_CORPUS_BYTES`` of
+them. Each top-level block of a file (PEP 8 puts two blank lines between them) is one document,
+which gives enough documents (~1300) for every split of the default ``--split 969,30,1``. It is
+tokenized with the run's tokenizer, written once to ``--data-cache-path`` (keyed by Python version
+and tokenizer) and reused.
+"""
+
+import hashlib
+import itertools
+import json
+import os
+import sys
+import sysconfig
+
+import numpy
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import (
+    DType,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    get_bin_path,
+    get_idx_path,
+)
+from megatron.core.datasets.utils import get_blend_from_list
+
+BUILTIN_CORPORA = ("python-stdlib",)
+BUILTIN_CORPUS_BYTES = 4 << 20  # a few MB: seconds to build, ~4M byte tokens
+DEFAULT_DATA_CACHE_PATH = "~/.cache/megatron-compressed-comm"
+# Folders of the stdlib tree that are not the stdlib's own code (or are mostly test fixtures).
+_SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+
+
+# ---------------------------------------------------------------- indexed-dataset writing
+
+
+def write_documents(output_prefix: str, documents, vocab_size: int, eod: int | None = None) -> int:
+    """Write token-id documents as a Megatron indexed dataset ``output_prefix.{bin,idx}``.
+
+    Empty documents are skipped (a zero-length document makes GPTDataset loop forever); ``eod`` is
+    appended to each kept document when given. Files appear atomically: both are written under
+    temporary names, then renamed, ``.idx`` last. Returns the number of documents written.
+    """
+    tmp_prefix = f"{output_prefix}.tmp{os.getpid()}"
+    builder = IndexedDatasetBuilder(get_bin_path(tmp_prefix), dtype=DType.optimal_dtype(vocab_size))
+    count = 0
+    for tokens in documents:
+        if len(tokens) == 0:
+            continue
+        if eod is not None:
+            tokens = list(tokens) + [eod]
+        builder.add_document(numpy.asarray(tokens), [len(tokens)])
+        count += 1
+    builder.finalize(get_idx_path(tmp_prefix))
+    os.replace(get_bin_path(tmp_prefix), get_bin_path(output_prefix))
+    os.replace(get_idx_path(tmp_prefix), get_idx_path(output_prefix))
+    return count
+
+
+# ---------------------------------------------------------------- built-in corpus
+
+
+def stdlib_source_files(max_bytes: int = BUILTIN_CORPUS_BYTES) -> list[str]:
+    """Paths of the stdlib's ``.py`` files in sorted relative-path order, up to ``max_bytes`` in total."""
+    root = sysconfig.get_paths()["stdlib"]
+    relative_paths = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in _SKIPPED_DIRS]
+        relative_paths += [os.path.relpath(os.path.join(folder, f), root) for f in files if f.endswith(".py")]
+    chosen, total = [], 0
+    for relative_path in sorted(relative_paths, key=lambda p: p.replace(os.sep, "/")):
+        path = os.path.join(root, relative_path)
+        size = os.path.getsize(path)
+        if total + size > max_bytes:
+            break
+        chosen.append(path)
+        total += size
+    return chosen
+
+
+def _tokenizer_key(tokenizer) -> str:
+    description = json.dumps(tokenizer.unique_identifiers, sort_keys=True, default=str)
+    return hashlib.md5(description.encode(), usedforsecurity=False).hexdigest()[:12]
+
+
+def builtin_corpus_prefix(args, tokenizer) -> str:
+    version = ".".join(map(str, sys.version_info[:3]))
+    name = f"{args.builtin_corpus}-py{version}-{BUILTIN_CORPUS_BYTES}b-tok{_tokenizer_key(tokenizer)}"
+    return os.path.join(data_cache_path(args), "corpora", name)
+
+
+def stdlib_documents(paths: list[str]):
+    """The text of each top-level block of each file, in order."""
+    for path in paths:
+        with open(path, "rb") as f:
+            yield from f.read().decode("utf-8", errors="replace").split("\n\n\n")
+
+
+def ensure_builtin_corpus(args, tokenizer) -> str:
+    """Build the built-in corpus on rank 0 if it is not cached yet (others wait); return its prefix."""
+    if args.builtin_corpus not in BUILTIN_CORPORA:
+        raise ValueError(f"--builtin-corpus must be one of {BUILTIN_CORPORA}, got {args.builtin_corpus!r}")
+    prefix = builtin_corpus_prefix(args, tokenizer)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 0 and not os.path.isfile(get_idx_path(prefix)):
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)
+        documents = (tokenizer.tokenize(text) for text in stdlib_documents(stdlib_source_files()))
+        write_documents(prefix, documents, tokenizer.vocab_size, eod=tokenizer.eod)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    if not os.path.isfile(get_idx_path(prefix)):
+        raise ValueError(f"built-in corpus {prefix}.idx not found: --data-cache-path must be shared by all nodes")
+    return prefix
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def data_cache_path(args) -> str:
+    return os.path.expanduser(getattr(args, "data_cache_path", None) or DEFAULT_DATA_CACHE_PATH)
+
+
+def split_sizes(args) -> list[int]:
+    """Samples per split: train for every iteration, valid for every evaluation, test for one."""
+    train_iters = args.train_iters if args.train_iters is not None else args.train_samples // args.global_batch_size
+    train = getattr(args, "train_samples", None) or train_iters * args.global_batch_size
+    evaluations = train_iters // args.eval_interval + 1 if args.eval_interval else 0
+    valid = evaluations * args.eval_iters * args.global_batch_size
+    test = args.eval_iters * args.global_batch_size
+    return [train, valid, test]
+
+
+def _dataset_config(args, tokenizer, blend) -> GPTDatasetConfig:
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        split=args.split,
+        path_to_cache=data_cache_path(args),
+        tokenizer=tokenizer,
+        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
+        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+        create_attention_mask=False,
+    )
+
+
+def check_splits_have_documents(config: GPTDatasetConfig, sizes: list[int]) -> None:
+    """megatron-core loops forever on a split with no documents: fail first, naming the fix."""
+    for prefix in config.blend[0]:
+        num_documents = len(IndexedDataset(prefix).sequence_lengths)
+        for name, size, bounds in zip(("train", "valid", "test"), sizes, config.split_matrix):
+            if bounds is None or size == 0:  # a split weighted 0 is not built
+                continue
+            if round(bounds[1] * num_documents) <= round(bounds[0] * num_documents):
+                raise ValueError(
+                    f"--split {config.split}: the {name} split of {prefix} ({num_documents} documents) gets no "
+                    f"document; give it a larger share in --split or use more documents"
+                )
+
+
+def build_datasets(args, tokenizer) -> list:
+    """[train, valid, test] GPT datasets (None for an empty split). Sets ``args.data_path`` for the
+    built-in corpus. Call on every rank."""
+    if getattr(args, "mock_data", False):
+        dataset_class, blend = MockGPTDataset, None
+    else:
+        if getattr(args, "builtin_corpus", None):
+            args.data_path = [ensure_builtin_corpus(args, tokenizer)]
+        if not args.data_path:
+            raise ValueError("no training data: give --data-path PREFIX, --builtin-corpus python-stdlib or --mock-data")
+        dataset_class, blend = GPTDataset, get_blend_from_list(args.data_path)
+    sizes = split_sizes(args)
+    config = _dataset_config(args, tokenizer, blend)
+    if blend is not None:
+        check_splits_have_documents(config, sizes)
+    datasets = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+    return [dataset if size > 0 else None for dataset, size in zip(datasets, sizes)]
+
+
+# ---------------------------------------------------------------- sampling and iterators
+
+
+class PretrainingSampler:
+    """Index batches of one DP rank, in Megatron's order (module docstring), from ``consumed_samples``."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        if not 0 <= consumed_samples <= total_samples:
+            raise ValueError(f"consumed samples {consumed_samples} outside the dataset's {total_samples} samples")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.step = micro_batch_size * dp_size
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // self.step
+
+    def __iter__(self):
+        for first in range(self.consumed_samples, self.total_samples - self.step + 1, self.step):
+            start = first + self.dp_rank * self.micro_batch_size
+            yield list(range(start, start + self.micro_batch_size))
+
+
+def build_data_loader(dataset, consumed_samples: int, args) -> torch.utils.data.DataLoader:
+    sampler = PretrainingSampler(
+        total_samples=len(dataset),
+        consumed_samples=consumed_samples,
+        micro_batch_size=args.micro_batch_size,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
+    num_workers = getattr(args, "num_workers", 0)
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0
+    )
+
+
+def cycling_iterator(dataset, consumed_samples: int, args):
+    """Batches from ``consumed_samples`` on, then from the start again, forever (evaluation splits)."""
+    full_pass = build_data_loader(dataset, 0, args)
+    if len(full_pass) == 0:
+        raise ValueError(
+            f"an evaluation split has {len(dataset)} samples, fewer than one step of --micro-batch-size x "
+            f"data-parallel size = {full_pass.batch_sampler.step}: give it a larger share in --split"
+        )
+    samples_per_pass = len(full_pass) * full_pass.batch_sampler.step
+    first_pass = build_data_loader(dataset, consumed_samples % samples_per_pass, args)
+    return itertools.chain(first_pass, itertools.chain.from_iterable(itertools.repeat(full_pass)))
+
+
+def build_train_valid_test_data_iterators(args, tokenizer):
+    """(train_iter, valid_iter, test_iter) for this rank; an iterator is None when its split is empty.
+    Train starts at ``args.consumed_train_samples`` and valid at ``args.consumed_valid_samples``
+    (exact resume); test starts at 0. Valid and test cycle."""
+    train, valid, test = build_datasets(args, tokenizer)
+    train_consumed = getattr(args, "consumed_train_samples", 0) or 0
+    valid_consumed = getattr(args, "consumed_valid_samples", 0) or 0
+    train_iter = iter(build_data_loader(train, train_consumed, args)) if train is not None else None
+    valid_iter = cycling_iterator(valid, valid_consumed, args) if valid is not None else None
+    test_iter = cycling_iterator(test, 0, args) if test is not None else None
+    return train_iter, valid_iter, test_iter

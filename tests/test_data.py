@@ -1,0 +1,189 @@
+"""Tokenizers, indexed-dataset writing, the built-in corpus and the per-rank data iterators."""
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+from dist_utils import run_on_ranks
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.training import data
+from megatron.training.tokenizer import ByteTokenizer, build_tokenizer
+
+UNICODE_TEXT = "def f(x):\n    return 'héllo ∑ 😀'\n\n\nclass A:\n    pass\n"
+
+
+def make_args(cache_dir, **overrides) -> argparse.Namespace:
+    args = dict(
+        tokenizer_type="ByteTokenizer", tokenizer_model=None, vocab_file=None, merge_file=None, vocab_size=None,
+        micro_batch_size=2, global_batch_size=8, seq_length=32, train_iters=6, train_samples=None,
+        eval_interval=3, eval_iters=1, data_path=None, split="969,30,1", mock_data=False,
+        builtin_corpus="python-stdlib", data_cache_path=str(cache_dir), num_workers=0, seed=1234,
+        consumed_train_samples=0, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+    )
+    args.update(overrides)
+    return argparse.Namespace(**args)
+
+
+def read_documents(prefix) -> list[list[int]]:
+    dataset = IndexedDataset(prefix)
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def test_byte_tokenizer_round_trip():
+    tokenizer = build_tokenizer(make_args(None))
+    assert isinstance(tokenizer, ByteTokenizer) and (tokenizer.vocab_size, tokenizer.eod) == (257, 256)
+    ids = tokenizer.tokenize(UNICODE_TEXT)
+    assert ids == list(UNICODE_TEXT.encode("utf-8"))
+    assert tokenizer.detokenize(ids + [tokenizer.eod]) == UNICODE_TEXT  # eod is not text
+
+
+def test_null_tokenizer_and_bad_flags():
+    null = build_tokenizer(make_args(None, tokenizer_type="NullTokenizer", vocab_size=100))
+    assert (null.vocab_size, null.eod, null.tokenize("3 1 4")) == (101, 100, [3, 1, 4])
+    with pytest.raises(ValueError, match="--vocab-size"):
+        build_tokenizer(make_args(None, tokenizer_type="NullTokenizer"))
+    with pytest.raises(ValueError, match="--tokenizer-type must be one of"):
+        build_tokenizer(make_args(None, tokenizer_type="SentencePiece"))
+
+
+def test_gpt2_bpe_tokenizer(tmp_path):
+    try:
+        import tokenizers
+    except ImportError:
+        with pytest.raises(ValueError, match=r"pip install '\.\[data\]'"):
+            build_tokenizer(make_args(None, tokenizer_type="GPT2BPETokenizer"))
+        return
+    # A GPT-2-format vocabulary of the 256 byte-level symbols plus one merge and <|endoftext|>.
+    symbols = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    vocab = {s: i for i, s in enumerate(symbols)}
+    vocab["he"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\n")
+    args = make_args(None, tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                     merge_file=str(tmp_path / "merges.txt"))
+    tokenizer = build_tokenizer(args)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (258, 257)
+    ids = tokenizer.tokenize("hello wörld")
+    assert ids[0] == vocab["he"] and tokenizer.detokenize(ids) == "hello wörld"
+    # The same model saved as a HuggingFace tokenizer.json; tokenizer_config.json names the eos token.
+    saved = tmp_path / "hf"
+    saved.mkdir()
+    model = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(args.vocab_file, args.merge_file))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = tokenizers.decoders.ByteLevel()
+    model.save(str(saved / "tokenizer.json"))
+    (saved / "tokenizer_config.json").write_text(json.dumps({"eos_token": "he"}))
+    hf = build_tokenizer(make_args(None, tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(saved)))
+    assert (hf.vocab_size, hf.eod) == (258, vocab["he"]) and hf.tokenize("hello wörld") == ids
+
+
+def test_sampler_dp_slices_and_resume():
+    mbs, dp, total = 2, 3, 40
+    runs = [list(data.PretrainingSampler(total, 0, mbs, rank, dp)) for rank in range(dp)]
+    for step, slices in enumerate(zip(*runs)):  # one step: the ranks' slices tile mbs * dp samples
+        assert sum(slices, []) == list(range(step * mbs * dp, (step + 1) * mbs * dp))
+    for rank in range(dp):
+        assert list(data.PretrainingSampler(total, 12, mbs, rank, dp)) == runs[rank][2:]
+    with pytest.raises(ValueError, match="consumed samples"):
+        data.PretrainingSampler(total, 41, mbs, 0, dp)
+
+
+def test_preprocess_data_round_trip(tmp_path):
+    from scripts.preprocess_data import main as preprocess
+
+    records = [{"text": "first doc", "title": "a"}, {"text": "", "title": "b"}, {"text": UNICODE_TEXT, "title": ""}]
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (source / "b.txt").write_text("plain text file")
+    outputs = {}
+    for workers in (1, 2):
+        prefix = tmp_path / f"out{workers}" / "corpus"
+        preprocess(["--input", str(source), "--output-prefix", str(prefix), "--json-keys", "text", "title",
+                    "--append-eod", "--workers", str(workers)])
+        outputs[workers] = {key: read_documents(f"{prefix}_{key}_document") for key in ("text", "title")}
+    tokenizer = ByteTokenizer()
+    expected_text = [tokenizer.tokenize(t) + [256] for t in ("first doc", UNICODE_TEXT, "plain text file")]
+    assert outputs[1]["text"] == expected_text  # the empty document is skipped
+    assert outputs[1]["title"] == [tokenizer.tokenize(t) + [256] for t in ("a", "b")]
+    assert outputs[2] == outputs[1]
+    # 3 documents cannot fill the default split: a clear error instead of megatron-core looping forever
+    args = make_args(tmp_path, builtin_corpus=None, data_path=[str(tmp_path / "out1" / "corpus_text_document")])
+    config = data._dataset_config(args, tokenizer, get_blend_from_list(args.data_path))
+    with pytest.raises(ValueError, match="--split 969,30,1: the valid split"):
+        data.check_splits_have_documents(config, data.split_sizes(args))
+
+
+def test_builtin_corpus_is_deterministic_and_cached(tmp_path):
+    tokenizer = ByteTokenizer()
+    prefixes = [data.ensure_builtin_corpus(make_args(tmp_path / name), tokenizer) for name in ("a", "b")]
+    for suffix in (".bin", ".idx"):
+        first, second = (open(p + suffix, "rb").read() for p in prefixes)
+        assert first == second and len(first) > 0
+    modified = os.stat(prefixes[0] + ".bin").st_mtime_ns
+    assert data.ensure_builtin_corpus(make_args(tmp_path / "a"), tokenizer) == prefixes[0]
+    assert os.stat(prefixes[0] + ".bin").st_mtime_ns == modified  # reused, not rebuilt
+    documents = read_documents(prefixes[0])
+    paths = data.stdlib_source_files()
+    assert paths[0].endswith("__future__.py") and sum(map(os.path.getsize, paths)) <= data.BUILTIN_CORPUS_BYTES
+    first_block = next(data.stdlib_documents(paths))
+    assert documents[0] == tokenizer.tokenize(first_block) + [tokenizer.eod]
+    assert len(documents) > 1000 and min(map(len, documents)) >= 2
+
+
+def _iterators_on_rank(cache_dir):
+    from megatron.core import parallel_state
+    from megatron.hooks import cpu
+
+    cpu.apply()
+    parallel_state.initialize_model_parallel(1, 1)  # 2 ranks: DP = 2
+    tokenizer = ByteTokenizer()
+    args = make_args(cache_dir)  # 8 samples per iteration: 2 micro-batches of 2 per DP rank
+    train_iter, valid_iter, test_iter = data.build_train_valid_test_data_iterators(args, tokenizer)
+    batches = [next(train_iter) for _ in range(6)]
+    train_dataset, _, test_dataset = data.build_datasets(args, tokenizer)
+    rank, mbs, dp = parallel_state.get_data_parallel_rank(), args.micro_batch_size, 2
+    for step, batch in enumerate(batches):  # Megatron's order, read back from the dataset
+        start = step * mbs * dp + rank * mbs
+        expected = torch.stack([train_dataset[i]["tokens"] for i in range(start, start + mbs)])
+        assert torch.equal(batch["tokens"], expected)
+    valid_batches = [next(valid_iter) for _ in range(3)]
+    steps_per_test_pass = len(test_dataset) // (mbs * dp)
+    assert 0 < steps_per_test_pass < 200
+    test_batches = [next(test_iter) for _ in range(steps_per_test_pass + 1)]
+    assert torch.equal(test_batches[-1]["tokens"], test_batches[0]["tokens"])  # it cycles
+    resumed = make_args(cache_dir, consumed_train_samples=args.global_batch_size, consumed_valid_samples=mbs * dp)
+    resumed_train, resumed_valid, _ = data.build_train_valid_test_data_iterators(resumed, tokenizer)
+    for batch in batches[2:]:
+        assert all(torch.equal(batch[k], v) for k, v in next(resumed_train).items())
+    assert torch.equal(next(resumed_valid)["tokens"], valid_batches[1]["tokens"])
+    mock_iter = data.build_train_valid_test_data_iterators(make_args(cache_dir, mock_data=True), tokenizer)[0]
+    mock = next(mock_iter)
+    parallel_state.destroy_model_parallel()
+    return dict(
+        tokens=torch.cat([b["tokens"] for b in batches]),
+        batch=batches[0], eval_shapes={tuple(b["tokens"].shape) for b in valid_batches + test_batches}, mock=mock,
+    )
+
+
+@pytest.mark.slow
+def test_iterators_on_two_dp_ranks(tmp_path):
+    results = run_on_ranks(_iterators_on_rank, 2, str(tmp_path))
+    rows = [{tuple(row.tolist()) for row in r["tokens"]} for r in results]
+    assert len(rows[0]) == len(rows[1]) == 12 and not rows[0] & rows[1]  # disjoint samples per rank
+    for result in results:
+        batch = result["batch"]
+        assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids"}
+        assert all(v.shape == (2, 32) for v in batch.values())
+        assert batch["tokens"].dtype == batch["labels"].dtype == torch.int64
+        assert batch["loss_mask"].dtype == torch.float32
+        assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
+        assert torch.equal(batch["position_ids"][0], torch.arange(32))
+        assert result["eval_shapes"] == {(2, 32)}
+        mock = result["mock"]
+        assert mock["tokens"].shape == (2, 32) and int(mock["tokens"].max()) < 257

@@ -1,0 +1,124 @@
+"""Compressed TP collectives on gloo CPU ranks: agreement across ranks, closeness to the uncompressed
+collective, async handles, subgroups, size-1 groups and byte telemetry. One world per size."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from compression.taco import TacoCodec, TacoConfig
+from compression.telemetry import COMM_CLASSES, TELEMETRY
+from compression.tp_collectives import compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter
+from dist_utils import run_on_ranks
+
+# 1 value, odd sizes, block-aligned rows; each with one dtype to keep the spawned worlds short
+CASES = [((1,), torch.float32), ((8, 125), torch.bfloat16), ((12, 343), torch.float32), ((4, 3, 256), torch.bfloat16)]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _local_input(shape, dtype, rank, seed):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[0], *[1] * (len(shape) - 1), generator=g))
+    return x.to(dtype)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    # plain bytes: tensors sent through the result queue would be shared memory of an exited process
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _check_world(world):
+    """Runs on every rank; returns (errors, raw bytes of results that must agree on all ranks)."""
+    rank = dist.get_rank()
+    errors, shared = [], {}
+    codec = TacoCodec(TacoConfig(block_size=64))
+    for i, (shape, dtype) in enumerate(CASES):
+        key = f"{shape} {dtype}"
+        x = _local_input(shape, dtype, rank, i)
+        exact = x.float().clone()
+        dist.all_reduce(exact)
+        reduced = compressed_all_reduce(x, codec)
+        shared[f"all_reduce {key}"] = _bits(reduced)
+        if reduced.shape != x.shape or reduced.dtype != dtype or _rel(reduced, exact) > 0.05:
+            errors.append(f"all_reduce {key}: error {_rel(reduced, exact):.4f}")
+        pending = compressed_all_reduce(x, codec, async_op=True)
+        if not torch.equal(pending.wait(), reduced) or pending.wait() is not pending.wait():
+            errors.append(f"async all_reduce {key} differs from the synchronous one")
+
+        if shape[0] % world == 0:
+            shard = compressed_reduce_scatter(x, codec, async_op=True).wait()
+            expected = exact.view(world, -1)[rank].view(shard.shape)
+            if shard.shape[0] != shape[0] // world or _rel(shard, expected) > 0.05:
+                errors.append(f"reduce_scatter {key}: error {_rel(shard, expected):.4f}")
+
+        gathered = compressed_all_gather(x, codec)
+        shared[f"all_gather {key}"] = _bits(gathered)
+        own = codec.decode(codec.encode(x), x.numel(), dtype).view(x.shape)
+        if gathered.shape[0] != world * shape[0] or not torch.equal(gathered.view(world, *shape)[rank], own):
+            errors.append(f"all_gather {key}: own slice is not the decoded input")
+    errors += _check_groups_and_telemetry(world, rank, codec)
+    return errors, shared
+
+
+def _check_groups_and_telemetry(world, rank, codec):
+    errors = []
+    singles = [dist.new_group([r]) for r in range(world)]
+    x = _local_input((6, 100), torch.float32, rank, 9)
+    if compressed_all_reduce(x, codec, group=singles[rank]) is not x:
+        errors.append("a size-1 group must return the input unchanged")
+    pairs = [dist.new_group([r, r + world // 2]) for r in range(world // 2)]
+    pair = pairs[rank % (world // 2)]
+    exact = x.clone()
+    dist.all_reduce(exact, group=pair)
+    if _rel(compressed_all_reduce(x, codec, group=pair), exact) > 0.05:
+        errors.append("all_reduce over a subgroup is wrong")
+
+    TELEMETRY.reset()
+    n = 1000
+    y = torch.randn(n, dtype=torch.bfloat16)
+    compressed_all_reduce(y, codec, comm_class="tp")
+    row = -(-n // world)
+    want_raw, want_sent = (n + row) * 2, (world + 1) * codec.wire_nbytes(row)
+    compressed_all_gather(y, codec, comm_class="pp")
+    counters = TELEMETRY.counters()
+    tp, pp = counters[0:2], counters[2 * COMM_CLASSES.index("pp"):][:2]
+    if tp != [want_raw, want_sent] or pp != [2 * n, codec.wire_nbytes(n)]:
+        errors.append(f"telemetry tp {tp} pp {pp}, expected tp {[want_raw, want_sent]}")
+    TELEMETRY.reset()
+    return errors
+
+
+def _check_world_and_benchmark(world, bench_out):
+    """World 2 also runs the collectives benchmark's logic (--dry-run) on the same ranks."""
+    from benchmarks import bench_tp_collectives
+
+    errors, shared = _check_world(world)
+    result = bench_tp_collectives.run(bench_tp_collectives.parse_args(["--dry-run", "--out", bench_out]),
+                                      torch.device("cpu"))
+    errors += result["problems"]
+    if len(result["rows"]) != 6 or set(result["min_bytes"]) != {"all_reduce", "all_gather", "reduce_scatter"}:
+        errors.append(f"benchmark dry run: unexpected result {result}")
+    return errors, shared
+
+
+def _run_and_compare(world, fn=_check_world, *args):
+    results = run_on_ranks(fn, world, world, *args)
+    for rank, (errors, _) in enumerate(results):
+        assert errors == [], f"rank {rank}: {errors}"
+    first = results[0][1]
+    for rank, (_, shared) in enumerate(results[1:], start=1):
+        for name, bits in first.items():
+            assert shared[name] == bits, f"{name} differs on rank {rank}"
+
+
+@pytest.mark.slow
+def test_collectives_world_2(tmp_path):
+    _run_and_compare(2, _check_world_and_benchmark, str(tmp_path / "bench.json"))
+    assert (tmp_path / "bench.json").exists()
+
+
+@pytest.mark.slow
+def test_collectives_world_4():
+    _run_and_compare(4)
