@@ -226,8 +226,11 @@ def build_data_loader(dataset, consumed_samples: int, args) -> torch.utils.data.
         dp_size=parallel_state.get_data_parallel_world_size(),
     )
     num_workers = getattr(args, "num_workers", 0)
+    # A loader without its own generator draws a seed from the global torch RNG at every iter(), which
+    # on CPU also drives dropout: a resumed run would then see different dropout masks.
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0
+        dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(args.seed),
     )
 
 

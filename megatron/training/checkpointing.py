@@ -1,0 +1,293 @@
+"""Save and load training checkpoints with megatron-core's dist_checkpointing, for exact resume.
+
+Directory layout (Megatron-LM's):
+    <save>/iter_0000100/                       one torch_dist checkpoint per saved iteration
+    <save>/latest_checkpointed_iteration.txt   the iteration ``load_checkpoint`` resumes from
+
+Saving is fully parallel (each DP-replicated tensor written by one replica, Megatron-LM's default).
+Crash safety: every rank writes into ``iter_0000100.tmp``; after a barrier rank 0 renames it to
+``iter_0000100`` and only then rewrites the tracker (atomically). A crash at any point mid-save leaves
+the tracker pointing at the previous complete checkpoint.
+
+Checkpoint contents (one dist_checkpointing state dict):
+    model | model0, model1, ...   each chunk's ``sharded_state_dict`` (numbered for virtual-pipeline chunks)
+    optimizer                     ``optimizer.sharded_state_dict``; the distributed optimizer uses
+                                  Megatron-LM's default ``dp_reshardable`` form: per DP shard, the fp32
+                                  main params and Adam moments (resharding across DP only)
+    opt_param_scheduler           the LR/WD scheduler state
+    rng_state                     a ShardedObject per (pp, tp, dp) rank: python, numpy, torch CPU, CUDA
+                                  (when present) and the model-parallel RNG tracker states
+    iteration, consumed_train_samples, consumed_valid_samples, num_floating_point_operations_so_far,
+    parallel_sizes, args (the plain-valued flags, for inspection)
+
+Loading restores all of it bit-exactly, except what ``--no-load-optim`` (optimizer and scheduler) or
+``--no-load-rng`` skip. Model weights reshard freely across TP/PP/DP; optimizer state needs the same
+TP, PP and EP sizes, RNG state the same TP, PP and DP sizes (clear errors name the flag that skips them).
+Exact resume also needs the caller not to draw from the global torch RNG between ``load_checkpoint``
+and the first step (on CPU that RNG also drives dropout; a DataLoader without its own ``generator``
+draws from it on every ``iter()``).
+
+megatron-core 0.16.1 mishandles the per-param ``step`` of torch's Adam (its optimizer when neither
+Apex nor Transformer Engine is installed) in the distributed optimizer's checkpoints; two small
+functions below work around it.
+"""
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer import DistributedOptimizer
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+SAVE_FORMAT = ("torch_dist", 1)  # (backend, version) of megatron-core's save strategies
+# Megatron-LM's default sharding of the distributed optimizer's state.
+DISTRIB_OPTIM_SHARDING_TYPE = "dp_reshardable"
+# Differ per rank; kept out of the saved args so the common state is identical on every rank.
+RANK_LOCAL_ARGS = ("rank", "local_rank")
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """The last completely saved iteration under ``root``, or None if there is none."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path} must hold an iteration number, got {text!r}; fix or delete it")
+    return int(text)
+
+
+def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_scheduler,
+                    num_floating_point_operations_so_far=0):
+    """Save the full training state of ``iteration`` to ``args.save`` (collective: call on every rank)."""
+    _check_format(args)
+    final_dir = checkpoint_dir(args.save, iteration)
+    staging_dir = final_dir + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging_dir, ignore_errors=True)  # leftovers of a crashed save
+        os.makedirs(staging_dir)
+    dist.barrier()
+
+    state = _sharded_state_dict(model_chunks, optimizer, with_optimizer=optimizer is not None,
+                                with_rng=True, is_loading=False)
+    if opt_param_scheduler is not None:
+        state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    state.update(
+        iteration=iteration,
+        consumed_train_samples=args.consumed_train_samples,
+        consumed_valid_samples=args.consumed_valid_samples,
+        num_floating_point_operations_so_far=num_floating_point_operations_so_far,
+        parallel_sizes=_parallel_sizes(),
+        args=_plain_args(args),
+    )
+    dist_checkpointing.save(state, staging_dir, sharded_strategy=_save_strategy())
+
+    dist.barrier()  # every rank's shards are on disk before the checkpoint is published
+    if dist.get_rank() == 0:
+        _publish(args.save, staging_dir, final_dir, iteration)
+    dist.barrier()
+
+
+def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
+    """Restore the state saved under ``args.load``; return its iteration (0 if there is nothing to load).
+    Sets ``args.consumed_train_samples``, ``args.consumed_valid_samples`` and
+    ``args.num_floating_point_operations_so_far``."""
+    _check_format(args)
+    iteration = read_tracker(args.load) if args.load else None
+    if iteration is None:
+        return 0
+    ckpt_dir = checkpoint_dir(args.load, iteration)
+    common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    load_optim = optimizer is not None and not args.no_load_optim
+    load_rng = not args.no_load_rng
+    _check_topology(common["parallel_sizes"], load_optim, load_rng)
+
+    request = _sharded_state_dict(model_chunks, optimizer, with_optimizer=load_optim,
+                                  with_rng=load_rng, is_loading=True)
+    state = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=None)
+
+    for key, chunk in zip(_model_keys(model_chunks), model_chunks):
+        chunk.load_state_dict(state[key], strict=True)
+    if load_optim:
+        optimizer.load_state_dict(state["optimizer"])
+        _restore_adam_steps(optimizer)
+        if opt_param_scheduler is not None:
+            opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()  # fresh fp32 main params from the loaded weights
+    if load_rng:
+        _restore_rng_state(state["rng_state"])
+
+    args.consumed_train_samples = state["consumed_train_samples"]
+    args.consumed_valid_samples = state["consumed_valid_samples"]
+    args.num_floating_point_operations_so_far = state["num_floating_point_operations_so_far"]
+    dist.barrier()
+    return state["iteration"]
+
+
+def _save_strategy():
+    """torch_dist, with each replicated tensor written by one of its DP replicas in turn rather than
+    all by DP rank 0 (Megatron-LM's default --ckpt-fully-parallel-save)."""
+    base = get_default_save_sharded_strategy(*SAVE_FORMAT)
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return FullyParallelSaveStrategyWrapper(base, dp_group)
+
+
+def _check_format(args) -> None:
+    if args.ckpt_format != "torch_dist":
+        raise ValueError(f"--ckpt-format must be 'torch_dist' (the only format implemented), "
+                         f"got {args.ckpt_format!r}")
+
+
+def _sharded_state_dict(model_chunks, optimizer, with_optimizer, with_rng, is_loading) -> dict:
+    metadata = {
+        "distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING_TYPE,
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+    state = {key: _unwrap_ddp(chunk).sharded_state_dict(metadata=metadata)
+             for key, chunk in zip(_model_keys(model_chunks), model_chunks)}
+    if with_optimizer:
+        _materialize_adam_state(optimizer)
+        # The optimizer maps its state onto the model's shards, so it reads the model entries.
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
+    if with_rng:
+        state["rng_state"] = _rng_state_object()
+    return state
+
+
+def _native_adams(optimizer):
+    """The torch Adam(W) inside each DistributedOptimizer: megatron-core uses it when neither Apex nor
+    Transformer Engine is installed, and 0.16.1 checkpoints its per-param ``step`` wrongly (below)."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if isinstance(sub, DistributedOptimizer) and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            yield inner
+
+
+def _materialize_adam_state(optimizer) -> None:
+    """DistributedOptimizer.state_dict() asserts on a never-stepped torch Adam (it reads the per-param
+    ``step``, which does not exist yet), so a fresh optimizer can be neither saved nor loaded into.
+    Create the zero state Adam's first step would create (a load overwrites it)."""
+    for adam in _native_adams(optimizer):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                if not state:
+                    state.update(step=torch.zeros((), dtype=torch.float32),
+                                 exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """DistributedOptimizer.load_state_dict() gives all params ONE shared ``step`` tensor (so every
+    optimizer step would bump it once per param), then overwrites it with the pre-load value from the
+    ``dp_reshardable`` state. The checkpoint's step is kept in each param group; give each param its
+    own copy of it."""
+    for adam in _native_adams(optimizer):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                adam.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def _model_keys(model_chunks) -> list[str]:
+    if len(model_chunks) == 1:
+        return ["model"]
+    return [f"model{i}" for i in range(len(model_chunks))]
+
+
+def _unwrap_ddp(chunk):
+    # megatron DDP forwards load_state_dict to its module but has no sharded_state_dict.
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
+def _parallel_sizes() -> dict:
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+    }
+
+
+def _check_topology(saved: dict, load_optim: bool, load_rng: bool) -> None:
+    current = _parallel_sizes()
+
+    def differs(keys):
+        return any(saved[k] != current[k] for k in keys)
+
+    if load_optim and differs(("tp", "pp", "ep")):
+        raise ValueError(f"the checkpoint's optimizer state was saved with parallel sizes {saved}, this run "
+                         f"has {current} (only DP may change); pass --no-load-optim to load only the weights")
+    if load_rng and differs(("tp", "pp", "dp")):
+        raise ValueError(f"the checkpoint's RNG states were saved with parallel sizes {saved}, this run "
+                         f"has {current}; pass --no-load-rng to keep this run's seeded RNG")
+
+
+def _plain_args(args) -> dict:
+    plain = (type(None), bool, int, float, str)
+
+    def is_plain(value):
+        if isinstance(value, (list, tuple)):
+            return all(isinstance(v, plain) for v in value)
+        return isinstance(value, plain)
+
+    return {k: v for k, v in sorted(vars(args).items()) if k not in RANK_LOCAL_ARGS and is_plain(v)}
+
+
+def _rng_state_object() -> ShardedObject:
+    """This rank's RNG states, one entry of a (pp, tp, dp) grid of checkpoint objects."""
+    sizes = _parallel_sizes()
+    ranks = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(with_context_parallel=True),
+    )
+    shape = (sizes["pp"], sizes["tp"], sizes["dp"])
+    return ShardedObject("rng_state", _capture_rng_state(), shape, ranks, replica_id=0)
+
+
+def _capture_rng_state() -> dict:
+    # numpy's state is stored as plain Python values: checkpoints are read with torch.load(weights_only).
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    return {
+        "random": random.getstate(),
+        "numpy": (name, key.tolist(), pos, has_gauss, cached_gaussian),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _restore_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    name, key, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, np.array(key, dtype=np.uint32), pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _publish(root: str, staging_dir: str, final_dir: str, iteration: int) -> None:
+    """Rank 0: move the finished checkpoint into place, then point the tracker at it."""
+    if os.path.exists(final_dir):  # re-saving an iteration (e.g. after resuming from it)
+        shutil.rmtree(final_dir)
+    os.replace(staging_dir, final_dir)
+    tracker = os.path.join(root, TRACKER_FILENAME)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(str(iteration))
+    os.replace(tracker + ".tmp", tracker)

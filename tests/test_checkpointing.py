@@ -1,0 +1,333 @@
+"""Exact resume through megatron/training/checkpointing.py on a 2-rank gloo world.
+
+A small bf16 GPTModel (dropout on, so resuming also depends on the RNG state) + DDP + distributed Adam
++ cosine LR schedule trains 3 steps, saves, trains 3 more; a freshly built (differently seeded) copy
+loads the checkpoint and trains the same 3 steps. Losses and parameters must match bit for bit.
+Run once with TP=1 x DP=2 (optimizer state sharded over DP) and once with TP=2 x DP=1, plus
+--no-load-optim, --no-load-rng, a save that crashes before publishing, bad flags and a TP=2 checkpoint
+loaded at TP=1. The second test resumes the real driver (pretrain_gpt.py via torchrun) and compares it
+with an uninterrupted run through the metrics file.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+from dist_utils import run_on_ranks
+
+SEQ, VOCAB, MICRO_BATCH = 32, 128, 2
+SAVE_AT = 3  # steps before the checkpoint; as many are trained after it
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _param_hash(chunks) -> str:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            h.update(name.encode())
+            h.update(_bits(p))
+    return h.hexdigest()
+
+
+def _inner_optimizers(opt):
+    return getattr(opt, "chained_optimizers", [opt])
+
+
+def _optimizer_hash(opt) -> str:
+    """fp32 main-param shards and Adam state of this rank."""
+    h = hashlib.sha256()
+    for sub in _inner_optimizers(opt):
+        for group in sub.optimizer.param_groups:
+            for p in group["params"]:
+                h.update(_bits(p))
+                for key, value in sorted(sub.optimizer.state.get(p, {}).items()):
+                    h.update(key.encode())
+                    h.update(_bits(value) if torch.is_tensor(value) else repr(value).encode())
+    return h.hexdigest()
+
+
+def _main_params_match_model(opt) -> bool:
+    return all(
+        torch.equal(main, model_shard.float())
+        for sub in _inner_optimizers(opt)
+        for main_group, model_group in zip(sub.shard_fp32_from_float16_groups, sub.shard_float16_groups)
+        for main, model_shard in zip(main_group, model_group)
+    )
+
+
+def _build(tp: int, seed: int):
+    """Seed, then build ([DDP model chunk], distributed Adam, LR scheduler) as the driver does."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=tp,
+        use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        hidden_dropout=0.1, attention_dropout=0.1, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False,
+    )
+    model = Float16Module(config, GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, bf16=True,
+                        use_distributed_optimizer=True, clip_grad=1.0),
+        [ddp],
+    )
+    scheduler = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=4, lr_decay_steps=24,
+        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=24, wd_incr_style="constant",
+    )
+    config.grad_scale_func = opt.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    return [ddp], opt, scheduler
+
+
+def _batch(step: int):
+    from megatron.core import parallel_state
+
+    g = torch.Generator().manual_seed(1000 * step + parallel_state.get_data_parallel_rank())
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g)
+    position_ids = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    return tokens[:, :-1], position_ids, tokens[:, 1:]
+
+
+def _loss(output):
+    loss = output.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def _forward_step(data_iterator, model):
+    tokens, position_ids, labels = next(data_iterator)
+    return model(tokens, position_ids, None, labels=labels), _loss
+
+
+def _train(parts, steps, args) -> list[int]:
+    """Train ``steps`` (global step indices); return each step's loss as int32 bits."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    chunks, opt, scheduler = parts
+    samples_per_step = MICRO_BATCH * parallel_state.get_data_parallel_world_size()
+    loss_bits = []
+    for step in steps:
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        opt.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iter([_batch(step)]), model=chunks,
+            num_microbatches=1, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
+        )
+        opt.step()
+        scheduler.step(increment=samples_per_step)
+        args.consumed_train_samples += samples_per_step
+        loss_bits.append(losses[0]["lm loss"].view(torch.int32).item())
+    return loss_bits
+
+
+def _args(root, **overrides):
+    values = dict(save=root, load=root, no_load_optim=False, no_load_rng=False, ckpt_format="torch_dist",
+                  consumed_train_samples=0, consumed_valid_samples=0, rank=0)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def _fresh_load(tp, root, **overrides):
+    """A differently seeded model/optimizer that then loads ``root``."""
+    from megatron.training.checkpointing import load_checkpoint
+
+    parts = _build(tp, seed=4321)
+    args = _args(root, **overrides)
+    iteration = load_checkpoint(args, *parts)
+    return parts, args, iteration
+
+
+def _state(parts, args, iteration):
+    chunks, opt, scheduler = parts
+    return dict(iteration=iteration, consumed=args.consumed_train_samples, params=_param_hash(chunks),
+                optim=_optimizer_hash(opt), scheduler_steps=scheduler.num_steps)
+
+
+def _resume_scenario(tp: int, root: str, with_extras: bool) -> dict:
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.training.checkpointing import TRACKER_FILENAME, save_checkpoint
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    out = {}
+    args = _args(root)
+    parts = _build(tp, seed=1234)
+    _train(parts, range(SAVE_AT), args)
+    save_checkpoint(args, SAVE_AT, *parts)
+    out["saved"] = _state(parts, args, SAVE_AT)
+    out["reference_losses"] = _train(parts, range(SAVE_AT, 2 * SAVE_AT), args)
+    out["reference_params"] = _param_hash(parts[0])
+
+    resumed, resumed_args, iteration = _fresh_load(tp, root)
+    out["loaded"] = _state(resumed, resumed_args, iteration)
+    out["resumed_losses"] = _train(resumed, range(SAVE_AT, 2 * SAVE_AT), resumed_args)
+    out["resumed_params"] = _param_hash(resumed[0])
+
+    if with_extras:
+        no_optim, no_optim_args, iteration = _fresh_load(tp, root, no_load_optim=True)
+        out["no_optim"] = _state(no_optim, no_optim_args, iteration)
+        out["no_optim_main_params_match_model"] = _main_params_match_model(no_optim[1])
+        out["no_optim_adam_state_empty"] = all(not sub.optimizer.state
+                                               for sub in _inner_optimizers(no_optim[1]))
+        out["no_optim_first_loss"] = _train(no_optim, [SAVE_AT], no_optim_args)[0]
+
+        no_rng, no_rng_args, _ = _fresh_load(tp, root, no_load_rng=True)
+        out["no_rng_losses"] = _train(no_rng, range(SAVE_AT, 2 * SAVE_AT), no_rng_args)
+
+        # A save of iteration 6 that dies after writing its shards but before publishing them.
+        real_save = dist_checkpointing.save
+
+        def save_then_crash(*a, **kw):
+            real_save(*a, **kw)
+            raise KeyboardInterrupt("simulated crash mid-save")
+
+        with mock.patch.object(dist_checkpointing, "save", save_then_crash):
+            with pytest.raises(KeyboardInterrupt):
+                save_checkpoint(args, 2 * SAVE_AT, *parts)
+        torch.distributed.barrier()
+        with open(os.path.join(root, TRACKER_FILENAME)) as f:
+            out["tracker_after_crash"] = f.read()
+        after_crash = _fresh_load(tp, root)
+        out["after_crash"] = _state(*after_crash)
+
+        # Saving again over the crash's leftovers works and is what is loaded next.
+        save_checkpoint(args, 2 * SAVE_AT, *parts)
+        resaved = _fresh_load(tp, root)
+        out["resaved"] = _state(*resaved)
+        out["resaved_dirs"] = sorted(os.listdir(root))
+
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def _flag_checks(root: str) -> dict:
+    """Bad flags, an empty --load, and loading the TP=2 checkpoint into this TP=1 x DP=2 world."""
+    from megatron.core import parallel_state
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    chunks, opt, scheduler = _build(1, seed=1)
+    tp2 = os.path.join(root, "tp2_dp1")
+    calls = {
+        "format": lambda: save_checkpoint(_args(root, ckpt_format="torch"), 1, chunks, opt, scheduler),
+        "empty_load": lambda: load_checkpoint(_args(os.path.join(root, "none")), chunks, opt, scheduler),
+        "other_tp_optim": lambda: load_checkpoint(_args(tp2), chunks, opt, scheduler),
+        "other_tp_rng": lambda: load_checkpoint(_args(tp2, no_load_optim=True), chunks, opt, scheduler),
+        "other_tp_weights": lambda: load_checkpoint(
+            _args(tp2, no_load_optim=True, no_load_rng=True), chunks, opt, scheduler),
+    }
+    results = {}
+    for name, call in calls.items():
+        try:
+            results[name] = call()
+        except ValueError as e:
+            results[name] = str(e)
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+def _checkpoint_world(root: str) -> dict:
+    from megatron.hooks import cpu
+
+    cpu.apply()
+    return {
+        "tp1_dp2": _resume_scenario(1, os.path.join(root, "tp1_dp2"), with_extras=True),
+        "tp2_dp1": _resume_scenario(2, os.path.join(root, "tp2_dp1"), with_extras=False),
+        "flags": _flag_checks(root),
+    }
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_is_bit_exact(tmp_path):
+    results = run_on_ranks(_checkpoint_world, 2, str(tmp_path))
+    for rank, result in enumerate(results):
+        for layout in ("tp1_dp2", "tp2_dp1"):
+            r = result[layout]
+            where = f"rank {rank} {layout}"
+            # iteration, consumed samples, params, fp32 main params + Adam state, scheduler steps
+            assert r["loaded"] == r["saved"], where
+            assert r["resumed_losses"] == r["reference_losses"], where
+            assert r["resumed_params"] == r["reference_params"], where
+
+        r = result["tp1_dp2"]
+        no_optim = r["no_optim"]
+        assert no_optim["params"] == r["saved"]["params"] and no_optim["iteration"] == SAVE_AT
+        assert no_optim["scheduler_steps"] == 0 and no_optim["optim"] != r["saved"]["optim"]
+        assert r["no_optim_main_params_match_model"] and r["no_optim_adam_state_empty"]
+        assert r["no_optim_first_loss"] == r["reference_losses"][0]  # same weights and RNG, same forward
+        assert r["no_rng_losses"] != r["reference_losses"]  # dropout masks come from the RNG state
+
+        assert r["tracker_after_crash"] == str(SAVE_AT)
+        assert r["after_crash"] == r["saved"]
+        assert r["resaved"]["iteration"] == 2 * SAVE_AT and r["resaved"]["params"] == r["reference_params"]
+        assert r["resaved_dirs"] == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
+
+        flags = result["flags"]
+        assert "--ckpt-format must be 'torch_dist'" in flags["format"] and "'torch'" in flags["format"]
+        assert flags["empty_load"] == 0
+        assert "--no-load-optim" in flags["other_tp_optim"] and "--no-load-rng" in flags["other_tp_rng"]
+        assert flags["other_tp_weights"] == SAVE_AT  # model weights reshard from TP=2 to TP=1
+
+
+RESUME_FLAGS = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--global-batch-size 8 --train-iters 4 --lr 1e-3 --lr-warmup-iters 1 --lr-decay-style cosine --bf16 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
+    "--hidden-dropout 0.1 --attention-dropout 0.1 --no-bias-gelu-fusion --no-bias-dropout-fusion --transformer-impl local --log-interval 1 "
+    "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --use-distributed-optimizer "
+    "--params-checksum-interval 1"
+)
+
+
+def _pretrain_gpt(tmp_path, name, extra_flags) -> list[dict]:
+    """Run pretrain_gpt.py on 2 CPU processes; return its per-iteration metrics records."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    metrics = tmp_path / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(root, "pretrain_gpt.py"), *RESUME_FLAGS.split(), *extra_flags.split(),
+           "--metrics-file", str(metrics), "--data-cache-path", str(tmp_path / "data_cache")]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_pretrain_gpt_resume_matches_uninterrupted_run(tmp_path):
+    """PP=2 with 2 virtual stages (checkpoint keys model0/model1), bf16, distributed optimizer and
+    dropout: 4 uninterrupted iterations (saving at 2 and 4) against a run resumed from iteration 2."""
+    from megatron.training.checkpointing import TRACKER_FILENAME
+
+    ckpt = tmp_path / "ckpt"
+    uninterrupted = _pretrain_gpt(tmp_path, "uninterrupted", f"--save {ckpt} --save-interval 2")
+    # As if the iteration-4 save had crashed before publishing: the tracker still names iteration 2.
+    (ckpt / TRACKER_FILENAME).write_text("2")
+    resumed = _pretrain_gpt(tmp_path, "resumed", f"--load {ckpt}")
+
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    for ref, res in zip(uninterrupted[2:], resumed):
+        for key in ("consumed_samples", "loss", "lr", "grad_norm", "params_checksum"):
+            assert res[key] == ref[key], (key, ref["iteration"])
