@@ -29,7 +29,7 @@ draws from it on every ``iter()``).
 
 megatron-core 0.16.1 mishandles the per-param ``step`` of torch's Adam (its optimizer when neither
 Apex nor Transformer Engine is installed) in the distributed optimizer's checkpoints; two small
-functions below work around it.
+functions in ``megatron.hooks.optimizer_state`` work around it.
 """
 
 import os
@@ -44,7 +44,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.optimizer import DistributedOptimizer
+
+from megatron.hooks.optimizer_state import materialize_adam_state, restore_adam_steps
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 SAVE_FORMAT = ("torch_dist", 1)  # (backend, version) of megatron-core's save strategies
@@ -123,7 +124,7 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
         chunk.load_state_dict(state[key], strict=True)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])
-        _restore_adam_steps(optimizer)
+        restore_adam_steps(optimizer)
         if opt_param_scheduler is not None:
             opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
     elif optimizer is not None:
@@ -162,45 +163,12 @@ def _sharded_state_dict(model_chunks, optimizer, with_optimizer, with_rng, is_lo
     state = {key: _unwrap_ddp(chunk).sharded_state_dict(metadata=metadata)
              for key, chunk in zip(_model_keys(model_chunks), model_chunks)}
     if with_optimizer:
-        _materialize_adam_state(optimizer)
+        materialize_adam_state(optimizer)
         # The optimizer maps its state onto the model's shards, so it reads the model entries.
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
     if with_rng:
         state["rng_state"] = _rng_state_object()
     return state
-
-
-def _native_adams(optimizer):
-    """The torch Adam(W) inside each DistributedOptimizer: megatron-core uses it when neither Apex nor
-    Transformer Engine is installed, and 0.16.1 checkpoints its per-param ``step`` wrongly (below)."""
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        if isinstance(sub, DistributedOptimizer) and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            yield inner
-
-
-def _materialize_adam_state(optimizer) -> None:
-    """DistributedOptimizer.state_dict() asserts on a never-stepped torch Adam (it reads the per-param
-    ``step``, which does not exist yet), so a fresh optimizer can be neither saved nor loaded into.
-    Create the zero state Adam's first step would create (a load overwrites it)."""
-    for adam in _native_adams(optimizer):
-        for group in adam.param_groups:
-            for param in group["params"]:
-                state = adam.state[param]
-                if not state:
-                    state.update(step=torch.zeros((), dtype=torch.float32),
-                                 exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
-
-
-def _restore_adam_steps(optimizer) -> None:
-    """DistributedOptimizer.load_state_dict() gives all params ONE shared ``step`` tensor (so every
-    optimizer step would bump it once per param), then overwrites it with the pre-load value from the
-    ``dp_reshardable`` state. The checkpoint's step is kept in each param group; give each param its
-    own copy of it."""
-    for adam in _native_adams(optimizer):
-        for group in adam.param_groups:
-            for param in group["params"]:
-                adam.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
 def _model_keys(model_chunks) -> list[str]:
