@@ -42,6 +42,10 @@ class ShardCodec(ABC):
 
     name: str = "shard-codec"
     lossless: bool = True
+    stat_names: tuple = ()
+    """Names of the integer statistics of the last ``encode`` in ``last_stats`` (e.g. blocks_changed),
+    which the gather adds to the byte telemetry as ``dp_param_gather/<name>``."""
+    last_stats: dict = {}
 
     @abstractmethod
     def encode(self, shard: torch.Tensor) -> torch.Tensor:

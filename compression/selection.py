@@ -1,0 +1,181 @@
+"""Benefit-driven selection of the shards worth compressing with CIERA (``--ciera-selection benefit``).
+
+The paper's per-iteration gain of compressing shard i (S bytes, of which S_e exponent and S_sm
+sign+mantissa bytes, a bitmap of S_bm bytes, block change rate q):
+
+    g = Comm(S) - Comm(S_sm + S_bm + q * S_e) - T_merge(S)
+
+Comm(bytes) is the all-gather time for that many bytes per rank, a latency + bytes/bandwidth line
+fitted to timings on the real process group at start-up. Hashing and packing run off the critical
+path in the paper's schedule and are left out; the receiver's merge (T_merge) is not. Shards with
+g > 0 are ranked by g per byte of codec cache and taken greedily until ``--ciera-cache-budget-mb``
+is spent; the rest are gathered uncompressed. The cache is the sender's change-detection state
+(the receiver reads previous exponents from the resident parameter buffer, see compression/ciera.py).
+
+Every rank must select the same shards: ``profile_comm`` reduces its timings with MAX over the group,
+and the caller must average the measured change rates over the group before calling ``select_shards``.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Hashable, Optional
+
+import torch
+import torch.distributed as dist
+
+from kernels.ciera import LAYOUTS, split_compare_reference
+
+HASH_BYTES_PER_BLOCK = 16
+HEADER_BYTES = 32
+
+
+@dataclass(frozen=True)
+class CommModel:
+    latency_s: float
+    seconds_per_byte: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + self.seconds_per_byte * nbytes
+
+
+def fit_comm_model(sizes, seconds) -> CommModel:
+    """Least-squares line through (bytes, seconds); both coefficients clamped at >= 0. Plain Python
+    floats, so that identical inputs give identical bits on every rank (a LAPACK call need not)."""
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
+    var = sum((x - mean_x) ** 2 for x in sizes)
+    cov = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds))
+    slope = max(cov / var, 0.0) if var else 0.0
+    return CommModel(max(mean_y - slope * mean_x, 0.0), slope)
+
+
+def _time_all_gather(nbytes: int, group, device, repeats: int) -> float:
+    world = dist.get_world_size(group)
+    send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    recv = torch.empty(nbytes * world, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(recv, send, group=group)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_gather_into_tensor(recv, send, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def profile_comm(group=None, sizes=(1 << 16, 1 << 20, 1 << 23), device=None, repeats: int = 5) -> CommModel:
+    """Time all_gather_into_tensor of each per-rank size on ``group``; every rank gets the same model."""
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    seconds = torch.tensor([_time_all_gather(s, group, device, repeats) for s in sizes],
+                           dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    return fit_comm_model(list(sizes), seconds.tolist())
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """One candidate shard (per-rank slice of a bucket): ``change_rate`` is the mean fraction of its
+    blocks with a changed exponent per iteration; ``cache_bytes`` what compressing it costs in memory."""
+
+    key: Hashable
+    numel: int
+    change_rate: float
+    cache_bytes: int
+    block_size: int = 512
+    dtype: torch.dtype = torch.bfloat16
+
+
+def cache_bytes(numel: int, block_size: int, change_detect: str) -> int:
+    """Sender state of CieraCodec: previous exponents ("compare") or a 128-bit hash per block ("hash")."""
+    nblocks = -(-numel // block_size)
+    return nblocks * block_size if change_detect == "compare" else nblocks * HASH_BYTES_PER_BLOCK
+
+
+def expected_payload_bytes(s: ShardStats) -> float:
+    """S_sm + S_bm + q * S_e (+ the fixed header), raw exponent coding."""
+    layout = LAYOUTS[s.dtype]
+    nblocks = -(-s.numel // s.block_size)
+    sm = s.numel * layout.sm_bits / 8
+    exponents = nblocks * s.block_size * layout.exp_bits / 8
+    return HEADER_BYTES + -(-nblocks // 8) + sm + s.change_rate * exponents
+
+
+def gain_seconds(s: ShardStats, comm: CommModel, merge_seconds_per_byte: float = 0.0) -> float:
+    raw = s.numel * 2
+    return comm.time(raw) - comm.time(expected_payload_bytes(s)) - merge_seconds_per_byte * raw
+
+
+def select_shards(candidates, comm: CommModel, cache_budget_bytes: Optional[int],
+                  merge_seconds_per_byte: float = 0.0) -> set:
+    """Keys of the shards to compress: positive gain, best gain per cache byte first, within budget
+    (None: unlimited). Ties break by key order so every rank picks the same set."""
+    scored = [(gain_seconds(s, comm, merge_seconds_per_byte), s) for s in candidates]
+    scored = [(g, s) for g, s in scored if g > 0]
+    scored.sort(key=lambda gs: (-gs[0] / max(gs[1].cache_bytes, 1), str(gs[1].key)))
+    selected, used = set(), 0
+    for _, s in scored:
+        if cache_budget_bytes is None or used + s.cache_bytes <= cache_budget_bytes:
+            selected.add(s.key)
+            used += s.cache_bytes
+    return selected
+
+
+def selection_summary(candidates, selected: set, comm: CommModel, merge_seconds_per_byte: float = 0.0) -> str:
+    """One readable log line."""
+    chosen = [s for s in candidates if s.key in selected]
+    total_bytes = sum(s.numel * 2 for s in candidates) or 1
+    gain = sum(gain_seconds(s, comm, merge_seconds_per_byte) for s in chosen)
+    cache = sum(s.cache_bytes for s in chosen)
+    return (f"ciera selection: {len(chosen)}/{len(candidates)} shards "
+            f"({100 * sum(s.numel * 2 for s in chosen) / total_bytes:.1f}% of bytes), "
+            f"expected gain {gain * 1e3:.3f} ms/iteration, cache {cache / 2**20:.1f} MiB; "
+            f"comm model {comm.latency_s * 1e6:.1f} us + {1e-9 / max(comm.seconds_per_byte, 1e-30):.2f} GB/s")
+
+
+def measure_merge_seconds_per_byte(config, numel: int = 1 << 22, dtype=torch.bfloat16, device=None,
+                                   repeats: int = 3) -> float:
+    """Seconds per shard byte of CieraCodec.decode of a payload whose blocks all changed (the worst
+    case) on ``device``. Timings differ between ranks: MAX-reduce the result before selecting."""
+    from compression.ciera import CieraCodec  # selection stays importable without the codec's deps
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    shard = (torch.randn(numel, device=device) * 0.02).to(dtype)
+    sender, receiver = CieraCodec(config, 2, 0), CieraCodec(config, 2, 1)
+    out = torch.empty_like(shard)
+    payload = sender.encode(shard)  # a keyframe: every block carries its exponents
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        receiver.decode(0, payload, out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best / (numel * shard.element_size())
+
+
+class BlockChangeMeter:
+    """Measures a shard's block change rate over successive iterations (the K warm-up iterations)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._prev = None
+        self.blocks_changed = 0
+        self.blocks_seen = 0
+
+    def update(self, shard: torch.Tensor) -> None:
+        layout = LAYOUTS[shard.dtype]
+        bits = shard.reshape(-1).view(torch.int16)
+        exp, _, changed = split_compare_reference(bits, self._prev, self.block_size, layout)
+        if changed is not None:
+            self.blocks_changed += int(changed.sum())
+            self.blocks_seen += changed.numel()
+        self._prev = exp
+
+    @property
+    def change_rate(self) -> float:
+        """1.0 until two snapshots were seen (an unmeasured shard is assumed to change)."""
+        return self.blocks_changed / self.blocks_seen if self.blocks_seen else 1.0

@@ -1,0 +1,292 @@
+"""The compressed parameter all-gather hook trains bit-identically to uncompressed megatron-core.
+
+Directly on megatron-core (one 2-rank gloo world): a small bf16 GPT (local spec, Float16Module) under
+DistributedDataParallel with the distributed optimizer (small buckets, so 9 bucket groups) trains on
+identical data with and without ``apply_param_gather_compression``; the per-step loss bits and a hash
+of every parameter buffer must match exactly, for CIERA and delta, with ``--overlap-param-gather`` off
+and on, with periodic ``verify()``, across a parameter rewrite followed by ``reset_param_gather_state``
+(and without the reset ``verify()`` must fail), and for ``--ciera-selection benefit`` under a budget
+that fits only some buckets. Refused settings raise errors naming the flag.
+
+Through the training driver (torchrun): a DP=2 run resumed with CIERA from the uncompressed run's
+checkpoint; and a delta MoE run with TP=2 x SP and EP=2 x ETP=1 on 4 ranks, so dense buckets gather
+over DP=2 and expert buckets over expert-DP=2. Per-iteration loss and params_checksum must equal the
+uncompressed run's.
+"""
+
+import argparse
+import hashlib
+import shutil
+
+import pytest
+import torch
+from dist_utils import run_on_ranks
+
+SEQ, MICRO_BATCH, VOCAB, STEPS = 32, 2, 128, 12
+LR = 1e-4  # small enough that some exponent blocks stay unchanged between steps
+
+
+METHODS = {  # run name -> compression flags
+    "none": dict(param_gather_compression="none"),
+    "ciera": dict(param_gather_compression="ciera"),
+    "ciera-benefit": dict(  # small blocks change less often, so buckets pay; the budget fits about half
+        param_gather_compression="ciera", ciera_block_size=64, ciera_selection="benefit",
+        ciera_cache_budget_mb=0.02,
+    ),
+    "delta": dict(param_gather_compression="delta"),
+}
+
+
+def _args(method, verify_interval=0, **overrides):
+    args = argparse.Namespace(
+        param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
+        ciera_exponent_coder="raw", ciera_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
+    )
+    vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), **overrides)
+    return args
+
+
+def _build(overlap, bf16=True, distributed_optimizer=True):
+    """A 2-layer GPT wrapped in DDP (small buckets: several bucket groups) and its optimizer."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        use_cpu_initialization=True, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+    )
+    spec = get_gpt_layer_local_spec()
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+    if bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer, overlap_grad_reduce=True,
+        overlap_param_gather=overlap, bucket_size=6000,  # small buckets: several bucket groups
+    )
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=LR, bf16=bf16, params_dtype=dtype,
+            use_distributed_optimizer=distributed_optimizer, clip_grad=1.0,
+        ),
+        [ddp],
+    )
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func, config.grad_sync_func = ddp.no_sync, ddp.start_grad_sync
+    return ddp, optimizer
+
+
+def _batch(step):
+    from megatron.core import parallel_state
+
+    gen = torch.Generator().manual_seed(1000 * step + parallel_state.get_data_parallel_rank())
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
+    position_ids = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    return tokens[:, :-1], position_ids, tokens[:, 1:]
+
+
+def _forward_step(data_iterator, model):
+    tokens, position_ids, labels = next(data_iterator)
+    per_token_loss = model(tokens, position_ids, None, labels=labels)
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    return per_token_loss, loss_func
+
+
+def _buffers_hash(ddp):
+    digest = hashlib.sha256()
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        digest.update(buffer.param_data.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
+    """Per-step loss bits, the final parameter hash and the hook's counters. ``rewrite_at``: after
+    that step rewrite every parameter (as a checkpoint load does) and, if ``reset``, reset the codecs."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.hooks.param_gather import apply_param_gather_compression, reset_param_gather_state
+
+    from compression.telemetry import COMM_CLASSES, TELEMETRY
+
+    TELEMETRY.reset()
+    ddp, optimizer = _build(overlap)
+    if method != "none":
+        apply_param_gather_compression([ddp], _args(method, verify_interval))
+    forward_backward = get_forward_backward_func()
+    loss_bits = []
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=_forward_step, data_iterator=iter([_batch(step)]), model=[ddp],
+            num_microbatches=1, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+        )
+        loss_bits.append(losses[0]["loss"].view(torch.int32).item())
+        optimizer.step()
+        if step == rewrite_at:
+            with torch.no_grad():
+                for param in ddp.module.parameters():
+                    param.mul_(0.5)
+            optimizer.reload_model_params()
+            if reset:
+                reset_param_gather_state([ddp])
+    ddp.start_param_sync(force_sync=True)  # with overlap the last gather is still pending
+    raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
+    return dict(
+        loss_bits=loss_bits, param_hash=_buffers_hash(ddp), sent_ratio=sent / max(raw, 1),
+        **_hook_counts(ddp),
+    )
+
+
+def _hook_counts(ddp):
+    from megatron.hooks.param_gather import CompressedParamGatherBucketGroup
+
+    groups = [g for g in ddp.bucket_groups + ddp.expert_parallel_bucket_groups
+              if isinstance(g, CompressedParamGatherBucketGroup)]
+    return dict(
+        num_groups=len(groups), num_gathers=sum(g.num_gathers for g in groups),
+        num_compressed=sum(c is not None for g in groups for c in g.codecs),
+        undecided=sum(g.selection is not None for g in groups),
+    )
+
+
+def _expect_error(error_type, needle, fn):
+    try:
+        fn()
+    except error_type as error:
+        assert needle in str(error), str(error)
+        return
+    raise AssertionError(f"expected {error_type.__name__} mentioning {needle!r}")
+
+
+def _check_refusals():
+    from megatron.hooks.param_gather import apply_param_gather_compression
+
+    fp32_ddp, _ = _build(overlap=False, bf16=False)
+    _expect_error(ValueError, "--bf16", lambda: apply_param_gather_compression([fp32_ddp], _args("delta")))
+    ddp, _ = _build(overlap=False, distributed_optimizer=False)
+    _expect_error(ValueError, "--use-distributed-optimizer",
+                  lambda: apply_param_gather_compression([ddp], _args("ciera")))
+    ddp, _ = _build(overlap=False)
+    for bad_args, flag in [
+        (_args("zstd"), "--param-gather-compression"),
+        (_args("delta", verify_interval=-1), "--param-gather-verify-interval"),
+        (_args("ciera", ciera_cache_budget_mb=8.0), "--ciera-cache-budget-mb"),
+    ]:
+        _expect_error(ValueError, flag, lambda: apply_param_gather_compression([ddp], bad_args))
+    apply_param_gather_compression([ddp], _args("delta"))
+    _expect_error(ValueError, "already applied",
+                  lambda: apply_param_gather_compression([ddp], _args("delta")))
+
+
+def _compare_runs(runs):
+    """Train every (method, overlap, rewrite_at) of ``runs`` and the matching uncompressed baseline."""
+    results, baselines = {}, {}
+    for method, overlap, rewrite_at in runs:
+        if (overlap, rewrite_at) not in baselines:
+            baselines[overlap, rewrite_at] = _train("none", overlap, rewrite_at)
+        baseline = baselines[overlap, rewrite_at]
+        run = _train(method, overlap, rewrite_at)
+        run["same_losses"] = run.pop("loss_bits") == baseline["loss_bits"]
+        run["same_params"] = run.pop("param_hash") == baseline["param_hash"]
+        results[method, overlap, rewrite_at] = run
+    return results
+
+
+def _dense_world():
+    from megatron.core import parallel_state
+    from megatron.hooks import cpu
+
+    cpu.apply()
+    parallel_state.initialize_model_parallel()
+    _check_refusals()
+    # Without the reset a rewrite breaks the codecs' "previous values" invariant; verify() must see it.
+    _expect_error(RuntimeError, "differs from the uncompressed all-gather",
+                  lambda: _train("delta", False, rewrite_at=5, reset=False, verify_interval=1))
+    runs = [(method, overlap, None) for method in ("ciera", "delta") for overlap in (False, True)]
+    runs += [("delta", False, 5), ("ciera", True, 5), ("ciera-benefit", True, None)]
+    return _compare_runs(runs)
+
+
+def _assert_identical(results_by_rank):
+    for results in results_by_rank:
+        for run, result in results.items():
+            assert result["same_losses"] and result["same_params"], (run, result)
+            # Every bucket group gathers once per step (+1 before the first forward with overlap).
+            assert result["num_groups"] > 1, (run, result)
+            assert result["num_gathers"] >= result["num_groups"] * STEPS, (run, result)
+            assert result["undecided"] == 0, (run, result)
+            if run[0] == "ciera-benefit":
+                assert 0 < result["num_compressed"] < result["num_groups"], (run, result)
+            else:
+                assert result["num_compressed"] == result["num_groups"], (run, result)
+
+
+@pytest.mark.slow
+def test_dense_lossless_overlap_verify_reset_selection_and_refusals():
+    _assert_identical(run_on_ranks(_dense_world, 2))
+
+
+# --- Through the training driver (torchrun on CPU): per-iteration loss and params_checksum ---------
+DRIVER = ("--train-iters 16 --lr-warmup-iters 1 --bf16 --use-distributed-optimizer --overlap-grad-reduce "
+          "--overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
+          "--eval-interval 1000 --params-checksum-interval 1")
+GPT = "--config configs/tiny_cpu_gpt.yaml " + DRIVER
+# TP2 x SP with experts EP2 x ETP1 on 4 ranks: dense buckets over DP=2, expert buckets over expert-DP=2.
+MOE = ("--config configs/tiny_cpu_moe.yaml --num-layers 2 --tensor-model-parallel-size 2 --sequence-parallel "
+       "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 " + DRIVER)
+COMPRESSED = "--param-gather-verify-interval 2 --param-gather-compression"
+
+
+def _assert_same_iterations(reference, run):
+    by_iteration = {r["iteration"]: r for r in reference}
+    assert run
+    for record in run:
+        expected = by_iteration[record["iteration"]]
+        assert record["loss"] == expected["loss"], record["iteration"]
+        assert record["params_checksum"] == expected["params_checksum"], record["iteration"]
+        assert record["comm"]["dp_param_gather"]["raw_bytes"] > 0  # the hook did the gathers
+
+
+@pytest.mark.slow
+def test_driver_dp2_resume_with_ciera(tmp_path):
+    from test_parallel_training import launch
+
+    checkpoints = tmp_path / "checkpoints"
+    reference = launch(tmp_path, "none", "pretrain_gpt.py", 2,
+                       f"{GPT} --save {checkpoints} --save-interval 8")
+    # Resume from iteration 8 as if the run had stopped there: drop the later checkpoint.
+    for directory in checkpoints.glob("iter_*"):
+        if int(directory.name.removeprefix("iter_")) > 8:
+            shutil.rmtree(directory)
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("8")
+    ciera = launch(tmp_path, "ciera", "pretrain_gpt.py", 2, f"{GPT} {COMPRESSED} ciera --load {checkpoints}")
+    assert [r["iteration"] for r in ciera] == list(range(9, 17))
+    _assert_same_iterations(reference, ciera)
+
+
+@pytest.mark.slow
+def test_driver_moe_tp2_ep2_delta(tmp_path):
+    from test_parallel_training import launch
+
+    reference = launch(tmp_path, "none", "pretrain_moe.py", 4, MOE)
+    delta = launch(tmp_path, "delta", "pretrain_moe.py", 4, f"{MOE} {COMPRESSED} delta")
+    _assert_same_iterations(reference, delta)
+    gather = delta[-1]["comm"]["dp_param_gather"]
+    assert gather["sent_bytes"] < gather["raw_bytes"]

@@ -1,0 +1,79 @@
+"""Benefit-driven shard selection with a synthetic comm model, the comm-model fit, the change meter,
+and profile_comm on a real (gloo) group."""
+
+import pytest
+import torch
+
+from compression.ciera import CieraConfig
+from compression.selection import (BlockChangeMeter, CommModel, ShardStats, cache_bytes, expected_payload_bytes,
+                                   fit_comm_model, gain_seconds, measure_merge_seconds_per_byte, profile_comm,
+                                   select_shards, selection_summary)
+from dist_utils import run_on_ranks
+
+SLOW_LINK = CommModel(latency_s=20e-6, seconds_per_byte=1 / 4e9)  # ~4 GB/s
+MIB = 1 << 20
+
+
+def _shard(key, numel, rate, mode="compare"):
+    return ShardStats(key=key, numel=numel, change_rate=rate, cache_bytes=cache_bytes(numel, 512, mode))
+
+
+def test_gain_formula_matches_the_paper():
+    s = _shard("ln", 1 << 20, 0.25)
+    # bf16: S = 2 MiB, S_sm = 1 MiB, bitmap 2048 blocks / 8 = 256 B, S_e = 1 MiB, + 32 B header
+    assert expected_payload_bytes(s) == MIB + 256 + 0.25 * MIB + 32
+    want = SLOW_LINK.time(2 * MIB) - SLOW_LINK.time(expected_payload_bytes(s)) - 1e-12 * 2 * MIB
+    assert gain_seconds(s, SLOW_LINK, merge_seconds_per_byte=1e-12) == pytest.approx(want)
+    fp16 = ShardStats("x", 1024, 0.0, 0, dtype=torch.float16)
+    assert expected_payload_bytes(fp16) == 32 + 1 + 1024 * 11 / 8
+
+
+def test_select_shards_ranks_by_gain_per_cache_byte_within_budget():
+    candidates = [_shard("expert", 8 * MIB, 0.1), _shard("norm", MIB, 0.0), _shard("attn", 4 * MIB, 0.99),
+                  _shard("gate", 2 * MIB, 1.0), _shard("embed", 16 * MIB, 0.5)]
+    merge = 2e-12  # 500 GB/s: enough to make the shards whose blocks nearly all change lose
+    assert select_shards(candidates, SLOW_LINK, None, merge) == {"expert", "norm", "embed"}
+    # "norm" has the best gain per cache byte; a budget of 9 MiB then fits "expert" (8 MiB) but not "embed"
+    assert select_shards(candidates, SLOW_LINK, 9 * MIB, merge) == {"norm", "expert"}
+    assert select_shards(candidates, SLOW_LINK, MIB // 2, merge) == set()
+    # on a fast link with a costly merge nothing pays (the paper's Llama-4-Scout on NVLink)
+    assert select_shards(candidates, CommModel(5e-6, 1 / 300e9), None, 1e-11) == set()
+    line = selection_summary(candidates, {"norm", "expert"}, SLOW_LINK, merge)
+    assert line.startswith("ciera selection: 2/5 shards") and "MiB" in line
+    assert cache_bytes(1000, 512, "hash") == 2 * 16 and cache_bytes(1000, 512, "compare") == 1024
+
+
+def test_fit_comm_model_recovers_a_line():
+    sizes = [1 << 16, 1 << 20, 1 << 24]
+    model = fit_comm_model(sizes, [SLOW_LINK.time(s) for s in sizes])
+    assert model.latency_s == pytest.approx(SLOW_LINK.latency_s, rel=1e-6)
+    assert model.seconds_per_byte == pytest.approx(SLOW_LINK.seconds_per_byte, rel=1e-9)
+
+
+def test_block_change_meter():
+    meter = BlockChangeMeter(block_size=64)
+    assert meter.change_rate == 1.0
+    x = torch.ones(256, dtype=torch.bfloat16)
+    meter.update(x)
+    meter.update(x)  # nothing changed
+    y = x.clone()
+    y[5] = 2.0  # exponent change in block 0 only
+    meter.update(y)
+    assert (meter.blocks_changed, meter.blocks_seen) == (1, 8)
+
+
+def test_measure_merge_seconds_per_byte():
+    seconds = measure_merge_seconds_per_byte(CieraConfig(64), numel=4096, repeats=1)
+    assert 0 < seconds < 1e-3
+
+
+def _profile():
+    model = profile_comm(None, sizes=(1 << 10, 1 << 14, 1 << 18), repeats=2)
+    return model.latency_s, model.seconds_per_byte
+
+
+@pytest.mark.slow
+def test_profile_comm_agrees_on_all_ranks():
+    a, b = run_on_ranks(_profile, 2)
+    assert a == b  # bit-identical models -> identical selections
+    assert min(a) >= 0 and max(a) > 0  # timings on a loaded CPU are too noisy to insist on a slope
