@@ -102,6 +102,7 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
     dist.barrier()
 
 
+@torch.no_grad()  # the optimizer copies into views of parameters that require grad
 def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
     """Restore the state saved under ``args.load``; return its iteration (0 if there is nothing to load).
     Sets ``args.consumed_train_samples``, ``args.consumed_valid_samples`` and

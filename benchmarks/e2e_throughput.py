@@ -1,0 +1,116 @@
+"""End-to-end training throughput: compressed variants vs the uncompressed baseline in the same run.
+
+Runs `torchrun pretrain_gpt.py` once per (link class, variant) with identical model and flags, reads
+each run's `--metrics-file`, and reports the median iteration time after warm-up, tokens/s,
+TFLOP/s/GPU, MFU and the speedup over the baseline of the same link class. The link classes are the
+three NCCL settings of ../shared/notes/measured-baselines.md.
+
+    python benchmarks/e2e_throughput.py --suite tp2_taco --model configs/gpt_350m.yaml --out results/e2e.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H200_BF16_DENSE_TFLOPS = 989.0  # datasheet peak, the MFU denominator
+
+LINKS = {
+    "nvlink": {},
+    "p2p_off_25GBps": {"NCCL_P2P_DISABLE": "1"},
+    "sockets_4GBps": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
+}
+
+COMMON = ["--bf16", "--transformer-impl", "local", "--use-distributed-optimizer", "--mock-data",
+          "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000"]
+
+# suite -> (nproc, shared flags, {variant: flags}); the first variant is the baseline.
+SUITES = {
+    "baseline_tp1": (1, ["--tensor-model-parallel-size", "1"], {"baseline": []}),
+    "baseline_tp2": (2, ["--tensor-model-parallel-size", "2"], {"baseline": []}),
+    "tp2_taco": (2, ["--tensor-model-parallel-size", "2"], {
+        "baseline": [],
+        "taco": ["--tp-comm-compression", "taco"],
+    }),
+    "tp2_sp_taco": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], {
+        "baseline": [],
+        "taco": ["--tp-comm-compression", "taco"],
+    }),
+    "dp2_param_gather": (2, ["--overlap-grad-reduce", "--overlap-param-gather"], {
+        "baseline": [],
+        "ciera": ["--param-gather-compression", "ciera"],
+        "delta": ["--param-gather-compression", "delta"],
+    }),
+}
+
+
+def run_one(nproc, flags, env_extra, metrics, log):
+    env = dict(os.environ, **env_extra)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "pretrain_gpt.py", *flags, "--metrics-file", metrics]
+    start = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = open(log).read()[-3000:]
+        raise RuntimeError(f"run failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return cmd, time.time() - start, [json.loads(line) for line in open(metrics) if line.strip()]
+
+
+def summarize(records, warmup):
+    steps = [r for r in records if "iter_time_s" in r and "loss" in r][warmup:]
+    if not steps:
+        raise RuntimeError("no timed iterations after warm-up: raise --train-iters")
+    t = statistics.median(r["iter_time_s"] for r in steps)
+    out = {"median_iter_time_s": t, "iters_timed": len(steps)}
+    for key in ("tokens_per_s", "tflops_per_gpu"):
+        vals = [r[key] for r in steps if key in r]
+        if vals:
+            out[key] = statistics.median(vals)
+    if "tflops_per_gpu" in out:
+        out["mfu"] = out["tflops_per_gpu"] / H200_BF16_DENSE_TFLOPS
+    comm = steps[-1].get("comm", {})
+    out["comm_last_iter"] = comm
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=sorted(SUITES), required=True)
+    parser.add_argument("--model", required=True, help="YAML config with the model shape")
+    parser.add_argument("--links", nargs="+", choices=sorted(LINKS), default=list(LINKS))
+    parser.add_argument("--train-iters", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4, help="iterations excluded from timing")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--log-dir", default="/tmp/e2e_logs")
+    args, extra = parser.parse_known_args()
+    os.makedirs(args.log_dir, exist_ok=True)
+    nproc, suite_flags, variants = SUITES[args.suite]
+    flags = ["--config", args.model, *COMMON, *suite_flags, "--train-iters", str(args.train_iters), *extra]
+    results = {"suite": args.suite, "model": args.model, "argv": sys.argv, "runs": []}
+    for link in args.links:
+        base_t = None
+        for name, vflags in variants.items():
+            tag = f"{args.suite}_{link}_{name}"
+            metrics = os.path.join(args.log_dir, tag + ".jsonl")
+            cmd, wall, records = run_one(nproc, flags + vflags, LINKS[link], metrics,
+                                         os.path.join(args.log_dir, tag + ".log"))
+            res = summarize(records, args.warmup)
+            base_t = base_t or res["median_iter_time_s"]
+            res.update(link=link, variant=name, env=LINKS[link], command=" ".join(cmd[1:]), wall_s=wall,
+                       speedup_vs_baseline=base_t / res["median_iter_time_s"])
+            results["runs"].append(res)
+            print(f"{link:16s} {name:10s} {res['median_iter_time_s'] * 1e3:9.1f} ms/iter "
+                  f"{res.get('tokens_per_s', 0):10.0f} tok/s  MFU {res.get('mfu', 0) * 100:5.1f}%  "
+                  f"speedup {res['speedup_vs_baseline']:.3f}x", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

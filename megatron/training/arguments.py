@@ -1,0 +1,479 @@
+"""Command-line arguments: Megatron-LM's flag names, declared once as typed dataclass fields.
+
+Each section is a dataclass; every field becomes the flag ``--field-name`` (dashes for underscores)
+with the field's default, type and help text, unless its metadata names another flag (e.g.
+``--no-masked-softmax-fusion`` for ``masked_softmax_fusion``). The result is one flat
+``argparse.Namespace`` whose attributes are Megatron-LM's ``args`` names (the project's shared contract).
+
+Precedence: explicit CLI flags > ``--config FILE.yaml`` (a flat mapping of flag names without ``--``)
+> field defaults. ``validate_args`` then derives sizes and rejects bad combinations with a
+``ValueError`` that names the flag and the fix.
+"""
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+def arg(default, help, *, choices=None, flag=None, aliases=()):
+    """A field that declares a flag. ``flag`` overrides the derived name: for a bool that defaults to
+    True it is the negative flag (``--no-...``) that sets it False."""
+    return field(default=default, metadata=dict(help=help, choices=choices, flag=flag, aliases=aliases))
+
+
+@dataclass(kw_only=True)
+class ParallelArgs:
+    tensor_model_parallel_size: int = arg(1, "Tensor-parallel degree (TP).")
+    pipeline_model_parallel_size: int = arg(1, "Pipeline-parallel degree (PP).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = arg(None, "Layers per virtual stage (interleaved schedule).")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = arg(None, "Virtual stages per pipeline rank (interleaved schedule).")
+    sequence_parallel: bool = arg(False, "Shard LayerNorm/dropout activations along the sequence (needs TP > 1).")
+    context_parallel_size: int = arg(1, "Context-parallel degree (CP).")
+    expert_model_parallel_size: int = arg(1, "Expert-parallel degree (EP).")
+    expert_tensor_parallel_size: Optional[int] = arg(None, "Tensor-parallel degree inside experts (default: TP).")
+    use_distributed_optimizer: bool = arg(False, "Shard the optimizer state over DP (param all-gather, grad reduce-scatter).")
+    overlap_grad_reduce: bool = arg(False, "Overlap the DP grad reduction with backward.")
+    overlap_param_gather: bool = arg(False, "Overlap the distributed-optimizer param all-gather with forward.")
+    accumulate_allreduce_grads_in_fp32: bool = arg(False, "Keep the DP grad buffer in fp32.")
+    overlap_p2p_comm: bool = arg(True, "Overlap pipeline p2p with compute (interleaved schedule only).",
+                                 flag="no-overlap-p2p-communication")
+    ddp_bucket_size: Optional[int] = arg(None, "DP bucket size in elements (default: megatron-core's).")
+
+
+@dataclass(kw_only=True)
+class ModelArgs:
+    num_layers: int = arg(None, "Number of transformer layers.")
+    hidden_size: int = arg(None, "Hidden size.")
+    ffn_hidden_size: Optional[int] = arg(None, "MLP hidden size (default 4 x hidden, or 8/3 x hidden with --swiglu).")
+    num_attention_heads: int = arg(None, "Attention heads.")
+    kv_channels: Optional[int] = arg(None, "Per-head size (default hidden / heads).")
+    group_query_attention: bool = arg(False, "Use grouped-query attention.")
+    num_query_groups: int = arg(1, "Query groups with --group-query-attention.")
+    seq_length: int = arg(None, "Sequence length.")
+    max_position_embeddings: Optional[int] = arg(None, "Position table size (default --seq-length).")
+    position_embedding_type: str = arg("learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
+    rotary_base: int = arg(10000, "RoPE base.")
+    rotary_percent: float = arg(1.0, "Fraction of head dims rotated by RoPE.")
+    normalization: str = arg("LayerNorm", "Norm layer.", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = arg(1e-5, "Norm epsilon.")
+    swiglu: bool = arg(False, "SwiGLU MLP.")
+    untie_embeddings_and_output_weights: bool = arg(False, "Separate input embedding and output layer weights.")
+    add_bias_linear: bool = arg(True, "Biases in linear layers.", flag="disable-bias-linear")
+    attention_dropout: float = arg(0.1, "Attention dropout.")
+    hidden_dropout: float = arg(0.1, "Hidden dropout.")
+    init_method_std: float = arg(0.02, "Std of the normal weight init.")
+    make_vocab_size_divisible_by: int = arg(128, "Pad the vocabulary to a multiple of this x TP.")
+    transformer_impl: Optional[str] = arg(None, "Layer implementation (default transformer_engine if installed, else local).",
+                                          choices=["local", "transformer_engine"])
+    spec: Optional[list[str]] = arg(None, "Custom layer spec: MODULE FUNCTION_OR_ATTRIBUTE.")
+    recompute_granularity: Optional[str] = arg(None, "Activation recomputation.", choices=["full", "selective"])
+    recompute_method: Optional[str] = arg(None, "Full recompute method.", choices=["uniform", "block"])
+    recompute_num_layers: Optional[int] = arg(None, "Layers per recompute unit.")
+    masked_softmax_fusion: bool = arg(True, "Fused masked softmax.", flag="no-masked-softmax-fusion")
+    bias_gelu_fusion: bool = arg(True, "Fused bias+GeLU.", flag="no-bias-gelu-fusion")
+    bias_swiglu_fusion: bool = arg(True, "Fused bias+SwiGLU.", flag="no-bias-swiglu-fusion")
+    bias_dropout_fusion: bool = arg(True, "Fused bias+dropout+add.", flag="no-bias-dropout-fusion")
+
+
+@dataclass(kw_only=True)
+class MoEArgs:
+    num_experts: Optional[int] = arg(None, "Experts per MoE layer (MoE when set).")
+    moe_router_topk: int = arg(2, "Experts per token.")
+    moe_token_dispatcher_type: str = arg("allgather", "Token dispatcher.", choices=["allgather", "alltoall"])
+    moe_aux_loss_coeff: float = arg(0.0, "Load-balancing loss coefficient.")
+    moe_router_load_balancing_type: str = arg("aux_loss", "Load balancing.", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"])
+    moe_ffn_hidden_size: Optional[int] = arg(None, "Expert MLP hidden size (default --ffn-hidden-size).")
+    moe_grouped_gemm: bool = arg(False, "Grouped GEMM experts (CUDA only).")
+
+
+@dataclass(kw_only=True)
+class TrainingArgs:
+    micro_batch_size: int = arg(None, "Samples per micro-batch per DP rank.")
+    global_batch_size: Optional[int] = arg(None, "Samples per iteration (default micro batch x DP).")
+    train_iters: Optional[int] = arg(None, "Training iterations.")
+    train_samples: Optional[int] = arg(None, "Training samples (alternative to --train-iters).")
+    seed: int = arg(1234, "Random seed.")
+    bf16: bool = arg(False, "bf16 mixed precision.")
+    fp16: bool = arg(False, "fp16 mixed precision.")
+    loss_scale: Optional[float] = arg(None, "Static fp16 loss scale (default dynamic).")
+    initial_loss_scale: float = arg(2.0**32, "Initial dynamic loss scale.")
+    min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale.")
+    loss_scale_window: float = arg(1000, "Iterations between loss-scale increases.")
+    hysteresis: int = arg(2, "Dynamic loss-scale hysteresis.")
+
+
+@dataclass(kw_only=True)
+class OptimizerArgs:
+    optimizer: str = arg("adam", "Optimizer.", choices=["adam", "sgd"])
+    lr: float = arg(None, "Peak learning rate.")
+    min_lr: float = arg(0.0, "Minimum learning rate.")
+    lr_decay_style: str = arg("linear", "LR decay.", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    lr_decay_iters: Optional[int] = arg(None, "Iterations to decay over (default --train-iters).")
+    lr_warmup_iters: int = arg(0, "Warmup iterations.")
+    lr_warmup_fraction: Optional[float] = arg(None, "Warmup as a fraction of --lr-decay-iters.")
+    lr_warmup_init: float = arg(0.0, "Learning rate at the start of warmup.")
+    weight_decay: float = arg(0.01, "Weight decay.")
+    clip_grad: float = arg(1.0, "Gradient-norm clipping (0 = off).")
+    adam_beta1: float = arg(0.9, "Adam beta1.")
+    adam_beta2: float = arg(0.999, "Adam beta2.")
+    adam_eps: float = arg(1e-8, "Adam epsilon.")
+    sgd_momentum: float = arg(0.9, "SGD momentum.")
+
+
+@dataclass(kw_only=True)
+class DataArgs:
+    data_path: Optional[list[str]] = arg(None, "Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...")
+    split: str = arg("969,30,1", "Train,valid,test split weights.")
+    mock_data: bool = arg(False, "Synthetic data (MockGPTDataset).")
+    builtin_corpus: Optional[str] = arg(None, "Real text shipped with Python, byte-tokenized.", choices=["python-stdlib"])
+    data_cache_path: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "megatron-compressed-comm"), "Dataset cache.")
+    tokenizer_type: str = arg("ByteTokenizer", "Tokenizer.", choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+    tokenizer_model: Optional[str] = arg(None, "Tokenizer model path (HuggingFaceTokenizer).")
+    vocab_file: Optional[str] = arg(None, "Vocabulary file (GPT2BPETokenizer).")
+    merge_file: Optional[str] = arg(None, "BPE merges file (GPT2BPETokenizer).")
+    vocab_size: Optional[int] = arg(None, "Vocabulary size (NullTokenizer).")
+    num_workers: int = arg(0, "Data-loader workers.")
+    reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document.")
+    reset_attention_mask: bool = arg(False, "Block attention across documents.")
+    eod_mask_loss: bool = arg(False, "Mask the loss on end-of-document tokens.")
+
+
+@dataclass(kw_only=True)
+class CheckpointArgs:
+    save: Optional[str] = arg(None, "Checkpoint directory to save to.")
+    load: Optional[str] = arg(None, "Checkpoint directory to resume from.")
+    save_interval: Optional[int] = arg(None, "Iterations between saves.")
+    no_load_optim: bool = arg(False, "Do not load the optimizer state.")
+    no_load_rng: bool = arg(False, "Do not load the RNG states.")
+    ckpt_format: str = arg("torch_dist", "Checkpoint format.", choices=["torch_dist"])
+
+
+@dataclass(kw_only=True)
+class LoggingArgs:
+    log_interval: int = arg(100, "Iterations between log lines.")
+    eval_interval: Optional[int] = arg(None, "Iterations between evaluations (default: none).")
+    eval_iters: int = arg(100, "Iterations per evaluation.")
+    tensorboard_dir: Optional[str] = arg(None, "TensorBoard log directory.")
+    metrics_file: Optional[str] = arg(None, "Per-iteration JSON-lines metrics file.")
+    params_checksum_interval: int = arg(0, "Iterations between params sha256 checksums in the metrics (0 = off).")
+
+
+@dataclass(kw_only=True)
+class CompressionArgs:
+    tp_comm_compression: str = arg("none", "TP collective compression.", choices=["none", "taco"])
+    tp_comm_compression_min_bytes: int = arg(65536, "TP tensors smaller than this stay uncompressed.")
+    taco_block_size: int = arg(256, "TACO block size (power of two, 32..1024).")
+    taco_format: str = arg("e4m3", "TACO element format.", choices=["e4m3", "e5m2", "int8"])
+    taco_transform: str = arg("ash", "TACO outlier transform.", choices=["ash", "hadamard", "none"])
+    taco_scaling: str = arg("dual", "TACO scaling.", choices=["dual", "single"])
+    param_gather_compression: str = arg("none", "DP param all-gather compression.", choices=["none", "ciera", "delta"])
+    param_gather_verify_interval: int = arg(0, "Iterations between lossless-gather verifications (0 = off).",
+                                            aliases=("ciera-verify-interval",))
+    ciera_block_size: int = arg(512, "CIERA block size (power of two, 32..8192).")
+    ciera_change_detect: str = arg("compare", "CIERA change detection.", choices=["hash", "compare"])
+    ciera_exponent_coder: str = arg("raw", "CIERA exponent coder.", choices=["raw", "ans"])
+    ciera_selection: str = arg("all", "CIERA block selection.", choices=["all", "benefit"])
+    ciera_cache_budget_mb: Optional[float] = arg(None, "CIERA cache budget in MB (default unlimited).")
+    delta_block_size: int = arg(256, "Delta codec block size (power of two, 32..8192).")
+
+
+SECTIONS = (ParallelArgs, ModelArgs, MoEArgs, TrainingArgs, OptimizerArgs, DataArgs, CheckpointArgs,
+            LoggingArgs, CompressionArgs)
+
+
+def _value_type(annotation):
+    """(element type, is_list) of a field annotation such as Optional[list[str]]."""
+    if typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def _add_field(group, f) -> None:
+    meta = f.metadata
+    value_type, is_list = _value_type(f.type)
+    if value_type is bool:
+        negative = meta["flag"] is not None
+        flags = ["--" + (meta["flag"] if negative else f.name.replace("_", "-"))]
+        action = "store_false" if negative else "store_true"
+        group.add_argument(*flags, dest=f.name, action=action, default=f.default, help=meta["help"])
+        return
+    flags = ["--" + f.name.replace("_", "-")] + ["--" + a for a in meta["aliases"]]
+    group.add_argument(*flags, dest=f.name, type=value_type, default=f.default, choices=meta["choices"],
+                       nargs="+" if is_list else None, help=meta["help"])
+
+
+def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Megatron-core GPT/MoE training with compressed communication",
+                                     allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="Flat YAML file of flag names without '--'; CLI flags win.")
+    for section in SECTIONS:
+        group = parser.add_argument_group(section.__name__.removesuffix("Args").lower())
+        for f in dataclasses.fields(section):
+            _add_field(group, f)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+
+
+def _yaml_value(action, key, value, path):
+    """Convert one YAML value with the flag's own type and choices."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ValueError(f"--config {path}: '{key}' must be true or false, got {value!r}")
+        return value if isinstance(action, argparse._StoreTrueAction) else not value
+    if value is None:
+        return None
+    convert = action.type or str
+    try:
+        if action.nargs == "+":
+            return [convert(v) for v in (value if isinstance(value, list) else [value])]
+        result = convert(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--config {path}: '{key}' expects {convert.__name__}, got {value!r}") from error
+    if action.choices is not None and result not in action.choices:
+        raise ValueError(f"--config {path}: '{key}' must be one of {list(action.choices)}, got {value!r}")
+    return result
+
+
+def load_yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
+    """Map a flat YAML file onto parser destinations; unknown keys are an error naming key and file."""
+    import yaml
+
+    with open(path) as f:
+        mapping = yaml.safe_load(f) or {}
+    if not isinstance(mapping, dict):
+        raise ValueError(f"--config {path}: expected a flat mapping of flag names, got {type(mapping).__name__}")
+    by_flag = {opt[2:]: action for action in parser._actions for opt in action.option_strings if opt.startswith("--")}
+    by_dest = {action.dest: action for action in parser._actions if action.option_strings}
+    defaults = {}
+    for key, value in mapping.items():
+        name = str(key).lstrip("-").replace("_", "-")
+        action = by_flag.get(name) or by_dest.get(name.replace("-", "_"))
+        if action is None or action.dest in ("config", "help"):
+            raise ValueError(f"--config {path}: unknown key '{key}' (not a flag of this trainer)")
+        value = _yaml_value(action, key, value, path)
+        if name not in by_flag and isinstance(action, argparse._StoreFalseAction):
+            value = not value  # the destination itself was named (masked-softmax-fusion: false), not --no-...
+        defaults[action.dest] = value
+    return defaults
+
+
+def parse_args(argv=None, extra_args_provider=None, defaults=None) -> argparse.Namespace:
+    """Parse flags (and ``--config``) into Megatron-LM's flat ``args``; not yet validated.
+    ``defaults`` (dest -> value) replace field defaults; the YAML file and the CLI still win."""
+    parser = build_parser(extra_args_provider)
+    if defaults:
+        parser.set_defaults(**defaults)
+    known, _ = parser.parse_known_args(argv)
+    if known.config is not None:
+        parser.set_defaults(**load_yaml_defaults(parser, known.config))
+    return parser.parse_args(argv)
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_power_of_two_in(value: int, low: int, high: int) -> bool:
+    return low <= value <= high and value & (value - 1) == 0
+
+
+def _transformer_engine_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _validate_parallel(args) -> None:
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    model_parallel = tp * pp * cp
+    _check(args.world_size % model_parallel == 0,
+           f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+           f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}: change the sizes or the process count")
+    args.data_parallel_size = args.world_size // model_parallel
+    _check(not args.sequence_parallel or tp > 1,
+           "--sequence-parallel needs --tensor-model-parallel-size > 1: drop --sequence-parallel or raise TP")
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    if ep > 1:
+        _check(args.num_experts is not None, "--expert-model-parallel-size > 1 needs --num-experts")
+    expert_parallel = ep * etp * pp * cp
+    _check(args.world_size % expert_parallel == 0,
+           f"world size {args.world_size} is not divisible by --expert-model-parallel-size {ep} x "
+           f"--expert-tensor-parallel-size {etp} x PP {pp} x CP {cp}: change the expert-parallel sizes")
+    _validate_virtual_pipeline(args)
+
+
+def _validate_virtual_pipeline(args) -> None:
+    pp = args.pipeline_model_parallel_size
+    per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    _check(per_stage is None or per_rank is None,
+           "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank")
+    vp = per_rank
+    if per_stage is not None:
+        _check(args.num_layers % (pp * per_stage) == 0,
+               f"--num-layers {args.num_layers} is not divisible by PP {pp} x "
+               f"--num-layers-per-virtual-pipeline-stage {per_stage}")
+        vp = args.num_layers // pp // per_stage
+    if vp is not None and vp > 1:
+        _check(pp > 1, "the interleaved schedule needs --pipeline-model-parallel-size > 1: drop the virtual-stage flag")
+        args.virtual_pipeline_model_parallel_size = vp
+    else:
+        args.virtual_pipeline_model_parallel_size = None
+        args.overlap_p2p_comm = False  # only the interleaved schedule overlaps p2p (as Megatron-LM)
+    stages = pp * (args.virtual_pipeline_model_parallel_size or 1)
+    _check(args.num_layers % stages == 0,
+           f"--num-layers {args.num_layers} is not divisible by PP {pp} x virtual stages "
+           f"{args.virtual_pipeline_model_parallel_size or 1}: change --num-layers or the pipeline sizes")
+
+
+def _validate_model(args) -> None:
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr"):
+        _check(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
+    tp = args.tensor_model_parallel_size
+    heads = args.num_attention_heads
+    _check(heads % tp == 0, f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}")
+    if not args.group_query_attention:
+        args.num_query_groups = heads
+    _check(args.num_query_groups % tp == 0,
+           f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.kv_channels is None:
+        _check(args.hidden_size % heads == 0,
+               f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}: set --kv-channels")
+        args.kv_channels = args.hidden_size // heads
+    if args.ffn_hidden_size is None:
+        # SwiGLU keeps the MLP's parameter count of a 4h GeLU MLP, rounded down to a multiple of 64.
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute":
+        _check(args.seq_length <= args.max_position_embeddings,
+               f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    _check(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive: pick one")
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    _check(args.spec is None or len(args.spec) == 2, f"--spec takes MODULE NAME, got {args.spec}")
+    if args.recompute_granularity == "full":
+        _check(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
+    _validate_transformer_impl(args)
+
+
+def _validate_transformer_impl(args) -> None:
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if _transformer_engine_installed() else "local"
+    if args.transformer_impl == "transformer_engine":
+        _check(_transformer_engine_installed(),
+               "--transformer-impl transformer_engine asks for Transformer Engine, which is not installed: "
+               "pip install '.[te]' or use --transformer-impl local")
+
+
+def _validate_moe(args) -> None:
+    if args.num_experts is None:
+        return
+    ep = args.expert_model_parallel_size
+    _check(args.num_experts % ep == 0,
+           f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+    _check(args.moe_router_topk <= args.num_experts,
+           f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+    _check(args.tensor_model_parallel_size == 1 or args.sequence_parallel,
+           "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel: add it")
+    # megatron-core 0.16.1 adds the expert bias in place on a view when no expert communication
+    # happens (mlp.py:247), which autograd forbids.
+    _check(not args.add_bias_linear or ep * args.expert_tensor_parallel_size > 1,
+           "MoE with linear biases at --expert-model-parallel-size 1 and expert-TP 1 hits a megatron-core bug "
+           "(in-place bias add on a view): add --disable-bias-linear (as Mixtral/OLMoE do) or use EP > 1")
+    if not torch.cuda.is_available():
+        _check(args.moe_token_dispatcher_type != "alltoall" or args.expert_tensor_parallel_size == 1,
+               "on CPU (gloo) the alltoall dispatcher with --expert-tensor-parallel-size > 1 needs uneven "
+               "all-gathers, which gloo lacks: add --expert-tensor-parallel-size 1")
+    if args.moe_grouped_gemm:
+        _check(torch.cuda.is_available(), "--moe-grouped-gemm needs CUDA: drop it on CPU")
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+
+
+def _validate_batch_and_schedule(args) -> None:
+    micro_dp = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = micro_dp
+    _check(args.global_batch_size % micro_dp == 0,
+           f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+           f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}: change the batch sizes")
+    args.num_micro_batches = args.global_batch_size // micro_dp
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size is not None:
+        _check(args.num_micro_batches % pp == 0,
+               f"the interleaved schedule runs micro-batches in groups of PP={pp}, but --global-batch-size / "
+               f"(--micro-batch-size x DP) = {args.num_micro_batches}: make it a multiple of {pp}")
+    _check((args.train_iters is None) != (args.train_samples is None),
+           "give exactly one of --train-iters and --train-samples")
+    if args.train_samples is not None:
+        args.train_iters = args.train_samples // args.global_batch_size
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    _check(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
+           "give only one of --lr-warmup-iters and --lr-warmup-fraction")
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if not args.overlap_param_gather:
+        args.align_param_gather = False
+    else:
+        args.align_param_gather = args.virtual_pipeline_model_parallel_size is not None
+    _check(not args.overlap_param_gather or args.use_distributed_optimizer,
+           "--overlap-param-gather needs --use-distributed-optimizer: add it")
+
+
+def _validate_data(args) -> None:
+    _check(args.data_path is not None or args.mock_data or args.builtin_corpus is not None,
+           "no training data: give --data-path PREFIX, --mock-data or --builtin-corpus python-stdlib")
+
+
+def _validate_compression(args) -> None:
+    if args.tp_comm_compression != "none":
+        _check(args.transformer_impl == "local",
+               "--tp-comm-compression taco needs --transformer-impl local: TACO hooks replace the local-spec linears; "
+               "Transformer Engine does its TP communication inside its own kernels: add --transformer-impl local")
+    _check(args.param_gather_compression == "none" or args.use_distributed_optimizer,
+           f"--param-gather-compression {args.param_gather_compression} compresses the distributed optimizer's "
+           f"param all-gather: add --use-distributed-optimizer")
+    for flag, low, high in (("taco_block_size", 32, 1024), ("ciera_block_size", 32, 8192), ("delta_block_size", 32, 8192)):
+        value = getattr(args, flag)
+        _check(_is_power_of_two_in(value, low, high),
+               f"--{flag.replace('_', '-')} must be a power of two in {low}..{high}, got {value}")
+    _check(args.tp_comm_compression_min_bytes >= 0,
+           f"--tp-comm-compression-min-bytes must be >= 0, got {args.tp_comm_compression_min_bytes}")
+    _check(args.ciera_cache_budget_mb is None or args.ciera_cache_budget_mb > 0,
+           f"--ciera-cache-budget-mb must be positive (or omitted for unlimited), got {args.ciera_cache_budget_mb}")
+
+
+def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = None) -> argparse.Namespace:
+    """Derive sizes (DP, virtual pipeline, micro-batches, ...) and reject bad combinations.
+    ``world_size``/``rank`` default to torchrun's WORLD_SIZE/RANK (1/0 without them)."""
+    args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    args.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
+    _validate_model(args)
+    _validate_parallel(args)  # sets expert_tensor_parallel_size, used by _validate_moe
+    _validate_moe(args)
+    _validate_batch_and_schedule(args)
+    _validate_data(args)
+    _validate_compression(args)
+    args.consumed_train_samples = getattr(args, "consumed_train_samples", 0)
+    args.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)
+    args.padded_vocab_size = getattr(args, "padded_vocab_size", None)
+    return args
+
+
+def set_padded_vocab_size(args, vocab_size: int) -> int:
+    """Round the tokenizer's vocabulary up to a multiple of make_vocab_size_divisible_by x TP, so the
+    output layer splits evenly over tensor-parallel ranks (Megatron-LM's padding)."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    args.padded_vocab_size = -(-vocab_size // multiple) * multiple
+    return args.padded_vocab_size

@@ -1,0 +1,110 @@
+"""Process start-up: check the installed packages, start torch.distributed and megatron-core's
+parallel state, seed every RNG, and set up the micro-batch calculator.
+
+Backend choice: NCCL with one GPU per process (LOCAL_RANK) when CUDA is present, gloo on CPU (with the
+CPU shim of ``megatron.hooks.cpu`` installed first, since megatron-core assumes CUDA in places).
+"""
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+SUPPORTED_MCORE = ("0.16.1", "0.20")  # >= first, < second
+
+
+def check_installation() -> None:
+    """Fail loudly if ``megatron.core`` is not a supported pip megatron-core or ``megatron.training`` is
+    not this project's (a Megatron-LM checkout on PYTHONPATH merges into the ``megatron`` namespace)."""
+    from packaging.version import Version
+
+    import megatron.core
+    import megatron.training
+    from megatron.core.package_info import __version__
+
+    low, high = SUPPORTED_MCORE
+    if not Version(low) <= Version(__version__) < Version(high):
+        raise RuntimeError(f"megatron-core {__version__} at {megatron.core.__path__[0]} is not supported: "
+                           f"pip install 'megatron-core>={low},<{high}'")
+    ours = os.path.dirname(os.path.abspath(__file__))
+    found = os.path.dirname(os.path.abspath(megatron.training.__file__))
+    if os.path.realpath(ours) != os.path.realpath(found):
+        raise RuntimeError(f"megatron.training resolves to {found}, not this project's {ours}: a Megatron-LM "
+                           f"checkout on PYTHONPATH shadows it; remove it from PYTHONPATH")
+
+
+def install_cpu_support() -> bool:
+    """Without CUDA: redirect megatron-core's CUDA calls to the CPU. Returns True on CPU."""
+    if torch.cuda.is_available():
+        return False
+    from megatron.hooks import cpu
+
+    cpu.apply()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # N ranks share the cores; more threads only contend
+    return True
+
+
+def allow_torch_norm_under_sequence_parallel(args) -> None:
+    """The local spec falls back to torch norms without apex, and those refuse SP although a norm
+    over the hidden dimension is exact on a sequence shard (megatron.hooks.norm)."""
+    import importlib.util
+
+    if args.sequence_parallel and args.transformer_impl == "local" and importlib.util.find_spec("apex") is None:
+        from megatron.hooks import norm
+
+        norm.allow_sequence_parallel_torch_norm()
+
+
+def initialize_distributed(args) -> None:
+    """torch.distributed from torchrun's environment (a one-process world without it)."""
+    if torch.distributed.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend, world_size=args.world_size, rank=args.rank,
+                                         timeout=timedelta(minutes=30))
+
+
+def initialize_model_parallel(args) -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+
+
+def set_random_seed(seed: int) -> None:
+    """Same seed on every rank: with use_cpu_initialization megatron-core draws each full weight from
+    this generator and slices it, so the model is identical for every parallel layout. The
+    model-parallel tracker gets rank-dependent seeds for TP-sharded dropout."""
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_megatron(args) -> None:
+    """Everything before the model is built. ``args`` must have passed ``validate_args``."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    check_installation()
+    install_cpu_support()
+    allow_torch_norm_under_sequence_parallel(args)
+    initialize_distributed(args)
+    initialize_model_parallel(args)
+    set_random_seed(args.seed)
+    init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
+                                     args.data_parallel_size)

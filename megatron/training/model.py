@@ -1,0 +1,229 @@
+"""Model, DDP, optimizer and LR schedule from ``args``, in Megatron-LM's order:
+
+    GPTModel chunks (one per virtual pipeline stage) -> layout-independent init -> Float16Module
+    -> TP compression hooks (if asked) -> DDP -> optimizer + scheduler -> param-gather compression (if asked)
+
+Layout-independent init: megatron-core draws weights in construction order from one generator, so a
+pipeline stage (or expert-parallel rank) that does not build the earlier layers (experts) would draw
+different numbers. We therefore redraw every weight matrix from a generator seeded by
+(seed, the parameter's global name), as a full tensor that each rank slices like megatron-core's
+``_initialize_affine_weight_cpu``. Any TP/PP/VP/DP/EP layout then starts from the same model. Vectors
+(biases, norm weights) are constants in megatron-core and are left as built.
+"""
+
+import hashlib
+import re
+
+import torch
+import torch.nn.functional as F
+
+
+def core_transformer_config(args):
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = args.params_dtype
+    on_cpu = not torch.cuda.is_available()
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, add_bias_linear=args.add_bias_linear,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
+        pipeline_dtype=dtype if args.pipeline_model_parallel_size > 1 else None,
+        use_cpu_initialization=on_cpu,
+        gradient_accumulation_fusion=False,  # needs a CUDA extension that the pip wheel does not ship
+        # the fused softmax kernel is CUDA-only and selected for bf16/fp16
+        masked_softmax_fusion=args.masked_softmax_fusion and not (on_cpu and dtype != torch.float32),
+        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion,
+        # Megatron-LM's p2p defaults: unbatched, overlapped for the interleaved schedule (batched p2p
+        # with PP=2 pairs the wrong messages on gloo: megatron-core-cpu.md item 3).
+        batch_p2p_comm=not interleaved, batch_p2p_sync=not on_cpu, overlap_p2p_comm=interleaved and args.overlap_p2p_comm,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_grouped_gemm=args.moe_grouped_gemm,
+    )
+
+
+def layer_spec(args, config, vp_stage):
+    """Megatron-LM's spec choice: --spec, else MoE block spec, else the local or TE layer spec."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if args.spec is not None:
+        import importlib
+
+        module, name = args.spec
+        spec = getattr(importlib.import_module(module), name)
+        return spec() if callable(spec) else spec
+    use_te = args.transformer_impl == "transformer_engine"
+    if args.num_experts is not None:
+        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                          normalization=args.normalization, vp_stage=vp_stage)
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()  # TE reads the norm from config
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=args.normalization)
+
+
+def build_gpt_chunk(args, config, vp_stage):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return GPTModel(
+        config=config, transformer_layer_spec=layer_spec(args, config, vp_stage),
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, vp_stage=vp_stage,
+    )
+
+
+def _global_name(chunk, name: str, param) -> str:
+    """The parameter's name in the unpartitioned model: global layer and expert indices, and the
+    last stage's copy of a tied embedding named as the embedding."""
+    if getattr(param, "shared_embedding", False):
+        return "embedding.word_embeddings.weight"
+    match = re.match(r"decoder\.layers\.(\d+)\.", name)
+    if match:
+        layer = chunk.decoder.layers[int(match.group(1))]
+        name = f"decoder.layers.{layer.layer_number - 1}." + name[match.end():]
+        expert = re.search(r"local_experts\.(\d+)\.", name)
+        if expert:
+            from megatron.core import parallel_state
+
+            local = layer.mlp.experts.num_local_experts
+            index = parallel_state.get_expert_model_parallel_rank() * local + int(expert.group(1))
+            name = name[:expert.start()] + f"local_experts.{index}." + name[expert.end():]
+    return name
+
+
+def _tensor_parallel_slice(param, full):
+    """This rank's slice of ``full``, split as megatron-core splits a master weight (with stride)."""
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    if getattr(param, "allreduce", True):
+        rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    else:  # expert parameter: sharded over the expert tensor-parallel group
+        rank, size = (parallel_state.get_expert_tensor_parallel_rank(),
+                      parallel_state.get_expert_tensor_parallel_world_size())
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    pieces = torch.chunk(full, size * stride, dim=dim)
+    return torch.cat(pieces[rank::size], dim=dim)
+
+
+def init_weights_layout_independent(chunk, config, seed: int) -> None:
+    for name, param in chunk.named_parameters():
+        if param.dim() < 2:
+            continue
+        global_name = _global_name(chunk, name, param)
+        full_shape = list(param.shape)
+        if getattr(param, "tensor_model_parallel", False):
+            from megatron.core import parallel_state
+
+            size = (parallel_state.get_tensor_model_parallel_world_size() if getattr(param, "allreduce", True)
+                    else parallel_state.get_expert_tensor_parallel_world_size())
+            full_shape[param.partition_dim] *= size
+        digest = hashlib.sha256(f"{seed}:{global_name}".encode()).digest()
+        scaled = global_name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+        init = config.output_layer_init_method if scaled else config.init_method
+        # Drawn on the parameter's device: fast on GPU; CPU and CUDA generators give different
+        # (equally valid) draws, so compare layouts on one kind of device.
+        cuda = [param.device] if param.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+            full = torch.empty(full_shape, dtype=torch.float32, device=param.device)
+            init(full)
+        with torch.no_grad():
+            param.copy_(_tensor_parallel_slice(param, full))
+
+
+def build_model_chunks(args, config) -> list:
+    """One GPTModel per virtual pipeline stage of this rank, initialized layout-independently and
+    wrapped in Float16Module for bf16/fp16 (the torch norm fallback ignores params_dtype)."""
+    from megatron.core.transformer.module import Float16Module
+
+    vp_size = args.virtual_pipeline_model_parallel_size
+    stages = range(vp_size) if vp_size is not None else [None]
+    chunks = []
+    for vp_stage in stages:
+        chunk = build_gpt_chunk(args, config, vp_stage)
+        init_weights_layout_independent(chunk, config, args.seed)
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        if args.bf16 or args.fp16:
+            chunk = Float16Module(config, chunk)
+        chunks.append(chunk)
+    return chunks
+
+
+def wrap_ddp(args, config, chunks) -> list:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+        align_param_gather=args.align_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+    )
+    # Only the first chunk's buckets may be skipped for overlap (Megatron-LM's bucketing rule).
+    return [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)]
+
+
+def build_optimizer(args, ddp_chunks):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=ddp_chunks[0].config.params_dtype, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
+    )
+    optimizer = get_megatron_optimizer(config, ddp_chunks)
+    # The scheduler counts samples, stepped by the global batch size each iteration (Megatron-LM).
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def setup_model_and_optimizer(args):
+    """Returns (ddp_chunks, optimizer, scheduler, config). Compression hooks are imported only when
+    asked for, so with every compression off the run is stock megatron-core."""
+    config = core_transformer_config(args)
+    chunks = build_model_chunks(args, config)
+    if args.tp_comm_compression != "none":
+        from megatron.hooks.tp import apply_tp_compression
+
+        apply_tp_compression(chunks, args)
+    ddp_chunks = wrap_ddp(args, config, chunks)
+    optimizer, scheduler = build_optimizer(args, ddp_chunks)
+    if args.param_gather_compression != "none":
+        from megatron.hooks.param_gather import apply_param_gather_compression
+
+        apply_param_gather_compression(ddp_chunks, args)
+    return ddp_chunks, optimizer, scheduler, config

@@ -1,0 +1,226 @@
+"""The training loop on megatron-core: ``pretrain`` builds everything, then every iteration runs the
+pipeline schedule's forward-backward over the micro-batches, the optimizer and LR steps, and writes
+one metrics record; evaluation and checkpoints happen at their intervals.
+
+Loss: each micro-batch returns (sum of masked token losses, token count); megatron-core divides by
+both for the gradient, and the reported loss is the token-weighted mean over the global batch
+(all micro-batches of all DP ranks), summed in float64 on the last pipeline stage.
+"""
+
+import itertools
+import time
+from functools import partial
+
+import torch
+
+from megatron.training import metrics
+from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
+from megatron.training.initialize import initialize_megatron
+from megatron.training.model import setup_model_and_optimizer
+
+AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+
+def get_batch(data_iterator):
+    """Every stage consumes a batch (keeps the per-chunk iterators aligned); the first stage uses the
+    tokens, the last the labels and loss mask."""
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items() if value is not None}
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    loss_mask = loss_mask.float().view(-1)
+    loss_sum = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+
+
+def forward_step(data_iterator, model):
+    batch = get_batch(data_iterator)
+    output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output_tensor, partial(loss_func, batch["loss_mask"])
+
+
+def global_mean_loss(losses_reduced) -> float:
+    """Token-weighted mean loss over all micro-batches and DP ranks, identical on every rank.
+    Only one rank per DP replica (last PP stage, TP rank 0) contributes, so one world all-reduce sums
+    exactly the DP replicas."""
+    from megatron.core import parallel_state
+
+    totals = torch.zeros(2, dtype=torch.float64, device=metrics.collective_device())
+    contributes = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                   and parallel_state.get_tensor_model_parallel_rank() == 0
+                   and parallel_state.get_context_parallel_rank() == 0)
+    if contributes:
+        for item in losses_reduced:
+            totals += item["lm loss"].detach().to(totals.device, torch.float64)
+    torch.distributed.all_reduce(totals)
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def wire_config_hooks(config, ddp_chunks, optimizer, args) -> None:
+    """The schedule's callbacks, as Megatron-LM sets them: loss scaling, DDP grad-sync control for
+    overlapped reduction, param-gather dispatch for overlapped all-gather, and grad finalization."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def one_or_list(functions):
+        return functions[0] if len(functions) == 1 else functions
+
+    config.grad_scale_func = optimizer.scale_loss
+    if args.overlap_grad_reduce:
+        config.no_sync_func = one_or_list([chunk.no_sync for chunk in ddp_chunks])
+        config.grad_sync_func = one_or_list([chunk.start_grad_sync for chunk in ddp_chunks])
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = one_or_list([chunk.start_param_sync for chunk in ddp_chunks])
+    config.finalize_model_grads_func = finalize_model_grads
+
+
+def run_schedule(args, ddp_chunks, data_iterators, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_backward = get_forward_backward_func()
+    return forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
+        model=ddp_chunks, num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=forward_only,
+    )
+
+
+def train_step(args, ddp_chunks, optimizer, scheduler, data_iterators) -> dict:
+    for chunk in ddp_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses_reduced = run_schedule(args, ddp_chunks, data_iterators, forward_only=False)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return {"loss": global_mean_loss(losses_reduced), "grad_norm": grad_norm,
+            "skipped": not update_successful}
+
+
+def evaluate(args, ddp_chunks, data_iterators) -> float:
+    for chunk in ddp_chunks:
+        chunk.eval()
+    total = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            total += run_schedule(args, ddp_chunks, data_iterators, forward_only=True)
+    for chunk in ddp_chunks:
+        chunk.train()
+    args.consumed_valid_samples += args.eval_iters * args.global_batch_size
+    return global_mean_loss(total)
+
+
+def moe_aux_loss(args):
+    """Mean load-balancing loss per MoE layer of this iteration (megatron-core's tracker), or None."""
+    name = AUX_LOSS_NAMES.get(args.moe_router_load_balancing_type)
+    if args.num_experts is None or name is None or args.moe_aux_loss_coeff == 0:
+        return None
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
+
+    totals = {}
+    track_moe_metrics(loss_scale=1.0 / args.num_micro_batches, iteration=0, total_loss_dict=totals,
+                      force_initialize=True, track_names=[name], num_layers=args.num_layers)
+    clear_aux_losses_tracker()
+    return totals[name].item()
+
+
+def split_per_chunk(iterator, num_chunks: int) -> list:
+    """The interleaved schedule pulls each micro-batch once per model chunk: give every chunk its own
+    view of one stream (itertools.tee buffers only the micro-batches in flight)."""
+    if iterator is None:
+        return [None] * num_chunks
+    return list(itertools.tee(iterator, num_chunks)) if num_chunks > 1 else [iterator]
+
+
+def save(args, iteration, ddp_chunks, optimizer, scheduler) -> None:
+    from megatron.training.checkpointing import save_checkpoint
+
+    # With overlapped param gathers the model params may be stale: finish the gather first (Megatron-LM).
+    if args.overlap_param_gather:
+        for chunk in ddp_chunks:
+            chunk.disable_forward_pre_hook(param_sync=True)
+    save_checkpoint(args, iteration, ddp_chunks, optimizer, scheduler)
+    if args.overlap_param_gather:
+        for chunk in ddp_chunks:
+            chunk.enable_forward_pre_hook()
+
+
+def load(args, ddp_chunks, optimizer, scheduler) -> int:
+    from megatron.training.checkpointing import load_checkpoint
+
+    iteration = load_checkpoint(args, ddp_chunks, optimizer, scheduler)
+    if args.param_gather_compression != "none":
+        from megatron.hooks.param_gather import reset_param_gather_state
+
+        reset_param_gather_state(ddp_chunks)  # parameters were rewritten: next gather is a keyframe
+    return iteration
+
+
+def iteration_record(args, iteration, step, iter_time, optimizer) -> dict:
+    tokens = args.global_batch_size * args.seq_length
+    grad_norm = step["grad_norm"]
+    return {
+        "iteration": iteration, "consumed_samples": args.consumed_train_samples, "loss": step["loss"],
+        "lr": optimizer.param_groups[0]["lr"], "grad_norm": None if grad_norm is None else float(grad_norm),
+        "iter_time_s": iter_time, "tokens_per_s": tokens / iter_time,
+        "tflops_per_gpu": metrics.gpt_flops_per_iteration(args) / iter_time / args.world_size / 1e12,
+        "skipped": step["skipped"],
+    }
+
+
+def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_iteration: int) -> int:
+    train_iters, valid_iters = iterators
+    wire_config_hooks(config, ddp_chunks, optimizer, args)
+    writer = metrics.MetricsWriter(args)
+    iteration = start_iteration
+    while iteration < args.train_iters:
+        start = time.perf_counter()
+        step = train_step(args, ddp_chunks, optimizer, scheduler, train_iters)
+        iteration += 1
+        args.consumed_train_samples += args.global_batch_size
+        record = iteration_record(args, iteration, step, time.perf_counter() - start, optimizer)
+        record.update(metrics.reduce_telemetry())
+        aux = moe_aux_loss(args)
+        if aux is not None:
+            record["moe_aux_loss"] = aux
+        if args.eval_interval and iteration % args.eval_interval == 0 and valid_iters[0] is not None:
+            record["eval_loss"] = evaluate(args, ddp_chunks, valid_iters)
+        if args.params_checksum_interval and iteration % args.params_checksum_interval == 0:
+            record["params_checksum"] = metrics.params_checksum(ddp_chunks)
+        writer.write(record)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save(args, iteration, ddp_chunks, optimizer, scheduler)
+    writer.close()
+    return iteration
+
+
+def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", argv=None) -> int:
+    """Parse, initialize, build, (resume,) train, save. Returns the last iteration.
+    ``args_defaults`` override flag defaults (CLI and --config still win); ``model_type`` 'moe'
+    requires --num-experts."""
+    from megatron.training.data import build_train_valid_test_data_iterators
+    from megatron.training.tokenizer import build_tokenizer
+
+    args = parse_args(argv, extra_args_provider, defaults=args_defaults)
+    validate_args(args)
+    if model_type == "moe" and args.num_experts is None:
+        raise ValueError("pretrain_moe.py trains a mixture of experts: add --num-experts N")
+    initialize_megatron(args)
+    tokenizer = build_tokenizer(args)
+    set_padded_vocab_size(args, tokenizer.vocab_size)
+    ddp_chunks, optimizer, scheduler, config = setup_model_and_optimizer(args)
+    start = load(args, ddp_chunks, optimizer, scheduler) if args.load else 0
+    train_iter, valid_iter, _ = build_train_valid_test_data_iterators(args, tokenizer)
+    chunks = len(ddp_chunks)
+    iteration = train(args, ddp_chunks, optimizer, scheduler, config,
+                      (split_per_chunk(train_iter, chunks), split_per_chunk(valid_iter, chunks)), start)
+    saved_by_interval = args.save_interval and iteration % args.save_interval == 0
+    if args.save and iteration > start and not saved_by_interval:
+        save(args, iteration, ddp_chunks, optimizer, scheduler)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return iteration

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The main job of the README: a small GPT trained on CPU with TP=2 x PP=2 x DP=2 (8 processes) on real
+# text (the Python standard library's sources, byte-tokenized) with the distributed optimizer.
+# A couple of minutes on 2 cores. Metrics: runs/main/metrics.jsonl (one JSON object per iteration).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+
+# Compression flags (e.g. --tp-comm-compression taco --param-gather-compression ciera); empty = stock megatron-core.
+COMPRESSION_FLAGS=""
+
+OUT=${OUT:-runs/main}
+mkdir -p "$OUT"
+export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
+
+# shellcheck disable=SC2086  # COMPRESSION_FLAGS is a list of flags
+.venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 8 pretrain_gpt.py \
+  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel \
+  --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
+  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+  --micro-batch-size 4 --global-batch-size 32 --train-iters 100 \
+  --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.01 --clip-grad 1.0 \
+  --hidden-dropout 0 --attention-dropout 0 --no-bias-gelu-fusion --no-bias-dropout-fusion \
+  --transformer-impl local --builtin-corpus python-stdlib --tokenizer-type ByteTokenizer \
+  --log-interval 10 --eval-interval 50 --eval-iters 4 --params-checksum-interval 50 \
+  --metrics-file "$OUT/metrics.jsonl" \
+  $COMPRESSION_FLAGS "$@"

@@ -1,0 +1,195 @@
+"""Flag parsing, --config YAML precedence, derived sizes, and every bad-input error of validate_args."""
+
+import glob
+import os
+
+import pytest
+
+from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--lr 1e-3 --train-iters 10 --mock-data --transformer-impl local")
+
+
+def make(flags="", world_size=1, base=BASE):
+    return validate_args(parse_args((base + " " + flags).split()), world_size=world_size, rank=0)
+
+
+def test_defaults_follow_megatron_lm():
+    args = parse_args([])
+    assert args.tensor_model_parallel_size == 1 and args.pipeline_model_parallel_size == 1
+    assert args.split == "969,30,1" and args.seed == 1234 and args.make_vocab_size_divisible_by == 128
+    assert args.tokenizer_type == "ByteTokenizer" and args.ckpt_format == "torch_dist"
+    assert args.tp_comm_compression == "none" and args.param_gather_compression == "none"
+    assert args.taco_block_size == 256 and args.ciera_block_size == 512 and args.delta_block_size == 256
+    assert args.ciera_change_detect == "compare" and args.ciera_cache_budget_mb is None
+    assert args.masked_softmax_fusion and args.add_bias_linear and args.hidden_dropout == 0.1
+
+
+def test_derived_sizes():
+    args = make("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 16", world_size=8)
+    assert args.data_parallel_size == 2 and args.virtual_pipeline_model_parallel_size == 2
+    assert args.num_micro_batches == 4 and args.overlap_p2p_comm
+    assert args.ffn_hidden_size == 256 and args.kv_channels == 16 and args.num_query_groups == 4
+    assert args.max_position_embeddings == 32 and args.lr_decay_iters == 10
+    assert make("--num-virtual-stages-per-pipeline-rank 2 --pipeline-model-parallel-size 2 --global-batch-size 4",
+                world_size=2).virtual_pipeline_model_parallel_size == 2
+    plain = make()
+    assert plain.virtual_pipeline_model_parallel_size is None and not plain.overlap_p2p_comm
+    assert plain.global_batch_size == 2 and plain.data_parallel_size == 1
+    assert make("--swiglu").ffn_hidden_size == 128  # 2/3 of 4h, multiple of 64
+    assert make("--lr-warmup-fraction 0.2").lr_warmup_iters == 2
+    assert set_padded_vocab_size(make("--tensor-model-parallel-size 2", world_size=2), 257) == 512
+    assert set_padded_vocab_size(plain, 257) == 384
+
+
+def test_train_samples_alternative():
+    args = validate_args(parse_args(BASE.replace("--train-iters 10", "--train-samples 64").split()), world_size=1)
+    assert args.train_iters == 32
+
+
+ERRORS = [
+    ("--tensor-model-parallel-size 2", 3, "world size 3 is not divisible by --tensor-model-parallel-size 2"),
+    ("--context-parallel-size 2", 3, "--context-parallel-size 2"),
+    ("--num-attention-heads 6 --kv-channels 8 --tensor-model-parallel-size 4", 4,
+     "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+    ("--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2", 2,
+     "--num-query-groups 1 is not divisible"),
+    ("--pipeline-model-parallel-size 3", 3, "--num-layers 4 is not divisible by PP 3"),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 4", 2, "virtual stages 4"),
+    ("--num-layers-per-virtual-pipeline-stage 3 --pipeline-model-parallel-size 2", 2,
+     "--num-layers-per-virtual-pipeline-stage 3"),
+    ("--num-virtual-stages-per-pipeline-rank 2", 1, "needs --pipeline-model-parallel-size > 1"),
+    ("--global-batch-size 6", 2, "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 6", 2,
+     "make it a multiple of 2"),
+    ("--sequence-parallel", 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    ("--expert-model-parallel-size 2", 2, "--expert-model-parallel-size > 1 needs --num-experts"),
+    ("--num-experts 3 --expert-model-parallel-size 2", 2, "--num-experts 3 is not divisible"),
+    ("--num-experts 4 --expert-model-parallel-size 4", 2, "not divisible by --expert-model-parallel-size 4"),
+    ("--num-experts 4 --tensor-model-parallel-size 2", 2, "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel"),
+    ("--num-experts 4 --moe-router-topk 5", 1, "--moe-router-topk 5 exceeds"),
+    ("--num-experts 4", 1, "MoE with linear biases at --expert-model-parallel-size 1"),
+    ("--fp16 --bf16", 1, "--fp16 and --bf16 are exclusive"),
+    ("--param-gather-compression ciera", 1, "add --use-distributed-optimizer"),
+    ("--overlap-param-gather", 1, "--overlap-param-gather needs --use-distributed-optimizer"),
+    ("--taco-block-size 100", 1, "--taco-block-size must be a power of two in 32..1024, got 100"),
+    ("--taco-block-size 2048", 1, "--taco-block-size must be a power of two in 32..1024, got 2048"),
+    ("--ciera-block-size 16", 1, "--ciera-block-size must be a power of two in 32..8192, got 16"),
+    ("--delta-block-size 300", 1, "--delta-block-size must be a power of two"),
+    ("--ciera-cache-budget-mb 0", 1, "--ciera-cache-budget-mb must be positive"),
+    ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1, "only one of --lr-warmup-iters and --lr-warmup-fraction"),
+    ("--train-samples 8", 1, "exactly one of --train-iters and --train-samples"),
+    ("--recompute-granularity full", 1, "--recompute-method"),
+    ("--seq-length 64 --max-position-embeddings 32", 1, "--seq-length 64 exceeds --max-position-embeddings 32"),
+]
+
+
+@pytest.mark.parametrize("flags, world_size, message", ERRORS)
+def test_bad_input_is_a_clear_error(flags, world_size, message):
+    with pytest.raises(ValueError) as error:
+        make(flags, world_size)
+    assert message in str(error.value)
+
+
+def test_taco_requires_local_transformer_impl(monkeypatch):
+    import megatron.training.arguments as arguments
+
+    monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: True)
+    with pytest.raises(ValueError, match="TACO hooks replace the local-spec linears.*add --transformer-impl local"):
+        make("--tp-comm-compression taco --transformer-impl transformer_engine")
+    assert make("--tp-comm-compression taco").tp_comm_compression == "taco"
+
+
+def test_missing_data_and_required_flags():
+    with pytest.raises(ValueError, match="--data-path PREFIX, --mock-data or --builtin-corpus python-stdlib"):
+        make(base=BASE.replace("--mock-data", ""))
+    assert make(base=BASE.replace("--mock-data", "--builtin-corpus python-stdlib")).builtin_corpus == "python-stdlib"
+    assert make(base=BASE.replace("--mock-data", "--data-path 0.5 a 0.5 b")).data_path == ["0.5", "a", "0.5", "b"]
+    with pytest.raises(ValueError, match="--hidden-size is required"):
+        make(base=BASE.replace("--hidden-size 64", ""))
+
+
+def test_transformer_engine_missing_or_default(monkeypatch):
+    import megatron.training.arguments as arguments
+
+    monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: False)
+    assert make(base=BASE.replace("--transformer-impl local", "")).transformer_impl == "local"
+    with pytest.raises(ValueError, match="Transformer Engine, which is not installed"):
+        make("--transformer-impl transformer_engine")
+    monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: True)
+    assert make(base=BASE.replace("--transformer-impl local", "")).transformer_impl == "transformer_engine"
+
+
+def test_moe_cpu_limits(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--moe-grouped-gemm needs CUDA"):
+        make("--num-experts 4 --moe-grouped-gemm --disable-bias-linear")
+    with pytest.raises(ValueError, match="add --expert-tensor-parallel-size 1"):
+        make("--num-experts 4 --moe-token-dispatcher-type alltoall --tensor-model-parallel-size 2 "
+             "--sequence-parallel --expert-model-parallel-size 2", world_size=4)
+
+
+def test_yaml_config_precedence_and_types(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "tensor-model-parallel-size: 2\n"
+        "hidden_size: 128\n"           # underscores accepted
+        "lr: 3e-4\n"                   # YAML 1.1 reads this as a string: the flag's type converts it
+        "sequence-parallel: true\n"
+        "no-masked-softmax-fusion: true\n"
+        "disable-bias-linear: true\n"
+        "data-path: [a, b]\n"
+        "ciera-verify-interval: 5\n"   # alias of --param-gather-verify-interval
+        "overlap-grad-reduce: false\n"
+        "bias-dropout-fusion: false\n"  # a destination name, not a flag: the value is the attribute's
+    )
+    args = parse_args(f"--config {config} --tensor-model-parallel-size 4 --lr 1e-3".split())
+    assert args.tensor_model_parallel_size == 4 and args.lr == 1e-3  # the CLI wins
+    assert args.hidden_size == 128 and args.sequence_parallel
+    assert not args.masked_softmax_fusion and not args.add_bias_linear
+    assert args.data_path == ["a", "b"] and args.param_gather_verify_interval == 5
+    assert not args.overlap_grad_reduce and not args.bias_dropout_fusion
+    assert parse_args(f"--config {config}".split()).lr == 3e-4
+    assert parse_args(f"--config {config}".split(), defaults={"seed": 7}).seed == 7
+
+
+@pytest.mark.parametrize("text, message", [
+    ("hidden-sise: 64\n", "unknown key 'hidden-sise'"),
+    ("sequence-parallel: 3\n", "'sequence-parallel' must be true or false"),
+    ("taco-format: e3m4\n", "'taco-format' must be one of"),
+    ("num-layers: four\n", "'num-layers' expects int"),
+    ("- a\n- b\n", "expected a flat mapping"),
+])
+def test_yaml_config_errors(tmp_path, text, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError) as error:
+        parse_args(f"--config {config}".split())
+    assert message in str(error.value) and str(config) in str(error.value)
+
+
+@pytest.mark.parametrize("config", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
+                         ids=os.path.basename)
+def test_shipped_configs_parse_and_validate(config):
+    args = validate_args(parse_args(["--config", config]), world_size=1, rank=0)
+    assert args.num_layers > 0 and args.num_micro_batches >= 1
+
+
+def test_installation_checks(monkeypatch):
+    import megatron.core.package_info as package_info
+    import megatron.training
+    from megatron.training import initialize
+
+    initialize.check_installation()
+    monkeypatch.setattr(megatron.training, "__file__", "/elsewhere/Megatron-LM/megatron/training/__init__.py")
+    with pytest.raises(RuntimeError, match="shadows it; remove it from PYTHONPATH"):
+        initialize.check_installation()
+    monkeypatch.undo()
+    monkeypatch.setattr(package_info, "__version__", "0.12.0")
+    with pytest.raises(RuntimeError, match="megatron-core 0.12.0 .* is not supported"):
+        initialize.check_installation()
