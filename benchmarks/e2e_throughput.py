@@ -30,7 +30,7 @@ COMMON = ["--bf16", "--transformer-impl", "local", "--use-distributed-optimizer"
 
 # suite -> (nproc, shared flags, {variant: flags}); the first variant is the baseline.
 SUITES = {
-    "baseline_tp1": (1, ["--tensor-model-parallel-size", "1"], {"baseline": []}),
+    "baseline_tp1": (2, ["--tensor-model-parallel-size", "1"], {"baseline": []}),  # DP=2
     "baseline_tp2": (2, ["--tensor-model-parallel-size", "2"], {"baseline": []}),
     "tp2_taco": (2, ["--tensor-model-parallel-size", "2"], {
         "baseline": [],
