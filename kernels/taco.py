@@ -2,7 +2,7 @@
 
 The reference is the CPU path and the test oracle; ``taco_encode``/``taco_decode`` use Triton when
 the tensor is on CUDA and Triton imports. Both compute the same floating-point operations in the
-same order, so payload bytes and decoded values are bit-identical (see "Determinism" below).
+same order, so payload bytes, scales and decoded values are bit-identical (see "Determinism").
 
 Input layout: the flattened input of ``numel`` elements is cut into ``rows`` rows of
 ``row_len = ceil(numel / rows)`` elements (the last rows may be short or empty); each row is cut
@@ -12,37 +12,39 @@ into blocks of ``block_size`` values, zero-padded at the row's end. Wire: one re
     record k = [ q_k (block_size x uint8) | alpha_k (fp32) | s_k (fp32) ]      (block_size + 8 bytes)
 
 so a wire cut at record boundaries is still a valid wire: row r of a multi-row encode is bytes
-``[r * wire_nbytes(row_len), (r + 1) * wire_nbytes(row_len))``, which is what the compressed
-collectives send to rank r. Per block (values in fp32):
+``[r * wire_nbytes(row_len), (r + 1) * wire_nbytes(row_len))``, which is what the compiled
+collectives send to rank r. Per block (fp32 arithmetic, H = Sylvester Walsh-Hadamard, unnormalized):
 
-    alpha = 2^floor(log2(tau / sqrt(mean(x^2) + EPS)))   (transform "ash"; 1 otherwise)
-    z     = H(alpha * x) / sqrt(B)                        (Sylvester Walsh-Hadamard; z = x for "none")
-    s     = max|z| / Qmax   per block ("dual") or per encode call ("single"); 1 if that max is 0
-    q     = cast(z * (Qmax / max|z|))                     (round to nearest even on the format's grid)
-    decode: x' = H(q) * ((s / sqrt(B)) / alpha)           (H(q) first: a sum of small values)
+    alpha = 2^floor(log2(tau / sqrt(mean(x^2) + EPS)))   ("ash" with "single" scaling; else 1)
+    h     = H(alpha * x)                                 (h = x for transform "none")
+    m     = max|h| per block ("dual") or over the encode call ("single")
+    q     = cast(h * (Qmax / m))                         (round to nearest even on the format's grid)
+    s     = (m / sqrt(B)) / Qmax                         (the max scale of the normalized z = h / sqrt(B))
+    decode: x' = H(q) * ((s / sqrt(B)) / alpha)          (H(q) first: a sum of small values)
 
 tau = Qmax / sqrt(B): a block rescaled to RMS tau has |z| <= ||z||_2 = sqrt(B) * tau = Qmax, i.e. the
-rescaled, rotated block fits the format's range even before the max scale. alpha is rounded down to
-a power of two so the rescale is exact: with the per-block max scale the quantized values are then
-exactly those of Hadamard without rescale (the paper's unrounded alpha cancels only up to rounding).
+rescaled, rotated block fits the format's range even before the max scale. alpha is a power of two,
+so it only shifts exponents: under the per-block max scale ("dual") it cancels exactly from q and
+from s / alpha, so "ash" + "dual" is bit for bit "hadamard" + "dual" and the kernels skip it there.
+Under "single" scaling it equalizes the block energies before the one shared scale.
 
-Special values: a block holding a NaN or +-Inf decodes to all NaN (its stored s is NaN, payload 0);
-other blocks are unaffected. Finite inputs above ~1e18 in magnitude overflow the fp32 block energy
-under "ash" and also decode as NaN.
-
-Rounding to the FP8/INT8 grid is done in fp32 arithmetic ((y + c) - c with c = 1.5 * 2^23 * ulp(y)),
-after which the cast is exact: hardware converters, torch's and Triton's interpreter (whose FP8
-downcast does not round correctly) then all agree.
+Special values: a block whose rotated values are not all finite (it holds a NaN or +-Inf, or its
+Hadamard sums overflow fp32, |x| > ~1e36) decodes to all NaN (stored s = NaN, alpha = 1, payload 0);
+other blocks are unaffected. -0.0 keeps its sign on the payload grid.
 
 Determinism: the Hadamard rotation is log2(B) stages of pairwise a+b / a-b in a fixed order in both
-implementations; divisions and square roots are IEEE-rounded (``div_rn``/``sqrt_rn``); the kernels
-are compiled without multiply-add fusion; only the sum of squares is reduced in a different order,
-and it only picks the power of two alpha. Where
-that sum lands exactly on a power-of-two boundary the two implementations may store (alpha, s) both
-scaled by 2; the payload and decoded values are identical regardless.
+implementations; divisions and square roots are IEEE-rounded (``div_rn``/``sqrt_rn`` in Triton;
+tensor-by-tensor division in the reference, since torch divides by a Python scalar as a product
+with its reciprocal on CUDA); the kernels are compiled without multiply-add fusion. The cast is
+exact everywhere: the GPU kernels use the hardware's round-to-nearest-even FP8 converters; the
+reference and Triton's interpreter (whose FP8 downcast does not round correctly) first round in
+fp32 arithmetic ((|y| + c) - c with c = 1.5 * 2^23 * ulp(y), sign restored), as INT8 does
+everywhere. Only the "ash" + "single" energy sum is reduced in a different order; it only picks the
+power of two alpha, and differs only where it lands within rounding of a power-of-two boundary.
 """
 
 import math
+import os
 
 import torch
 
@@ -58,10 +60,12 @@ SCALINGS = ("dual", "single")
 QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0}
 EPS = 1e-30  # keeps all-zero blocks finite: alpha <= tau * 1e15
 SCALE_BYTES = 8  # alpha and s, fp32 each
+FLT_MAX = 3.4028234663852886e38
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: (y + M * ulp) - M * ulp rounds y to a multiple of ulp, half to even
 # Per format: mantissa bits and the smallest ulp (subnormal spacing; 1 for INT8).
 _GRID = {"e4m3": (3, 2.0**-9), "e5m2": (2, 2.0**-16), "int8": (7, 1.0)}
+_TORCH_FORMAT = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}
 
 
 def wire_nbytes(numel: int, block_size: int, rows: int = 1) -> int:
@@ -79,6 +83,10 @@ def _geometry(numel: int, block_size: int, rows: int):
 def _check_input(x: torch.Tensor) -> None:
     if x.dtype not in _INPUT_DTYPES:
         raise ValueError(f"TACO encodes float32/bfloat16/float16 tensors, got {x.dtype}")
+
+
+def _rescales(transform: str, scaling: str) -> bool:
+    return transform == "ash" and scaling == "single"  # under "dual" alpha cancels exactly
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,30 +114,41 @@ def _blocks_reference(x: torch.Tensor, block_size: int, rows: int) -> torch.Tens
     return padded.view(n_blocks, block_size)
 
 
-def _nonfinite_rows(v: torch.Tensor) -> torch.Tensor:
-    exponent = v.view(torch.int32) & 0x7F800000
-    return (exponent == 0x7F800000).any(dim=1)
+def _div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """IEEE a / b: torch on CUDA turns a division by a Python scalar into a product with 1/b."""
+    return a / torch.full_like(a, b)
 
 
-def _cast_reference(y: torch.Tensor, fmt: str) -> torch.Tensor:
-    mantissa_bits, min_ulp = _GRID[fmt]
-    binade = (y.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^floor(log2|y|), 0 for 0
-    magic = torch.clamp_min(binade * 2.0**-mantissa_bits, min_ulp) * _ROUND_MAGIC
-    y = (y + magic) - magic
-    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}[fmt]
-    return y.to(dtype).view(torch.uint8)
+def _rdiv(a: float, b: torch.Tensor) -> torch.Tensor:
+    """IEEE a / b: ``a / tensor`` is ``tensor.reciprocal() * a`` in torch, rounded twice."""
+    return torch.full_like(b, a) / b
 
 
-def _uncast_reference(q: torch.Tensor, fmt: str) -> torch.Tensor:
-    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}[fmt]
-    return q.view(dtype).float()
+def _ash_alpha(g: torch.Tensor, qmax: float) -> torch.Tensor:
+    block_size = g.shape[1]
+    sigma = torch.sqrt((g * g).sum(dim=1) * (1.0 / block_size) + EPS)
+    ratio_bits = _rdiv(qmax / math.sqrt(block_size), sigma).view(torch.int32) & 0x7F800000
+    return ratio_bits.view(torch.float32)
 
 
-def _scale_pair(amax: torch.Tensor, qmax: float):
-    """(s, 1/s as Qmax/amax) with both 1 where amax is 0."""
+def scale_pair(amax: torch.Tensor, qmax: float, inv_sqrt_b: float):
+    """(s, c): the stored scale (amax / sqrt(B)) / Qmax and the quantizing factor Qmax / amax, both 1
+    where amax is 0."""
     nonzero = amax > 0
-    one = torch.ones_like(amax)
-    return torch.where(nonzero, amax / qmax, one), torch.where(nonzero, qmax / amax, one)
+    s = torch.where(nonzero, _div(amax * inv_sqrt_b, qmax), 1.0)
+    return s, torch.where(nonzero, _rdiv(qmax, amax), 1.0)
+
+
+def _round_to_grid(y: torch.Tensor, fmt: str) -> torch.Tensor:
+    mantissa_bits, min_ulp = _GRID[fmt]
+    a = y.abs()
+    binade = (a.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^floor(log2|y|), 0 for 0
+    magic = torch.clamp_min(binade * 2.0**-mantissa_bits, min_ulp) * _ROUND_MAGIC
+    return torch.copysign((a + magic) - magic, y)
+
+
+def _inv_sqrt_b(block_size: int, transform: str) -> float:
+    return 1.0 if transform == "none" else 1.0 / math.sqrt(block_size)
 
 
 def taco_encode_reference(x, block_size, fmt, transform, scaling, rows=1) -> torch.Tensor:
@@ -137,38 +156,33 @@ def taco_encode_reference(x, block_size, fmt, transform, scaling, rows=1) -> tor
     g = _blocks_reference(x, block_size, rows)
     if g.shape[0] == 0:
         return torch.empty(0, dtype=torch.uint8, device=x.device)
-    bad = _nonfinite_rows(g)
     qmax = QMAX[fmt]
     alpha = torch.ones(g.shape[0], dtype=torch.float32, device=g.device)
-    if transform == "ash":
-        tau = qmax / math.sqrt(block_size)
-        sigma = torch.sqrt((g * g).sum(dim=1) * (1.0 / block_size) + EPS)
-        ratio_bits = (tau / sigma).view(torch.int32) & 0x7F800000
-        alpha = torch.where(bad, alpha, ratio_bits.view(torch.float32))
+    if _rescales(transform, scaling):
+        alpha = _ash_alpha(g, qmax)
         g = g * alpha[:, None]
-    z = g
-    if transform != "none":
-        z = fwht_reference(g) * (1.0 / math.sqrt(block_size))
-    amax = torch.where(bad, 0.0, z.abs().amax(dim=1))
+    h = g if transform == "none" else fwht_reference(g)
+    m = h.abs().amax(dim=1)  # NaN-propagating
+    ok = m <= FLT_MAX
+    amax = torch.where(ok, m, 0.0)
     if scaling == "single":
         amax = amax.amax().expand_as(amax)
-    s, inv_s = _scale_pair(amax, qmax)
-    y = torch.where(bad[:, None], 0.0, z * inv_s[:, None])
-    s = torch.where(bad, float("nan"), s)
+    s, c = scale_pair(amax, qmax, _inv_sqrt_b(block_size, transform))
+    y = torch.where(ok[:, None], h * c[:, None], 0.0)
     wire = torch.empty(g.shape[0], block_size + SCALE_BYTES, dtype=torch.uint8, device=g.device)
-    wire[:, :block_size] = _cast_reference(y, fmt)
-    wire[:, block_size:] = torch.stack([alpha, s], dim=1).view(torch.uint8)
+    wire[:, :block_size] = _round_to_grid(y, fmt).to(_TORCH_FORMAT[fmt]).view(torch.uint8)
+    scales = torch.stack([torch.where(ok, alpha, 1.0), torch.where(ok, s, float("nan"))], dim=1)
+    wire[:, block_size:] = scales.view(torch.uint8)
     return wire.view(-1)
 
 
 def taco_decode_reference(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch.Tensor:
     row_len, blocks_per_row, n_blocks = _geometry(numel, block_size, rows)
     records = wire.view(n_blocks, block_size + SCALE_BYTES)
-    q = _uncast_reference(records[:, :block_size], fmt)
+    q = records[:, :block_size].view(_TORCH_FORMAT[fmt]).float()
     alpha, s = records[:, block_size:].contiguous().view(torch.float32).unbind(dim=1)
-    inv_sqrt_b = 1.0 if transform == "none" else 1.0 / math.sqrt(block_size)
     h = q if transform == "none" else fwht_reference(q)
-    values = h * ((s * inv_sqrt_b) / alpha)[:, None]
+    values = h * ((s * _inv_sqrt_b(block_size, transform)) / alpha)[:, None]
     out = torch.empty(rows, row_len, dtype=dtype, device=wire.device)
     out.copy_(values.view(rows, blocks_per_row * block_size)[:, :row_len])
     return out.view(-1)[:numel]
@@ -178,10 +192,11 @@ def taco_decode_reference(wire, numel, dtype, block_size, fmt, transform, rows=1
 # Fused Triton kernels
 # ----------------------------------------------------------------------------------------------
 
-_ELEMS_PER_PROGRAM = 4096  # ROWS = this / B blocks per program
+ELEMS_PER_PROGRAM = 4096  # ROWS = this / B blocks per program (tuning knob, see the kernel benchmark)
+NUM_WARPS = 8
 _FORMAT_ID = {"e4m3": 0, "e5m2": 1, "int8": 2}
-_TRANSFORM_ID = {"none": 0, "hadamard": 1, "ash": 2}
 _DUAL, _SINGLE_AMAX, _SINGLE_QUANT = 0, 1, 2  # SCALE_MODE: "single" runs an amax pass first
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
 
@@ -194,66 +209,87 @@ if triton is not None:
         return z
 
     @triton.jit
-    def _block_offsets(pid, numel, row_len, blocks_per_row, n_blocks, ROWS: tl.constexpr, B: tl.constexpr):
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _block_offsets(pid, numel, row_len, blocks_per_row, n_blocks, ROWS: tl.constexpr, B: tl.constexpr,
+                       EVEN: tl.constexpr):
+        """Block ids [ROWS], input offsets [ROWS, B] and the input mask (None when EVEN: every block
+        is full and in range, so blocks are contiguous and loads vectorize)."""
         blk = pid * ROWS + tl.arange(0, ROWS)
-        cols = (blk % blocks_per_row)[:, None] * B + tl.arange(0, B)[None, :]
-        offs = (blk // blocks_per_row).to(tl.int64)[:, None] * row_len + cols
-        valid = blk < n_blocks
-        mask = valid[:, None] & (cols < row_len) & (offs < numel)
-        return blk, offs, mask, valid
+        if EVEN:
+            return blk, blk.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :], None
+        row = blk // blocks_per_row
+        cols = (blk - row * blocks_per_row)[:, None] * B + tl.arange(0, B)[None, :]
+        offs = row.to(tl.int64)[:, None] * row_len + cols
+        return blk, offs, (blk < n_blocks)[:, None] & (cols < row_len) & (offs < numel)
+
+    @triton.jit
+    def _cast(y, FORMAT: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA_STEP: tl.constexpr,
+              MIN_ULP: tl.constexpr):
+        if SOFT_ROUND:  # see _round_to_grid; the hardware converters round the same way
+            a = tl.abs(y)
+            binade = (a.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+            magic = tl.maximum(binade * MANTISSA_STEP, MIN_ULP) * 12582912.0
+            r = ((a + magic) - magic).to(tl.uint32, bitcast=True)
+            y = (r | (y.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
+        if FORMAT == 0:
+            return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        elif FORMAT == 1:
+            return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        else:
+            return y.to(tl.int8).to(tl.uint8, bitcast=True)
 
     @triton.jit
     def _taco_encode_kernel(
         x_ptr, wire_u8, wire_f32, amax_ptr, scale_ptr, numel, row_len, blocks_per_row, n_blocks,
         tau, qmax, inv_sqrt_b, eps,
-        B: tl.constexpr, LOG_B: tl.constexpr, ROWS: tl.constexpr, FORMAT: tl.constexpr,
-        TRANSFORM: tl.constexpr, SCALE_MODE: tl.constexpr, MANTISSA_STEP: tl.constexpr, MIN_ULP: tl.constexpr,
+        B: tl.constexpr, LOG_B: tl.constexpr, ROWS: tl.constexpr, FORMAT: tl.constexpr, HADAMARD: tl.constexpr,
+        RESCALE: tl.constexpr, SCALE_MODE: tl.constexpr, EVEN: tl.constexpr, SOFT_ROUND: tl.constexpr,
+        MANTISSA_STEP: tl.constexpr, MIN_ULP: tl.constexpr,
     ):
-        blk, offs, mask, valid = _block_offsets(tl.program_id(0), numel, row_len, blocks_per_row, n_blocks, ROWS, B)
+        blk, offs, mask = _block_offsets(tl.program_id(0), numel, row_len, blocks_per_row, n_blocks, ROWS, B, EVEN)
+        valid = blk < n_blocks
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        bad = tl.max(((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32), axis=1) > 0
         alpha = tl.full((ROWS,), 1.0, tl.float32)
-        if TRANSFORM == 2:
+        if RESCALE:
             sigma = tl.sqrt_rn(tl.sum(x * x, axis=1) * (1.0 / B) + eps)
             ratio_bits = tl.div_rn(tl.full((ROWS,), tau, tl.float32), sigma).to(tl.int32, bitcast=True)
-            alpha = tl.where(bad, alpha, (ratio_bits & 0x7F800000).to(tl.float32, bitcast=True))
+            alpha = (ratio_bits & 0x7F800000).to(tl.float32, bitcast=True)
             x = x * alpha[:, None]
-        z = x
-        if TRANSFORM != 0:
-            z = _fwht(x, ROWS, B, LOG_B) * inv_sqrt_b
-        amax = tl.where(bad, 0.0, tl.max(tl.abs(z), axis=1))
+        h = x
+        if HADAMARD:
+            h = _fwht(x, ROWS, B, LOG_B)
+        m = tl.reduce(tl.abs(h), 1, _max_nan)
+        ok = m <= FLT_MAX
+        amax = tl.where(ok, m, 0.0)
         if SCALE_MODE == 1:
             tl.store(amax_ptr + blk, amax, mask=valid)
         else:
             if SCALE_MODE == 0:
                 nonzero = amax > 0
-                s = tl.where(nonzero, tl.div_rn(amax, qmax), 1.0)
-                inv_s = tl.where(nonzero, tl.div_rn(tl.full((ROWS,), qmax, tl.float32), amax), 1.0)
+                s = tl.where(nonzero, tl.div_rn(amax * inv_sqrt_b, tl.full((ROWS,), qmax, tl.float32)), 1.0)
+                c = tl.where(nonzero, tl.div_rn(tl.full((ROWS,), qmax, tl.float32), amax), 1.0)
             else:
                 s = tl.full((ROWS,), 1.0, tl.float32) * tl.load(scale_ptr)
-                inv_s = tl.full((ROWS,), 1.0, tl.float32) * tl.load(scale_ptr + 1)
-            y = tl.where(bad[:, None], 0.0, z * inv_s[:, None])
-            binade = (y.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-            magic = tl.maximum(binade * MANTISSA_STEP, MIN_ULP) * 12582912.0
-            y = (y + magic) - magic  # now exactly on the format's grid: the cast below is exact
-            if FORMAT == 0:
-                q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-            elif FORMAT == 1:
-                q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
-            else:
-                q = y.to(tl.int8).to(tl.uint8, bitcast=True)
+                c = tl.full((ROWS,), 1.0, tl.float32) * tl.load(scale_ptr + 1)
+            y = tl.where(ok[:, None], h * c[:, None], 0.0)
+            q = _cast(y, FORMAT, SOFT_ROUND, MANTISSA_STEP, MIN_ULP)
             record = blk.to(tl.int64) * (B + 8)
             tl.store(wire_u8 + record[:, None] + tl.arange(0, B)[None, :], q, mask=valid[:, None])
             scale_at = record // 4 + B // 4
-            tl.store(wire_f32 + scale_at, alpha, mask=valid)
-            tl.store(wire_f32 + scale_at + 1, tl.where(bad, float("nan"), s), mask=valid)
+            tl.store(wire_f32 + scale_at, tl.where(ok, alpha, 1.0), mask=valid)
+            tl.store(wire_f32 + scale_at + 1, tl.where(ok, s, float("nan")), mask=valid)
 
     @triton.jit
     def _taco_decode_kernel(
         wire_u8, wire_f32, out_ptr, numel, row_len, blocks_per_row, n_blocks, inv_sqrt_b,
-        B: tl.constexpr, LOG_B: tl.constexpr, ROWS: tl.constexpr, FORMAT: tl.constexpr, TRANSFORM: tl.constexpr,
+        B: tl.constexpr, LOG_B: tl.constexpr, ROWS: tl.constexpr, FORMAT: tl.constexpr, HADAMARD: tl.constexpr,
+        EVEN: tl.constexpr,
     ):
-        blk, offs, mask, valid = _block_offsets(tl.program_id(0), numel, row_len, blocks_per_row, n_blocks, ROWS, B)
+        blk, offs, mask = _block_offsets(tl.program_id(0), numel, row_len, blocks_per_row, n_blocks, ROWS, B, EVEN)
+        valid = blk < n_blocks
         record = blk.to(tl.int64) * (B + 8)
         bits = tl.load(wire_u8 + record[:, None] + tl.arange(0, B)[None, :], mask=valid[:, None], other=0)
         if FORMAT == 0:
@@ -266,56 +302,56 @@ if triton is not None:
         alpha = tl.load(wire_f32 + scale_at, mask=valid, other=1.0)
         s = tl.load(wire_f32 + scale_at + 1, mask=valid, other=1.0)
         h = q
-        if TRANSFORM != 0:
+        if HADAMARD:
             h = _fwht(q, ROWS, B, LOG_B)
         values = h * tl.div_rn(s * inv_sqrt_b, alpha)[:, None]
         tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _kernel_args(block_size, fmt, transform):
+def _launch(numel, block_size, fmt, transform, rows):
+    """(grid, constexpr/launch options) shared by both kernels."""
+    row_len, blocks_per_row, n_blocks = _geometry(numel, block_size, rows)
+    n_rows = max(1, ELEMS_PER_PROGRAM // block_size)
+    even = row_len % block_size == 0 and rows * row_len == numel and n_blocks % n_rows == 0
     # enable_fp_fusion=False: a product fused into the following add would skip a rounding the
-    # reference performs (e.g. z * inv_s before the grid rounding), breaking bit-identity.
-    return dict(
-        B=block_size, LOG_B=int(math.log2(block_size)), ROWS=max(1, _ELEMS_PER_PROGRAM // block_size),
-        FORMAT=_FORMAT_ID[fmt], TRANSFORM=_TRANSFORM_ID[transform], num_warps=8, enable_fp_fusion=False,
-    )
+    # reference performs (e.g. alpha * x before the first Hadamard stage), breaking bit-identity.
+    meta = dict(B=block_size, LOG_B=int(math.log2(block_size)), ROWS=n_rows, FORMAT=_FORMAT_ID[fmt],
+                HADAMARD=transform != "none", EVEN=even, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    return (triton.cdiv(n_blocks, n_rows),), (numel, row_len, blocks_per_row, n_blocks), meta
 
 
 def taco_encode_triton(x, block_size, fmt, transform, scaling, rows=1) -> torch.Tensor:
     _check_input(x)
     flat = x.reshape(-1)
-    row_len, blocks_per_row, n_blocks = _geometry(flat.numel(), block_size, rows)
-    wire = torch.empty(n_blocks * (block_size + SCALE_BYTES), dtype=torch.uint8, device=x.device)
-    if n_blocks == 0:
+    wire = torch.empty(wire_nbytes(flat.numel(), block_size, rows), dtype=torch.uint8, device=x.device)
+    if wire.numel() == 0:
         return wire
-    meta = _kernel_args(block_size, fmt, transform)
-    grid = (triton.cdiv(n_blocks, meta["ROWS"]),)
-    qmax = QMAX[fmt]
-    scalars = (flat.numel(), row_len, blocks_per_row, n_blocks, qmax / math.sqrt(block_size), qmax,
-               1.0 / math.sqrt(block_size), EPS)
+    grid, geometry, meta = _launch(flat.numel(), block_size, fmt, transform, rows)
+    qmax, inv_sqrt_b = QMAX[fmt], _inv_sqrt_b(block_size, transform)
     mantissa_bits, min_ulp = _GRID[fmt]
-    meta.update(MANTISSA_STEP=2.0**-mantissa_bits, MIN_ULP=min_ulp)
-    amax = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
+    meta.update(RESCALE=_rescales(transform, scaling), MANTISSA_STEP=2.0**-mantissa_bits, MIN_ULP=min_ulp,
+                SOFT_ROUND=_INTERPRETED or fmt == "int8")
+    args = (flat, wire, wire.view(torch.float32))
+    scalars = (*geometry, qmax / math.sqrt(block_size), qmax, inv_sqrt_b, EPS)
+    amax = torch.empty(geometry[-1] if scaling == "single" else 0, dtype=torch.float32, device=x.device)
     scale = amax  # unused by the dual pass
     if scaling == "single":
-        _taco_encode_kernel[grid](flat, wire, wire.view(torch.float32), amax, scale, *scalars,
-                                  SCALE_MODE=_SINGLE_AMAX, **meta)
-        scale = torch.cat(_scale_pair(amax.amax().reshape(1), qmax))
-    _taco_encode_kernel[grid](flat, wire, wire.view(torch.float32), amax, scale, *scalars,
+        _taco_encode_kernel[grid](*args, amax, scale, *scalars, SCALE_MODE=_SINGLE_AMAX, **meta)
+        scale = torch.cat(scale_pair(amax.amax().reshape(1), qmax, inv_sqrt_b))
+    _taco_encode_kernel[grid](*args, amax, scale, *scalars,
                               SCALE_MODE=_SINGLE_QUANT if scaling == "single" else _DUAL, **meta)
     return wire
 
 
-def taco_decode_triton(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch.Tensor:
-    row_len, blocks_per_row, n_blocks = _geometry(numel, block_size, rows)
-    out = torch.empty(numel, dtype=dtype, device=wire.device)
-    if n_blocks == 0:
+def taco_decode_triton(wire, numel, dtype, block_size, fmt, transform, rows=1, out=None) -> torch.Tensor:
+    """``out``: an optional preallocated contiguous result of ``numel`` values of ``dtype``."""
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=wire.device)
+    if numel == 0:
         return out
-    meta = _kernel_args(block_size, fmt, transform)
-    grid = (triton.cdiv(n_blocks, meta["ROWS"]),)
-    inv_sqrt_b = 1.0 if transform == "none" else 1.0 / math.sqrt(block_size)
-    _taco_decode_kernel[grid](wire, wire.view(torch.float32), out, numel, row_len, blocks_per_row, n_blocks,
-                              inv_sqrt_b, **meta)
+    grid, geometry, meta = _launch(numel, block_size, fmt, transform, rows)
+    _taco_decode_kernel[grid](wire, wire.view(torch.float32), out, *geometry, _inv_sqrt_b(block_size, transform),
+                              **meta)
     return out
 
 

@@ -8,3 +8,6 @@ import torch, triton, megatron.core
 print("torch", torch.__version__, "triton", triton.__version__, "megatron-core", megatron.core.__version__,
       "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))
 PY
+# Results go to $RES and come back as one archive ($OUT takes at most 8 files), even on a time-out.
+export RES=/tmp/res; mkdir -p $RES
+trap 'tar czf $OUT/results.tgz -C $RES . 2>/dev/null' EXIT
