@@ -11,6 +11,7 @@ different numbers. We therefore redraw every weight matrix from a generator seed
 (biases, norm weights) are constants in megatron-core and are left as built.
 """
 
+import importlib.util
 import hashlib
 import re
 
@@ -41,8 +42,9 @@ def core_transformer_config(args):
         pipeline_dtype=dtype if args.pipeline_model_parallel_size > 1 else None,
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,  # needs a CUDA extension that the pip wheel does not ship
-        # the fused softmax kernel is CUDA-only and selected for bf16/fp16
-        masked_softmax_fusion=args.masked_softmax_fusion and not (on_cpu and dtype != torch.float32),
+        # the fused softmax is an apex CUDA extension, selected for bf16/fp16: without it megatron-core
+        # fails at the first forward, so use the unfused softmax (same math)
+        masked_softmax_fusion=args.masked_softmax_fusion and (dtype == torch.float32 or _has_fused_softmax()),
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
         # Megatron-LM's p2p defaults: unbatched, overlapped for the interleaved schedule (batched p2p
@@ -55,6 +57,10 @@ def core_transformer_config(args):
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_grouped_gemm=args.moe_grouped_gemm,
     )
+
+
+def _has_fused_softmax() -> bool:
+    return importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
 
 
 def layer_spec(args, config, vp_stage):
