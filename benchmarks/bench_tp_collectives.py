@@ -9,8 +9,9 @@ recorded in the JSON. Per operation and size (bytes of the bf16 input each rank 
 collective): first a correctness check (compressed result within 5% relative L2 of the bf16
 collective; all-reduce and all-gather results bit-identical on every rank), then the median time of
 --iters calls after --warmup (CUDA events; the slowest rank's median). ``min_bytes`` per operation
-is the smallest swept size from which the compressed collective is faster at every larger size: the
-measured value for --tp-comm-compression-min-bytes on this link (null: never faster).
+is the smallest swept size from which the compressed collective is faster at every larger size
+(``tp_collectives.crossover``; null: never faster); ``auto_min_bytes`` is what
+``tp_collectives.measure_min_bytes``, the AUTO policy's start-up probe, picks on the same group.
 Exits non-zero if a check fails. ``--dry-run`` runs the same logic on gloo CPU ranks, tiny sizes.
 """
 
@@ -26,9 +27,7 @@ import torch
 import torch.distributed as dist
 
 from compression.taco import TacoCodec, TacoConfig
-from compression.tp_collectives import compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter
-
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+from compression.tp_collectives import OPS, compressed, crossover, measure_min_bytes, uncompressed
 
 
 def parse_args(argv=None):
@@ -44,26 +43,6 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--dry-run", action="store_true", help="gloo CPU ranks, tiny sizes, 2 iterations")
     return p.parse_args(argv)
-
-
-def _uncompressed(op, x, world):
-    if op == "all_reduce":
-        out = x.clone()
-        dist.all_reduce(out)
-        return out
-    if op == "all_gather":
-        out = x.new_empty(world * x.numel())
-        dist.all_gather_into_tensor(out, x)
-        return out
-    out = x.new_empty(x.numel() // world)
-    dist.reduce_scatter_tensor(out, x)
-    return out
-
-
-def _compressed(op, x, codec):
-    fn = {"all_reduce": compressed_all_reduce, "all_gather": compressed_all_gather,
-          "reduce_scatter": compressed_reduce_scatter}[op]
-    return fn(x, codec)
 
 
 def _time_ms(fn, device, warmup, iters):
@@ -97,8 +76,8 @@ def _same_on_all_ranks(t, world) -> bool:
 
 
 def check(op, x, codec, world) -> list:
-    exact = _uncompressed(op, x, world).float()
-    got = _compressed(op, x, codec)
+    exact = uncompressed(op, x).float()
+    got = compressed(op, x, codec)
     problems = []
     rel = ((got.float().reshape(-1) - exact.reshape(-1)).norm() / exact.norm()).item()
     if not rel < 0.05:
@@ -117,12 +96,8 @@ def _input(nbytes, rank, device):
 
 def min_bytes(rows, op):
     """Smallest swept size from which compression wins at every larger size (None if never)."""
-    answer = None
-    for row in sorted((r for r in rows if r["op"] == op), key=lambda r: -r["bytes"]):
-        if row["compressed_ms"] >= row["nccl_ms"]:
-            break
-        answer = row["bytes"]
-    return answer
+    mine = [r for r in rows if r["op"] == op]
+    return crossover([r["bytes"] for r in mine], [r["nccl_ms"] for r in mine], [r["compressed_ms"] for r in mine])
 
 
 def run(args, device):
@@ -135,8 +110,8 @@ def run(args, device):
         x = _input(nbytes - nbytes % (2 * world), rank, device)
         for op in OPS:
             problems += check(op, x, codec, world)
-            nccl_ms = _time_ms(lambda: _uncompressed(op, x, world), device, warmup, iters)
-            compressed_ms = _time_ms(lambda: _compressed(op, x, codec), device, warmup, iters)
+            nccl_ms = _time_ms(lambda: uncompressed(op, x), device, warmup, iters)
+            compressed_ms = _time_ms(lambda: compressed(op, x, codec), device, warmup, iters)
             rows.append(dict(op=op, bytes=x.numel() * 2, nccl_ms=nccl_ms, compressed_ms=compressed_ms,
                              speedup=nccl_ms / compressed_ms))
     result = dict(
@@ -144,7 +119,8 @@ def run(args, device):
         gpu=torch.cuda.get_device_name() if device.type == "cuda" else None, torch=torch.__version__,
         nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
         env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")}, dry_run=args.dry_run,
-        min_bytes={op: min_bytes(rows, op) for op in OPS}, problems=problems, rows=rows)
+        min_bytes={op: min_bytes(rows, op) for op in OPS},
+        auto_min_bytes=measure_min_bytes(codec, sizes=sizes, iters=iters, device=device), problems=problems, rows=rows)
     if rank == 0:
         _print_table(result)
         with open(args.out, "w") as f:
@@ -158,6 +134,7 @@ def _print_table(result):
     for r in result["rows"]:
         print(f"{r['op']:>15} {r['bytes']:>11} {r['nccl_ms']:>9.3f} {r['compressed_ms']:>9.3f} {r['speedup']:>8.2f}")
     print(f"min_bytes (compression wins from here up): {result['min_bytes']}")
+    print(f"auto_min_bytes (measure_min_bytes on this group): {result['auto_min_bytes']}")
     for p in result["problems"]:
         print("CHECK FAILED:", p)
 

@@ -25,7 +25,7 @@ LINKS = {
     "sockets_4GBps": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
 }
 
-COMMON = ["--bf16", "--transformer-impl", "local", "--use-distributed-optimizer", "--mock-data",
+COMMON = ["--bf16", "--transformer-impl", "local", "--use-distributed-optimizer", "--mock-data", "--lr-warmup-iters", "2",
           "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000"]
 
 # suite -> (nproc, shared flags, {variant: flags}); the first variant is the baseline.

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from compression.codec import TensorCodec
-from kernels.taco import FORMATS, SCALINGS, TRANSFORMS, taco_decode, taco_encode, wire_nbytes
+from kernels.taco import (FORMATS, SCALINGS, TRANSFORMS, taco_decode, taco_encode, taco_reduce_decode,
+                          taco_reduce_encode, wire_nbytes)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,26 @@ class TacoCodec(TensorCodec):
                              f"got {wire.numel()} of {wire.dtype}")
         c = self.config
         return taco_decode(wire.reshape(-1), numel, dtype, c.block_size, c.format, c.transform, rows)
+
+    def reduce_encode(self, x: torch.Tensor, recv: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        """All-reduce middle step: the one-row wire of row ``rank`` of ``x`` (``world`` rows) plus the other
+        ranks' rows received in ``recv`` (``world`` row wires, as ``encode(., rows=world)`` lays them out)."""
+        self._check_rows(recv, x.numel(), world)
+        c = self.config
+        return taco_reduce_encode(x, recv, rank, world, c.block_size, c.format, c.transform, c.scaling)
+
+    def reduce_decode(self, x: torch.Tensor, recv: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        """Reduce-scatter last step: row ``rank`` of ``x`` plus the other ranks' decoded rows in ``recv``,
+        as ``x.dtype`` [x.numel() / world]."""
+        self._check_rows(recv, x.numel(), world)
+        c = self.config
+        return taco_reduce_decode(x, recv, rank, world, c.block_size, c.format, c.transform)
+
+    def _check_rows(self, recv: torch.Tensor, numel: int, world: int) -> None:
+        expected = self.wire_nbytes(numel, rows=world)
+        if recv.dtype != torch.uint8 or recv.numel() != expected:
+            raise ValueError(f"received TACO rows for {numel} values in {world} row(s) must be {expected} uint8 "
+                             f"bytes, got {recv.numel()} of {recv.dtype}")
 
     def __repr__(self):
         c = self.config

@@ -1,15 +1,19 @@
-"""Compressed tensor-parallel collectives over a torch.distributed group (NCCL or gloo).
+"""Compressed tensor-parallel collectives over a torch.distributed group (NCCL or gloo), and the
+AUTO policy that picks, per collective, the tensor size from which compression is worth it.
 
 Wire buffers are 1-D uint8 tensors from a row-capable codec (``TacoCodec``: ``encode(x, rows)``
 puts row r of the flattened input in bytes ``[r * w, (r + 1) * w)`` with ``w = wire_nbytes(ceil(n /
 rows))``), exchanged with ``all_to_all_single`` and ``all_gather_into_tensor``. Any tensor size works:
-rows are zero-padded inside the codec, never copied here.
+rows are zero-padded inside the codec, never copied here. Each collective is three kernel launches
+and two NCCL calls at most, with no host synchronization:
 
 - ``compressed_all_reduce``: two-shot. Phase 1: encode x as ``world`` rows, all-to-all (rank r
-  receives everyone's row r), sum in fp32 (the own row taken uncompressed). Phase 2: encode the
-  reduced row, all-gather, decode. Every rank, the row's owner included, returns the decoded
-  values, so all ranks end bit-identical.
-- ``compressed_reduce_scatter``: along dim 0 like ``reduce_scatter_tensor``; phase 1 only.
+  receives everyone's row r). Middle: ``codec.reduce_encode`` sums the received rows (decoded in the
+  rotated domain) and this rank's exact row, and encodes the sum, in one kernel. Phase 2:
+  all-gather, decode. Every rank, the row's owner included, returns the decoded values, so all
+  ranks end bit-identical.
+- ``compressed_reduce_scatter``: along dim 0 like ``reduce_scatter_tensor``; phase 1, then
+  ``codec.reduce_decode`` (the received rows decoded and added to the exact own row, one kernel).
 - ``compressed_all_gather``: along dim 0 like ``all_gather_into_tensor``; every rank, the source
   included, returns decoded values, so the result is identical on all ranks.
 
@@ -18,6 +22,11 @@ started and a handle returned whose ``wait()`` finishes the work (the second pha
 and returns the result, so callers can overlap the first phase with compute. A group of size 1
 (or an empty all-reduce / reduce-scatter input) returns the input unchanged.
 
+AUTO policy: ``measure_min_bytes(codec, group)`` times every collective uncompressed and
+compressed at a few sizes on the real group, takes the slowest rank's time (an all-reduce MAX, so
+every rank decides the same) and returns per collective the smallest measured size from which
+compression is faster at every larger measured size (``crossover``), or None where it never is.
+
 Telemetry (``TELEMETRY.record(comm_class, raw, sent)``): ``sent`` is the size of the compressed
 buffers this rank hands to collectives; ``raw`` what it would hand to the same collectives
 uncompressed: n * itemsize for reduce-scatter and all-gather inputs. For the all-reduce both phases
@@ -25,10 +34,16 @@ of the two-shot count, raw = (n + ceil(n / world)) * itemsize against sent = (wo
 raw / sent is the codec's ratio rather than a figure inflated or deflated by the algorithm.
 """
 
+import statistics
+import time
+
 import torch
 import torch.distributed as dist
 
 from compression.telemetry import TELEMETRY
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+PROBE_BYTES = tuple(4**k * 65536 for k in range(7))  # 64 KiB .. 256 MiB
 
 
 class CollectiveHandle:
@@ -51,11 +66,11 @@ def _done(result: torch.Tensor, async_op: bool):
     return handle if async_op else result
 
 
-def _sum_rows(parts: torch.Tensor, own: torch.Tensor, rank: int) -> torch.Tensor:
-    """Sum the decoded rows [world, L] in fp32, with this rank's row replaced by its exact values."""
-    parts[rank, :own.numel()] = own.reshape(-1)
-    parts[rank, own.numel():] = 0
-    return parts.sum(dim=0)
+def _exchange_rows(x: torch.Tensor, codec, group):
+    """Phase 1: encode x as ``world`` rows and all-to-all them; (received row wires, async work)."""
+    send = codec.encode(x, rows=dist.get_world_size(group))
+    recv = torch.empty_like(send)
+    return recv, dist.all_to_all_single(recv, send, group=group, async_op=True)
 
 
 def compressed_all_reduce(x: torch.Tensor, codec, group=None, async_op=False, comm_class="tp"):
@@ -65,17 +80,12 @@ def compressed_all_reduce(x: torch.Tensor, codec, group=None, async_op=False, co
     n, itemsize = x.numel(), x.element_size()
     row_len = -(-n // world)
     row_wire = codec.wire_nbytes(row_len)
-    send = codec.encode(x, rows=world)
-    recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    recv, work = _exchange_rows(x, codec, group)
     TELEMETRY.record(comm_class, (n + row_len) * itemsize, (world + 1) * row_wire)
 
     def finish():
-        flat = x.reshape(-1)
-        parts = codec.decode(recv, world * row_len, torch.float32, rows=world).view(world, row_len)
-        reduced = _sum_rows(parts, flat[rank * row_len:(rank + 1) * row_len].float(), rank)
         gathered = torch.empty(world * row_wire, dtype=torch.uint8, device=x.device)
-        dist.all_gather_into_tensor(gathered, codec.encode(reduced), group=group)
+        dist.all_gather_into_tensor(gathered, codec.reduce_encode(x, recv, rank, world), group=group)
         return codec.decode(gathered, n, x.dtype, rows=world).view(x.shape)
 
     handle = CollectiveHandle(work, finish)
@@ -89,17 +99,11 @@ def compressed_reduce_scatter(x: torch.Tensor, codec, group=None, async_op=False
                          f"got shape {tuple(x.shape)}")
     if world == 1 or x.numel() == 0:
         return _done(x, async_op)
-    row_len = x.numel() // world
-    send = codec.encode(x, rows=world)
-    recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    TELEMETRY.record(comm_class, x.numel() * x.element_size(), send.numel())
+    recv, work = _exchange_rows(x, codec, group)
+    TELEMETRY.record(comm_class, x.numel() * x.element_size(), recv.numel())
 
     def finish():
-        parts = codec.decode(recv, world * row_len, torch.float32, rows=world).view(world, row_len)
-        own = x.reshape(world, row_len)[rank].float()
-        reduced = _sum_rows(parts, own, rank)
-        return reduced.to(x.dtype).view(x.shape[0] // world, *x.shape[1:])
+        return codec.reduce_decode(x, recv, rank, world).view(x.shape[0] // world, *x.shape[1:])
 
     handle = CollectiveHandle(work, finish)
     return handle if async_op else handle.wait()
@@ -122,3 +126,75 @@ def compressed_all_gather(x: torch.Tensor, codec, group=None, async_op=False, co
 
     handle = CollectiveHandle(work, finish)
     return handle if async_op else handle.wait()
+
+
+# ----------------------------------------------------------------------------------------------
+# AUTO policy
+# ----------------------------------------------------------------------------------------------
+
+
+def uncompressed(op: str, x: torch.Tensor, group=None) -> torch.Tensor:
+    """The stock collective ``op`` of ``x`` (flattened for all-gather and reduce-scatter)."""
+    world = dist.get_world_size(group)
+    if op == "all_reduce":
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+    elif op == "all_gather":
+        out = x.new_empty(world * x.numel())
+        dist.all_gather_into_tensor(out, x.reshape(-1), group=group)
+    else:
+        out = x.new_empty(x.numel() // world)
+        dist.reduce_scatter_tensor(out, x.reshape(-1), group=group)
+    return out
+
+
+def compressed(op: str, x: torch.Tensor, codec, group=None) -> torch.Tensor:
+    fn = {"all_reduce": compressed_all_reduce, "all_gather": compressed_all_gather,
+          "reduce_scatter": compressed_reduce_scatter}[op]
+    return fn(x, codec, group=group, comm_class="tp")
+
+
+def crossover(sizes, plain_ms, compressed_ms):
+    """Smallest of ``sizes`` from which compression is faster at every larger size; None if never."""
+    answer = None
+    for size, plain, packed in sorted(zip(sizes, plain_ms, compressed_ms), reverse=True):
+        if packed >= plain:
+            break
+        answer = size
+    return answer
+
+
+def _median_ms(fn, device: torch.device, iters: int) -> float:
+    fn()  # warm-up: kernel compilation, communicator set-up
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None) -> dict:
+    """Per collective in OPS, the bf16 input size in bytes from which ``codec`` compression is faster on
+    ``group`` (None: never at the measured sizes). Collective over ``group``: every rank must call it,
+    and every rank returns the same answer. Meant for start-up: it ends with ``TELEMETRY.reset()``
+    so that the probes' bytes are not reported."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    world = dist.get_world_size(group)
+    timings = torch.zeros(len(sizes), len(OPS), 2, dtype=torch.float64)
+    for i, nbytes in enumerate(sizes):
+        numel = max(world, nbytes // 2 // world * world)  # reduce-scatter needs world | numel
+        x = (torch.randn(numel, generator=torch.Generator().manual_seed(i)) * 0.02).to(device, torch.bfloat16)
+        for j, op in enumerate(OPS):
+            timings[i, j, 0] = _median_ms(lambda: uncompressed(op, x, group), device, iters)
+            timings[i, j, 1] = _median_ms(lambda: compressed(op, x, codec, group), device, iters)
+    TELEMETRY.reset()
+    slowest = timings.to(device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    slowest = slowest.cpu()
+    return {op: crossover(sizes, slowest[:, j, 0].tolist(), slowest[:, j, 1].tolist()) for j, op in enumerate(OPS)}

@@ -19,7 +19,7 @@ collectives send to rank r. Per block (fp32 arithmetic, H = Sylvester Walsh-Hada
     h     = H(alpha * x)                                 (h = x for transform "none")
     m     = max|h| per block ("dual") or over the encode call ("single")
     q     = cast(h * (Qmax / m))                         (round to nearest even on the format's grid)
-    s     = (m / sqrt(B)) / Qmax                         (the max scale of the normalized z = h / sqrt(B))
+    s     = (m / sqrt(B)) * (1 / Qmax)                   (the max scale of the normalized z = h / sqrt(B))
     decode: x' = H(q) * ((s / sqrt(B)) / alpha)          (H(q) first: a sum of small values)
 
 tau = Qmax / sqrt(B): a block rescaled to RMS tau has |z| <= ||z||_2 = sqrt(B) * tau = Qmax, i.e. the
@@ -30,7 +30,8 @@ Under "single" scaling it equalizes the block energies before the one shared sca
 
 Special values: a block whose rotated values are not all finite (it holds a NaN or +-Inf, or its
 Hadamard sums overflow fp32, |x| > ~1e36) decodes to all NaN (stored s = NaN, alpha = 1, payload 0);
-other blocks are unaffected. -0.0 keeps its sign on the payload grid.
+other blocks are unaffected. A block whose max|h| is below TINY = 2^-100 (~8e-31) decodes to zeros
+(Qmax / m would overflow). -0.0 keeps its sign on the payload grid.
 
 Determinism: the Hadamard rotation is log2(B) stages of pairwise a+b / a-b in a fixed order in both
 implementations; divisions and square roots are IEEE-rounded (``div_rn``/``sqrt_rn`` in Triton;
@@ -61,6 +62,7 @@ QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0}
 EPS = 1e-30  # keeps all-zero blocks finite: alpha <= tau * 1e15
 SCALE_BYTES = 8  # alpha and s, fp32 each
 FLT_MAX = 3.4028234663852886e38
+TINY = 2.0**-100  # blocks with max|h| below this decode to zeros: Qmax / max|h| would overflow fp32
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: (y + M * ulp) - M * ulp rounds y to a multiple of ulp, half to even
 # Per format: mantissa bits and the smallest ulp (subnormal spacing; 1 for INT8).
@@ -114,28 +116,17 @@ def _blocks_reference(x: torch.Tensor, block_size: int, rows: int) -> torch.Tens
     return padded.view(n_blocks, block_size)
 
 
-def _div(a: torch.Tensor, b: float) -> torch.Tensor:
-    """IEEE a / b: torch on CUDA turns a division by a Python scalar into a product with 1/b."""
-    return a / torch.full_like(a, b)
-
-
 def _rdiv(a: float, b: torch.Tensor) -> torch.Tensor:
-    """IEEE a / b: ``a / tensor`` is ``tensor.reciprocal() * a`` in torch, rounded twice."""
+    """IEEE a / b: ``a / tensor`` is ``tensor.reciprocal() * a`` in torch, rounded twice (and on CUDA
+    ``tensor / scalar`` is a product with 1 / scalar): divide tensor by tensor."""
     return torch.full_like(b, a) / b
 
 
-def _ash_alpha(g: torch.Tensor, qmax: float) -> torch.Tensor:
-    block_size = g.shape[1]
-    sigma = torch.sqrt((g * g).sum(dim=1) * (1.0 / block_size) + EPS)
-    ratio_bits = _rdiv(qmax / math.sqrt(block_size), sigma).view(torch.int32) & 0x7F800000
-    return ratio_bits.view(torch.float32)
-
-
 def scale_pair(amax: torch.Tensor, qmax: float, inv_sqrt_b: float):
-    """(s, c): the stored scale (amax / sqrt(B)) / Qmax and the quantizing factor Qmax / amax, both 1
-    where amax is 0."""
-    nonzero = amax > 0
-    s = torch.where(nonzero, _div(amax * inv_sqrt_b, qmax), 1.0)
+    """(s, c): the stored scale (amax / sqrt(B)) * (1 / Qmax) and the quantizing factor Qmax / amax, both 1
+    where amax is below TINY (the block then quantizes to zeros)."""
+    nonzero = amax >= TINY
+    s = torch.where(nonzero, (amax * inv_sqrt_b) * (1.0 / qmax), 1.0)
     return s, torch.where(nonzero, _rdiv(qmax, amax), 1.0)
 
 
@@ -151,17 +142,39 @@ def _inv_sqrt_b(block_size: int, transform: str) -> float:
     return 1.0 if transform == "none" else 1.0 / math.sqrt(block_size)
 
 
-def taco_encode_reference(x, block_size, fmt, transform, scaling, rows=1) -> torch.Tensor:
-    _check_input(x)
-    g = _blocks_reference(x, block_size, rows)
-    if g.shape[0] == 0:
-        return torch.empty(0, dtype=torch.uint8, device=x.device)
-    qmax = QMAX[fmt]
-    alpha = torch.ones(g.shape[0], dtype=torch.float32, device=g.device)
+def _gain(block_size: int, transform: str) -> float:
+    """H(H(v)) = gain * v: what a decoded-then-re-encoded row is multiplied by in the rotated domain."""
+    return 1.0 if transform == "none" else float(block_size)
+
+
+def _fold_reference(sources: torch.Tensor, skip: int, block_size: int, fmt: str, transform: str) -> torch.Tensor:
+    """t = sum over the rows j != skip of ``sources`` [S, wire] of q_j * ((s_j / sqrt(B)) / alpha_j),
+    in order of j, from 0: the rotated-domain sum of the decoded rows, [n_blocks, B]."""
+    t = None
+    for j, wire in enumerate(sources):
+        records = wire.view(-1, block_size + SCALE_BYTES)
+        if t is None:
+            t = torch.zeros(records.shape[0], block_size, dtype=torch.float32, device=wire.device)
+        if j == skip:
+            continue
+        q = records[:, :block_size].view(_TORCH_FORMAT[fmt]).float()
+        alpha, s = records[:, block_size:].contiguous().view(torch.float32).unbind(dim=1)
+        t = t + q * ((s * _inv_sqrt_b(block_size, transform)) / alpha)[:, None]
+    return t
+
+
+def _quantize_reference(h: torch.Tensor, fmt: str, transform: str, scaling: str) -> torch.Tensor:
+    """Wire records of the rotated blocks ``h`` [n_blocks, B] (steps after H in the module docstring)."""
+    block_size, qmax = h.shape[1], QMAX[fmt]
+    if h.shape[0] == 0:
+        return torch.empty(0, dtype=torch.uint8, device=h.device)
+    alpha = torch.ones(h.shape[0], dtype=torch.float32, device=h.device)
     if _rescales(transform, scaling):
-        alpha = _ash_alpha(g, qmax)
-        g = g * alpha[:, None]
-    h = g if transform == "none" else fwht_reference(g)
+        # mean(x^2) = sum(h^2) / B^2 (H is sqrt(B) times orthogonal); alpha * h == H(alpha * x)
+        energy = (h * h).sum(dim=1) * (1.0 / (block_size * _gain(block_size, transform)))
+        ratio = _rdiv(qmax / math.sqrt(block_size), torch.sqrt(energy + EPS))
+        alpha = (ratio.view(torch.int32) & 0x7F800000).view(torch.float32)
+        h = h * alpha[:, None]
     m = h.abs().amax(dim=1)  # NaN-propagating
     ok = m <= FLT_MAX
     amax = torch.where(ok, m, 0.0)
@@ -169,31 +182,61 @@ def taco_encode_reference(x, block_size, fmt, transform, scaling, rows=1) -> tor
         amax = amax.amax().expand_as(amax)
     s, c = scale_pair(amax, qmax, _inv_sqrt_b(block_size, transform))
     y = torch.where(ok[:, None], h * c[:, None], 0.0)
-    wire = torch.empty(g.shape[0], block_size + SCALE_BYTES, dtype=torch.uint8, device=g.device)
+    wire = torch.empty(h.shape[0], block_size + SCALE_BYTES, dtype=torch.uint8, device=h.device)
     wire[:, :block_size] = _round_to_grid(y, fmt).to(_TORCH_FORMAT[fmt]).view(torch.uint8)
     scales = torch.stack([torch.where(ok, alpha, 1.0), torch.where(ok, s, float("nan"))], dim=1)
     wire[:, block_size:] = scales.view(torch.uint8)
     return wire.view(-1)
 
 
+def _own_row(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Row ``rank`` of ``world`` equal rows of the flattened ``x``, zero-padded to the row length."""
+    flat = x.reshape(-1)
+    row_len = -(-flat.numel() // world)
+    row = torch.zeros(row_len, dtype=x.dtype, device=x.device)
+    part = flat[rank * row_len:(rank + 1) * row_len]
+    row[:part.numel()] = part
+    return row
+
+
+def taco_encode_reference(x, block_size, fmt, transform, scaling, rows=1) -> torch.Tensor:
+    _check_input(x)
+    g = _blocks_reference(x, block_size, rows)
+    h = g if transform == "none" else fwht_reference(g)
+    return _quantize_reference(h, fmt, transform, scaling)
+
+
 def taco_decode_reference(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch.Tensor:
     row_len, blocks_per_row, n_blocks = _geometry(numel, block_size, rows)
-    records = wire.view(n_blocks, block_size + SCALE_BYTES)
-    q = records[:, :block_size].view(_TORCH_FORMAT[fmt]).float()
-    alpha, s = records[:, block_size:].contiguous().view(torch.float32).unbind(dim=1)
-    h = q if transform == "none" else fwht_reference(q)
-    values = h * ((s * _inv_sqrt_b(block_size, transform)) / alpha)[:, None]
+    t = _fold_reference(wire.view(1, -1), -1, block_size, fmt, transform)
+    values = t if transform == "none" else fwht_reference(t)
     out = torch.empty(rows, row_len, dtype=dtype, device=wire.device)
     out.copy_(values.view(rows, blocks_per_row * block_size)[:, :row_len])
     return out.view(-1)[:numel]
+
+
+def taco_reduce_encode_reference(x, recv, rank, world, block_size, fmt, transform, scaling) -> torch.Tensor:
+    _check_input(x)
+    g = _blocks_reference(_own_row(x, rank, world), block_size, 1)
+    h = g if transform == "none" else fwht_reference(g)
+    t = _fold_reference(recv.view(world, -1), rank, block_size, fmt, transform)
+    return _quantize_reference(h + t * _gain(block_size, transform), fmt, transform, scaling)
+
+
+def taco_reduce_decode_reference(x, recv, rank, world, block_size, fmt, transform) -> torch.Tensor:
+    row = _own_row(x, rank, world)
+    t = _fold_reference(recv.view(world, -1), rank, block_size, fmt, transform)
+    values = (t if transform == "none" else fwht_reference(t)).reshape(-1)[:row.numel()]
+    return (row.float() + values).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
 # Fused Triton kernels
 # ----------------------------------------------------------------------------------------------
 
-ELEMS_PER_PROGRAM = 4096  # ROWS = this / B blocks per program (tuning knob, see the kernel benchmark)
-NUM_WARPS = 8
+# Per kernel: (elements per program, warps). One warp with a few blocks keeps every Hadamard stage
+# inside the warp (no block-wide barriers); benchmarks/bench_taco_kernels.py --launch sweeps it.
+LAUNCH = {"encode": (1024, 1), "decode": (1024, 1)}
 _FORMAT_ID = {"e4m3": 0, "e5m2": 1, "int8": 2}
 _DUAL, _SINGLE_AMAX, _SINGLE_QUANT = 0, 1, 2  # SCALE_MODE: "single" runs an amax pass first
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -213,17 +256,45 @@ if triton is not None:
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
-    def _block_offsets(pid, numel, row_len, blocks_per_row, n_blocks, ROWS: tl.constexpr, B: tl.constexpr,
-                       EVEN: tl.constexpr):
-        """Block ids [ROWS], input offsets [ROWS, B] and the input mask (None when EVEN: every block
-        is full and in range, so blocks are contiguous and loads vectorize)."""
+    def _block_offsets(pid, x_start, numel, row_len, blocks_per_row, n_blocks, ROWS: tl.constexpr,
+                       B: tl.constexpr, EVEN: tl.constexpr):
+        """Block ids [ROWS], element offsets [ROWS, B] from ``x_start`` and their mask (unused when
+        EVEN: every block is full and in range, so blocks are contiguous and accesses vectorize)."""
         blk = pid * ROWS + tl.arange(0, ROWS)
         if EVEN:
-            return blk, blk.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :], None
+            offs = x_start + blk.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :]
+            return blk, offs, offs < numel
         row = blk // blocks_per_row
         cols = (blk - row * blocks_per_row)[:, None] * B + tl.arange(0, B)[None, :]
-        offs = row.to(tl.int64)[:, None] * row_len + cols
+        offs = x_start + row.to(tl.int64)[:, None] * row_len + cols
         return blk, offs, (blk < n_blocks)[:, None] & (cols < row_len) & (offs < numel)
+
+    @triton.jit
+    def _load(ptr, offs, mask, EVEN: tl.constexpr):
+        if EVEN:
+            return tl.load(ptr + offs).to(tl.float32)
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _fold(src_u8, src_f32, src_stride, skip, blk, valid, inv_sqrt_b, ROWS: tl.constexpr, B: tl.constexpr,
+              FORMAT: tl.constexpr, SOURCES: tl.constexpr):
+        """_fold_reference for the blocks ``blk`` of the SOURCES wire rows ``src_stride`` bytes apart."""
+        t = tl.zeros((ROWS, B), tl.float32)
+        for j in tl.static_range(SOURCES):
+            if j != skip:
+                record = j * src_stride + blk.to(tl.int64) * (B + 8)
+                bits = tl.load(src_u8 + record[:, None] + tl.arange(0, B)[None, :], mask=valid[:, None], other=0)
+                if FORMAT == 0:
+                    q = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                elif FORMAT == 1:
+                    q = bits.to(tl.float8e5, bitcast=True).to(tl.float32)
+                else:
+                    q = bits.to(tl.int8, bitcast=True).to(tl.float32)
+                scale_at = record // 4 + B // 4
+                alpha = tl.load(src_f32 + scale_at, mask=valid, other=1.0)
+                s = tl.load(src_f32 + scale_at + 1, mask=valid, other=1.0)
+                t = t + q * tl.div_rn(s * inv_sqrt_b, alpha)[:, None]
+        return t
 
     @triton.jit
     def _cast(y, FORMAT: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA_STEP: tl.constexpr,
@@ -243,33 +314,36 @@ if triton is not None:
 
     @triton.jit
     def _taco_encode_kernel(
-        x_ptr, wire_u8, wire_f32, amax_ptr, scale_ptr, numel, row_len, blocks_per_row, n_blocks,
-        tau, qmax, inv_sqrt_b, eps,
+        x_ptr, wire_u8, wire_f32, amax_ptr, scale_ptr, src_u8, src_f32, src_stride, skip,
+        x_start, numel, row_len, blocks_per_row, n_blocks, tau, qmax, inv_qmax, inv_sqrt_b, eps,
         B: tl.constexpr, LOG_B: tl.constexpr, ROWS: tl.constexpr, FORMAT: tl.constexpr, HADAMARD: tl.constexpr,
-        RESCALE: tl.constexpr, SCALE_MODE: tl.constexpr, EVEN: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        MANTISSA_STEP: tl.constexpr, MIN_ULP: tl.constexpr,
+        GAIN: tl.constexpr, SOURCES: tl.constexpr, RESCALE: tl.constexpr, SCALE_MODE: tl.constexpr,
+        EVEN: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA_STEP: tl.constexpr, MIN_ULP: tl.constexpr,
     ):
-        blk, offs, mask = _block_offsets(tl.program_id(0), numel, row_len, blocks_per_row, n_blocks, ROWS, B, EVEN)
+        blk, offs, mask = _block_offsets(tl.program_id(0), x_start, numel, row_len, blocks_per_row, n_blocks,
+                                         ROWS, B, EVEN)
         valid = blk < n_blocks
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = _load(x_ptr, offs, mask, EVEN)
+        if HADAMARD:
+            h = _fwht(h, ROWS, B, LOG_B)
+        if SOURCES > 0:  # + the decoded rows of the other ranks, re-rotated: H(H(t)) = B * t
+            t = _fold(src_u8, src_f32, src_stride, skip, blk, valid, inv_sqrt_b, ROWS, B, FORMAT, SOURCES)
+            h = h + t * GAIN
         alpha = tl.full((ROWS,), 1.0, tl.float32)
         if RESCALE:
-            sigma = tl.sqrt_rn(tl.sum(x * x, axis=1) * (1.0 / B) + eps)
-            ratio_bits = tl.div_rn(tl.full((ROWS,), tau, tl.float32), sigma).to(tl.int32, bitcast=True)
-            alpha = (ratio_bits & 0x7F800000).to(tl.float32, bitcast=True)
-            x = x * alpha[:, None]
-        h = x
-        if HADAMARD:
-            h = _fwht(x, ROWS, B, LOG_B)
+            energy = tl.sum(h * h, axis=1) * (1.0 / (B * GAIN))
+            ratio = tl.div_rn(tl.full((ROWS,), tau, tl.float32), tl.sqrt_rn(energy + eps))
+            alpha = (ratio.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+            h = h * alpha[:, None]
         m = tl.reduce(tl.abs(h), 1, _max_nan)
-        ok = m <= FLT_MAX
+        ok = m <= 3.4028234663852886e38  # false for NaN and Inf
         amax = tl.where(ok, m, 0.0)
         if SCALE_MODE == 1:
             tl.store(amax_ptr + blk, amax, mask=valid)
         else:
             if SCALE_MODE == 0:
-                nonzero = amax > 0
-                s = tl.where(nonzero, tl.div_rn(amax * inv_sqrt_b, tl.full((ROWS,), qmax, tl.float32)), 1.0)
+                nonzero = amax >= 7.888609052210118e-31  # TINY
+                s = tl.where(nonzero, (amax * inv_sqrt_b) * inv_qmax, 1.0)
                 c = tl.where(nonzero, tl.div_rn(tl.full((ROWS,), qmax, tl.float32), amax), 1.0)
             else:
                 s = tl.full((ROWS,), 1.0, tl.float32) * tl.load(scale_ptr)
@@ -284,75 +358,104 @@ if triton is not None:
 
     @triton.jit
     def _taco_decode_kernel(
-        wire_u8, wire_f32, out_ptr, numel, row_len, blocks_per_row, n_blocks, inv_sqrt_b,
+        src_u8, src_f32, src_stride, skip, out_ptr, x_ptr, x_start, numel, row_len, blocks_per_row, n_blocks,
+        inv_sqrt_b,
         B: tl.constexpr, LOG_B: tl.constexpr, ROWS: tl.constexpr, FORMAT: tl.constexpr, HADAMARD: tl.constexpr,
-        EVEN: tl.constexpr,
+        SOURCES: tl.constexpr, ADD_OWN: tl.constexpr, EVEN: tl.constexpr,
     ):
-        blk, offs, mask = _block_offsets(tl.program_id(0), numel, row_len, blocks_per_row, n_blocks, ROWS, B, EVEN)
-        valid = blk < n_blocks
-        record = blk.to(tl.int64) * (B + 8)
-        bits = tl.load(wire_u8 + record[:, None] + tl.arange(0, B)[None, :], mask=valid[:, None], other=0)
-        if FORMAT == 0:
-            q = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        elif FORMAT == 1:
-            q = bits.to(tl.float8e5, bitcast=True).to(tl.float32)
-        else:
-            q = bits.to(tl.int8, bitcast=True).to(tl.float32)
-        scale_at = record // 4 + B // 4
-        alpha = tl.load(wire_f32 + scale_at, mask=valid, other=1.0)
-        s = tl.load(wire_f32 + scale_at + 1, mask=valid, other=1.0)
-        h = q
+        blk, offs, mask = _block_offsets(tl.program_id(0), 0, numel, row_len, blocks_per_row, n_blocks, ROWS, B,
+                                         EVEN)
+        values = _fold(src_u8, src_f32, src_stride, skip, blk, blk < n_blocks, inv_sqrt_b, ROWS, B, FORMAT, SOURCES)
         if HADAMARD:
-            h = _fwht(q, ROWS, B, LOG_B)
-        values = h * tl.div_rn(s * inv_sqrt_b, alpha)[:, None]
-        tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=mask)
+            values = _fwht(values, ROWS, B, LOG_B)
+        if ADD_OWN:
+            values = _load(x_ptr + x_start, offs, mask, EVEN) + values
+        if EVEN:
+            tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(numel, block_size, fmt, transform, rows):
-    """(grid, constexpr/launch options) shared by both kernels."""
-    row_len, blocks_per_row, n_blocks = _geometry(numel, block_size, rows)
-    n_rows = max(1, ELEMS_PER_PROGRAM // block_size)
-    even = row_len % block_size == 0 and rows * row_len == numel and n_blocks % n_rows == 0
+def _launch(kernel, x_start, numel, row_len, rows, block_size, fmt, transform):
+    """(grid, geometry arguments, constexpr/launch options) of ``kernel`` ("encode" | "decode") over
+    ``rows`` rows of ``row_len`` elements from element ``x_start`` (elements at ``numel`` and beyond
+    read as zeros)."""
+    blocks_per_row = -(-row_len // block_size)
+    n_blocks = rows * blocks_per_row
+    elems_per_program, num_warps = LAUNCH[kernel]
+    n_rows = max(1, elems_per_program // block_size)
+    even = row_len % block_size == 0 and x_start + rows * row_len <= numel and n_blocks % n_rows == 0
     # enable_fp_fusion=False: a product fused into the following add would skip a rounding the
-    # reference performs (e.g. alpha * x before the first Hadamard stage), breaking bit-identity.
+    # reference performs (e.g. q * f in the decode sum), breaking bit-identity.
     meta = dict(B=block_size, LOG_B=int(math.log2(block_size)), ROWS=n_rows, FORMAT=_FORMAT_ID[fmt],
-                HADAMARD=transform != "none", EVEN=even, num_warps=NUM_WARPS, enable_fp_fusion=False)
-    return (triton.cdiv(n_blocks, n_rows),), (numel, row_len, blocks_per_row, n_blocks), meta
+                HADAMARD=transform != "none", EVEN=even, num_warps=num_warps, enable_fp_fusion=False)
+    return (triton.cdiv(n_blocks, n_rows),), (x_start, numel, row_len, blocks_per_row, n_blocks), meta
+
+
+def _encode_triton(flat, x_start, row_len, rows, sources, skip, block_size, fmt, transform, scaling):
+    """Wire of ``rows`` rows of ``flat`` from ``x_start``, plus the decoded ``sources`` rows but ``skip``."""
+    wire = torch.empty(wire_nbytes(rows * row_len, block_size, rows), dtype=torch.uint8, device=flat.device)
+    if wire.numel() == 0:
+        return wire
+    grid, geometry, meta = _launch("encode", x_start, flat.numel(), row_len, rows, block_size, fmt, transform)
+    qmax, inv_sqrt_b = QMAX[fmt], _inv_sqrt_b(block_size, transform)
+    mantissa_bits, min_ulp = _GRID[fmt]
+    meta.update(GAIN=_gain(block_size, transform), SOURCES=0 if sources is None else sources.shape[0],
+                RESCALE=_rescales(transform, scaling),
+                MANTISSA_STEP=2.0**-mantissa_bits, MIN_ULP=min_ulp, SOFT_ROUND=_INTERPRETED or fmt == "int8")
+    src = wire if sources is None else sources
+    args = (flat, wire, wire.view(torch.float32))
+    more = (src, src.view(torch.float32), src.shape[-1] if sources is not None else 0, skip, *geometry,
+            qmax / math.sqrt(block_size), qmax, 1.0 / qmax, inv_sqrt_b, EPS)
+    amax = torch.empty(geometry[-1] if scaling == "single" else 0, dtype=torch.float32, device=flat.device)
+    scale = amax  # unused by the dual pass
+    if scaling == "single":
+        _taco_encode_kernel[grid](*args, amax, scale, *more, SCALE_MODE=_SINGLE_AMAX, **meta)
+        scale = torch.cat(scale_pair(amax.amax().reshape(1), qmax, inv_sqrt_b))
+    _taco_encode_kernel[grid](*args, amax, scale, *more,
+                              SCALE_MODE=_SINGLE_QUANT if scaling == "single" else _DUAL, **meta)
+    return wire
+
+
+def _decode_triton(sources, skip, out, own, x_start, row_len, rows, block_size, fmt, transform):
+    """``out`` = H(fold of ``sources`` but ``skip``), plus ``own`` from ``x_start`` if given."""
+    if out.numel() == 0:
+        return out
+    grid, geometry, meta = _launch("decode", 0, out.numel(), row_len, rows, block_size, fmt, transform)
+    meta.update(SOURCES=sources.shape[0], ADD_OWN=own is not None)
+    own = out if own is None else own
+    _taco_decode_kernel[grid](sources, sources.view(torch.float32), sources.shape[-1], skip, out, own, x_start,
+                              *geometry[1:], _inv_sqrt_b(block_size, transform), **meta)
+    return out
 
 
 def taco_encode_triton(x, block_size, fmt, transform, scaling, rows=1) -> torch.Tensor:
     _check_input(x)
     flat = x.reshape(-1)
-    wire = torch.empty(wire_nbytes(flat.numel(), block_size, rows), dtype=torch.uint8, device=x.device)
-    if wire.numel() == 0:
-        return wire
-    grid, geometry, meta = _launch(flat.numel(), block_size, fmt, transform, rows)
-    qmax, inv_sqrt_b = QMAX[fmt], _inv_sqrt_b(block_size, transform)
-    mantissa_bits, min_ulp = _GRID[fmt]
-    meta.update(RESCALE=_rescales(transform, scaling), MANTISSA_STEP=2.0**-mantissa_bits, MIN_ULP=min_ulp,
-                SOFT_ROUND=_INTERPRETED or fmt == "int8")
-    args = (flat, wire, wire.view(torch.float32))
-    scalars = (*geometry, qmax / math.sqrt(block_size), qmax, inv_sqrt_b, EPS)
-    amax = torch.empty(geometry[-1] if scaling == "single" else 0, dtype=torch.float32, device=x.device)
-    scale = amax  # unused by the dual pass
-    if scaling == "single":
-        _taco_encode_kernel[grid](*args, amax, scale, *scalars, SCALE_MODE=_SINGLE_AMAX, **meta)
-        scale = torch.cat(scale_pair(amax.amax().reshape(1), qmax, inv_sqrt_b))
-    _taco_encode_kernel[grid](*args, amax, scale, *scalars,
-                              SCALE_MODE=_SINGLE_QUANT if scaling == "single" else _DUAL, **meta)
-    return wire
+    row_len = -(-flat.numel() // rows) if flat.numel() else 0
+    return _encode_triton(flat, 0, row_len, rows, None, -1, block_size, fmt, transform, scaling)
 
 
-def taco_decode_triton(wire, numel, dtype, block_size, fmt, transform, rows=1, out=None) -> torch.Tensor:
-    """``out``: an optional preallocated contiguous result of ``numel`` values of ``dtype``."""
-    if out is None:
-        out = torch.empty(numel, dtype=dtype, device=wire.device)
-    if numel == 0:
-        return out
-    grid, geometry, meta = _launch(numel, block_size, fmt, transform, rows)
-    _taco_decode_kernel[grid](wire, wire.view(torch.float32), out, *geometry, _inv_sqrt_b(block_size, transform),
-                              **meta)
-    return out
+def taco_decode_triton(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch.Tensor:
+    out = torch.empty(numel, dtype=dtype, device=wire.device)
+    row_len = -(-numel // rows) if numel else 0
+    return _decode_triton(wire.view(1, -1), -1, out, None, 0, row_len, rows, block_size, fmt, transform)
+
+
+def taco_reduce_encode_triton(x, recv, rank, world, block_size, fmt, transform, scaling) -> torch.Tensor:
+    _check_input(x)
+    flat = x.reshape(-1)
+    row_len = -(-flat.numel() // world)
+    return _encode_triton(flat, rank * row_len, row_len, 1, recv.view(world, -1), rank, block_size, fmt,
+                          transform, scaling)
+
+
+def taco_reduce_decode_triton(x, recv, rank, world, block_size, fmt, transform) -> torch.Tensor:
+    flat = x.reshape(-1)
+    row_len = flat.numel() // world
+    out = torch.empty(row_len, dtype=x.dtype, device=x.device)
+    return _decode_triton(recv.view(world, -1), rank, out, flat, rank * row_len, row_len, 1, block_size, fmt,
+                          transform)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -369,3 +472,20 @@ def taco_decode(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch
     """Inverse of ``taco_encode``: a 1-D tensor of ``numel`` values of ``dtype``."""
     decode = taco_decode_triton if _use_triton(wire) else taco_decode_reference
     return decode(wire, numel, dtype, block_size, fmt, transform, rows)
+
+
+def taco_reduce_encode(x, recv, rank, world, block_size, fmt, transform, scaling) -> torch.Tensor:
+    """The all-reduce middle step in one pass: the wire (one row) of row ``rank`` of ``world`` rows of
+    ``x`` plus the rows of ``recv`` (``world`` row wires; the ``rank``-th is skipped) decoded, summed
+    in the rotated domain: H(own) + B * fold(recv) (see _fold_reference)."""
+    encode = taco_reduce_encode_triton if _use_triton(x) else taco_reduce_encode_reference
+    return encode(x, recv, rank, world, block_size, fmt, transform, scaling)
+
+
+def taco_reduce_decode(x, recv, rank, world, block_size, fmt, transform) -> torch.Tensor:
+    """The reduce-scatter's last step in one pass: row ``rank`` of ``x`` plus H(fold(recv)), the sum
+    of the other ranks' decoded rows, as ``x.dtype`` [numel / world]."""
+    if x.numel() % world:
+        raise ValueError(f"taco_reduce_decode needs x.numel() ({x.numel()}) divisible by world ({world})")
+    decode = taco_reduce_decode_triton if _use_triton(x) else taco_reduce_decode_reference
+    return decode(x, recv, rank, world, block_size, fmt, transform)

@@ -90,6 +90,34 @@ def test_zero_blocks_decode_to_zero_and_special_values_stay_in_their_block():
     assert torch.equal(_round_trip(_codec(), zeros), zeros)
 
 
+def test_tiny_blocks_flush_to_zero_and_overflowing_blocks_to_nan():
+    codec = _codec("e4m3", "hadamard", "dual", 32)
+    x = torch.randn(32 * 3)
+    x[:32] *= 1e-33  # max|H(x)| < 2^-100: Qmax / max would overflow
+    x[32:64] *= 1e-25  # still representable: scaled like any block
+    x[64:] = 3e37  # H(x) overflows fp32
+    y = _round_trip(codec, x)
+    assert torch.equal(y[:32], torch.zeros(32))
+    assert _rel_error(x[32:64] * 1e25, y[32:64] * 1e25) < 0.05  # (the norm itself would underflow)
+    assert y[64:].isnan().all()
+
+
+def test_reduce_steps_add_the_other_ranks_decoded_rows():
+    codec, world, rank = _codec("e4m3", "ash", "dual", 64), 3, 1
+    xs = [torch.randn(6, 100) for _ in range(world)]  # rows of 200 values: not a block multiple
+    recv = torch.cat([codec.encode(x, rows=world).view(world, -1)[rank] for x in xs])
+    decoded = [codec.decode(codec.encode(x, rows=world), 600, torch.float32, rows=world).view(world, -1)[rank] for x in xs]
+    own = xs[rank].reshape(world, -1)[rank]
+    expected = own + sum(d for j, d in enumerate(decoded) if j != rank)
+    shard = codec.reduce_decode(xs[rank], recv, rank, world)
+    assert shard.shape == (200,) and (shard - expected).norm() < 1e-5 * expected.norm()  # only rounding differs
+    wire = codec.reduce_encode(xs[rank], recv, rank, world)
+    assert wire.numel() == codec.wire_nbytes(200)
+    assert _rel_error(expected, codec.decode(wire, 200, torch.float32)) < 0.05
+    with pytest.raises(ValueError, match="uint8 bytes"):
+        codec.reduce_encode(xs[rank], recv[:-1], rank, world)
+
+
 def test_error_bounds_on_tp_like_tensors():
     for x in (activation_like(tokens=128), gradient_like(tokens=128)):
         for block_size in (64, 256):

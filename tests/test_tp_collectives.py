@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from compression.taco import TacoCodec, TacoConfig
 from compression.telemetry import COMM_CLASSES, TELEMETRY
-from compression.tp_collectives import compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter
+from compression.tp_collectives import (OPS, compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter,
+                                        crossover)
 from dist_utils import run_on_ranks
 
 # 1 value, odd sizes, block-aligned rows; each with one dtype to keep the spawned worlds short
@@ -98,8 +99,12 @@ def _check_world_and_benchmark(world, bench_out):
     result = bench_tp_collectives.run(bench_tp_collectives.parse_args(["--dry-run", "--out", bench_out]),
                                       torch.device("cpu"))
     errors += result["problems"]
-    if len(result["rows"]) != 6 or set(result["min_bytes"]) != {"all_reduce", "all_gather", "reduce_scatter"}:
+    if len(result["rows"]) != 6 or set(result["min_bytes"]) != set(OPS):
         errors.append(f"benchmark dry run: unexpected result {result}")
+    auto = result["auto_min_bytes"]  # measure_min_bytes: one answer per op, the same on every rank
+    if set(auto) != set(OPS) or any(v not in (None, 4096, 16384) for v in auto.values()):
+        errors.append(f"measure_min_bytes: unexpected {auto}")
+    shared["auto_min_bytes"] = repr(sorted(auto.items())).encode()
     return errors, shared
 
 
@@ -111,6 +116,15 @@ def _run_and_compare(world, fn=_check_world, *args):
     for rank, (_, shared) in enumerate(results[1:], start=1):
         for name, bits in first.items():
             assert shared[name] == bits, f"{name} differs on rank {rank}"
+
+
+def test_crossover_is_the_smallest_size_from_which_compression_always_wins():
+    sizes = [1, 2, 4, 8]
+    assert crossover(sizes, [1, 1, 1, 1], [2, 0.5, 2, 0.5]) == 8  # a loss at 4 rules out 2
+    assert crossover(sizes, [1, 1, 1, 1], [2, 0.5, 0.5, 0.5]) == 2
+    assert crossover(sizes[::-1], [1, 1, 1, 1], [0.5, 0.5, 0.5, 2]) == 2  # order of sizes does not matter
+    assert crossover(sizes, [1, 1, 1, 1], [0.5, 0.5, 0.5, 1]) is None  # a tie is no win
+    assert crossover(sizes, [1, 1, 1, 1], [0.1] * 4) == 1
 
 
 @pytest.mark.slow
