@@ -17,6 +17,10 @@ and two NCCL calls at most, with no host synchronization:
 - ``compressed_all_gather``: along dim 0 like ``all_gather_into_tensor``; every rank, the source
   included, returns decoded values, so the result is identical on all ranks.
 
+The fused middle steps are optional codec methods (``TacoCodec`` has them); for any other
+``TensorCodec`` the rows are decoded, summed in fp32 (the own row exact) and, for the all-reduce,
+re-encoded with plain ``encode``/``decode`` (``_sum_rows``).
+
 Results are new tensors (inputs are not modified). With ``async_op=True`` the communication is
 started and a handle returned whose ``wait()`` finishes the work (the second phase and the decode)
 and returns the result, so callers can overlap the first phase with compute. A group of size 1
@@ -73,6 +77,28 @@ def _exchange_rows(x: torch.Tensor, codec, group):
     return recv, dist.all_to_all_single(recv, send, group=group, async_op=True)
 
 
+def _sum_rows(codec, x: torch.Tensor, recv: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Unfused middle step: this rank's exact row of ``x`` plus the other decoded rows, fp32 [row_len]."""
+    row_len = -(-x.numel() // world)
+    parts = codec.decode(recv, world * row_len, torch.float32, rows=world).view(world, row_len)
+    own = x.reshape(-1)[rank * row_len:(rank + 1) * row_len]
+    parts[rank] = 0
+    parts[rank, :own.numel()] = own
+    return parts.sum(dim=0)
+
+
+def _reduce_encode(codec, x, recv, rank, world) -> torch.Tensor:
+    if hasattr(codec, "reduce_encode"):
+        return codec.reduce_encode(x, recv, rank, world)
+    return codec.encode(_sum_rows(codec, x, recv, rank, world))
+
+
+def _reduce_decode(codec, x, recv, rank, world) -> torch.Tensor:
+    if hasattr(codec, "reduce_decode"):
+        return codec.reduce_decode(x, recv, rank, world)
+    return _sum_rows(codec, x, recv, rank, world).to(x.dtype)
+
+
 def compressed_all_reduce(x: torch.Tensor, codec, group=None, async_op=False, comm_class="tp"):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1 or x.numel() == 0:
@@ -85,7 +111,7 @@ def compressed_all_reduce(x: torch.Tensor, codec, group=None, async_op=False, co
 
     def finish():
         gathered = torch.empty(world * row_wire, dtype=torch.uint8, device=x.device)
-        dist.all_gather_into_tensor(gathered, codec.reduce_encode(x, recv, rank, world), group=group)
+        dist.all_gather_into_tensor(gathered, _reduce_encode(codec, x, recv, rank, world), group=group)
         return codec.decode(gathered, n, x.dtype, rows=world).view(x.shape)
 
     handle = CollectiveHandle(work, finish)
@@ -103,7 +129,7 @@ def compressed_reduce_scatter(x: torch.Tensor, codec, group=None, async_op=False
     TELEMETRY.record(comm_class, x.numel() * x.element_size(), recv.numel())
 
     def finish():
-        return codec.reduce_decode(x, recv, rank, world).view(x.shape[0] // world, *x.shape[1:])
+        return _reduce_decode(codec, x, recv, rank, world).view(x.shape[0] // world, *x.shape[1:])
 
     handle = CollectiveHandle(work, finish)
     return handle if async_op else handle.wait()
@@ -154,11 +180,12 @@ def compressed(op: str, x: torch.Tensor, codec, group=None) -> torch.Tensor:
     return fn(x, codec, group=group, comm_class="tp")
 
 
-def crossover(sizes, plain_ms, compressed_ms):
-    """Smallest of ``sizes`` from which compression is faster at every larger size; None if never."""
+def crossover(sizes, plain_ms, compressed_ms, margin=0.0):
+    """Smallest of ``sizes`` from which compression is faster at every larger size, by at least the
+    fraction ``margin`` of the uncompressed time (a guard against timing noise); None if never."""
     answer = None
     for size, plain, packed in sorted(zip(sizes, plain_ms, compressed_ms), reverse=True):
-        if packed >= plain:
+        if packed >= (1.0 - margin) * plain:
             break
         answer = size
     return answer
@@ -178,9 +205,10 @@ def _median_ms(fn, device: torch.device, iters: int) -> float:
     return statistics.median(times)
 
 
-def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None) -> dict:
+def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None, margin=0.0) -> dict:
     """Per collective in OPS, the bf16 input size in bytes from which ``codec`` compression is faster on
-    ``group`` (None: never at the measured sizes). Collective over ``group``: every rank must call it,
+    ``group`` (None: never at the measured sizes; ``margin``: see ``crossover``). Each time is the
+    median of ``iters`` synchronized calls after one warm-up. Collective over ``group``: every rank must call it,
     and every rank returns the same answer. Meant for start-up: it ends with ``TELEMETRY.reset()``
     so that the probes' bytes are not reported."""
     if device is None:
@@ -197,4 +225,5 @@ def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None
     slowest = timings.to(device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     slowest = slowest.cpu()
-    return {op: crossover(sizes, slowest[:, j, 0].tolist(), slowest[:, j, 1].tolist()) for j, op in enumerate(OPS)}
+    return {op: crossover(sizes, slowest[:, j, 0].tolist(), slowest[:, j, 1].tolist(), margin)
+            for j, op in enumerate(OPS)}

@@ -12,15 +12,22 @@ into blocks of ``block_size`` values, zero-padded at the row's end. Wire: one re
     record k = [ q_k (block_size x uint8) | alpha_k (fp32) | s_k (fp32) ]      (block_size + 8 bytes)
 
 so a wire cut at record boundaries is still a valid wire: row r of a multi-row encode is bytes
-``[r * wire_nbytes(row_len), (r + 1) * wire_nbytes(row_len))``, which is what the compiled
+``[r * wire_nbytes(row_len), (r + 1) * wire_nbytes(row_len))``, which is what the compressed
 collectives send to rank r. Per block (fp32 arithmetic, H = Sylvester Walsh-Hadamard, unnormalized):
 
-    alpha = 2^floor(log2(tau / sqrt(mean(x^2) + EPS)))   ("ash" with "single" scaling; else 1)
-    h     = H(alpha * x)                                 (h = x for transform "none")
+    h     = H(x)                                         (h = x for transform "none")
+    alpha = 2^floor(log2(tau / sqrt(sum(h^2) / B^2 + EPS)))  ("ash" with "single" scaling; else 1)
+    h     = alpha * h                                    (exact: = H(alpha * x))
     m     = max|h| per block ("dual") or over the encode call ("single")
     q     = cast(h * (Qmax / m))                         (round to nearest even on the format's grid)
     s     = (m / sqrt(B)) * (1 / Qmax)                   (the max scale of the normalized z = h / sqrt(B))
-    decode: x' = H(q) * ((s / sqrt(B)) / alpha)          (H(q) first: a sum of small values)
+    decode: x' = H(t),  t = q * ((s / sqrt(B)) / alpha)
+
+The fused collective steps reuse both kernels with several received rows j (one per rank) of the
+same block: the reduce-scatter's last step returns own + H(sum_j t_j) (``taco_reduce_decode``); the
+all-reduce's middle step encodes H(own) + B * sum_j t_j (``taco_reduce_encode``), which is H of
+own + sum_j decode(row j) up to rounding, without rotating each row back and forth. Sums over j run
+in order of j from 0, skipping this rank's own row.
 
 tau = Qmax / sqrt(B): a block rescaled to RMS tau has |z| <= ||z||_2 = sqrt(B) * tau = Qmax, i.e. the
 rescaled, rotated block fits the format's range even before the max scale. alpha is a power of two,

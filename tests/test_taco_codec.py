@@ -106,7 +106,8 @@ def test_reduce_steps_add_the_other_ranks_decoded_rows():
     codec, world, rank = _codec("e4m3", "ash", "dual", 64), 3, 1
     xs = [torch.randn(6, 100) for _ in range(world)]  # rows of 200 values: not a block multiple
     recv = torch.cat([codec.encode(x, rows=world).view(world, -1)[rank] for x in xs])
-    decoded = [codec.decode(codec.encode(x, rows=world), 600, torch.float32, rows=world).view(world, -1)[rank] for x in xs]
+    decoded = [codec.decode(codec.encode(x, rows=world), 600, torch.float32, rows=world).view(world, -1)[rank]
+               for x in xs]
     own = xs[rank].reshape(world, -1)[rank]
     expected = own + sum(d for j, d in enumerate(decoded) if j != rank)
     shard = codec.reduce_decode(xs[rank], recv, rank, world)

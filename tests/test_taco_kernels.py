@@ -68,17 +68,17 @@ def _compare_reductions(x, case, args, device):
     """The fused all-reduce middle step and reduce-scatter end against their references."""
     from kernels import taco as K
 
-    block_size, fmt, transform, scaling, _ = args
+    block_size, fmt, transform, _, _ = args
     world = 2 + case % 3
     n = x.numel() // world * world
     own = x[:n]
     others = torch.stack([x.roll(j)[:n] * (j - 1.5) for j in range(world)])
-    recv = torch.cat([K.taco_encode_reference(o, block_size, fmt, transform, scaling, world).view(world, -1)[case % world]
-                      for o in others])
+    row_wires = [K.taco_encode_reference(o, *args[:4], world).view(world, -1) for o in others]
+    recv = torch.cat([wires[case % world] for wires in row_wires])
     rank = (case + 1) % world
     failures = []
-    reference = K.taco_reduce_encode_reference(own, recv, rank, world, block_size, fmt, transform, scaling)
-    if not _same_bits(reference, K.taco_reduce_encode_triton(own, recv, rank, world, block_size, fmt, transform, scaling)):
+    reference = K.taco_reduce_encode_reference(own, recv, rank, world, *args[:4])
+    if not _same_bits(reference, K.taco_reduce_encode_triton(own, recv, rank, world, *args[:4])):
         failures.append(f"reduce_encode {args} world {world}: wires differ")
     reference = K.taco_reduce_decode_reference(own, recv, rank, world, block_size, fmt, transform)
     fused = K.taco_reduce_decode_triton(own, recv, rank, world, block_size, fmt, transform)

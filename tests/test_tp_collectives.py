@@ -125,6 +125,7 @@ def test_crossover_is_the_smallest_size_from_which_compression_always_wins():
     assert crossover(sizes[::-1], [1, 1, 1, 1], [0.5, 0.5, 0.5, 2]) == 2  # order of sizes does not matter
     assert crossover(sizes, [1, 1, 1, 1], [0.5, 0.5, 0.5, 1]) is None  # a tie is no win
     assert crossover(sizes, [1, 1, 1, 1], [0.1] * 4) == 1
+    assert crossover(sizes, [1, 1, 1, 1], [0.95, 0.85, 0.85, 0.85], margin=0.1) == 2
 
 
 @pytest.mark.slow
