@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from compression.codec import TensorCodec
+from compression.tp_collectives import OPS
 from dist_utils import run_on_ranks
 
 # TACO e4m3 keeps 3 mantissa bits: per-element rounding error <= 2^-4 of the block scale, ~2-3% RMS
@@ -144,7 +145,7 @@ def _function_checks():
     report = {}
     for codec_name, codec, min_bytes in (("identity", IdentityCodec(), 0), ("taco", taco, 0),
                                          ("taco-below-min-bytes", taco, 1 << 30)):
-        comm = TpComm(codec, group, min_bytes)
+        comm = TpComm(codec, group, {op: min_bytes for op in OPS})
         for sequence_parallel in (False, True):
             for kind, cases in (("column", _column_cases), ("row", _row_cases)):
                 TELEMETRY.reset()
@@ -156,8 +157,16 @@ def _function_checks():
                     raw=raw, sent=sent,
                 )
 
+    # 'auto' thresholds: measured on the group, identical on every rank, one entry per collective.
+    from megatron.hooks.tp import resolve_min_bytes
+
+    auto_args = _args(tp_comm_compression_min_bytes="auto", seq_length=32, micro_batch_size=2, hidden_size=64)
+    report["auto_min_bytes"] = resolve_min_bytes(auto_args, taco, group)
+    report["auto_min_bytes_all_ranks"] = [None] * group.size()
+    torch.distributed.all_gather_object(report["auto_min_bytes_all_ranks"], report["auto_min_bytes"], group=group)
+
     # The SP re-gather in backward must reproduce the forward gather exactly.
-    comm = TpComm(taco, group, 0)
+    comm = TpComm(taco, group, {op: 0 for op in OPS})
     x = torch.randn(8, 2, 64)
     report["encode_deterministic"] = torch.equal(taco.encode(x), taco.encode(x.clone()))
     report["gather_deterministic"] = _bits_equal(comm.all_gather(x), comm.all_gather(x.clone()))
@@ -183,6 +192,9 @@ def test_compressed_functions_match_megatron():
             assert 0 < taco["sent"] < taco["raw"] / 2, taco
     assert report["encode_deterministic"] and report["gather_deterministic"]
     assert report["async_matches_sync"] and report["int_all_reduce_exact"]
+    auto = report["auto_min_bytes"]
+    assert set(auto) == set(OPS) and all(v is None or v > 0 for v in auto.values()), auto
+    assert all(other == auto for other in report["auto_min_bytes_all_ranks"]), report["auto_min_bytes_all_ranks"]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel.layers import (
 
 from compression.codec import TensorCodec
 from compression.taco import TacoCodec, TacoConfig
+from compression.tp_collectives import OPS, PROBE_BYTES, measure_min_bytes
 from megatron.hooks.tp_functions import (
     TpComm,
     all_reduce_forward,
@@ -119,8 +120,9 @@ def _check_args(args) -> None:
         )
     if getattr(args, "tp_comm_overlap", False):
         raise ValueError("--tp-comm-compression taco cannot be combined with --tp-comm-overlap (TE userbuffers)")
-    if args.tp_comm_compression_min_bytes < 0:
-        raise ValueError(f"--tp-comm-compression-min-bytes must be >= 0, got {args.tp_comm_compression_min_bytes}")
+    min_bytes = str(args.tp_comm_compression_min_bytes)
+    if min_bytes != "auto" and not min_bytes.isdigit():
+        raise ValueError(f"--tp-comm-compression-min-bytes must be 'auto' or an integer >= 0, got {min_bytes!r}")
 
 
 def _check_module(name: str, module: torch.nn.Module) -> None:
@@ -144,6 +146,27 @@ def _compressible(module: torch.nn.Module) -> bool:
     )
 
 
+def largest_tp_message_bytes(args) -> int:
+    """Bytes of the largest activation a TP collective carries: [seq, micro batch, hidden] in the
+    params dtype (the same with sequence parallelism, where it is the gathered size)."""
+    itemsize = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    return args.seq_length * args.micro_batch_size * args.hidden_size * itemsize
+
+
+def resolve_min_bytes(args, codec: TensorCodec, group) -> dict:
+    """Per-collective compression thresholds for one TP group. With 'auto', time plain vs compressed
+    collectives on the group at the probe sizes up to the largest message this model sends (every
+    rank of the group gets the same answer); else the flag's value for every collective."""
+    value = str(args.tp_comm_compression_min_bytes)
+    if value != "auto":
+        return {op: int(value) for op in OPS}
+    largest = largest_tp_message_bytes(args)
+    covering = [size for size in PROBE_BYTES if size >= largest][:1]  # one probe at or above it
+    sizes = [size for size in PROBE_BYTES if size < largest] + covering
+    # margin: compress only where it wins by 10%, above the run-to-run noise of the probe
+    return measure_min_bytes(codec, group, sizes=sizes, margin=0.1)
+
+
 def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) -> None:
     """Route the TP collectives of every local tensor-parallel layer in ``model_chunks`` through
     ``codec`` (default: TACO built from ``args``). Call after building (and Float16Module wrapping)
@@ -151,6 +174,7 @@ def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) ->
     _check_args(args)
     codec = codec if codec is not None else build_taco_codec(args)
     swapped, kept = Counter(), Counter()
+    thresholds = {}  # per TP group, measured once
     for chunk in model_chunks:
         for name, module in chunk.named_modules():
             _check_module(name, module)
@@ -159,13 +183,15 @@ def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) ->
                     kept[type(module).__name__] += 1
                 continue
             swapped[type(module).__name__] += 1
-            module.tp_comm = TpComm(codec, module.tp_group, args.tp_comm_compression_min_bytes)
+            if module.tp_group not in thresholds:
+                thresholds[module.tp_group] = resolve_min_bytes(args, codec, module.tp_group)
+            module.tp_comm = TpComm(codec, module.tp_group, thresholds[module.tp_group])
             module.__class__ = _COMPRESSED_CLASS[type(module)]
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(
-            "TP compression (%r, min %d bytes): swapped %s; left stock (TP size 1 or expert) %s",
+            "TP compression (%r, compress from bytes %s): swapped %s; left stock (TP size 1 or expert) %s",
             codec,
-            args.tp_comm_compression_min_bytes,
+            list(thresholds.values()),
             dict(swapped),
             dict(kept),
         )

@@ -59,20 +59,23 @@ class TpComm:
 
     codec: TensorCodec
     group: dist.ProcessGroup
-    min_bytes: int
+    min_bytes: dict
+    """Per collective ("all_reduce", "all_gather", "reduce_scatter"): the input size in bytes from which
+    it is compressed, or None for never."""
 
-    def compresses(self, x: torch.Tensor) -> bool:
-        return x.is_floating_point() and x.numel() * x.element_size() >= self.min_bytes
+    def compresses(self, x: torch.Tensor, op: str) -> bool:
+        threshold = self.min_bytes[op]
+        return threshold is not None and x.is_floating_point() and x.numel() * x.element_size() >= threshold
 
     def all_reduce(self, x: torch.Tensor, async_op: bool = False):
-        if self.compresses(x):
+        if self.compresses(x, "all_reduce"):
             return compressed_all_reduce(x, self.codec, self.group, async_op=async_op)
         out = x.contiguous().clone()
         return _stock_result(x, out, dist.all_reduce(out, group=self.group, async_op=async_op), async_op)
 
     def reduce_scatter(self, x: torch.Tensor, async_op: bool = False):
         """Sum over the group and keep this rank's slice of dim 0."""
-        if self.compresses(x):
+        if self.compresses(x, "reduce_scatter"):
             return compressed_reduce_scatter(x, self.codec, self.group, async_op=async_op)
         world_size = self.group.size()
         if x.shape[0] % world_size:
@@ -83,7 +86,7 @@ class TpComm:
 
     def all_gather(self, x: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's ``x`` along dim 0."""
-        if self.compresses(x):
+        if self.compresses(x, "all_gather"):
             return compressed_all_gather(x, self.codec, self.group, async_op=async_op)
         out = x.new_empty((x.shape[0] * self.group.size(),) + tuple(x.shape[1:]))
         work = dist.all_gather_into_tensor(out, x.contiguous(), group=self.group, async_op=async_op)

@@ -166,7 +166,9 @@ class LoggingArgs:
 @dataclass(kw_only=True)
 class CompressionArgs:
     tp_comm_compression: str = arg("none", "TP collective compression.", choices=["none", "taco"])
-    tp_comm_compression_min_bytes: int = arg(65536, "TP tensors smaller than this stay uncompressed.")
+    tp_comm_compression_min_bytes: str = arg(
+        "auto", "TP tensors smaller than this many bytes stay uncompressed; 'auto' measures, per collective, the "
+        "size from which compression is faster on this TP group at start-up (never, if it never is).")
     taco_block_size: int = arg(256, "TACO block size (power of two, 32..1024).")
     taco_format: str = arg("e4m3", "TACO element format.", choices=["e4m3", "e5m2", "int8"])
     taco_transform: str = arg("ash", "TACO outlier transform.", choices=["ash", "hadamard", "none"])
@@ -448,8 +450,9 @@ def _validate_compression(args) -> None:
         value = getattr(args, flag)
         _check(_is_power_of_two_in(value, low, high),
                f"--{flag.replace('_', '-')} must be a power of two in {low}..{high}, got {value}")
-    _check(args.tp_comm_compression_min_bytes >= 0,
-           f"--tp-comm-compression-min-bytes must be >= 0, got {args.tp_comm_compression_min_bytes}")
+    min_bytes = str(args.tp_comm_compression_min_bytes)
+    _check(min_bytes == "auto" or min_bytes.isdigit(),
+           f"--tp-comm-compression-min-bytes must be 'auto' or an integer >= 0, got {min_bytes!r}")
     _check(args.ciera_cache_budget_mb is None or args.ciera_cache_budget_mb > 0,
            f"--ciera-cache-budget-mb must be positive (or omitted for unlimited), got {args.ciera_cache_budget_mb}")
 
