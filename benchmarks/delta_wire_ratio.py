@@ -35,16 +35,16 @@ MARK_BEGIN, MARK_END = "<!-- BENCHMARK BEGIN -->", "<!-- BENCHMARK END -->"
 
 # --- trajectories ------------------------------------------------------------------------------
 
-def simulated_adamw(numel: int, lr: float, steps: int, seed: int = 0):
+def simulated_adamw(numel: int, lr: float, steps: int, seed: int = 0, device="cpu"):
     """Yield the bf16 snapshot after each of ``steps`` AdamW steps (the first is the initial one)."""
-    g = torch.Generator().manual_seed(seed)
-    master = torch.nn.Parameter(torch.randn(numel, generator=g) * 0.02)
-    scale = torch.exp(torch.randn(numel, generator=g))
-    direction = torch.randn(numel, generator=g)
+    g = torch.Generator(device).manual_seed(seed)
+    master = torch.nn.Parameter(torch.randn(numel, generator=g, device=device) * 0.02)
+    scale = torch.exp(torch.randn(numel, generator=g, device=device))
+    direction = torch.randn(numel, generator=g, device=device)
     opt = torch.optim.AdamW([master], lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     yield master.detach().bfloat16()
     for _ in range(steps):
-        master.grad = scale * (0.3 * direction + torch.randn(numel, generator=g))
+        master.grad = scale * (0.3 * direction + torch.randn(numel, generator=g, device=device))
         opt.step()
         yield master.detach().bfloat16()
 

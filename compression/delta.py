@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from compression.codec import ShardCodec
-from kernels.delta import analyze_blocks, pack_values, stream_nbytes, unpack_values
+from kernels import delta as kernels
+from kernels.delta import (analyze_blocks_reference, pack_values_reference, stream_nbytes,
+                           unpack_values_reference, use_triton)
 
 MAGIC = b"DLTA"
 VERSION = 1
@@ -109,23 +111,46 @@ class DeltaCodec(ShardCodec):
         return self._encode_delta(bits, fp16_flag)
 
     def _encode_delta(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
+        if use_triton(bits, self.triton):
+            return self._encode_delta_triton(bits, fp16_flag)
         b = self.config.block_size
-        a = analyze_blocks(self._prev, bits, b, triton=self.triton)
+        a = analyze_blocks_reference(self._prev, bits, b)
         changed = torch.nonzero(a.codes).squeeze(1)
         value_bytes = stream_nbytes(a.counts[changed], a.codes[changed], a.n_esc[changed])
-        n_values, n_value_bytes = torch.stack([a.counts.sum(dtype=torch.int64), value_bytes.sum()]).tolist()
+        n_values, n_value_bytes = int(a.counts.sum()), int(value_bytes.sum())
         layout = _Layout.of(bits.numel(), changed.numel(), b)
         payload = torch.zeros(layout.values + n_value_bytes, dtype=torch.uint8, device=bits.device)
         payload[: HEADER.size] = self._header(fp16_flag, bits.numel(), changed.numel(), bits.device)
         payload[HEADER.size : HEADER.size + layout.n_blocks] = a.codes
         payload[layout.n_esc : layout.bitmaps].view(torch.int16).copy_(a.n_esc[changed])
         payload[layout.bitmaps : layout.values].view(-1, b // 8).copy_(a.bitmaps[changed])
-        pack_values(a, changed, _exclusive_cumsum(value_bytes), payload[layout.values :], triton=self.triton)
+        pack_values_reference(a, changed, _exclusive_cumsum(value_bytes), payload[layout.values :])
         self._record(payload, bits.numel(), changed.numel(), n_values, False)
         return payload
 
+    def _encode_delta_triton(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
+        """Every block coded into its own row, then the changed rows gathered into the payload: the
+        sizes are read once (the only host sync) to allocate it."""
+        b = self.config.block_size
+        e = kernels.encode_blocks(self._prev, bits, b)
+        rank_end = torch.cumsum(e.codes != 0, 0)
+        stream_end = torch.cumsum(e.nbytes, 0)
+        totals = [0, 0, 0]  # changed blocks, value stream bytes, changed values
+        if e.codes.numel():
+            totals = torch.stack([rank_end[-1], stream_end[-1], e.counts.sum(dtype=torch.int64)]).tolist()
+        n_changed, n_value_bytes, n_values = totals
+        layout = _Layout.of(bits.numel(), n_changed, b)
+        payload = torch.empty(layout.values + n_value_bytes, dtype=torch.uint8, device=bits.device)
+        kernels.gather_records(e, rank_end, stream_end, payload, self._header_bytes(fp16_flag, bits.numel(), n_changed),
+                               layout.n_esc, layout.bitmaps, layout.values, b)
+        self._record(payload, bits.numel(), n_changed, n_values, False)
+        return payload
+
+    def _header_bytes(self, flags: int, numel: int, n_changed: int) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, flags, 0, self.config.block_size, n_changed, numel)
+
     def _header(self, flags: int, numel: int, n_changed: int, device) -> torch.Tensor:
-        raw = HEADER.pack(MAGIC, VERSION, flags, 0, self.config.block_size, n_changed, numel)
+        raw = self._header_bytes(flags, numel, n_changed)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
     def _record(self, payload, numel, blocks_changed, values_changed, keyframe) -> None:
@@ -140,22 +165,27 @@ class DeltaCodec(ShardCodec):
         if not 0 <= src_rank < self.world_size:
             raise ValueError(f"src_rank {src_rank} outside the data-parallel group of size {self.world_size}")
         bits = _as_bits(out, "output buffer")
-        if payload.storage_offset() % 2:  # the int16 sections need an even start
-            payload = payload.clone()
         flags, n_changed = self._check_header(payload, out, bits.numel())
         if flags & FLAG_KEYFRAME:
-            bits.copy_(payload[HEADER.size : HEADER.size + 2 * bits.numel()].view(torch.int16))
+            bits.view(torch.uint8).copy_(payload[HEADER.size : HEADER.size + 2 * bits.numel()])
             return
         b = self.config.block_size
         layout = _Layout.of(bits.numel(), n_changed, b)
         codes = payload[HEADER.size : HEADER.size + layout.n_blocks]
+        n_esc = payload[layout.n_esc : layout.bitmaps]
+        bitmaps = payload[layout.bitmaps : layout.values]
+        values = payload[layout.values :]
+        if use_triton(bits, self.triton):  # every section read as bytes: any payload offset works
+            rank_end = torch.cumsum(codes != 0, 0)
+            nbytes = kernels.stream_sizes(codes, rank_end, n_esc, bitmaps, b)
+            kernels.decode_blocks(bits, codes, rank_end, torch.cumsum(nbytes, 0), nbytes, bitmaps, values, b)
+            return
         changed = torch.nonzero(codes).squeeze(1)
-        n_esc = payload[layout.n_esc : layout.bitmaps].view(torch.int16)
-        bitmaps = payload[layout.bitmaps : layout.values].view(-1, b // 8)
+        n_esc = n_esc.clone().view(torch.int16)  # a copy: the payload may start at an odd offset
+        bitmaps = bitmaps.view(-1, b // 8)
         counts = _POPCOUNT.to(payload.device)[bitmaps.to(torch.int64)].sum(1)
         value_bytes = stream_nbytes(counts, codes[changed], n_esc)
-        unpack_values(bits, changed, codes, bitmaps, _exclusive_cumsum(value_bytes), payload[layout.values :], b,
-                      triton=self.triton)
+        unpack_values_reference(bits, changed, codes, bitmaps, _exclusive_cumsum(value_bytes), values, b)
 
     def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int) -> tuple:
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < HEADER.size:

@@ -19,16 +19,19 @@ escapes since ``v <= 131069``), and is 0 when every changed value has ``v = 0``.
 heavy-tailed (mostly +-1 ulp, but a weight crossing zero moves ~2**15), so a per-block maximum
 width would let one outlier set the cost of the whole block; escapes cap that at 17 bits.
 
-Three ops, each with a plain-PyTorch reference (CPU path and test oracle) and a Triton kernel used on
-CUDA; both give identical bytes:
+Two implementations give identical bytes (``tests/test_delta.py`` checks it):
 
-- ``analyze_blocks(prev, new, B)``: codes, counts, escapes, bitmaps, and each block's slot values
-  and exception values compacted to the front of its row of two scratch tensors; copies ``new``
-  into ``prev`` (fused, so the sender's state update costs no extra read).
-- ``pack_values``: bit-packs the changed blocks' streams at byte offsets from a prefix sum.
-- ``unpack_values``: applies the changed blocks' deltas to ``out`` (previous values) in place.
+- PyTorch references (the CPU path and the test oracle): ``analyze_blocks_reference`` (codes,
+  counts, escapes, bitmaps, slot and exception values compacted per block; copies ``new`` into
+  ``prev``), ``pack_values_reference`` (bit-packs the changed blocks' streams at byte offsets from a
+  prefix sum) and ``unpack_values_reference`` (applies the deltas to ``out`` in place).
+- Triton kernels (the CUDA path, one host sync per encode and per decode): ``encode_blocks`` codes
+  every block into its own fixed-size row and updates ``prev`` in the same pass; ``gather_records``
+  moves the changed rows into the payload at offsets from prefix sums; ``stream_sizes`` and
+  ``decode_blocks`` decode in place.
 """
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +61,8 @@ def stream_nbytes(counts, codes, n_esc):
     return (counts.to(torch.int64) * width + MAX_WIDTH * n_esc.to(torch.int64) + 7) // 8
 
 
-def _use_triton(t: torch.Tensor, triton_flag) -> bool:
+def use_triton(t: torch.Tensor, triton_flag) -> bool:
+    """``triton_flag``: None picks Triton on CUDA tensors and the PyTorch reference elsewhere."""
     if triton_flag is None:
         return t.is_cuda and triton is not None
     if triton_flag and triton is None:
@@ -177,6 +181,16 @@ def unpack_values_reference(out, changed_blocks, codes, bitmaps, value_offsets, 
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
+#
+# The CUDA path needs one host sync per encode (the payload size) and one per decode (the header):
+#   encode: _encode_kernel (every block: code, counts, bitmap and value stream into the block's
+#           fixed-size row of ``records``; updates ``prev``) -> prefix sums (torch) -> size sync ->
+#           _gather_kernel (codes, n_esc, bitmaps and streams of changed blocks into the payload).
+#   decode: header sync -> _stream_sizes_kernel (popcounts) -> prefix sum -> _decode_kernel.
+# One program per block of B values with B >= 32 * num_warps lanes: with fewer lanes than threads
+# (B = 64 under Triton's default 4 warps) two threads hold each value, and one thread's in-place
+# store can overtake the other's load of the same value. A barrier also separates the last read of
+# an updated buffer from the write to it.
 
 if triton is not None:
 
@@ -185,76 +199,153 @@ if triton is not None:
         return tl.where(u >= 0x8000, 0xFFFF - u, u + 0x8000)
 
     @triton.jit
-    def _analyze_kernel(prev_ptr, new_ptr, numel, slots_ptr, exceptions_ptr, codes_ptr, counts_ptr, n_esc_ptr,
-                        bitmaps_ptr, BLOCK: tl.constexpr):
+    def _count_at_least(z, w: tl.constexpr):
+        """Values with z >= 2**w and with z >= 2**(w + 1): two counts (< 2**14) from one reduction."""
+        both = tl.sum((z >= (1 << w)).to(tl.int32) | ((z >= (1 << (w + 1))).to(tl.int32) << 16), axis=0)
+        return both & 0xFFFF, both >> 16
+
+    @triton.jit
+    def _keep_cheaper(count, w, n_esc, best_width, best_esc, best_cost):
+        cost = count * w + 17 * n_esc
+        cheaper = cost < best_cost  # strict, widths ascending: the smallest width on ties
+        return tl.where(cheaper, w, best_width), tl.where(cheaper, n_esc, best_esc), tl.minimum(cost, best_cost)
+
+    @triton.jit
+    def _best_width(z):
+        """Width of least ``count * width + 17 * n_esc(width)`` (0 if every z <= 1), its n_esc, and count.
+        ``n_esc(w)`` counts the values with ``v >= 2**w - 1``, i.e. ``z >= 2**w``."""
+        count, n_esc = _count_at_least(z, 0)
+        best_width, best_esc, best_cost = count * 0 + 1, n_esc, count + 17 * n_esc
+        trivial = n_esc == 0
+        for w in tl.static_range(2, 18, 2):
+            n_esc_w, n_esc_next = _count_at_least(z, w)
+            best_width, best_esc, best_cost = _keep_cheaper(count, w, n_esc_w, best_width, best_esc, best_cost)
+            best_width, best_esc, best_cost = _keep_cheaper(count, w + 1, n_esc_next, best_width, best_esc,
+                                                            best_cost)
+        return tl.where(trivial, 0, best_width), tl.where(trivial, 0, best_esc), count
+
+    @triton.jit
+    def _or_window(key_a, window_a, key_b, window_b):
+        """Scan combine: ``window`` holds words ``key`` and ``key + 1`` of the bit stream as the OR of
+        the values placed at keys ``key`` and ``key - 1`` (keys are ascending along the block)."""
+        carried = tl.where(key_a == key_b, window_a, tl.where(key_a == key_b - 1, window_a >> 32, 0))
+        return key_b, window_b | carried
+
+    @triton.jit
+    def _placed(value, bitpos):
+        """A value (< 2**17, 0 where absent) shifted into the 64-bit window of its word ``bitpos >> 5``."""
+        return value.to(tl.int64) << (bitpos & 31)
+
+    @triton.jit
+    def _store_words(stream_ptr, placed, key, next_key, first_word, end_word, LAST: tl.constexpr):
+        """Store the 32-bit stream words ``first_word <= w < end_word`` of values placed at ascending
+        words ``key`` (``next_key``: the next lane's). No atomics: a segmented OR scan leaves each word
+        at the last lane of its key, which stores it (and the word after when no lane has that key).
+        Returns the scan's last window and key."""
+        _, window = tl.associative_scan((key, placed), 0, _or_window)
+        last = tl.arange(0, placed.shape[0]) == LAST
+        ends = (next_key != key) | last
+        tl.store(stream_ptr + key, window.to(tl.int32), mask=ends & (key >= first_word) & (key < end_word))
+        hi = ends & ((next_key != key + 1) | last) & (key + 1 >= first_word) & (key + 1 < end_word)
+        tl.store(stream_ptr + key + 1, (window >> 32).to(tl.int32), mask=hi)
+        return tl.sum(tl.where(last, window, 0), axis=0), tl.sum(tl.where(last, key, 0), axis=0)
+
+    @triton.jit
+    def _encode_kernel(prev_ptr, new_ptr, numel, codes_ptr, counts_ptr, n_esc_ptr, nbytes_ptr, records_ptr,
+                       BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK)
         idx = b * BLOCK + i
         inside = idx < numel
         new16 = tl.load(new_ptr + idx, mask=inside, other=0)
-        old = tl.load(prev_ptr + idx, mask=inside, other=0).to(tl.int32) & 0xFFFF
-        tl.store(prev_ptr + idx, new16, mask=inside)
-        d = _ordered(new16.to(tl.int32) & 0xFFFF) - _ordered(old)
+        old = tl.load(prev_ptr + idx, mask=inside, other=0)
+        d = _ordered(new16.to(tl.int32) & 0xFFFF) - _ordered(old.to(tl.int32) & 0xFFFF)
         z = (d << 1) ^ (d >> 31)
         changed = z != 0
         v = z - 1
-        count = tl.sum(changed.to(tl.int32), axis=0)
-        best_width = count * 0
-        best_cost = count * 0 + (1 << 30)
-        for w in tl.static_range(1, 18):  # ascending with a strict <: the smallest width on ties
-            cost = count * w + 17 * tl.sum((changed & (v >= (1 << w) - 1)).to(tl.int32), axis=0)
-            best_width = tl.where(cost < best_cost, w, best_width)
-            best_cost = tl.minimum(cost, best_cost)
-        width = tl.where(tl.max(tl.where(changed, v, 0), axis=0) == 0, 0, best_width)
+        width, n_esc, count = _best_width(z)
         escape = (1 << width) - 1
         escaped = changed & (width > 0) & (v >= escape)
-        rank = tl.cumsum(changed.to(tl.int32), axis=0) - 1
-        tl.store(slots_ptr + b * BLOCK + rank, tl.minimum(v, escape), mask=changed)
-        esc_rank = tl.cumsum(escaped.to(tl.int32), axis=0) - 1
-        tl.store(exceptions_ptr + b * BLOCK + esc_rank, v, mask=escaped)
-        bits = tl.reshape(changed.to(tl.int32), (BLOCK // 8, 8)) << tl.arange(0, 8)[None, :]
-        tl.store(bitmaps_ptr + b * (BLOCK // 8) + tl.arange(0, BLOCK // 8), tl.sum(bits, axis=1).to(tl.uint8))
+        ranks = tl.cumsum(changed.to(tl.int32) | (escaped.to(tl.int32) << 16), axis=0)  # both < 2**14
+        exc_start = count * width
+        nbits = exc_start + 17 * n_esc
+        record = records_ptr + b * RECORD_WORDS
+        bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], axis=1)
+        tl.store(record + tl.arange(0, BLOCK // 32), bitmap)
+        tl.debug_barrier()  # every thread has read prev before it is overwritten
+        tl.store(prev_ptr + idx, new16, mask=inside)
+        # slots own the words before the one where exceptions start (all words if there are none)
+        stream = record + BLOCK // 32
+        n_words = (nbits + 31) // 32
+        exc_word = exc_start >> 5
+        slot_end = (ranks & 0xFFFF) * width  # bit after each lane's slot (inclusive ranks)
+        slot_at = slot_end - tl.where(changed, width, 0)
+        window, key = _store_words(stream, _placed(tl.where(changed, tl.minimum(v, escape), 0), slot_at),
+                                   slot_at >> 5, slot_end >> 5, 0, tl.where(n_esc > 0, exc_word, n_words), BLOCK - 1)
+        # the slots' bits in the word where exceptions start go with the first exception
+        tail = tl.where(key == exc_word, window, tl.where(key == exc_word - 1, window >> 32, 0)) & 0xFFFFFFFF
+        exc_end = exc_start + 17 * (ranks >> 16)
+        exc_at = exc_end - tl.where(escaped, 17, 0)
+        placed = _placed(tl.where(escaped, v, 0), exc_at) | tl.where(escaped & (exc_at == exc_start), tail, 0)
+        _store_words(stream, placed, exc_at >> 5, exc_end >> 5, exc_word, tl.where(n_esc > 0, n_words, 0), BLOCK - 1)
         tl.store(codes_ptr + b, tl.where(count > 0, width + 1, 0).to(tl.uint8))
         tl.store(counts_ptr + b, count)
-        tl.store(n_esc_ptr + b, tl.sum(escaped.to(tl.int32), axis=0))
+        tl.store(n_esc_ptr + b, n_esc)
+        tl.store(nbytes_ptr + b, (nbits + 7) // 8)
+
+    @triton.jit(do_not_specialize=["header0", "header1", "header2", "n_esc_at", "bitmaps_at",
+                                   "values_at"])
+    def _gather_kernel(records_ptr, codes_ptr, n_esc_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr, n_blocks,
+                       payload_ptr, header0, header1, header2, n_esc_at, bitmaps_at, values_at, BLOCK: tl.constexpr,
+                       HEADER_BYTES: tl.constexpr, RECORD_BYTES: tl.constexpr, STREAM_BYTES: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad byte
+        word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), header2.to(tl.int64)))
+        tl.store(payload_ptr + t, ((word >> (8 * (t % 8))) & 0xFF).to(tl.uint8), mask=(t < HEADER_BYTES) & (b == 0))
+        pad_at = HEADER_BYTES + n_blocks
+        tl.store(payload_ptr + pad_at + t, tl.zeros([32], dtype=tl.uint8), mask=(pad_at + t < n_esc_at) & (b == 0))
+        code = tl.load(codes_ptr + b)
+        tl.store(payload_ptr + HEADER_BYTES + b, code)
+        changed = code != 0
+        rank = tl.load(rank_end_ptr + b) - 1
+        n_esc = tl.load(n_esc_ptr + b, mask=changed, other=0)
+        two = tl.arange(0, 2)
+        tl.store(payload_ptr + n_esc_at + 2 * rank + two, ((n_esc >> (8 * two)) & 0xFF).to(tl.uint8),
+                 mask=(two < 2) & changed)
+        record = records_ptr + b * RECORD_BYTES
+        j = tl.arange(0, BLOCK // 8)
+        bitmap_mask = (j < BLOCK // 8) & changed
+        tl.store(payload_ptr + bitmaps_at + rank * (BLOCK // 8) + j, tl.load(record + j, mask=bitmap_mask),
+                 mask=bitmap_mask)
+        nbytes = tl.load(nbytes_ptr + b, mask=changed, other=0)
+        s = tl.arange(0, STREAM_BYTES)
+        live = (s < nbytes) & changed
+        start = values_at + tl.load(stream_end_ptr + b, mask=changed, other=0) - nbytes
+        tl.store(payload_ptr + start + s, tl.load(record + BLOCK // 8 + s, mask=live), mask=live)
 
     @triton.jit
-    def _place(v, start, byte_start):
-        """The bits of a value starting at stream bit ``start`` that land in the byte at ``byte_start``."""
-        shift = start - byte_start
-        return tl.where(shift >= 0, v << tl.maximum(shift, 0), v >> tl.maximum(-shift, 0)) & 0xFF
+    def _changed_lanes(bitmaps_ptr, rank, changed, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        byte = tl.load(bitmaps_ptr + rank * (BLOCK // 8) + i // 8, mask=(i < BLOCK) & changed, other=0)
+        return ((byte.to(tl.int32) >> (i % 8)) & 1) == 1
 
     @triton.jit
-    def _pack_kernel(slots_ptr, exceptions_ptr, changed_ptr, codes_ptr, counts_ptr, n_esc_ptr, offsets_ptr,
-                     values_ptr, BLOCK: tl.constexpr, MAX_BYTES: tl.constexpr):
-        c = tl.program_id(0)
-        b = tl.load(changed_ptr + c)
-        width = tl.load(codes_ptr + b).to(tl.int32) - 1
-        count = tl.load(counts_ptr + b)
-        n_esc = tl.load(n_esc_ptr + b)
-        exc_start = count * width
-        nbytes = (exc_start + 17 * n_esc + 7) // 8
-        j = tl.arange(0, MAX_BYTES)
-        live = j < nbytes
-        acc = tl.zeros([MAX_BYTES], dtype=tl.int32)
-        first = (8 * j) // tl.maximum(width, 1)  # first slot overlapping byte j
-        for k in tl.static_range(10):  # a byte overlaps at most 8 // width + 2 <= 10 slots
-            s = first + k
-            hit = live & (s < count) & (s * width < 8 * j + 8)
-            v = tl.load(slots_ptr + b * BLOCK + s, mask=hit, other=0)
-            acc = acc | tl.where(hit, _place(v, s * width, 8 * j), 0)
-        first = tl.maximum(8 * j - exc_start, 0) // 17  # first exception overlapping byte j
-        for k in tl.static_range(2):  # a byte overlaps at most 2 exceptions of 17 bits
-            e = first + k
-            start = exc_start + 17 * e
-            hit = live & (e < n_esc) & (start < 8 * j + 8)
-            v = tl.load(exceptions_ptr + b * BLOCK + e, mask=hit, other=0)
-            acc = acc | tl.where(hit, _place(v, start, 8 * j), 0)
-        offset = tl.load(offsets_ptr + c)
-        tl.store(values_ptr + offset + j, acc.to(tl.uint8), mask=live)
+    def _read_n_esc(n_esc_ptr, rank, changed):
+        lo = tl.load(n_esc_ptr + 2 * rank, mask=changed, other=0).to(tl.int32)
+        return lo | (tl.load(n_esc_ptr + 2 * rank + 1, mask=changed, other=0).to(tl.int32) << 8)
 
     @triton.jit
-    def _read_bits_kernel(values_ptr, values_nbytes, bitpos, width, mask):
+    def _stream_sizes_kernel(codes_ptr, rank_end_ptr, n_esc_ptr, bitmaps_ptr, nbytes_ptr, BLOCK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        code = tl.load(codes_ptr + b).to(tl.int32)
+        changed = code != 0
+        rank = tl.load(rank_end_ptr + b) - 1
+        count = tl.sum(_changed_lanes(bitmaps_ptr, rank, changed, BLOCK).to(tl.int32), axis=0)
+        nbits = count * tl.maximum(code - 1, 0) + 17 * _read_n_esc(n_esc_ptr, rank, changed)
+        tl.store(nbytes_ptr + b, (nbits + 7) // 8)
+
+    @triton.jit
+    def _load_bits(values_ptr, values_nbytes, bitpos, width, mask):
         pos = bitpos >> 3
         word = tl.zeros(bitpos.shape, dtype=tl.int32)
         for t in tl.static_range(3):  # a shift <= 7 plus 17 bits spans at most 3 bytes
@@ -262,71 +353,93 @@ if triton is not None:
             word = word | (tl.load(values_ptr + pos + t, mask=m, other=0).to(tl.int32) << (8 * t))
         return (word >> (bitpos & 7)) & ((1 << width) - 1)
 
-    @triton.jit
-    def _unpack_kernel(out_ptr, numel, changed_ptr, codes_ptr, bitmaps_ptr, offsets_ptr, values_ptr,
+    @triton.jit(do_not_specialize=["values_nbytes"])
+    def _decode_kernel(out_ptr, numel, codes_ptr, rank_end_ptr, stream_end_ptr, nbytes_ptr, bitmaps_ptr, values_ptr,
                        values_nbytes, BLOCK: tl.constexpr):
-        c = tl.program_id(0)
-        b = tl.load(changed_ptr + c)
-        width = tl.load(codes_ptr + b).to(tl.int32) - 1
-        i = tl.arange(0, BLOCK)
-        byte = tl.load(bitmaps_ptr + c * (BLOCK // 8) + i // 8).to(tl.int32)
-        changed = ((byte >> (i % 8)) & 1) == 1
-        base = tl.load(offsets_ptr + c) * 8
-        rank = tl.cumsum(changed.to(tl.int32), axis=0) - 1
-        slot = _read_bits_kernel(values_ptr, values_nbytes, base + tl.maximum(rank, 0) * width, width, changed)
+        b = tl.program_id(0).to(tl.int64)
+        code = tl.load(codes_ptr + b).to(tl.int32)
+        width = tl.maximum(code - 1, 0)
+        rank = tl.load(rank_end_ptr + b) - 1
+        changed = _changed_lanes(bitmaps_ptr, rank, code != 0, BLOCK)
+        base = (tl.load(stream_end_ptr + b) - tl.load(nbytes_ptr + b)) * 8
+        ranks = tl.cumsum(changed.to(tl.int32), axis=0) - 1
+        slot = _load_bits(values_ptr, values_nbytes, base + tl.maximum(ranks, 0) * width, width, changed)
         escaped = changed & (width > 0) & (slot == (1 << width) - 1)
         esc_rank = tl.cumsum(escaped.to(tl.int32), axis=0) - 1
         exc_pos = base + tl.sum(changed.to(tl.int32), axis=0) * width + tl.maximum(esc_rank, 0) * 17
-        z = tl.where(escaped, _read_bits_kernel(values_ptr, values_nbytes, exc_pos, 17, escaped), slot) + 1
+        z = tl.where(escaped, _load_bits(values_ptr, values_nbytes, exc_pos, 17, escaped), slot) + 1
         d = (z >> 1) ^ -(z & 1)
-        idx = b * BLOCK + i
+        idx = b * BLOCK + tl.arange(0, BLOCK)
         keep = changed & (idx < numel)
         o = _ordered(tl.load(out_ptr + idx, mask=keep, other=0).to(tl.int32) & 0xFFFF) + d
         u = tl.where(o >= 0x8000, o - 0x8000, 0xFFFF - o)
+        tl.debug_barrier()  # every thread has read out before it is overwritten
         tl.store(out_ptr + idx, tl.where(u >= 0x8000, u - 0x10000, u).to(tl.int16), mask=keep)
 
 
-def _max_bytes(block_size: int) -> int:
-    return triton.next_power_of_2(-(-block_size * MAX_WIDTH // 8))
+def _num_warps(block_size: int) -> int:
+    return max(1, min(8, block_size // 256))  # B >= 32 * num_warps: no value held by two threads
 
 
-# --- dispatch ----------------------------------------------------------------------------------
+def _stream_words(block_size: int) -> int:
+    return -(-block_size * MAX_WIDTH // 32)
 
-def analyze_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, triton=None) -> BlockAnalysis:
-    """``prev``/``new``: int16 views of equal numel; ``prev`` is overwritten with ``new``."""
-    if not _use_triton(new, triton):
-        return analyze_blocks_reference(prev, new, block_size)
+
+@dataclass
+class EncodedBlocks:
+    """Per-block results of ``encode_blocks``; ``records`` row b: bitmap, then the value stream."""
+
+    codes: torch.Tensor  # uint8 [n_blocks]
+    counts: torch.Tensor  # int32 [n_blocks]
+    n_esc: torch.Tensor  # int32 [n_blocks]
+    nbytes: torch.Tensor  # int32 [n_blocks]: value stream bytes
+    records: torch.Tensor  # int32 [n_blocks, B / 32 + ceil(17 B / 32)]
+
+
+def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int) -> EncodedBlocks:
+    """Triton: code every block of ``new`` (int16) against ``prev``, which is overwritten with ``new``."""
     n_blocks = -(-new.numel() // block_size)
     dev = new.device
-    a = BlockAnalysis(
-        slots=torch.empty(n_blocks, block_size, dtype=torch.int32, device=dev),
-        exceptions=torch.empty(n_blocks, block_size, dtype=torch.int32, device=dev),
+    record_words = block_size // 32 + _stream_words(block_size)
+    e = EncodedBlocks(
         codes=torch.empty(n_blocks, dtype=torch.uint8, device=dev),
         counts=torch.empty(n_blocks, dtype=torch.int32, device=dev),
         n_esc=torch.empty(n_blocks, dtype=torch.int32, device=dev),
-        bitmaps=torch.empty(n_blocks, block_size // 8, dtype=torch.uint8, device=dev),
+        nbytes=torch.empty(n_blocks, dtype=torch.int32, device=dev),
+        records=torch.empty(n_blocks, record_words, dtype=torch.int32, device=dev),
     )
     if n_blocks:
-        _analyze_kernel[(n_blocks,)](prev, new, new.numel(), a.slots, a.exceptions, a.codes, a.counts, a.n_esc,
-                                     a.bitmaps, BLOCK=block_size)
-    return a
+        _encode_kernel[(n_blocks,)](prev, new, new.numel(), e.codes, e.counts, e.n_esc, e.nbytes, e.records,
+                                    BLOCK=block_size, RECORD_WORDS=record_words, num_warps=_num_warps(block_size))
+    return e
 
 
-def pack_values(a: BlockAnalysis, changed_blocks, value_offsets, values, triton=None) -> None:
-    """``changed_blocks``: int64 block ids; ``value_offsets``: int64 byte offset of each in ``values``."""
-    if not _use_triton(values, triton):
-        return pack_values_reference(a, changed_blocks, value_offsets, values)
-    if changed_blocks.numel():
-        block_size = a.slots.shape[1]
-        _pack_kernel[(changed_blocks.numel(),)](a.slots, a.exceptions, changed_blocks, a.codes, a.counts, a.n_esc,
-                                                value_offsets, values, BLOCK=block_size,
-                                                MAX_BYTES=_max_bytes(block_size))
+def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: bytes, n_esc_at, bitmaps_at, values_at,
+                   block_size: int) -> None:
+    """Triton: write ``header`` (24 bytes), the pad byte, the codes, and n_esc, bitmap and stream of each
+    changed block into ``payload`` (uint8) at the given section offsets; ``rank_end``/``stream_end``
+    are inclusive prefix sums over blocks of (code != 0) and ``nbytes``."""
+    n_blocks = e.codes.numel()
+    if not n_blocks:  # an empty shard: the payload is the header
+        payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        return
+    _gather_kernel[(n_blocks,)](e.records.view(torch.uint8), e.codes, e.n_esc, e.nbytes, rank_end, stream_end,
+                                n_blocks, payload, *struct.unpack("<3q", header), n_esc_at, bitmaps_at, values_at,
+                                BLOCK=block_size, HEADER_BYTES=len(header), RECORD_BYTES=4 * e.records.shape[1],
+                                STREAM_BYTES=triton.next_power_of_2(4 * _stream_words(block_size)), num_warps=4)
 
 
-def unpack_values(out, changed_blocks, codes, bitmaps, value_offsets, values, block_size, triton=None) -> None:
-    """``out``: int16 view of the previous values; ``bitmaps``: uint8 [len(changed_blocks), B // 8]."""
-    if not _use_triton(out, triton):
-        return unpack_values_reference(out, changed_blocks, codes, bitmaps, value_offsets, values, block_size)
-    if changed_blocks.numel():
-        _unpack_kernel[(changed_blocks.numel(),)](out, out.numel(), changed_blocks, codes, bitmaps,
-                                                  value_offsets, values, values.numel(), BLOCK=block_size)
+def stream_sizes(codes, rank_end, n_esc_bytes, bitmaps, block_size: int) -> torch.Tensor:
+    """Triton: value stream bytes of every block (0 if unchanged), from the payload's sections."""
+    nbytes = torch.empty(codes.numel(), dtype=torch.int32, device=codes.device)
+    if codes.numel():
+        _stream_sizes_kernel[(codes.numel(),)](codes, rank_end, n_esc_bytes, bitmaps, nbytes, BLOCK=block_size,
+                                               num_warps=_num_warps(block_size))
+    return nbytes
+
+
+def decode_blocks(out, codes, rank_end, stream_end, nbytes, bitmaps, values, block_size: int) -> None:
+    """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values)."""
+    if codes.numel():
+        _decode_kernel[(codes.numel(),)](out, out.numel(), codes, rank_end, stream_end, nbytes, bitmaps, values,
+                                         values.numel(), BLOCK=block_size, num_warps=_num_warps(block_size))

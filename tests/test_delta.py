@@ -175,21 +175,34 @@ def test_wire_ratio_on_simulated_adamw():
         assert raw / sent > floor, (lr, raw / sent)
 
 
-def _check_triton_matches_reference():
-    """Same payload bytes, same sender state and same decoded bits from the Triton kernels as from
-    the references, on few blocks (the interpreter runs ~0.1 s per block)."""
-    for dtype, block_size, n in ((torch.bfloat16, 32, 100), (torch.float16, 64, 150), (torch.bfloat16, 256, 600)):
+def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 100), (torch.float16, 64, 150),
+                                                            (torch.bfloat16, 256, 600), (torch.float16, 1024, 1100),
+                                                            (torch.bfloat16, 32, 0))):
+    """Same payload bytes, same sender state and same decoded bits from the Triton path as from the
+    references, step after step (keyframe, unchanged, small moves, jumps between special patterns,
+    all changed, sparse moves), for every block size case given."""
+    for dtype, block_size, n in cases:
         ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
         tri = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=True)
-        out_ref, out_tri = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
-        for bits in trajectory(n, seed=block_size)[:5]:
+        out_ref, out_tri = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype, device=device)
+        for step, bits in enumerate(trajectory(n, seed=block_size + n)):
             payload = ref.encode(as_float(bits, dtype))
-            assert torch.equal(payload, tri.encode(as_float(bits, dtype))), (block_size, n)
-            assert torch.equal(ref._prev, tri._prev)
+            tri_payload = tri.encode(as_float(bits, dtype).to(device)).cpu()
+            assert torch.equal(payload, tri_payload), (dtype, block_size, n, step,
+                                                       _first_difference(payload, tri_payload))
+            assert tri.last_stats == ref.last_stats, (block_size, n, step)
+            assert torch.equal(ref._prev, tri._prev.cpu()), (block_size, n, step)
             ref.decode(0, payload, out_ref)
-            tri.decode(0, payload, out_tri)
+            tri.decode(0, payload.to(device), out_tri)
             assert_same_bits(out_ref, bits)
-            assert_same_bits(out_tri, bits)
+            assert_same_bits(out_tri.cpu(), bits)
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.numel() != b.numel():
+        return f"sizes {a.numel()} != {b.numel()}"
+    i = int(torch.nonzero(a != b)[0])
+    return f"first differing byte {i}: {a[i - 4 : i + 4].tolist()} vs {b[i - 4 : i + 4].tolist()}"
 
 
 def test_triton_matches_reference_interpreted():
@@ -202,15 +215,17 @@ def test_triton_matches_reference_interpreted():
 
 @pytest.mark.gpu
 def test_triton_matches_reference_cuda():
+    _check_triton_matches_reference("cuda")
     g = torch.Generator().manual_seed(0)
-    for block_size in (64, 256, 1024):
+    for block_size in (64, 256, 1024):  # many blocks: every program of the grid, partial last block
         ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
         gpu = DeltaCodec(DeltaConfig(block_size), 1, 0)
-        out = torch.empty(1_000_003, dtype=torch.bfloat16, device="cuda")
-        bits = random_bits(1_000_003, g)
+        out = torch.empty(300_007, dtype=torch.bfloat16, device="cuda")
+        bits = random_bits(300_007, g)
         for step in range(4):
             payload = ref.encode(as_float(bits, torch.bfloat16))
-            assert torch.equal(payload, gpu.encode(as_float(bits, torch.bfloat16).cuda()).cpu())
+            gpu_payload = gpu.encode(as_float(bits, torch.bfloat16).cuda()).cpu()
+            assert torch.equal(payload, gpu_payload), (block_size, step, _first_difference(payload, gpu_payload))
             gpu.decode(0, payload.cuda(), out)
             assert_same_bits(out.cpu(), bits)
             bits = nudge(bits, 0.3 / (step + 1), 2 + step, g)

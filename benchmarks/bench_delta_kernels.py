@@ -1,0 +1,118 @@
+"""Delta codec throughput on one GPU: encode and decode of a steady-state AdamW step vs a bf16 copy.
+
+The shard is ``--numel`` bf16 values (default 62.5M, as in bench_param_gather.py) following the
+simulated AdamW trajectory of ``benchmarks/delta_wire_ratio.py`` run on the GPU; the timed step is
+``--steps`` -> ``--steps + 1``. Encode restarts from the same sender state and decode from the same
+previous values every repeat (untimed), and every decode is checked bit for bit. Times are wall
+clock with a device sync on both sides (the codec's own host syncs included); GB/s are shard bytes
+(2 per value) per second. ``--warps`` sweeps the warps per block program of the codec kernels.
+
+    python benchmarks/bench_delta_kernels.py --out results/gpu/delta_kernels.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import kernels.delta as kernels  # noqa: E402
+from benchmarks.delta_wire_ratio import simulated_adamw  # noqa: E402
+from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
+
+
+def timed(fn, setup, repeats: int) -> list:
+    seconds = []
+    for _ in range(repeats):
+        setup()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def steady_step(numel: int, lr: float, steps: int) -> tuple:
+    snapshots = simulated_adamw(numel, lr, steps + 1, device="cuda")
+    for _ in range(steps):
+        previous = next(snapshots)
+    return previous.clone(), next(snapshots)
+
+
+def measure(previous, new, block_size: int, repeats: int) -> dict:
+    nbytes = 2 * new.numel()
+    sender, receiver = DeltaCodec(DeltaConfig(block_size), 2, 0), DeltaCodec(DeltaConfig(block_size), 2, 1)
+    sender.encode(previous)  # keyframe: sender state = previous
+    state = sender._prev.clone()
+    out = torch.empty_like(new)
+    result = {}
+
+    def reset_sender():
+        sender._prev.copy_(state)
+
+    def encode():
+        result["payload"] = sender.encode(new)
+
+    enc = timed(encode, reset_sender, repeats)
+    payload = result["payload"]
+    dec = timed(lambda: receiver.decode(0, payload, out), lambda: out.copy_(previous), repeats)
+    if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
+        raise AssertionError("decode is not bit-exact")
+    blocks = timed(lambda: kernels.encode_blocks(sender._prev, new.view(torch.int16), block_size), reset_sender,
+                   repeats)
+    copy = timed(lambda: out.copy_(new), lambda: None, repeats)
+    gbps = lambda s: nbytes / min(s) / 1e9  # noqa: E731
+    return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy),
+                encode_blocks_GBps=gbps(blocks), encode_ms=1e3 * min(enc),
+                encode_median_ms=1e3 * statistics.median(enc),
+                decode_ms=1e3 * min(dec), decode_median_ms=1e3 * statistics.median(dec),
+                encode_blocks_ms=1e3 * min(blocks), copy_ms=1e3 * min(copy), ratio=nbytes / payload.numel(),
+                unchanged=float((new.view(torch.int16) == previous.view(torch.int16)).float().mean()),
+                stats=sender.last_stats)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--numel", type=int, default=62_500_000)
+    p.add_argument("--lrs", default="1e-4,1e-5")
+    p.add_argument("--steps", type=int, default=20, help="AdamW steps before the timed one")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--warps", default="", help="comma list of warps per block program to sweep (default: built-in)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    rows = []
+    default_warps = kernels._num_warps
+    for lr in (float(x) for x in args.lrs.split(",")):
+        previous, new = steady_step(args.numel, lr, args.steps)
+        for warps in [None] + [int(w) for w in args.warps.split(",") if w]:
+            kernels._num_warps = default_warps if warps is None else (lambda block_size, w=warps: w)
+            row = dict(lr=lr, warps=warps or default_warps(args.block_size), block_size=args.block_size,
+                       numel=args.numel, **measure(previous, new, args.block_size, args.repeats))
+            rows.append(row)
+            print(f"lr {lr:g} warps {row['warps']}: encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
+                  f"blocks kernel {row['encode_blocks_ms']:.3f} ms), decode {row['decode_GBps']:.0f} GB/s "
+                  f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x",
+                  flush=True)
+        kernels._num_warps = default_warps
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                       rows=rows), f, indent=1)
+    print("\n| lr | warps | unchanged | ratio | encode GB/s | decode GB/s | copy GB/s | encode/copy | decode/copy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['lr']:g} | {r['warps']} | {r['unchanged']:.1%} | {r['ratio']:.2f}x | {r['encode_GBps']:.0f} | "
+              f"{r['decode_GBps']:.0f} | {r['copy_GBps']:.0f} | {r['encode_GBps'] / r['copy_GBps']:.0%} | "
+              f"{r['decode_GBps'] / r['copy_GBps']:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
