@@ -63,3 +63,21 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 600):
     if errors:
         raise RuntimeError("distributed test failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def launch_training(tmp_path, name, script, nproc, flags, timeout=400):
+    """Run a training entry point (e.g. ``pretrain_gpt.py``) under torchrun on ``nproc`` CPU processes
+    with ``--metrics-file``; return its per-iteration metrics records."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    metrics = tmp_path / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(root, script), *flags.split(), "--metrics-file", str(metrics),
+           "--data-cache-path", str(tmp_path / "cache")]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -77,7 +77,7 @@ ERRORS = [
     ("--overlap-param-gather", 1, "--overlap-param-gather needs --use-distributed-optimizer"),
     ("--taco-block-size 100", 1, "--taco-block-size must be a power of two in 32..1024, got 100"),
     ("--taco-block-size 2048", 1, "--taco-block-size must be a power of two in 32..1024, got 2048"),
-    ("--ciera-block-size 16", 1, "--ciera-block-size must be a power of two in 32..8192, got 16"),
+    ("--ciera-block-size 16", 1, "--ciera-block-size must be a power of two in 64..65536, got 16"),
     ("--delta-block-size 300", 1, "--delta-block-size must be a power of two"),
     ("--ciera-cache-budget-mb 0", 1, "--ciera-cache-budget-mb must be positive"),
     ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1, "only one of --lr-warmup-iters and --lr-warmup-fraction"),

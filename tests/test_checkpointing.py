@@ -11,16 +11,13 @@ with an uninterrupted run through the metrics file.
 
 import argparse
 import hashlib
-import json
 import os
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
 import torch
 
-from dist_utils import run_on_ranks
+from dist_utils import launch_training, run_on_ranks
 
 SEQ, VOCAB, MICRO_BATCH = 32, 128, 2
 SAVE_AT = 3  # steps before the checkpoint; as many are trained after it
@@ -303,16 +300,7 @@ RESUME_FLAGS = (
 
 
 def _pretrain_gpt(tmp_path, name, extra_flags) -> list[dict]:
-    """Run pretrain_gpt.py on 2 CPU processes; return its per-iteration metrics records."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    metrics = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(root, "pretrain_gpt.py"), *RESUME_FLAGS.split(), *extra_flags.split(),
-           "--metrics-file", str(metrics), "--data-cache-path", str(tmp_path / "data_cache")]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return launch_training(tmp_path, name, "pretrain_gpt.py", 2, f"{RESUME_FLAGS} {extra_flags}")
 
 
 @pytest.mark.slow

@@ -18,12 +18,11 @@ overlaps; one 1-process MoE reference and one 8-process TP2 + SP x PP2 (1F1B) x 
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dist_utils import launch_training
+
 RTOL = 1e-5
 
 GPT = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
@@ -36,18 +35,6 @@ MOE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 
        "--vocab-size 255 --hidden-dropout 0 --attention-dropout 0 --no-bias-gelu-fusion --no-bias-dropout-fusion "
        "--transformer-impl local --log-interval 1 --disable-bias-linear --num-experts 4 --moe-router-topk 2 "
        "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 --moe-ffn-hidden-size 64")
-
-
-def launch(tmp_path, name, script, nproc, flags):
-    """Run ``script`` under torchrun on CPU; return its metrics records."""
-    metrics = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(ROOT, script), *flags.split(), "--metrics-file", str(metrics),
-           "--data-cache-path", str(tmp_path / "cache")]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def comm_totals(value):
@@ -67,8 +54,8 @@ def assert_same_trajectory(reference, parallel, keys):
 
 @pytest.mark.slow
 def test_gpt_tp_pp_interleaved_dp_matches_single_process(tmp_path):
-    reference = launch(tmp_path, "single", "pretrain_gpt.py", 1, GPT)
-    parallel = launch(tmp_path, "tp2_pp2_vp2_dp2", "pretrain_gpt.py", 8,
+    reference = launch_training(tmp_path, "single", "pretrain_gpt.py", 1, GPT)
+    parallel = launch_training(tmp_path, "tp2_pp2_vp2_dp2", "pretrain_gpt.py", 8,
                       GPT + " --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
                       "--num-layers-per-virtual-pipeline-stage 1 --use-distributed-optimizer "
                       "--overlap-grad-reduce --overlap-param-gather --params-checksum-interval 4")
@@ -85,8 +72,8 @@ def test_gpt_tp_pp_interleaved_dp_matches_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_moe_tp_sp_pp_ep_matches_single_process(tmp_path):
-    reference = launch(tmp_path, "moe_single", "pretrain_moe.py", 1, MOE)
-    parallel = launch(tmp_path, "moe_tp2_sp_pp2_ep2", "pretrain_moe.py", 8,
+    reference = launch_training(tmp_path, "moe_single", "pretrain_moe.py", 1, MOE)
+    parallel = launch_training(tmp_path, "moe_tp2_sp_pp2_ep2", "pretrain_moe.py", 8,
                       MOE + " --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 "
                       "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --use-distributed-optimizer "
                       "--overlap-grad-reduce")

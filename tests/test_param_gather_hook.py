@@ -8,10 +8,10 @@ and on, with periodic ``verify()``, across a parameter rewrite followed by ``res
 (and without the reset ``verify()`` must fail), and for ``--ciera-selection benefit`` under a budget
 that fits only some buckets. Refused settings raise errors naming the flag.
 
-Through the training driver (torchrun): a DP=2 run resumed with CIERA from the uncompressed run's
-checkpoint; and a delta MoE run with TP=2 x SP and EP=2 x ETP=1 on 4 ranks, so dense buckets gather
-over DP=2 and expert buckets over expert-DP=2. Per-iteration loss and params_checksum must equal the
-uncompressed run's.
+Through the training driver (torchrun, 50 iterations): DP=2 with CIERA from scratch and with delta
+resumed from the uncompressed run's iteration-25 checkpoint; and MoE runs (both codecs) with TP=2 x SP
+and EP=2 x ETP=1 on 4 ranks, so dense buckets gather over DP=2 (with TP=2) and expert buckets over
+expert-DP=2. Per-iteration loss and params_checksum must equal the uncompressed run's.
 """
 
 import argparse
@@ -20,7 +20,7 @@ import shutil
 
 import pytest
 import torch
-from dist_utils import run_on_ranks
+from dist_utils import launch_training, run_on_ranks
 
 SEQ, MICRO_BATCH, VOCAB, STEPS = 32, 2, 128, 12
 LR = 1e-4  # small enough that some exponent blocks stay unchanged between steps
@@ -244,7 +244,7 @@ def test_dense_lossless_overlap_verify_reset_selection_and_refusals():
 
 
 # --- Through the training driver (torchrun on CPU): per-iteration loss and params_checksum ---------
-DRIVER = ("--train-iters 16 --lr-warmup-iters 1 --bf16 --use-distributed-optimizer --overlap-grad-reduce "
+DRIVER = ("--train-iters 50 --lr-warmup-iters 1 --bf16 --use-distributed-optimizer --overlap-grad-reduce "
           "--overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
           "--eval-interval 1000 --params-checksum-interval 1")
 GPT = "--config configs/tiny_cpu_gpt.yaml " + DRIVER
@@ -265,28 +265,33 @@ def _assert_same_iterations(reference, run):
 
 
 @pytest.mark.slow
-def test_driver_dp2_resume_with_ciera(tmp_path):
-    from test_parallel_training import launch
+def test_driver_dp2_lossless_and_resume(tmp_path):
+    """50 uncompressed iterations (saving at 25) vs each codec from scratch and resumed at 25."""
 
     checkpoints = tmp_path / "checkpoints"
-    reference = launch(tmp_path, "none", "pretrain_gpt.py", 2,
-                       f"{GPT} --save {checkpoints} --save-interval 8")
-    # Resume from iteration 8 as if the run had stopped there: drop the later checkpoint.
+    reference = launch_training(tmp_path, "none", "pretrain_gpt.py", 2,
+                       f"{GPT} --save {checkpoints} --save-interval 25")
+    # Resume from iteration 25 as if the run had stopped there: drop the later checkpoint.
     for directory in checkpoints.glob("iter_*"):
-        if int(directory.name.removeprefix("iter_")) > 8:
+        if int(directory.name.removeprefix("iter_")) > 25:
             shutil.rmtree(directory)
-    (checkpoints / "latest_checkpointed_iteration.txt").write_text("8")
-    ciera = launch(tmp_path, "ciera", "pretrain_gpt.py", 2, f"{GPT} {COMPRESSED} ciera --load {checkpoints}")
-    assert [r["iteration"] for r in ciera] == list(range(9, 17))
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("25")
+    ciera = launch_training(tmp_path, "ciera", "pretrain_gpt.py", 2, f"{GPT} {COMPRESSED} ciera")
+    assert [r["iteration"] for r in ciera] == list(range(1, 51))
     _assert_same_iterations(reference, ciera)
+    delta = launch_training(tmp_path, "delta", "pretrain_gpt.py", 2, f"{GPT} {COMPRESSED} delta --load {checkpoints}")
+    assert [r["iteration"] for r in delta] == list(range(26, 51))
+    _assert_same_iterations(reference, delta)
 
 
 @pytest.mark.slow
-def test_driver_moe_tp2_ep2_delta(tmp_path):
-    from test_parallel_training import launch
+@pytest.mark.parametrize("codec", ["delta", "ciera"])
+def test_driver_moe_tp2_ep2(tmp_path, codec):
+    """Dense buckets over DP=2 with TP=2 + SP, expert buckets over expert-DP=2 (EP=2), 50 iterations."""
 
-    reference = launch(tmp_path, "none", "pretrain_moe.py", 4, MOE)
-    delta = launch(tmp_path, "delta", "pretrain_moe.py", 4, f"{MOE} {COMPRESSED} delta")
-    _assert_same_iterations(reference, delta)
-    gather = delta[-1]["comm"]["dp_param_gather"]
-    assert gather["sent_bytes"] < gather["raw_bytes"]
+    reference = launch_training(tmp_path, "none", "pretrain_moe.py", 4, MOE)
+    compressed = launch_training(tmp_path, codec, "pretrain_moe.py", 4, f"{MOE} {COMPRESSED} {codec}")
+    assert [r["iteration"] for r in compressed] == list(range(1, 51))
+    _assert_same_iterations(reference, compressed)
+    gather = compressed[-1]["comm"]["dp_param_gather"]
+    assert gather["sent_bytes"] <= gather["raw_bytes"]

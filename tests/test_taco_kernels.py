@@ -11,7 +11,6 @@ reference runs on CUDA too, so torch's CUDA arithmetic is checked against the ke
 """
 
 import multiprocessing as mp
-import os
 
 import pytest
 import torch

@@ -16,7 +16,7 @@ import torch
 
 from compression.codec import TensorCodec
 from compression.tp_collectives import OPS
-from dist_utils import run_on_ranks
+from dist_utils import launch_training, run_on_ranks
 
 # TACO e4m3 keeps 3 mantissa bits: per-element rounding error <= 2^-4 of the block scale, ~2-3% RMS
 # relative for rotated blocks; an all-reduce quantizes twice (chunk, then the reduced chunk).
@@ -355,10 +355,10 @@ def test_deferred_embedding_wgrad_is_rejected():
 
 @pytest.mark.slow
 def test_driver_tp2_sp_taco_tracks_single_process(tmp_path):
-    from test_parallel_training import GPT, launch
+    from test_parallel_training import GPT
 
-    reference = launch(tmp_path, "single", "pretrain_gpt.py", 1, GPT)
-    taco = launch(tmp_path, "tp2_sp_taco", "pretrain_gpt.py", 2,
+    reference = launch_training(tmp_path, "single", "pretrain_gpt.py", 1, GPT)
+    taco = launch_training(tmp_path, "tp2_sp_taco", "pretrain_gpt.py", 2,
                   GPT + " --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-compression taco "
                   "--tp-comm-compression-min-bytes 0")
     # 4 iterations at lr 1e-3 on mock data: measured <= 1.2e-4 relative difference per iteration.

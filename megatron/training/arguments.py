@@ -176,7 +176,7 @@ class CompressionArgs:
     param_gather_compression: str = arg("none", "DP param all-gather compression.", choices=["none", "ciera", "delta"])
     param_gather_verify_interval: int = arg(0, "Iterations between lossless-gather verifications (0 = off).",
                                             aliases=("ciera-verify-interval",))
-    ciera_block_size: int = arg(512, "CIERA block size (power of two, 32..8192).")
+    ciera_block_size: int = arg(512, "CIERA block size (power of two, 64..65536).")
     ciera_change_detect: str = arg("compare", "CIERA change detection.", choices=["hash", "compare"])
     ciera_exponent_coder: str = arg("raw", "CIERA exponent coder.", choices=["raw", "ans"])
     ciera_selection: str = arg("all", "CIERA block selection.", choices=["all", "benefit"])
@@ -446,7 +446,7 @@ def _validate_compression(args) -> None:
     _check(args.param_gather_compression == "none" or args.use_distributed_optimizer,
            f"--param-gather-compression {args.param_gather_compression} compresses the distributed optimizer's "
            f"param all-gather: add --use-distributed-optimizer")
-    for flag, low, high in (("taco_block_size", 32, 1024), ("ciera_block_size", 32, 8192), ("delta_block_size", 32, 8192)):
+    for flag, low, high in (("taco_block_size", 32, 1024), ("ciera_block_size", 64, 65536), ("delta_block_size", 32, 8192)):
         value = getattr(args, flag)
         _check(_is_power_of_two_in(value, low, high),
                f"--{flag.replace('_', '-')} must be a power of two in {low}..{high}, got {value}")
