@@ -1,6 +1,6 @@
 """End-to-end training throughput: compressed variants vs the uncompressed baseline in the same run.
 
-Runs `torchrun pretrain_gpt.py` once per (link class, variant) with identical model and flags, reads
+Runs `torchrun pretrain_gpt.py` (or `pretrain_moe.py`) once per (link class, variant) with identical model and flags, reads
 each run's `--metrics-file`, and reports the median iteration time after warm-up, tokens/s,
 TFLOP/s/GPU, MFU and the speedup over the baseline of the same link class. The link classes are the
 three NCCL settings of ../shared/notes/measured-baselines.md.
@@ -28,30 +28,34 @@ LINKS = {
 COMMON = ["--bf16", "--transformer-impl", "local", "--use-distributed-optimizer", "--mock-data", "--lr-warmup-iters", "2",
           "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000"]
 
-# suite -> (nproc, shared flags, {variant: flags}); the first variant is the baseline.
+TACO = {"baseline": [], "taco": ["--tp-comm-compression", "taco"]}
+PARAM_GATHER = {"baseline": [], "ciera": ["--param-gather-compression", "ciera"],
+                "delta": ["--param-gather-compression", "delta"]}
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+def tp_suite(tp, sequence_parallel=False):
+    flags = ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if sequence_parallel else [])
+    return (tp, "pretrain_gpt.py", flags, TACO)
+
+
+# suite -> (nproc, entry point, shared flags, {variant: flags}); the first variant is the baseline.
 SUITES = {
-    "baseline_tp1": (2, ["--tensor-model-parallel-size", "1"], {"baseline": []}),  # DP=2
-    "baseline_tp2": (2, ["--tensor-model-parallel-size", "2"], {"baseline": []}),
-    "tp2_taco": (2, ["--tensor-model-parallel-size", "2"], {
-        "baseline": [],
-        "taco": ["--tp-comm-compression", "taco"],
-    }),
-    "tp2_sp_taco": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], {
-        "baseline": [],
-        "taco": ["--tp-comm-compression", "taco"],
-    }),
-    "dp2_param_gather": (2, ["--overlap-grad-reduce", "--overlap-param-gather"], {
-        "baseline": [],
-        "ciera": ["--param-gather-compression", "ciera"],
-        "delta": ["--param-gather-compression", "delta"],
-    }),
+    "baseline_tp1": (2, "pretrain_gpt.py", ["--tensor-model-parallel-size", "1"], {"baseline": []}),  # DP=2
+    "baseline_tp2": (2, "pretrain_gpt.py", ["--tensor-model-parallel-size", "2"], {"baseline": []}),
+    "tp2_taco": tp_suite(2), "tp2_sp_taco": tp_suite(2, True),
+    # 4- and 8-GPU machines (issue 6)
+    "tp4_taco": tp_suite(4), "tp4_sp_taco": tp_suite(4, True),
+    "tp8_taco": tp_suite(8), "tp8_sp_taco": tp_suite(8, True),
+    "dp2_param_gather": (2, "pretrain_gpt.py", OVERLAP, PARAM_GATHER),
+    "dp8_moe_param_gather": (8, "pretrain_moe.py", OVERLAP, PARAM_GATHER),  # EP via extra flags
 }
 
 
-def run_one(nproc, flags, env_extra, metrics, log):
+def run_one(nproc, script, flags, env_extra, metrics, log):
     env = dict(os.environ, **env_extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "pretrain_gpt.py", *flags, "--metrics-file", metrics]
+           script, *flags, "--metrics-file", metrics]
     start = time.time()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -89,7 +93,7 @@ def main():
     parser.add_argument("--log-dir", default="/tmp/e2e_logs")
     args, extra = parser.parse_known_args()
     os.makedirs(args.log_dir, exist_ok=True)
-    nproc, suite_flags, variants = SUITES[args.suite]
+    nproc, script, suite_flags, variants = SUITES[args.suite]
     flags = ["--config", args.model, *COMMON, *suite_flags, "--train-iters", str(args.train_iters), *extra]
     results = {"suite": args.suite, "model": args.model, "argv": sys.argv, "runs": []}
     for link in args.links:
@@ -97,7 +101,7 @@ def main():
         for name, vflags in variants.items():
             tag = f"{args.suite}_{link}_{name}"
             metrics = os.path.join(args.log_dir, tag + ".jsonl")
-            cmd, wall, records = run_one(nproc, flags + vflags, LINKS[link], metrics,
+            cmd, wall, records = run_one(nproc, script, flags + vflags, LINKS[link], metrics,
                                          os.path.join(args.log_dir, tag + ".log"))
             res = summarize(records, args.warmup)
             base_t = base_t or res["median_iter_time_s"]
