@@ -45,20 +45,22 @@ PRESETS = {
 }
 
 
-def run_variant(name, preset, out_dir, extra):
+def run_variant(name, preset, out_dir, extra, reuse):
+    """Train one variant (or, with ``reuse``, read the metrics an earlier run of the same command left)."""
     metrics = os.path.join(out_dir, f"{name}.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={preset['nproc']}",
            "pretrain_gpt.py", *preset["flags"], *VARIANTS[name], *extra, "--metrics-file", metrics]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    if not (reuse and os.path.exists(metrics)):
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
     return cmd, [json.loads(line) for line in open(metrics)]
 
 
 def final_losses(records):
     train = [r["loss"] for r in records if "loss" in r]
-    valid = [r["valid_loss"] for r in records if "valid_loss" in r]
+    valid = [r["eval_loss"] for r in records if "eval_loss" in r]
     tail = train[-10:]
     return {"final_train_loss_avg10": sum(tail) / len(tail), "final_valid_loss": valid[-1] if valid else None}
 
@@ -73,7 +75,7 @@ def plot(curves, path):
     for name, records in curves.items():
         it = [r["iteration"] for r in records if "loss" in r]
         axes[0].plot(it, [r["loss"] for r in records if "loss" in r], label=name, linewidth=0.8)
-        ev = [(r["iteration"], r["valid_loss"]) for r in records if "valid_loss" in r]
+        ev = [(r["iteration"], r["eval_loss"]) for r in records if "eval_loss" in r]
         if ev:
             axes[1].plot(*zip(*ev), marker="o", label=name)
     axes[0].set(title="training loss", xlabel="iteration", yscale="log")
@@ -90,6 +92,7 @@ def main():
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--reuse", action="store_true", help="keep variants whose metrics file already exists")
     args, extra = parser.parse_known_args()
     if "baseline" not in args.variants:
         parser.error("--variants must include baseline: every result is reported relative to it")
@@ -97,7 +100,7 @@ def main():
     preset = PRESETS[args.preset]
     curves, summary = {}, {"preset": args.preset, "commands": {}, "results": {}}
     for name in args.variants:
-        cmd, curves[name] = run_variant(name, preset, args.out_dir, extra)
+        cmd, curves[name] = run_variant(name, preset, args.out_dir, extra, args.reuse)
         summary["commands"][name] = " ".join(cmd[1:])
         summary["results"][name] = final_losses(curves[name])
     base = summary["results"]["baseline"]
