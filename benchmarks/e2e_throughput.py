@@ -28,7 +28,8 @@ LINKS = {
 COMMON = ["--bf16", "--transformer-impl", "local", "--use-distributed-optimizer", "--mock-data", "--lr-warmup-iters", "2",
           "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000"]
 
-TACO = {"baseline": [], "taco": ["--tp-comm-compression", "taco"]}
+TACO = {"baseline": [], "taco": ["--tp-comm-compression", "taco", "--taco-format", "e4m3"],
+        "taco_int8": ["--tp-comm-compression", "taco", "--taco-format", "int8"]}
 PARAM_GATHER = {"baseline": [], "ciera": ["--param-gather-compression", "ciera"],
                 "delta": ["--param-gather-compression", "delta"]}
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]

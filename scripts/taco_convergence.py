@@ -16,14 +16,17 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> TP-compression flags. "naive FP8" is one per-tensor scale with no transform.
+# name -> TP-compression flags. "taco" is the paper's configuration (E4M3, ASH, dual scale); "naive
+# FP8" is one per-tensor scale with no transform. Every variant names its format explicitly.
+E4M3 = ["--taco-format", "e4m3"]
 VARIANTS = {
     "baseline": [],
-    "taco": ["--tp-comm-compression", "taco"],
-    "naive_fp8": ["--tp-comm-compression", "taco", "--taco-transform", "none", "--taco-scaling", "single"],
-    "ds_only": ["--tp-comm-compression", "taco", "--taco-transform", "none"],
-    "hadamard_ds": ["--tp-comm-compression", "taco", "--taco-transform", "hadamard"],
-    "hadamard_single": ["--tp-comm-compression", "taco", "--taco-transform", "hadamard", "--taco-scaling", "single"],
+    "taco": ["--tp-comm-compression", "taco", *E4M3],
+    "naive_fp8": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "none", "--taco-scaling", "single"],
+    "ds_only": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "none"],
+    "hadamard_ds": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "hadamard"],
+    "hadamard_single": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "hadamard",
+                        "--taco-scaling", "single"],
     "e5m2": ["--tp-comm-compression", "taco", "--taco-format", "e5m2"],
     "int8": ["--tp-comm-compression", "taco", "--taco-format", "int8"],
     "hadamard_int8": ["--tp-comm-compression", "taco", "--taco-transform", "hadamard", "--taco-format", "int8"],

@@ -32,7 +32,7 @@ def _metrics(tmp_path, suite, variant):
 @pytest.mark.slow
 def test_tp8_taco_suite_on_8_cpu_processes(tmp_path):
     report = _suite(tmp_path, "tp8_sp_taco", "configs/tiny_cpu_gpt.yaml", "--num-attention-heads", "8")
-    assert [r["variant"] for r in report["runs"]] == ["baseline", "taco"]
+    assert [r["variant"] for r in report["runs"]] == ["baseline", "taco", "taco_int8"]
     tp = _metrics(tmp_path, "tp8_sp_taco", "taco")[-1]["comm"]["tp"]
     assert 0 < tp["sent_bytes"] < tp["raw_bytes"]
 
