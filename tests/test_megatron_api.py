@@ -1,7 +1,9 @@
 """The private megatron-core names, signatures and attributes that megatron/hooks/ relies on.
 
 A megatron-core upgrade that renames or reshapes one of them fails here, by name, instead of failing
-(or silently changing behaviour) mid-run. To pin a new dependency, append a row to a list below.
+(or silently changing behaviour) mid-run. To pin a new dependency, append a row to a list below. Rows
+that hold on one side of a release only (``megatron.hooks.version``) are added under ``ON_0_19``; run
+this file on every supported release (0.16.1 and 0.19.x).
 """
 
 import importlib
@@ -9,6 +11,10 @@ import inspect
 import re
 
 import pytest
+
+from megatron.hooks.version import mcore_at_least
+
+ON_0_19 = mcore_at_least("0.19")
 
 # (module, qualified name, parameter names that must appear, in this order, in the signature)
 SIGNATURES = [
@@ -19,7 +25,30 @@ SIGNATURES = [
     ("megatron.core.tensor_parallel.layers", "RowParallelLinear.forward", ["self", "input_"]),
     ("megatron.core.tensor_parallel.layers", "RowParallelLinear._forward_impl", ["self", "input", "weight"]),
     ("megatron.core.tensor_parallel.layers", "VocabParallelEmbedding.forward", ["self", "input_"]),
+    # megatron/hooks/param_gather.py overrides start_param_sync; megatron-core's finish_param_sync waits on
+    # the handle it sets.
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.start_param_sync",
+     ["self", "force_sync"]),
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.finish_param_sync",
+     ["self", "skip_next_bucket_dispatch"]),
+    # megatron/hooks/norm.py wraps WrappedTorchNorm.__new__.
+    ("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__", ["cls", "config", "hidden_size", "eps"]),
+    # megatron/hooks/cpu.py wraps these.
+    ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", ["tensor", "as_numpy", "record_stream"]),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", ["new_state"]),
+    # megatron/training/checkpointing.py passes only the backend (0.19 dropped the version argument).
+    ("megatron.core.dist_checkpointing.serialization", "get_default_save_sharded_strategy", ["backend"]),
 ]
+if ON_0_19:
+    SIGNATURES += [
+        # megatron/training/tokenizer.py: "null-text" takes the full vocabulary size, eod its last id.
+        ("megatron.core.tokenizers.text.libraries.null_tokenizer", "NullTokenizer.__init__",
+         ["self", "vocab_size", "eod_id"]),
+    ]
+else:
+    SIGNATURES += [
+        ("megatron.core.tokenizers.text.libraries.null_tokenizer", "NullTokenizer.__init__", ["self", "vocab_size"]),
+    ]
 
 # (module, qualified name, text that must appear in its source): how megatron-core calls what we override.
 SOURCE_CONTAINS = [
@@ -28,6 +57,27 @@ SOURCE_CONTAINS = [
     ("megatron.core.tensor_parallel.layers", "ColumnParallelLinear.forward", "sequence_parallel=False if self.explicit_expert_comm"),
     ("megatron.core.tensor_parallel.layers", "RowParallelLinear.forward", "reduce_scatter_to_sequence_parallel_region("),
     ("megatron.core.tensor_parallel.layers", "VocabParallelEmbedding.forward", "reduce_from_tensor_model_parallel_region("),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher", "maybe_move_tensor_to_cpu("),
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker", "_set_cuda_rng_state("),
+]
+if ON_0_19:
+    SOURCE_CONTAINS += [
+        # Generalized TP, rejected by megatron/hooks/tp.py, reaches the linears through this keyword.
+        ("megatron.core.tensor_parallel.layers", "ColumnParallelLinear.forward", "gtp_remat_size=self.gtp_remat_size"),
+        ("megatron.core.tensor_parallel.layers", "RowParallelLinear.forward", "gtp_remat_size=self.gtp_remat_size"),
+        # FP8 post-processing moved into _post_param_sync(), which our start_param_sync override calls
+        # after waiting on an outstanding gather, as the stock one does.
+        ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.start_param_sync",
+         "self._post_param_sync()"),
+        ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.finish_param_sync",
+         "self._post_param_sync()"),
+    ]
+
+# (module, name of a collection, member it must hold)
+MEMBERS = [
+    # megatron/training/tokenizer.py: the null tokenizer's library name.
+    ("megatron.core.tokenizers.megatron_tokenizer", "TEXT_LIBRARIES", "null-text") if ON_0_19
+    else ("megatron.core.tokenizers.megatron_tokenizer", "TOKENIZER_LIBRARIES", "null"),
 ]
 
 # (module, class, attributes its __init__ must set on self)
@@ -39,7 +89,22 @@ INSTANCE_ATTRIBUTES = [
       "gradient_accumulation_fusion", "config"]),
     ("megatron.core.tensor_parallel.layers", "VocabParallelEmbedding",
      ["tp_group", "vocab_start_index", "vocab_end_index", "deterministic_mode", "reduce_scatter_embeddings"]),
+    # megatron/hooks/param_gather.py
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
+     ["buckets", "ddp_config", "param_gather_handle", "param_gather_dispatched",
+      "intra_distributed_optimizer_instance_group", "intra_distributed_optimizer_instance_size",
+      "intra_distributed_optimizer_instance_rank"]),
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", ["param_dtype", "buckets"]),
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucket", ["param_data", "bucket_id"]),
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel",
+     ["ddp_config", "buffers", "expert_parallel_buffers", "bucket_groups", "expert_parallel_bucket_groups"]),
 ]
+if ON_0_19:
+    INSTANCE_ATTRIBUTES += [
+        ("megatron.core.tensor_parallel.layers", "ColumnParallelLinear", ["gtp_remat_size"]),
+        ("megatron.core.tensor_parallel.layers", "RowParallelLinear", ["gtp_remat_size"]),
+        ("megatron.core.tensor_parallel.layers", "VocabParallelEmbedding", ["gtp_remat_size"]),
+    ]
 
 
 def _resolve(module_name: str, qualname: str):
@@ -58,6 +123,11 @@ def test_signature(module_name, qualname, params):
 @pytest.mark.parametrize("module_name, qualname, text", SOURCE_CONTAINS, ids=[row[2] for row in SOURCE_CONTAINS])
 def test_source_contains(module_name, qualname, text):
     assert text in inspect.getsource(_resolve(module_name, qualname)), f"{module_name}.{qualname}"
+
+
+@pytest.mark.parametrize("module_name, name, member", MEMBERS, ids=[row[2] for row in MEMBERS])
+def test_members(module_name, name, member):
+    assert member in _resolve(module_name, name), f"{module_name}.{name}"
 
 
 @pytest.mark.parametrize("module_name, cls, attrs", INSTANCE_ATTRIBUTES, ids=[row[1] for row in INSTANCE_ATTRIBUTES])

@@ -349,6 +349,16 @@ def test_deferred_embedding_wgrad_is_rejected():
         apply_tp_compression([module], _args(), codec=IdentityCodec())
 
 
+def test_generalized_tensor_parallelism_is_rejected():
+    """megatron-core >= 0.19 layers carry ``gtp_remat_size``; > 1 gathers the weight inside the linear."""
+    from megatron.hooks.tp import apply_tp_compression
+
+    module = torch.nn.Linear(2, 2)
+    module.gtp_remat_size = 2
+    with pytest.raises(ValueError, match="generalized tensor parallelism"):
+        apply_tp_compression([module], _args(), codec=IdentityCodec())
+
+
 # ---------------------------------------------------------------------------------------------------
 # The training driver with --tp-comm-compression taco.
 

@@ -4,4 +4,6 @@
 - ``norm``: sequence parallelism with torch norms when apex/TE are absent.
 - ``tp``: TACO-compressed tensor-parallel collectives by class swap of the local-spec linears.
 - ``param_gather``: compressed distributed-optimizer parameter all-gather by bucket-group class swap.
+- ``optimizer_state``: checkpointing workarounds for torch Adam inside the distributed optimizer.
+- ``version``: the installed megatron-core version, for the few behaviours that differ by release.
 """

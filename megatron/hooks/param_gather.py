@@ -183,6 +183,9 @@ class CompressedParamGatherBucketGroup(_ParamAndGradBucketGroup):
         else:
             self._gathered()
             self.param_gather_handle = None
+        if force_sync and self.ddp_config.overlap_param_gather:
+            # Stock too: with overlap, no finish_param_sync follows a forced gather to post-process it.
+            self._post_param_sync_if_defined()
         self.param_gather_dispatched = True
 
     def _gathered(self) -> None:
@@ -221,7 +224,8 @@ class CompressedParamGatherBucketGroup(_ParamAndGradBucketGroup):
 
     def _post_param_sync_if_defined(self) -> None:
         # megatron-core >= 0.19 moved FP8 post-processing into _post_param_sync(), which
-        # start_param_sync must call after waiting on an outstanding gather.
+        # start_param_sync calls after a forced gather under overlap (a no-op for our 16-bit buckets,
+        # kept so the override matches the stock method).
         post_param_sync = getattr(super(), "_post_param_sync", None)
         if post_param_sync is not None:
             post_param_sync()

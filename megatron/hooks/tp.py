@@ -8,7 +8,8 @@ stay those of the stock module. Left uncompressed: expert linears (MoE dispatche
 weights, the inference-only ``gather_output`` all-gather, the cross-entropy all-reduces, and
 Transformer Engine layers (their TP comm is inside TE; rejected with an error).
 
-The overrides are the smallest methods that carry the communication (megatron-core 0.16.1):
+The overrides are the smallest methods that carry the communication (megatron-core 0.16.1 to 0.19;
+0.19's extra keyword ``gtp_remat_size`` is only ever 1 here, as generalized TP is rejected):
 - Column: ``_forward_impl``, which gets ``allreduce_dgrad`` and ``sequence_parallel`` as keywords.
 - Row: ``forward``, whose output all-reduce / reduce-scatter is in ``forward`` itself.
 - Embedding: ``forward`` (masked lookup of the vocab shard, then all-reduce / reduce-scatter).
@@ -130,6 +131,12 @@ def _check_module(name: str, module: torch.nn.Module) -> None:
         raise ValueError(
             f"--tp-comm-compression taco needs --transformer-impl local, but {name} is a Transformer Engine "
             f"layer ({type(module).__name__})"
+        )
+    if getattr(module, "gtp_remat_size", 1) > 1:
+        # megatron-core >= 0.19: generalized TP shards the weight and gathers it inside the linear.
+        raise ValueError(
+            f"--tp-comm-compression taco does not support generalized tensor parallelism ({name} has "
+            f"gtp_remat_size {module.gtp_remat_size}): train without GTP"
         )
     config = getattr(module, "config", None)
     if config is not None and getattr(config, "defer_embedding_wgrad_compute", False):

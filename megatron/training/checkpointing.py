@@ -48,7 +48,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.hooks.optimizer_state import materialize_adam_state, restore_adam_steps
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-SAVE_FORMAT = ("torch_dist", 1)  # (backend, version) of megatron-core's save strategies
+SAVE_BACKEND = "torch_dist"  # megatron-core save strategy, at its default version (0.19 takes no version)
 # Megatron-LM's default sharding of the distributed optimizer's state.
 DISTRIB_OPTIM_SHARDING_TYPE = "dp_reshardable"
 # Differ per rank; kept out of the saved args so the common state is identical on every rank.
@@ -143,7 +143,7 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
 def _save_strategy():
     """torch_dist, with each replicated tensor written by one of its DP replicas in turn rather than
     all by DP rank 0 (Megatron-LM's default --ckpt-fully-parallel-save)."""
-    base = get_default_save_sharded_strategy(*SAVE_FORMAT)
+    base = get_default_save_sharded_strategy(SAVE_BACKEND)
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return FullyParallelSaveStrategyWrapper(base, dp_group)
 

@@ -119,8 +119,14 @@ def _build_gpt2_bpe(args) -> HFTokenizer:
 def _build_null(args):
     from megatron.core.tokenizers import MegatronTokenizer
 
+    from megatron.hooks.version import mcore_at_least
+
     if not getattr(args, "vocab_size", None):
         raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size (ids 0..N-1; N is end-of-document)")
+    # Ids 0..N-1 are text and N is end-of-document on every release: megatron-core 0.16.1's "null"
+    # library puts eod just past vocab_size; from 0.19 "null-text" makes it the last of vocab_size ids.
+    if mcore_at_least("0.19"):
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=args.vocab_size + 1)
     return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=args.vocab_size)
 
 
