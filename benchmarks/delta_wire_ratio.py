@@ -7,9 +7,10 @@ Two sources of bf16 parameter snapshots, one per optimizer step, for each learni
        library's source text.
 Per step: the delta codec's payload (encoded and decoded bit-exactly by DeltaCodec), bf16 values
 unchanged, the order-0 entropy of the ordered-int delta (the bound of any per-value code), the same
-block code at other block sizes, a per-block-width code without the bitmap, and CIERA (exponent
-reuse) when compression/ciera.py is present. Prints a markdown table, writes JSON to --out and the
-table plus the command line into --doc (docs/delta.md, between the BENCHMARK markers).
+block code at other block sizes, format version 1 (17-bit exception entries), a per-block-width code
+without the bitmap, and CIERA (exponent reuse) when compression/ciera.py is present. Prints a
+markdown table, writes JSON to --out and the table plus the command line into --doc (docs/delta.md,
+between the BENCHMARK markers).
 
     python benchmarks/delta_wire_ratio.py --steps 120 --out results/delta_ratio.json --doc docs/delta.md
 """
@@ -106,8 +107,22 @@ def delta_nbytes(prev, new, block_size: int) -> int:
     a = analyze_blocks_reference(prev.clone(), new, block_size)
     changed = a.codes > 0
     n_changed, n_blocks = int(changed.sum()), a.codes.numel()
-    streams = int(stream_nbytes(a.counts[changed], a.codes[changed], a.n_esc[changed]).sum())
-    return HEADER.size + n_blocks + (HEADER.size + n_blocks) % 2 + n_changed * (2 + block_size // 8) + streams
+    streams = int(stream_nbytes(a.counts[changed], a.codes[changed], a.n_esc[changed], a.exc_widths[changed]).sum())
+    return HEADER.size + n_blocks + (HEADER.size + n_blocks) % 2 + n_changed * (3 + block_size // 8) + streams
+
+
+def version1_nbytes(prev, new, block_size: int) -> int:
+    """Format version 1: the same block code with every exception entry 17 bits wide (no exc_widths)."""
+    d = to_ordered(new) - to_ordered(prev)
+    z = torch.nn.functional.pad((d << 1) ^ (d >> 31), (0, -d.numel() % block_size)).view(-1, block_size)
+    changed, v = z != 0, (z - 1).long()
+    counts = changed.sum(1)
+    n_esc = torch.stack([(changed & (v >= (1 << w) - 1)).sum(1) for w in range(1, 18)], 1)
+    stream_bits = (counts.unsqueeze(1) * torch.arange(1, 18) + 17 * n_esc).amin(1)
+    stream_bits = torch.where(torch.where(changed, v, 0).amax(1) == 0, 0, stream_bits)
+    n_blocks, n_changed = z.shape[0], int((counts > 0).sum())
+    return (HEADER.size + n_blocks + (HEADER.size + n_blocks) % 2 + n_changed * (2 + block_size // 8)
+            + int(((stream_bits + 7) // 8).sum()))
 
 
 def width_only_nbytes(prev, new, block_size: int) -> int:
@@ -153,6 +168,7 @@ def measure(snapshots, block_size: int, detail_every: int) -> list:
             row["unchanged"] = float((prev == bits).double().mean())
             row["entropy_bits"] = delta_entropy_bits(prev, bits)
             row["width_only"] = width_only_nbytes(prev, bits, block_size)
+            row["version1"] = version1_nbytes(prev, bits, block_size)
             row.update({f"delta_b{b}": delta_nbytes(prev, bits, b) for b in BLOCK_SIZES})
             assert row[f"delta_b{block_size}"] == row["delta"] or block_size not in BLOCK_SIZES
         prev = bits.clone()
@@ -171,6 +187,7 @@ def summarize(rows: list) -> dict:
         unchanged=sum(r["unchanged"] for r in detail) / len(detail),
         entropy_bits=sum(r["entropy_bits"] for r in detail) / len(detail),
         delta=ratio("delta", steady), delta_incl_warmup=ratio("delta", rows), width_only=ratio("width_only"),
+        version1=ratio("version1"),
         first_deltas=[round(r["raw"] / r["delta"], 2) for r in rows[1:6]],
         **{f"delta_b{b}": ratio(f"delta_b{b}") for b in BLOCK_SIZES},
     )
@@ -185,7 +202,8 @@ def summarize(rows: list) -> dict:
 def table(results: dict) -> str:
     has_ciera = any("ciera" in s for s in results.values())
     head = ["trajectory", "lr", "steps", "params", "unchanged", "H (bits)", "entropy bound", "delta (B=256)",
-            "incl. keyframe+warm-up", "first 5 deltas"] + [f"B={b}" for b in BLOCK_SIZES] + ["width-only"]
+            "incl. keyframe+warm-up", "first 5 deltas"] + [f"B={b}" for b in BLOCK_SIZES]
+    head += ["version 1 (17-bit exceptions)", "width-only"]
     head += ["CIERA (B=512)"] if has_ciera else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, s in results.items():
@@ -193,7 +211,7 @@ def table(results: dict) -> str:
         cells = [source, lr, str(s["steps"]), f"{s['numel'] / 1e6:.2f}M", f"{100 * s['unchanged']:.1f}%",
                  f"{s['entropy_bits']:.2f}", f"{s['entropy_bound']:.1f}x", f"**{s['delta']:.2f}x**",
                  f"{s['delta_incl_warmup']:.2f}x", " ".join(f"{r:.1f}" for r in s["first_deltas"])]
-        cells += [f"{s[f'delta_b{b}']:.2f}x" for b in BLOCK_SIZES] + [f"{s['width_only']:.2f}x"]
+        cells += [f"{s[k]:.2f}x" for k in [f"delta_b{b}" for b in BLOCK_SIZES] + ["version1", "width_only"]]
         cells += [f"{s.get('ciera', float('nan')):.2f}x"] if has_ciera else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -9,15 +9,18 @@ Per block of ``B`` values:
 - ``code``: 0 if nothing changed, else ``width + 1``;
 - ``bitmap``: ``B / 8`` bytes, bit ``i % 8`` of byte ``i // 8`` set if value ``i`` changed; the
   decoder gets the block's ``count`` of changed values by popcount;
+- ``exc_width``: the bit length of the block's largest ``v`` (0..17);
 - ``n_esc`` and the value stream: each changed value, in order, in a ``width``-bit slot; the slot
-  value ``2**width - 1`` is an escape whose ``v`` follows the slots in an exception list of 17-bit
-  entries (escapes in order). So ``count * width + 17 * n_esc`` bits, little-endian (bit ``k`` of
-  the stream is bit ``k % 8`` of byte ``k // 8``), padded to whole bytes.
+  value ``2**width - 1`` is an escape whose ``v`` follows the slots in an exception list of
+  ``exc_width``-bit entries (escapes in order). So ``count * width + exc_width * n_esc`` bits,
+  little-endian (bit ``k`` of the stream is bit ``k % 8`` of byte ``k // 8``), padded to whole bytes.
 
-``width`` minimizes ``count * width + 17 * n_esc(width)`` over 1..17 (the smallest on ties; 17 never
-escapes since ``v <= 131069``), and is 0 when every changed value has ``v = 0``. Deltas are
-heavy-tailed (mostly +-1 ulp, but a weight crossing zero moves ~2**15), so a per-block maximum
-width would let one outlier set the cost of the whole block; escapes cap that at 17 bits.
+``width`` minimizes ``count * width + exc_width * n_esc(width)`` over 1..17 (the smallest on ties;
+17 never escapes since ``v <= 131069``), and is 0 when every changed value has ``v = 0``. Deltas
+are heavy-tailed (mostly +-1 ulp, but a weight crossing zero moves ~2**15), so a per-block maximum
+width would let one outlier set the cost of the whole block; escapes cap that at ``exc_width``
+bits, which is 17 only in the few blocks that hold such an outlier (version 1 of the format spent
+17 bits on every escape: 12% more bytes at lr 1e-4, ``docs/delta.md``).
 
 Two implementations give identical bytes (``tests/test_delta.py`` checks it):
 
@@ -52,13 +55,14 @@ class BlockAnalysis:
     codes: torch.Tensor  # uint8 [n_blocks]: 0 = unchanged, else width + 1
     counts: torch.Tensor  # int32 [n_blocks]: changed values per block
     n_esc: torch.Tensor  # int32 [n_blocks]: escaped values per block
+    exc_widths: torch.Tensor  # uint8 [n_blocks]: bits per exception entry
     bitmaps: torch.Tensor  # uint8 [n_blocks, B // 8]
 
 
-def stream_nbytes(counts, codes, n_esc):
-    """Bytes of each block's value stream (int64), from its count, code and escapes."""
+def stream_nbytes(counts, codes, n_esc, exc_widths):
+    """Bytes of each block's value stream (int64), from its count, code, escapes and exception width."""
     width = (codes.to(torch.int64) - 1).clamp(min=0)
-    return (counts.to(torch.int64) * width + MAX_WIDTH * n_esc.to(torch.int64) + 7) // 8
+    return (counts.to(torch.int64) * width + exc_widths.to(torch.int64) * n_esc.to(torch.int64) + 7) // 8
 
 
 def use_triton(t: torch.Tensor, triton_flag) -> bool:
@@ -101,14 +105,22 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return (bits.view(*bits.shape[:-1], bits.shape[-1] // 8, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
 
 
+def _bit_length(x: torch.Tensor) -> torch.Tensor:
+    """Bits of each non-negative x < 2**17 (0 for 0)."""
+    return sum((x >= (1 << k)).to(torch.int32) for k in range(MAX_WIDTH))
+
+
 def _choose_width(v, changed, counts):
-    """Per block: the width of least ``count * width + 17 * n_esc`` (0 if all v are 0), and n_esc."""
+    """Per block: the width of least ``count * width + exc_width * n_esc`` (0 if all v are 0), n_esc
+    and ``exc_width``."""
     widths = torch.arange(1, MAX_WIDTH + 1, device=v.device)
+    exc_width = _bit_length(torch.where(changed, v, 0).amax(1))
     n_esc = torch.stack([(changed & (v >= (1 << w) - 1)).sum(1) for w in range(1, MAX_WIDTH + 1)], 1)
-    best = (counts.unsqueeze(1).to(torch.int64) * widths + MAX_WIDTH * n_esc).argmin(1)
-    trivial = torch.where(changed, v, 0).amax(1) == 0
+    best = (counts.unsqueeze(1).to(torch.int64) * widths + exc_width.unsqueeze(1) * n_esc).argmin(1)
+    trivial = exc_width == 0
     width = torch.where(trivial, 0, widths[best])
-    return width.to(torch.int32), torch.where(trivial, 0, n_esc.gather(1, best.unsqueeze(1)).squeeze(1)).to(torch.int32)
+    n_esc = torch.where(trivial, 0, n_esc.gather(1, best.unsqueeze(1)).squeeze(1))
+    return width.to(torch.int32), n_esc.to(torch.int32), exc_width
 
 
 def _compact(values, keep):
@@ -125,13 +137,14 @@ def analyze_blocks_reference(prev: torch.Tensor, new: torch.Tensor, block_size: 
     changed = z != 0
     v = z - 1
     counts = changed.sum(1, dtype=torch.int32)
-    width, n_esc = _choose_width(v, changed, counts)
+    width, n_esc, exc_width = _choose_width(v, changed, counts)
     codes = torch.where(counts > 0, width + 1, 0).to(torch.uint8)
     escape = _escape_code(width).unsqueeze(1)
     escaped = changed & (width.unsqueeze(1) > 0) & (v >= escape)
     slots = _compact(torch.minimum(v, escape), changed)
     prev.copy_(new)
-    return BlockAnalysis(slots, _compact(v, escaped), codes, counts, n_esc, _pack_bits(changed))
+    return BlockAnalysis(slots, _compact(v, escaped), codes, counts, n_esc, exc_width.to(torch.uint8),
+                         _pack_bits(changed))
 
 
 def _scatter_bits(bits, start, values, width, present) -> None:
@@ -146,12 +159,12 @@ def pack_values_reference(a: BlockAnalysis, changed_blocks, value_offsets, value
     width = (a.codes[changed_blocks].to(torch.int64) - 1).unsqueeze(1)
     counts = a.counts[changed_blocks].to(torch.int64).unsqueeze(1)
     n_esc = a.n_esc[changed_blocks].to(torch.int64).unsqueeze(1)
+    exc_width = a.exc_widths[changed_blocks].to(torch.int64).unsqueeze(1)
     i = torch.arange(a.slots.shape[1], device=values.device)
     base = value_offsets.unsqueeze(1) * 8
     bits = torch.zeros(values.numel() * 8, dtype=torch.bool, device=values.device)
     _scatter_bits(bits, base + i * width, a.slots[changed_blocks], width, i < counts)
-    _scatter_bits(bits, base + counts * width + i * MAX_WIDTH, a.exceptions[changed_blocks],
-                  torch.full_like(width, MAX_WIDTH), i < n_esc)
+    _scatter_bits(bits, base + counts * width + i * exc_width, a.exceptions[changed_blocks], exc_width, i < n_esc)
     values.copy_(_pack_bits(bits))
 
 
@@ -162,17 +175,19 @@ def _read_bits(padded, bitpos, width):
     return (word >> (bitpos & 7)) & _escape_code(width)
 
 
-def unpack_values_reference(out, changed_blocks, codes, bitmaps, value_offsets, values, block_size) -> None:
+def unpack_values_reference(out, changed_blocks, codes, exc_widths, bitmaps, value_offsets, values,
+                            block_size) -> None:
     """Apply the changed blocks' deltas to ``out`` (int16 view holding the previous values)."""
     i = torch.arange(block_size, device=out.device)
     changed = ((bitmaps.to(torch.int32).repeat_interleave(8, 1) >> (i % 8)) & 1) == 1
     width = (codes[changed_blocks].to(torch.int64) - 1).unsqueeze(1)
+    exc_width = exc_widths.to(torch.int64).unsqueeze(1)
     base = value_offsets.unsqueeze(1) * 8
     padded = torch.cat([values, values.new_zeros(3)]).to(torch.int64)
     slot = _read_bits(padded, base + (changed.cumsum(1) - 1) * width, width)
     escaped = changed & (width > 0) & (slot == _escape_code(width))
-    exc_pos = base + changed.sum(1, keepdim=True) * width + (escaped.cumsum(1) - 1) * MAX_WIDTH
-    z = torch.where(escaped, _read_bits(padded, exc_pos, torch.full_like(width, MAX_WIDTH)), slot) + 1
+    exc_pos = base + changed.sum(1, keepdim=True) * width + (escaped.cumsum(1) - 1) * exc_width
+    z = torch.where(escaped, _read_bits(padded, exc_pos, exc_width), slot) + 1
     d = (z >> 1) ^ -(z & 1)
     idx = changed_blocks.unsqueeze(1) * block_size + i
     keep = changed & (idx < out.numel())
@@ -205,24 +220,35 @@ if triton is not None:
         return both & 0xFFFF, both >> 16
 
     @triton.jit
-    def _keep_cheaper(count, w, n_esc, best_width, best_esc, best_cost):
-        cost = count * w + 17 * n_esc
+    def _keep_cheaper(count, w, n_esc, exc_width, best_width, best_esc, best_cost):
+        cost = count * w + exc_width * n_esc
         cheaper = cost < best_cost  # strict, widths ascending: the smallest width on ties
         return tl.where(cheaper, w, best_width), tl.where(cheaper, n_esc, best_esc), tl.minimum(cost, best_cost)
 
     @triton.jit
+    def _scalar_bit_length(x):
+        """Bits of a scalar 0 <= x < 2**17 (0 for 0)."""
+        n = x * 0
+        for k in tl.static_range(17):
+            n += (x >= (1 << k)).to(tl.int32)
+        return n
+
+    @triton.jit
     def _best_width(z):
-        """Width of least ``count * width + 17 * n_esc(width)`` (0 if every z <= 1), its n_esc, and count.
-        ``n_esc(w)`` counts the values with ``v >= 2**w - 1``, i.e. ``z >= 2**w``."""
+        """Width of least ``count * width + exc_width * n_esc(width)`` (0 if every z <= 1), its n_esc,
+        count and exc_width (bits of the largest v). ``n_esc(w)`` counts the values with
+        ``v >= 2**w - 1``, i.e. ``z >= 2**w``."""
+        exc_width = _scalar_bit_length(tl.max(tl.maximum(z - 1, 0), axis=0))
         count, n_esc = _count_at_least(z, 0)
-        best_width, best_esc, best_cost = count * 0 + 1, n_esc, count + 17 * n_esc
+        best_width, best_esc, best_cost = count * 0 + 1, n_esc, count + exc_width * n_esc
         trivial = n_esc == 0
         for w in tl.static_range(2, 18, 2):
             n_esc_w, n_esc_next = _count_at_least(z, w)
-            best_width, best_esc, best_cost = _keep_cheaper(count, w, n_esc_w, best_width, best_esc, best_cost)
-            best_width, best_esc, best_cost = _keep_cheaper(count, w + 1, n_esc_next, best_width, best_esc,
+            best_width, best_esc, best_cost = _keep_cheaper(count, w, n_esc_w, exc_width, best_width, best_esc,
                                                             best_cost)
-        return tl.where(trivial, 0, best_width), tl.where(trivial, 0, best_esc), count
+            best_width, best_esc, best_cost = _keep_cheaper(count, w + 1, n_esc_next, exc_width, best_width,
+                                                            best_esc, best_cost)
+        return tl.where(trivial, 0, best_width), tl.where(trivial, 0, best_esc), count, exc_width
 
     @triton.jit
     def _or_window(key_a, window_a, key_b, window_b):
@@ -251,8 +277,8 @@ if triton is not None:
         return tl.sum(tl.where(last, window, 0), axis=0), tl.sum(tl.where(last, key, 0), axis=0)
 
     @triton.jit
-    def _encode_kernel(prev_ptr, new_ptr, numel, codes_ptr, counts_ptr, n_esc_ptr, nbytes_ptr, records_ptr,
-                       BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr):
+    def _encode_kernel(prev_ptr, new_ptr, numel, codes_ptr, counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr,
+                       records_ptr, BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK)
         idx = b * BLOCK + i
@@ -263,12 +289,12 @@ if triton is not None:
         z = (d << 1) ^ (d >> 31)
         changed = z != 0
         v = z - 1
-        width, n_esc, count = _best_width(z)
+        width, n_esc, count, exc_width = _best_width(z)
         escape = (1 << width) - 1
         escaped = changed & (width > 0) & (v >= escape)
         ranks = tl.cumsum(changed.to(tl.int32) | (escaped.to(tl.int32) << 16), axis=0)  # both < 2**14
         exc_start = count * width
-        nbits = exc_start + 17 * n_esc
+        nbits = exc_start + exc_width * n_esc
         record = records_ptr + b * RECORD_WORDS
         bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], axis=1)
         tl.store(record + tl.arange(0, BLOCK // 32), bitmap)
@@ -284,19 +310,21 @@ if triton is not None:
                                    slot_at >> 5, slot_end >> 5, 0, tl.where(n_esc > 0, exc_word, n_words), BLOCK - 1)
         # the slots' bits in the word where exceptions start go with the first exception
         tail = tl.where(key == exc_word, window, tl.where(key == exc_word - 1, window >> 32, 0)) & 0xFFFFFFFF
-        exc_end = exc_start + 17 * (ranks >> 16)
-        exc_at = exc_end - tl.where(escaped, 17, 0)
+        exc_end = exc_start + exc_width * (ranks >> 16)
+        exc_at = exc_end - tl.where(escaped, exc_width, 0)
         placed = _placed(tl.where(escaped, v, 0), exc_at) | tl.where(escaped & (exc_at == exc_start), tail, 0)
         _store_words(stream, placed, exc_at >> 5, exc_end >> 5, exc_word, tl.where(n_esc > 0, n_words, 0), BLOCK - 1)
         tl.store(codes_ptr + b, tl.where(count > 0, width + 1, 0).to(tl.uint8))
         tl.store(counts_ptr + b, count)
         tl.store(n_esc_ptr + b, n_esc)
+        tl.store(exc_widths_ptr + b, exc_width.to(tl.uint8))
         tl.store(nbytes_ptr + b, (nbits + 7) // 8)
 
-    @triton.jit(do_not_specialize=["header0", "header1", "header2", "n_esc_at", "bitmaps_at",
+    @triton.jit(do_not_specialize=["header0", "header1", "header2", "n_esc_at", "exc_widths_at", "bitmaps_at",
                                    "values_at"])
-    def _gather_kernel(records_ptr, codes_ptr, n_esc_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr, n_blocks,
-                       payload_ptr, header0, header1, header2, n_esc_at, bitmaps_at, values_at, BLOCK: tl.constexpr,
+    def _gather_kernel(records_ptr, codes_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr,
+                       n_blocks, payload_ptr, header0, header1, header2, n_esc_at, exc_widths_at, bitmaps_at, values_at,
+                       BLOCK: tl.constexpr,
                        HEADER_BYTES: tl.constexpr, RECORD_BYTES: tl.constexpr, STREAM_BYTES: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad byte
@@ -312,6 +340,7 @@ if triton is not None:
         two = tl.arange(0, 2)
         tl.store(payload_ptr + n_esc_at + 2 * rank + two, ((n_esc >> (8 * two)) & 0xFF).to(tl.uint8),
                  mask=(two < 2) & changed)
+        tl.store(payload_ptr + exc_widths_at + rank, tl.load(exc_widths_ptr + b), mask=changed)
         record = records_ptr + b * RECORD_BYTES
         j = tl.arange(0, BLOCK // 8)
         bitmap_mask = (j < BLOCK // 8) & changed
@@ -335,13 +364,15 @@ if triton is not None:
         return lo | (tl.load(n_esc_ptr + 2 * rank + 1, mask=changed, other=0).to(tl.int32) << 8)
 
     @triton.jit
-    def _stream_sizes_kernel(codes_ptr, rank_end_ptr, n_esc_ptr, bitmaps_ptr, nbytes_ptr, BLOCK: tl.constexpr):
+    def _stream_sizes_kernel(codes_ptr, rank_end_ptr, n_esc_ptr, exc_widths_ptr, bitmaps_ptr, nbytes_ptr,
+                             BLOCK: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         code = tl.load(codes_ptr + b).to(tl.int32)
         changed = code != 0
         rank = tl.load(rank_end_ptr + b) - 1
         count = tl.sum(_changed_lanes(bitmaps_ptr, rank, changed, BLOCK).to(tl.int32), axis=0)
-        nbits = count * tl.maximum(code - 1, 0) + 17 * _read_n_esc(n_esc_ptr, rank, changed)
+        exc_width = tl.load(exc_widths_ptr + rank, mask=changed, other=0).to(tl.int32)
+        nbits = count * tl.maximum(code - 1, 0) + exc_width * _read_n_esc(n_esc_ptr, rank, changed)
         tl.store(nbytes_ptr + b, (nbits + 7) // 8)
 
     @triton.jit
@@ -354,20 +385,21 @@ if triton is not None:
         return (word >> (bitpos & 7)) & ((1 << width) - 1)
 
     @triton.jit(do_not_specialize=["values_nbytes"])
-    def _decode_kernel(out_ptr, numel, codes_ptr, rank_end_ptr, stream_end_ptr, nbytes_ptr, bitmaps_ptr, values_ptr,
-                       values_nbytes, BLOCK: tl.constexpr):
+    def _decode_kernel(out_ptr, numel, codes_ptr, rank_end_ptr, stream_end_ptr, nbytes_ptr, exc_widths_ptr,
+                       bitmaps_ptr, values_ptr, values_nbytes, BLOCK: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         code = tl.load(codes_ptr + b).to(tl.int32)
         width = tl.maximum(code - 1, 0)
         rank = tl.load(rank_end_ptr + b) - 1
         changed = _changed_lanes(bitmaps_ptr, rank, code != 0, BLOCK)
+        exc_width = tl.load(exc_widths_ptr + rank, mask=code != 0, other=0).to(tl.int32)
         base = (tl.load(stream_end_ptr + b) - tl.load(nbytes_ptr + b)) * 8
         ranks = tl.cumsum(changed.to(tl.int32), axis=0) - 1
         slot = _load_bits(values_ptr, values_nbytes, base + tl.maximum(ranks, 0) * width, width, changed)
         escaped = changed & (width > 0) & (slot == (1 << width) - 1)
         esc_rank = tl.cumsum(escaped.to(tl.int32), axis=0) - 1
-        exc_pos = base + tl.sum(changed.to(tl.int32), axis=0) * width + tl.maximum(esc_rank, 0) * 17
-        z = tl.where(escaped, _load_bits(values_ptr, values_nbytes, exc_pos, 17, escaped), slot) + 1
+        exc_pos = base + tl.sum(changed.to(tl.int32), axis=0) * width + tl.maximum(esc_rank, 0) * exc_width
+        z = tl.where(escaped, _load_bits(values_ptr, values_nbytes, exc_pos, exc_width, escaped), slot) + 1
         d = (z >> 1) ^ -(z & 1)
         idx = b * BLOCK + tl.arange(0, BLOCK)
         keep = changed & (idx < numel)
@@ -392,6 +424,7 @@ class EncodedBlocks:
     codes: torch.Tensor  # uint8 [n_blocks]
     counts: torch.Tensor  # int32 [n_blocks]
     n_esc: torch.Tensor  # int32 [n_blocks]
+    exc_widths: torch.Tensor  # uint8 [n_blocks]
     nbytes: torch.Tensor  # int32 [n_blocks]: value stream bytes
     records: torch.Tensor  # int32 [n_blocks, B / 32 + ceil(17 B / 32)]
 
@@ -405,41 +438,46 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int) -> Enc
         codes=torch.empty(n_blocks, dtype=torch.uint8, device=dev),
         counts=torch.empty(n_blocks, dtype=torch.int32, device=dev),
         n_esc=torch.empty(n_blocks, dtype=torch.int32, device=dev),
+        exc_widths=torch.empty(n_blocks, dtype=torch.uint8, device=dev),
         nbytes=torch.empty(n_blocks, dtype=torch.int32, device=dev),
         records=torch.empty(n_blocks, record_words, dtype=torch.int32, device=dev),
     )
     if n_blocks:
-        _encode_kernel[(n_blocks,)](prev, new, new.numel(), e.codes, e.counts, e.n_esc, e.nbytes, e.records,
+        _encode_kernel[(n_blocks,)](prev, new, new.numel(), e.codes, e.counts, e.n_esc, e.exc_widths, e.nbytes,
+                                    e.records,
                                     BLOCK=block_size, RECORD_WORDS=record_words, num_warps=_num_warps(block_size))
     return e
 
 
-def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: bytes, n_esc_at, bitmaps_at, values_at,
-                   block_size: int) -> None:
-    """Triton: write ``header`` (24 bytes), the pad byte, the codes, and n_esc, bitmap and stream of each
+def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: bytes, n_esc_at, exc_widths_at,
+                   bitmaps_at, values_at, block_size: int) -> None:
+    """Triton: write ``header`` (24 bytes), the pad byte, the codes, and n_esc, exc_width, bitmap and stream of each
     changed block into ``payload`` (uint8) at the given section offsets; ``rank_end``/``stream_end``
     are inclusive prefix sums over blocks of (code != 0) and ``nbytes``."""
     n_blocks = e.codes.numel()
     if not n_blocks:  # an empty shard: the payload is the header
         payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return
-    _gather_kernel[(n_blocks,)](e.records.view(torch.uint8), e.codes, e.n_esc, e.nbytes, rank_end, stream_end,
-                                n_blocks, payload, *struct.unpack("<3q", header), n_esc_at, bitmaps_at, values_at,
+    _gather_kernel[(n_blocks,)](e.records.view(torch.uint8), e.codes, e.n_esc, e.exc_widths, e.nbytes, rank_end,
+                                stream_end, n_blocks, payload, *struct.unpack("<3q", header), n_esc_at, exc_widths_at,
+                                bitmaps_at, values_at,
                                 BLOCK=block_size, HEADER_BYTES=len(header), RECORD_BYTES=4 * e.records.shape[1],
                                 STREAM_BYTES=triton.next_power_of_2(4 * _stream_words(block_size)), num_warps=4)
 
 
-def stream_sizes(codes, rank_end, n_esc_bytes, bitmaps, block_size: int) -> torch.Tensor:
+def stream_sizes(codes, rank_end, n_esc_bytes, exc_widths, bitmaps, block_size: int) -> torch.Tensor:
     """Triton: value stream bytes of every block (0 if unchanged), from the payload's sections."""
     nbytes = torch.empty(codes.numel(), dtype=torch.int32, device=codes.device)
     if codes.numel():
-        _stream_sizes_kernel[(codes.numel(),)](codes, rank_end, n_esc_bytes, bitmaps, nbytes, BLOCK=block_size,
+        _stream_sizes_kernel[(codes.numel(),)](codes, rank_end, n_esc_bytes, exc_widths, bitmaps, nbytes,
+                                               BLOCK=block_size,
                                                num_warps=_num_warps(block_size))
     return nbytes
 
 
-def decode_blocks(out, codes, rank_end, stream_end, nbytes, bitmaps, values, block_size: int) -> None:
+def decode_blocks(out, codes, rank_end, stream_end, nbytes, exc_widths, bitmaps, values, block_size: int) -> None:
     """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values)."""
     if codes.numel():
-        _decode_kernel[(codes.numel(),)](out, out.numel(), codes, rank_end, stream_end, nbytes, bitmaps, values,
-                                         values.numel(), BLOCK=block_size, num_warps=_num_warps(block_size))
+        _decode_kernel[(codes.numel(),)](out, out.numel(), codes, rank_end, stream_end, nbytes, exc_widths,
+                                         bitmaps, values, values.numel(), BLOCK=block_size,
+                                         num_warps=_num_warps(block_size))
