@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from compression import ans
-from compression.codec import ShardCodec
+from compression.codec import ShardCodec, check_block_size
 from kernels.ciera import LAYOUTS, merge_blocks, split_compare
 
 MAGIC = (ord("C"), ord("E"))
@@ -45,9 +45,7 @@ class CieraConfig:
     exponent_coder: str = "raw"
 
     def __post_init__(self):
-        b = self.block_size
-        if not isinstance(b, int) or b < 64 or b > 65536 or b & (b - 1):
-            raise ValueError(f"--ciera-block-size must be a power of two in 64..65536, got {b}")
+        check_block_size("--ciera-block-size", self.block_size, 64, 65536)
         if self.change_detect not in ("hash", "compare"):
             raise ValueError(f"--ciera-change-detect must be 'hash' or 'compare', got {self.change_detect!r}")
         if self.exponent_coder not in ("raw", "ans"):

@@ -15,6 +15,12 @@ from abc import ABC, abstractmethod
 import torch
 
 
+def check_block_size(flag: str, value, low: int, high: int) -> None:
+    """Every codec's block size is a power of two in [low, high]; the error names the flag."""
+    if not (isinstance(value, int) and low <= value <= high and value & (value - 1) == 0):
+        raise ValueError(f"{flag} must be a power of two in {low}..{high}, got {value!r}")
+
+
 class TensorCodec(ABC):
     """Fixed-size wire format: ``encode`` of n elements always returns ``wire_nbytes(n, rows)`` bytes.
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.codec import ShardCodec
+from compression.codec import ShardCodec, check_block_size
 from kernels import delta as kernels
 from kernels.delta import (analyze_blocks_reference, pack_values_reference, stream_nbytes,
                            unpack_values_reference, use_triton)
@@ -47,9 +47,7 @@ class DeltaConfig:
     """Values per block (``--delta-block-size``): blocks with no change cost one byte."""
 
     def __post_init__(self):
-        b = self.block_size
-        if not (isinstance(b, int) and 32 <= b <= 8192 and b & (b - 1) == 0):
-            raise ValueError(f"--delta-block-size must be a power of two in 32..8192, got {b!r}")
+        check_block_size("--delta-block-size", self.block_size, 32, 8192)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.codec import TensorCodec
+from compression.codec import TensorCodec, check_block_size
 from kernels.taco import (FORMATS, SCALINGS, TRANSFORMS, taco_decode, taco_encode, taco_reduce_decode,
                           taco_reduce_encode, wire_nbytes)
 
@@ -41,9 +41,7 @@ class TacoConfig:
     """Max scale per block (dual) or per tensor (single) (``--taco-scaling``)."""
 
     def __post_init__(self):
-        b = self.block_size
-        if not isinstance(b, int) or b < 32 or b > 1024 or b & (b - 1):
-            raise ValueError(f"--taco-block-size must be a power of two in 32..1024, got {b!r}")
+        check_block_size("--taco-block-size", self.block_size, 32, 1024)
         for flag, value, allowed in (("--taco-format", self.format, FORMATS),
                                      ("--taco-transform", self.transform, TRANSFORMS),
                                      ("--taco-scaling", self.scaling, SCALINGS)):
