@@ -5,6 +5,7 @@ Backend choice: NCCL with one GPU per process (LOCAL_RANK) when CUDA is present,
 CPU shim of ``megatron.hooks.cpu`` installed first, since megatron-core assumes CUDA in places).
 """
 
+import logging
 import os
 import random
 from datetime import timedelta
@@ -104,6 +105,9 @@ def initialize_megatron(args) -> None:
     install_cpu_support()
     allow_torch_norm_under_sequence_parallel(args)
     initialize_distributed(args)
+    # The hooks report what they installed (swapped layers, TP thresholds, CIERA selection) on rank 0.
+    logging.basicConfig(level=logging.INFO if args.rank == 0 else logging.WARNING,
+                        format="[%(name)s] %(message)s")
     initialize_model_parallel(args)
     set_random_seed(args.seed)
     init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
