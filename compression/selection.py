@@ -23,6 +23,7 @@ from typing import Hashable, Optional
 import torch
 import torch.distributed as dist
 
+from compression.timing import call_seconds, default_device, synchronize
 from kernels.ciera import LAYOUTS, split_compare_reference
 
 HASH_BYTES_PER_BLOCK = 16
@@ -54,20 +55,17 @@ def _time_all_gather(nbytes: int, group, device, repeats: int) -> float:
     send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     recv = torch.empty(nbytes * world, dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(recv, send, group=group)  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    synchronize(device)
+    start = time.perf_counter()  # back to back, as a bucket's gathers run
     for _ in range(repeats):
         dist.all_gather_into_tensor(recv, send, group=group)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return (time.perf_counter() - start) / repeats
 
 
 def profile_comm(group=None, sizes=(1 << 16, 1 << 20, 1 << 23), device=None, repeats: int = 5) -> CommModel:
     """Time all_gather_into_tensor of each per-rank size on ``group``; every rank gets the same model."""
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    device = torch.device(device) if device is not None else default_device()
     seconds = torch.tensor([_time_all_gather(s, group, device, repeats) for s in sizes],
                            dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
@@ -145,15 +143,7 @@ def measure_merge_seconds_per_byte(config, numel: int = 1 << 22, dtype=torch.bfl
     sender, receiver = CieraCodec(config, 2, 0), CieraCodec(config, 2, 1)
     out = torch.empty_like(shard)
     payload = sender.encode(shard)  # a keyframe: every block carries its exponents
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        receiver.decode(0, payload, out)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+    best = min(call_seconds(lambda: receiver.decode(0, payload, out), device, repeats))
     return best / (numel * shard.element_size())
 
 

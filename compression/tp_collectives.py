@@ -39,12 +39,12 @@ raw / sent is the codec's ratio rather than a figure inflated or deflated by the
 """
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from compression.telemetry import TELEMETRY
+from compression.timing import call_seconds, default_device
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 PROBE_BYTES = tuple(4**k * 65536 for k in range(7))  # 64 KiB .. 256 MiB
@@ -193,16 +193,7 @@ def crossover(sizes, plain_ms, compressed_ms, margin=0.0):
 
 def _median_ms(fn, device: torch.device, iters: int) -> float:
     fn()  # warm-up: kernel compilation, communicator set-up
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(call_seconds(fn, device, iters)) * 1e3
 
 
 def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None, margin=0.0) -> dict:
@@ -211,8 +202,7 @@ def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None
     median of ``iters`` synchronized calls after one warm-up. Collective over ``group``: every rank must call it,
     and every rank returns the same answer. Meant for start-up: it ends with ``TELEMETRY.reset()``
     so that the probes' bytes are not reported."""
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = device if device is not None else default_device()
     world = dist.get_world_size(group)
     timings = torch.zeros(len(sizes), len(OPS), 2, dtype=torch.float64)
     for i, nbytes in enumerate(sizes):

@@ -15,6 +15,7 @@ import os
 import torch
 
 from compression.telemetry import COMM_CLASSES, TELEMETRY
+from compression.timing import default_device
 
 
 def gpt_flops_per_iteration(args) -> float:
@@ -31,14 +32,9 @@ def gpt_flops_per_iteration(args) -> float:
     return 12 * args.global_batch_size * s * layers * h * h * per_layer
 
 
-def collective_device() -> torch.device:
-    """Where small host values must live to be all-reduced (NCCL reduces only CUDA tensors)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def reduce_telemetry() -> dict:
     """Sum the byte counters of every rank (one all-reduce), then zero them for the next iteration."""
-    counters = torch.tensor(TELEMETRY.counters(), dtype=torch.int64, device=collective_device())
+    counters = torch.tensor(TELEMETRY.counters(), dtype=torch.int64, device=default_device())
     torch.distributed.all_reduce(counters)
     values = counters.tolist()
     TELEMETRY.reset()

@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 
+from compression.timing import default_device
 from megatron.training import metrics
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
 from megatron.training.initialize import initialize_megatron
@@ -49,7 +50,7 @@ def global_mean_loss(losses_reduced) -> float:
     exactly the DP replicas."""
     from megatron.core import parallel_state
 
-    totals = torch.zeros(2, dtype=torch.float64, device=metrics.collective_device())
+    totals = torch.zeros(2, dtype=torch.float64, device=default_device())
     contributes = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                    and parallel_state.get_tensor_model_parallel_rank() == 0
                    and parallel_state.get_context_parallel_rank() == 0)
