@@ -22,6 +22,7 @@ import torch
 
 from benchmarks.taco_codec_ablation import activation_like
 from compression.taco import TacoCodec, TacoConfig
+from compression.timing import queued_seconds
 from kernels import taco as K
 
 GOAL_FRACTION, GOAL_FROM_MIB = 0.70, 16
@@ -92,6 +93,9 @@ def bench_size(codec, mib, device, reference_max_mib):
                copy_gbps=2 * in_bytes / copy_ms / 1e6,
                encode_gbps=(in_bytes + wire_bytes) / encode_ms / 1e6,
                decode_gbps=(in_bytes + wire_bytes) / decode_ms / 1e6)
+    for name, fn in (("copy", lambda: x.clone()), ("encode", lambda: codec.encode(x)),
+                     ("decode", lambda: codec.decode(wire, numel, torch.bfloat16))):
+        row[f"{name}_host_us"] = queued_seconds(fn, torch.device(device), 50)[1] * 1e6  # host cost per call
     row["encode_vs_copy"] = row["encode_gbps"] / row["copy_gbps"]
     row["decode_vs_copy"] = row["decode_gbps"] / row["copy_gbps"]
     if mib <= reference_max_mib:
@@ -124,11 +128,12 @@ def launch_sweep(codec, sizes, configs, device):
 
 def _print_table(rows):
     print(f"{'MiB':>6} {'copy GB/s':>10} {'enc GB/s':>9} {'enc/copy':>8} {'dec GB/s':>9} {'dec/copy':>8} "
-          f"{'ref enc ms':>10} {'fused enc ms':>12} {'check':>6}")
+          f"{'ref enc ms':>10} {'fused enc ms':>12} {'host us copy/enc/dec':>21} {'check':>6}")
     for r in rows:
         ref = f"{r['reference_encode_ms']:.3f}" if "reference_encode_ms" in r else "-"
         print(f"{r['mib']:>6g} {r['copy_gbps']:>10.0f} {r['encode_gbps']:>9.0f} {r['encode_vs_copy']:>8.2f} "
               f"{r['decode_gbps']:>9.0f} {r['decode_vs_copy']:>8.2f} {ref:>10} {r['encode_ms']:>12.3f} "
+              f"{r['copy_host_us']:>7.0f}/{r['encode_host_us']:.0f}/{r['decode_host_us']:.0f} "
               f"{'ok' if not r['problems'] else 'FAIL':>6}")
 
 

@@ -8,7 +8,11 @@ The link class is whatever the caller's NCCL environment selects; every NCCL_* v
 recorded in the JSON. Per operation and size (bytes of the bf16 input each rank hands to the
 collective): first a correctness check (compressed result within 5% relative L2 of the bf16
 collective; all-reduce and all-gather results bit-identical on every rank), then the median time of
---iters calls after --warmup (CUDA events; the slowest rank's median). ``min_bytes`` per operation
+--iters calls after --warmup (CUDA events; the slowest rank's median; "synced": each call starts on
+an idle device, so the host's launch cost counts), then "queued" times (``timing.queued_seconds``:
+--iters back-to-back calls enqueued behind a sleep kernel, as in training where the host runs ahead:
+``*_gpu_ms`` is device time per call, ``*_host_ms`` the host's cost per call; slowest rank).
+``min_bytes`` per operation
 is the smallest swept size from which the compressed collective is faster at every larger size
 (``tp_collectives.crossover``; null: never faster); ``auto_min_bytes`` is what
 ``tp_collectives.measure_min_bytes``, the AUTO policy's start-up probe, picks on the same group.
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from compression.taco import TacoCodec, TacoConfig
+from compression.timing import queued_seconds
 from compression.tp_collectives import OPS, compressed, crossover, measure_min_bytes, uncompressed
 
 
@@ -65,6 +70,15 @@ def _time_ms(fn, device, warmup, iters):
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.item()
+
+
+def _queued_ms(fn, device, iters):
+    """(device ms, host ms) per call, back to back (``queued_seconds``), of the slowest rank."""
+    fn()
+    times = torch.tensor(queued_seconds(fn, device, iters, group=dist.group.WORLD), dtype=torch.float64,
+                         device=device) * 1e3
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
 
 
 def _same_on_all_ranks(t, world) -> bool:
@@ -112,15 +126,21 @@ def run(args, device):
             problems += check(op, x, codec, world)
             nccl_ms = _time_ms(lambda: uncompressed(op, x), device, warmup, iters)
             compressed_ms = _time_ms(lambda: compressed(op, x, codec), device, warmup, iters)
+            nccl_gpu_ms, nccl_host_ms = _queued_ms(lambda: uncompressed(op, x), device, iters)
+            taco_gpu_ms, taco_host_ms = _queued_ms(lambda: compressed(op, x, codec), device, iters)
             rows.append(dict(op=op, bytes=x.numel() * 2, nccl_ms=nccl_ms, compressed_ms=compressed_ms,
-                             speedup=nccl_ms / compressed_ms))
+                             speedup=nccl_ms / compressed_ms, nccl_gpu_ms=nccl_gpu_ms, nccl_host_ms=nccl_host_ms,
+                             compressed_gpu_ms=taco_gpu_ms, compressed_host_ms=taco_host_ms,
+                             queued_speedup=nccl_gpu_ms / taco_gpu_ms))
     result = dict(
         config=dataclasses.asdict(codec.config), world_size=world, device=str(device),
         gpu=torch.cuda.get_device_name() if device.type == "cuda" else None, torch=torch.__version__,
         nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
         env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")}, dry_run=args.dry_run,
         min_bytes={op: min_bytes(rows, op) for op in OPS},
-        auto_min_bytes=measure_min_bytes(codec, sizes=sizes, iters=iters, device=device), problems=problems, rows=rows)
+        auto_min_bytes={timing: measure_min_bytes(codec, sizes=sizes, iters=iters, device=device, timing=timing)
+                        for timing in ("synced", "queued")},
+        problems=problems, rows=rows)
     if rank == 0:
         _print_table(result)
         with open(args.out, "w") as f:
@@ -130,9 +150,12 @@ def run(args, device):
 
 def _print_table(result):
     print(f"world {result['world_size']}, NCCL env {result['env'] or '{}'}, codec {result['config']}")
-    print(f"{'op':>15} {'bytes':>11} {'nccl ms':>9} {'taco ms':>9} {'speedup':>8}")
+    print(f"{'op':>15} {'bytes':>11} {'nccl ms':>9} {'taco ms':>9} {'speedup':>8} | queued: {'nccl gpu':>9} "
+          f"{'taco gpu':>9} {'speedup':>8} {'nccl host':>9} {'taco host':>9}")
     for r in result["rows"]:
-        print(f"{r['op']:>15} {r['bytes']:>11} {r['nccl_ms']:>9.3f} {r['compressed_ms']:>9.3f} {r['speedup']:>8.2f}")
+        print(f"{r['op']:>15} {r['bytes']:>11} {r['nccl_ms']:>9.3f} {r['compressed_ms']:>9.3f} {r['speedup']:>8.2f} | "
+              f"{'':>7} {r['nccl_gpu_ms']:>9.3f} {r['compressed_gpu_ms']:>9.3f} {r['queued_speedup']:>8.2f} "
+              f"{r['nccl_host_ms']:>9.3f} {r['compressed_host_ms']:>9.3f}")
     print(f"min_bytes (compression wins from here up): {result['min_bytes']}")
     print(f"auto_min_bytes (measure_min_bytes on this group): {result['auto_min_bytes']}")
     for p in result["problems"]:

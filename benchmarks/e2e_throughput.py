@@ -29,9 +29,14 @@ COMMON = ["--bf16", "--transformer-impl", "local", "--use-distributed-optimizer"
           "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000"]
 
 TACO = {"baseline": [], "taco": ["--tp-comm-compression", "taco", "--taco-format", "e4m3"],
-        "taco_int8": ["--tp-comm-compression", "taco", "--taco-format", "int8"]}
+        "taco_int8": ["--tp-comm-compression", "taco", "--taco-format", "int8"],
+        # every floating-point TP tensor compressed, whatever the start-up probe would pick
+        "taco_int8_all": ["--tp-comm-compression", "taco", "--taco-format", "int8", "--tp-comm-compression-min-bytes", "0"]}
 PARAM_GATHER = {"baseline": [], "ciera": ["--param-gather-compression", "ciera"],
-                "delta": ["--param-gather-compression", "delta"]}
+                "delta": ["--param-gather-compression", "delta"],
+                # lossy (SDP4Bit): 4-bit weight differences; + Hadamard int8 gradient reduce-scatter
+                "sdp4bit": ["--param-gather-compression", "sdp4bit"],
+                "sdp4bit_grad": ["--param-gather-compression", "sdp4bit", "--grad-reduce-compression", "hadamard-int8"]}
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 
 
@@ -88,6 +93,7 @@ def main():
     parser.add_argument("--suite", choices=sorted(SUITES), required=True)
     parser.add_argument("--model", required=True, help="YAML config with the model shape")
     parser.add_argument("--links", nargs="+", choices=sorted(LINKS), default=list(LINKS))
+    parser.add_argument("--variants", nargs="+", help="run only these of the suite's variants (the baseline always)")
     parser.add_argument("--train-iters", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="iterations excluded from timing")
     parser.add_argument("--out", required=True)
@@ -95,6 +101,12 @@ def main():
     args, extra = parser.parse_known_args()
     os.makedirs(args.log_dir, exist_ok=True)
     nproc, script, suite_flags, variants = SUITES[args.suite]
+    if args.variants:
+        unknown = set(args.variants) - set(variants)
+        if unknown:
+            parser.error(f"--variants: {sorted(unknown)} not in suite {args.suite}: {sorted(variants)}")
+        first = next(iter(variants))
+        variants = {name: flags for name, flags in variants.items() if name == first or name in args.variants}
     flags = ["--config", args.model, *COMMON, *suite_flags, "--train-iters", str(args.train_iters), *extra]
     results = {"suite": args.suite, "model": args.model, "argv": sys.argv, "runs": []}
     for link in args.links:

@@ -1,8 +1,20 @@
-"""Device choice and wall-clock timing shared by the start-up probes (cost model, TP crossover)."""
+"""Device choice and wall-clock timing shared by the start-up probes (cost model, TP crossover) and
+the benchmarks.
+
+Two ways to time a call on CUDA:
+- ``call_seconds``: each call bracketed by device synchronization, so the host's launch cost counts
+  whenever it exceeds the device's work (the device idles while the host launches).
+- ``queued_seconds``: back-to-back calls enqueued while the device is held busy by a sleep kernel, so
+  the host runs ahead of the device as it does in training; gives the device time per call with the
+  host's launch cost hidden, and that host cost separately.
+"""
 
 import time
 
 import torch
+import torch.distributed as dist
+
+_sleep_cycles_per_second = {}  # device index -> measured clock of torch.cuda._sleep
 
 
 def default_device() -> torch.device:
@@ -26,3 +38,49 @@ def call_seconds(fn, device: torch.device, repeats: int) -> list:
         synchronize(device)
         times.append(time.perf_counter() - start)
     return times
+
+
+def _sleep_rate(device: torch.device) -> float:
+    """Cycles per second of ``torch.cuda._sleep`` on ``device``, measured once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sleep_cycles_per_second:
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _sleep_cycles_per_second[index] = cycles / (start.elapsed_time(end) / 1e3)
+    return _sleep_cycles_per_second[index]
+
+
+def queued_seconds(fn, device: torch.device, repeats: int, group=None) -> tuple:
+    """(device seconds, host seconds) per call of ``repeats`` back-to-back calls of ``fn``. On CUDA
+    the device first sleeps long enough for the host to enqueue every call, so the device time is
+    free of launch gaps; on the CPU both are the wall time per call. When ``fn`` is a collective over
+    ``group``, every rank of it must call this: the ranks agree on one sleep length, so no rank's
+    device time includes waiting for a longer sleep of a peer."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        seconds = (time.perf_counter() - start) / repeats
+        return seconds, seconds
+    synchronize(device)
+    start_host = time.perf_counter()
+    fn()  # a synced call bounds the host time of one call, to size the sleep
+    synchronize(device)
+    sleep = torch.tensor([2 * repeats * (time.perf_counter() - start_host) + 2e-3], device=device)
+    if group is not None:
+        dist.all_reduce(sleep, op=dist.ReduceOp.MAX, group=group)
+    torch.cuda._sleep(int(_sleep_rate(device) * sleep.item()))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    start_host = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    host = (time.perf_counter() - start_host) / repeats
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats, host

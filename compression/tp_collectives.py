@@ -27,7 +27,8 @@ and returns the result, so callers can overlap the first phase with compute. A g
 (or an empty all-reduce / reduce-scatter input) returns the input unchanged.
 
 AUTO policy: ``measure_min_bytes(codec, group)`` times every collective uncompressed and
-compressed at a few sizes on the real group, takes the slowest rank's time (an all-reduce MAX, so
+compressed at a few sizes on the real group (device time of back-to-back calls by default: in
+training the host enqueues ahead of the device, so the host's launch cost is hidden), takes the slowest rank's time (an all-reduce MAX, so
 every rank decides the same) and returns per collective the smallest measured size from which
 compression is faster at every larger measured size (``crossover``), or None where it never is.
 
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from compression.telemetry import TELEMETRY
-from compression.timing import call_seconds, default_device
+from compression.timing import call_seconds, default_device, queued_seconds
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 PROBE_BYTES = tuple(4**k * 65536 for k in range(7))  # 64 KiB .. 256 MiB
@@ -191,17 +192,27 @@ def crossover(sizes, plain_ms, compressed_ms, margin=0.0):
     return answer
 
 
-def _median_ms(fn, device: torch.device, iters: int) -> float:
+TIMINGS = ("queued", "synced")
+
+
+def _time_ms(fn, device: torch.device, iters: int, timing: str, group) -> float:
     fn()  # warm-up: kernel compilation, communicator set-up
+    if timing == "queued":
+        return queued_seconds(fn, device, iters, group=group)[0] * 1e3
     return statistics.median(call_seconds(fn, device, iters)) * 1e3
 
 
-def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None, margin=0.0) -> dict:
+def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None, margin=0.0,
+                      timing="queued") -> dict:
     """Per collective in OPS, the bf16 input size in bytes from which ``codec`` compression is faster on
-    ``group`` (None: never at the measured sizes; ``margin``: see ``crossover``). Each time is the
-    median of ``iters`` synchronized calls after one warm-up. Collective over ``group``: every rank must call it,
-    and every rank returns the same answer. Meant for start-up: it ends with ``TELEMETRY.reset()``
-    so that the probes' bytes are not reported."""
+    ``group`` (None: never at the measured sizes; ``margin``: see ``crossover``). ``timing``: "queued"
+    (default) compares device time per call of back-to-back calls, as in training where the host
+    enqueues ahead of the device (``timing.queued_seconds``); "synced" the median of ``iters`` calls
+    each bracketed by synchronization, which also charges the host's launch cost. Collective over
+    ``group``: every rank must call it, and every rank returns the same answer. Meant for start-up:
+    it ends with ``TELEMETRY.reset()`` so that the probes' bytes are not reported."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
     device = device if device is not None else default_device()
     world = dist.get_world_size(group)
     timings = torch.zeros(len(sizes), len(OPS), 2, dtype=torch.float64)
@@ -209,8 +220,8 @@ def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None
         numel = max(world, nbytes // 2 // world * world)  # reduce-scatter needs world | numel
         x = (torch.randn(numel, generator=torch.Generator().manual_seed(i)) * 0.02).to(device, torch.bfloat16)
         for j, op in enumerate(OPS):
-            timings[i, j, 0] = _median_ms(lambda: uncompressed(op, x, group), device, iters)
-            timings[i, j, 1] = _median_ms(lambda: compressed(op, x, codec, group), device, iters)
+            timings[i, j, 0] = _time_ms(lambda: uncompressed(op, x, group), device, iters, timing, group)
+            timings[i, j, 1] = _time_ms(lambda: compressed(op, x, codec, group), device, iters, timing, group)
     TELEMETRY.reset()
     slowest = timings.to(device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)

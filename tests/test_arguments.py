@@ -52,6 +52,7 @@ def test_train_samples_alternative():
 
 ERRORS = [
     ("--tensor-model-parallel-size 2", 3, "world size 3 is not divisible by --tensor-model-parallel-size 2"),
+    ("--tp-comm-compression-trial-iters 3", 1, "--tp-comm-compression-trial-iters must be 0 (no trial) or an even"),
     ("--context-parallel-size 2", 3, "--context-parallel-size 2"),
     ("--num-attention-heads 6 --kv-channels 8 --tensor-model-parallel-size 4", 4,
      "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),

@@ -2,7 +2,7 @@
 
 Directly on megatron-core (one 2-rank gloo world): a small bf16 GPT (local spec, Float16Module) under
 DistributedDataParallel with the distributed optimizer (small buckets, so 9 bucket groups) trains on
-identical data with and without ``apply_param_gather_compression``; the per-step loss bits and a hash
+identical data with and without ``apply_dp_compression``; the per-step loss bits and a hash
 of every parameter buffer must match exactly, for CIERA and delta, with ``--overlap-param-gather`` off
 and on, with periodic ``verify()``, across a parameter rewrite followed by ``reset_param_gather_state``
 (and without the reset ``verify()`` must fail), and for ``--ciera-selection benefit`` under a budget
@@ -41,6 +41,7 @@ def _args(method, verify_interval=0, **overrides):
     args = argparse.Namespace(
         param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
         ciera_exponent_coder="raw", ciera_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
+        grad_reduce_compression="none",
     )
     vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), **overrides)
     return args
@@ -120,14 +121,14 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     """Per-step loss bits, the final parameter hash and the hook's counters. ``rewrite_at``: after
     that step rewrite every parameter (as a checkpoint load does) and, if ``reset``, reset the codecs."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.hooks.param_gather import apply_param_gather_compression, reset_param_gather_state
+    from megatron.hooks.param_gather import apply_dp_compression, reset_param_gather_state
 
     from compression.telemetry import COMM_CLASSES, TELEMETRY
 
     TELEMETRY.reset()
     ddp, optimizer = _build(overlap)
     if method != "none":
-        apply_param_gather_compression([ddp], _args(method, verify_interval))
+        apply_dp_compression([ddp], _args(method, verify_interval))
     forward_backward = get_forward_backward_func()
     loss_bits = []
     for step in range(STEPS):
@@ -155,10 +156,10 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
 
 
 def _hook_counts(ddp):
-    from megatron.hooks.param_gather import CompressedParamGatherBucketGroup
+    from megatron.hooks.param_gather import CompressedBucketGroup
 
     groups = [g for g in ddp.bucket_groups + ddp.expert_parallel_bucket_groups
-              if isinstance(g, CompressedParamGatherBucketGroup)]
+              if isinstance(g, CompressedBucketGroup)]
     return dict(
         num_groups=len(groups), num_gathers=sum(g.num_gathers for g in groups),
         num_compressed=sum(c is not None for g in groups for c in g.codecs),
@@ -176,23 +177,23 @@ def _expect_error(error_type, needle, fn):
 
 
 def _check_refusals():
-    from megatron.hooks.param_gather import apply_param_gather_compression
+    from megatron.hooks.param_gather import apply_dp_compression
 
     fp32_ddp, _ = _build(overlap=False, bf16=False)
-    _expect_error(ValueError, "--bf16", lambda: apply_param_gather_compression([fp32_ddp], _args("delta")))
+    _expect_error(ValueError, "--bf16", lambda: apply_dp_compression([fp32_ddp], _args("delta")))
     ddp, _ = _build(overlap=False, distributed_optimizer=False)
     _expect_error(ValueError, "--use-distributed-optimizer",
-                  lambda: apply_param_gather_compression([ddp], _args("ciera")))
+                  lambda: apply_dp_compression([ddp], _args("ciera")))
     ddp, _ = _build(overlap=False)
     for bad_args, flag in [
         (_args("zstd"), "--param-gather-compression"),
         (_args("delta", verify_interval=-1), "--param-gather-verify-interval"),
         (_args("ciera", ciera_cache_budget_mb=8.0), "--ciera-cache-budget-mb"),
     ]:
-        _expect_error(ValueError, flag, lambda: apply_param_gather_compression([ddp], bad_args))
-    apply_param_gather_compression([ddp], _args("delta"))
+        _expect_error(ValueError, flag, lambda: apply_dp_compression([ddp], bad_args))
+    apply_dp_compression([ddp], _args("delta"))
     _expect_error(ValueError, "already applied",
-                  lambda: apply_param_gather_compression([ddp], _args("delta")))
+                  lambda: apply_dp_compression([ddp], _args("delta")))
 
 
 def _compare_runs(runs):

@@ -101,8 +101,10 @@ def _check_world_and_benchmark(world, bench_out):
     errors += result["problems"]
     if len(result["rows"]) != 6 or set(result["min_bytes"]) != set(OPS):
         errors.append(f"benchmark dry run: unexpected result {result}")
-    auto = result["auto_min_bytes"]  # measure_min_bytes: one answer per op, the same on every rank
-    if set(auto) != set(OPS) or any(v not in (None, 4096, 16384) for v in auto.values()):
+    auto = result["auto_min_bytes"]  # measure_min_bytes per timing: one answer per op, the same on every rank
+    if set(auto) != {"synced", "queued"} or any(
+            set(per_op) != set(OPS) or any(v not in (None, 4096, 16384) for v in per_op.values())
+            for per_op in auto.values()):
         errors.append(f"measure_min_bytes: unexpected {auto}")
     shared["auto_min_bytes"] = repr(sorted(auto.items())).encode()
     return errors, shared

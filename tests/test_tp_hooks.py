@@ -378,3 +378,45 @@ def test_driver_tp2_sp_taco_tracks_single_process(tmp_path):
     # fp32 activations: TACO at B=256 sends (256 + 8) bytes per 1024 (3.88x), minus the stock-sent
     # integer / tiny tensors; anything above 3x means the bulk of TP traffic was compressed.
     assert tp["raw_bytes"] > 3 * tp["sent_bytes"] > 0
+
+
+def _trial_checks(compressed_faster_on_rank_1: bool):
+    """Two ranks drive a TpCompressionTrial of 4 iterations with made-up times: rank 0 always finds
+    compression 10% faster, rank 1 as told; the slowest rank's times must decide, identically."""
+    import torch.distributed as dist
+
+    from megatron.hooks.tp import (
+        CompressedColumnParallelLinear, CompressedRowParallelLinear, TpCompressionTrial,
+    )
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    modules = [object.__new__(CompressedColumnParallelLinear), object.__new__(CompressedRowParallelLinear)]
+    trial = TpCompressionTrial(modules, iters=4)
+    rank = dist.get_rank()
+    modes = []
+    for iteration in range(5, 15):  # a resumed run: the trial covers iterations 7-10
+        trial.before_iteration(iteration)
+        modes.append(trial.compressing)
+        faster = rank == 0 or compressed_faster_on_rank_1
+        seconds = (0.9 if faster else 1.1) if trial.compressing else 1.0
+        trial.after_iteration(iteration, seconds, torch.device("cpu"))
+    classes = [type(m) for m in modules]
+    stock = [ColumnParallelLinear, RowParallelLinear]
+    return modes, trial.compressing, classes == stock
+
+
+@pytest.mark.parametrize("compressed_faster_on_rank_1", [True, False])
+def test_auto_trial_keeps_compression_only_if_iterations_get_faster(compressed_faster_on_rank_1):
+    results = run_on_ranks(_trial_checks, 2, compressed_faster_on_rank_1)
+    keep = compressed_faster_on_rank_1
+    trial_modes = [True, True, False, True, False, True]  # 2 skipped iterations, then plain/compressed pairs
+    for modes, compressing, restored in results:
+        assert modes == trial_modes + [keep] * 4
+        assert compressing == keep and restored == (not keep)
+
+
+def test_auto_trial_iterations_must_be_even():
+    from megatron.hooks.tp import TpCompressionTrial
+
+    with pytest.raises(ValueError, match="--tp-comm-compression-trial-iters"):
+        TpCompressionTrial([], iters=3)

@@ -3,7 +3,9 @@
 - ``cpu``: CPU/gloo redirections of CUDA-only calls (applied only without CUDA).
 - ``norm``: sequence parallelism with torch norms when apex/TE are absent.
 - ``tp``: TACO-compressed tensor-parallel collectives by class swap of the local-spec linears.
-- ``param_gather``: compressed distributed-optimizer parameter all-gather by bucket-group class swap.
+- ``param_gather``: compressed distributed-optimizer parameter all-gather (CIERA, delta, SDP4Bit weight
+  differences) and gradient reduce-scatter (SDP4Bit Hadamard int8/int4) by bucket-group class swap.
+- ``pp``: TahQuant-compressed pipeline-parallel sends by a ``P2PCommunicator`` subclass.
 - ``optimizer_state``: checkpointing workarounds for torch Adam inside the distributed optimizer.
 - ``version``: the installed megatron-core version, for the few behaviours that differ by release.
 """

@@ -1,25 +1,36 @@
-"""Compressed parameter all-gather of megatron-core's distributed optimizer (CIERA, lossless delta).
+"""Compressed data-parallel communication of megatron-core's distributed optimizer: the parameter
+all-gather (CIERA, lossless delta, lossy SDP4Bit qWD) and the gradient reduce-scatter (SDP4Bit's
+Hadamard-quantized int8/int4).
 
 After each optimizer step rank r has written its new 16-bit values into slice r of every bucket's
 ``param_data``; the stock ``_ParamAndGradBucketGroup.start_param_sync`` then all-gathers the bucket in
-place. We swap the ``__class__`` of every bucket group to ``CompressedParamGatherBucketGroup``, whose
+place. We swap the ``__class__`` of every bucket group to ``CompressedBucketGroup``, whose
 ``start_param_sync`` sends each bucket through its own gather: a ``ShardGather`` with one stateful
-``ShardCodec`` per bucket, or a plain all-gather for buckets that compression would not pay for.
-Everything else of the bucket group (grad reduce-scatter, hooks, the next-bucket chain,
-``finish_param_sync``) is megatron-core's own code, unchanged.
+``ShardCodec`` per bucket, a ``WeightDiffGather`` (sdp4bit), or a plain all-gather for buckets that
+compression would not pay for; and whose ``start_grad_sync`` reduce-scatters each bucket through
+``quantized_reduce_scatter``. Each override hands over to megatron-core's own method when its flag is
+off. Everything else of the bucket group (hooks, the next-bucket chain, ``finish_param_sync``,
+``finish_grad_sync``) is megatron-core's own code, unchanged.
 
 Invariants:
 - Each bucket gathers over the group its bucket group already uses (the intra distributed-optimizer
   instance group: data-parallel for dense buckets, expert-data-parallel for expert buckets). Groups of
   one rank have nothing to send and keep the stock class.
-- The codecs are lossless, so training is bit-identical to the uncompressed run.
+- CIERA and delta are lossless, so training is bit-identical to the uncompressed run. sdp4bit is
+  lossy: the model's 16-bit params are the reconstruction w_hat, identical on every replica.
 - The first gather after install, and the first after ``reset_param_gather_state``, is a keyframe.
   Between keyframes the codecs rely on slice s of ``param_data`` holding rank s's previously gathered
   values, so anything that rewrites parameters (checkpoint load, broadcast) must reset them.
 - Async (``--overlap-param-gather``): ``param_gather_handle.wait()`` waits and decodes into
   ``param_data``, so the stock ``finish_param_sync`` works as is. Sync: decoded before returning.
 - ``--param-gather-verify-interval N``: every N-th gather of a bucket group is checked bit for bit
-  against an uncompressed all-gather (a RuntimeError on any difference).
+  against an uncompressed all-gather (a RuntimeError on any difference); for the lossy sdp4bit, which
+  has no uncompressed result to match, every rank must hold the same bits instead (a checksum).
+- Gradient reduce-scatter (``--grad-reduce-compression``): like the stock method, scale each bucket by
+  its ``gradient_scaling_factor`` in place, then leave the SUM (AVG with ``average_in_collective``) of
+  this rank's shard in its slice of ``grad_data``; the first-batch early return, the overlap (a
+  ``.wait()``-able ``grad_reduce_handle``) and the sync path behave as the stock method.
+  ``force_all_reduce`` and several distributed-optimizer instances fall back to the stock method.
 - ``--ciera-selection benefit``: the first ``SELECTION_WARMUP_GATHERS`` gathers of each bucket group
   are uncompressed while each bucket's block change rate is measured; then the buckets whose expected
   gain is positive are picked once, within ``--ciera-cache-budget-mb`` (compression/selection.py),
@@ -38,12 +49,16 @@ from compression.delta import DeltaCodec, DeltaConfig
 from compression.selection import (
     BlockChangeMeter, ShardStats, cache_bytes, profile_comm, select_shards, selection_summary,
 )
+from compression.sdp4bit import (
+    HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather, quantized_reduce_scatter,
+)
 from compression.shard_gather import ShardGather
 from compression.telemetry import TELEMETRY
 
 logger = logging.getLogger(__name__)
 
-PARAM_GATHER_METHODS = ("ciera", "delta")
+PARAM_GATHER_METHODS = ("none", "ciera", "delta", "sdp4bit")
+GRAD_REDUCE_METHODS = ("none", "hadamard-int8", "hadamard-int4")
 SELECTION_WARMUP_GATHERS = 8  # uncompressed gathers that measure change rates before selecting
 _SIXTEEN_BIT_DTYPES = (torch.bfloat16, torch.float16)
 _comm_models = {}  # process group -> all-gather latency/bandwidth model, profiled once per group
@@ -66,10 +81,10 @@ class _PlainGather:
 
 
 class _DecodingHandle:
-    """The async handle of one bucket group's gathers: ``wait()`` waits for (and thereby decodes)
-    every bucket's gather, then runs the periodic verification."""
+    """The async handle of one bucket group's collectives: ``wait()`` waits for (and thereby decodes)
+    every bucket's collective, then runs ``on_complete``."""
 
-    def __init__(self, handles: list, on_complete):
+    def __init__(self, handles: list, on_complete=lambda: None):
         self._handles = handles
         self._on_complete = on_complete
 
@@ -157,12 +172,15 @@ def _own_shard(bucket_group, bucket) -> torch.Tensor:
     return bucket.param_data.view(size, -1)[bucket_group.intra_distributed_optimizer_instance_rank]
 
 
-class CompressedParamGatherBucketGroup(_ParamAndGradBucketGroup):
-    """A bucket group whose parameter all-gather goes through one gather object per bucket.
-    Attributes added at install: ``args``, ``codecs`` (None for uncompressed buckets),
-    ``shard_gathers``, ``selection`` (None once decided), ``num_gathers``."""
+class CompressedBucketGroup(_ParamAndGradBucketGroup):
+    """A bucket group whose parameter all-gather goes through one gather object per bucket and whose
+    gradient reduce-scatter through the Hadamard-quantized collective. Attributes added at install:
+    ``args``, ``codecs`` (None for uncompressed buckets), ``shard_gathers`` (None: stock all-gather),
+    ``selection`` (None once decided), ``num_gathers``, ``grad_quant`` (None: stock reduce-scatter)."""
 
     def start_param_sync(self, force_sync: bool = False):
+        if self.shard_gathers is None:
+            return super().start_param_sync(force_sync)
         assert self.ddp_config.use_distributed_optimizer
         if force_sync and self.param_gather_handle is not None:
             self.param_gather_handle.wait()
@@ -195,16 +213,44 @@ class CompressedParamGatherBucketGroup(_ParamAndGradBucketGroup):
             self.verify()
 
     def verify(self) -> None:
-        """Bit-compare every bucket against an uncompressed all-gather (a collective over the group)."""
+        """Bit-compare every bucket against an uncompressed all-gather, or for a lossy gather check that
+        all replicas agree (a collective over the group)."""
         for bucket, gather in zip(self.buckets, self.shard_gathers):
             try:
                 gather.verify(bucket.param_data)
             except RuntimeError as error:
+                what = ("is not identical on every data-parallel replica" if isinstance(gather, WeightDiffGather)
+                        else "differs from the uncompressed all-gather")
                 raise RuntimeError(
-                    f"compressed parameter all-gather of bucket {bucket.bucket_id} differs from the "
-                    f"uncompressed all-gather at gather {self.num_gathers} "
-                    f"(--param-gather-verify-interval {self.args.param_gather_verify_interval}): {error}"
+                    f"compressed parameter all-gather of bucket {bucket.bucket_id} {what} at gather "
+                    f"{self.num_gathers} (--param-gather-verify-interval "
+                    f"{self.args.param_gather_verify_interval}): {error}"
                 ) from error
+
+    def start_grad_sync(self, force_all_reduce: bool = False):
+        stock = (self.grad_quant is None or force_all_reduce
+                 or self.ddp_config.num_distributed_optimizer_instances > 1)
+        if stock:
+            return super().start_grad_sync(force_all_reduce)
+        if self.is_first_batch and self.grad_reduce_handle is not None:
+            return  # already dispatched in the first batch (stock behaviour)
+        assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
+        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
+            self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
+                             check_for_large=self.ddp_config.check_for_large_grads)
+        async_op = self.ddp_config.overlap_grad_reduce
+        handles = [self._reduce_scatter(bucket, async_op) for bucket in self.buckets]
+        self.grad_reduce_handle = _DecodingHandle(handles) if async_op else None
+
+    def _reduce_scatter(self, bucket, async_op: bool):
+        if bucket.gradient_scaling_factor != 1.0:
+            bucket.grad_data *= bucket.gradient_scaling_factor
+        size = self.intra_distributed_optimizer_instance_size
+        shard = bucket.grad_data.view(size, -1)[self.intra_distributed_optimizer_instance_rank]
+        return quantized_reduce_scatter(
+            shard, bucket.grad_data, self.grad_quant, group=self.intra_distributed_optimizer_instance_group,
+            average=self.ddp_config.average_in_collective, async_op=async_op,
+        )
 
     def reset_codecs(self) -> None:
         if self.param_gather_handle is not None:
@@ -218,9 +264,8 @@ class CompressedParamGatherBucketGroup(_ParamAndGradBucketGroup):
 
     def compress_bucket(self, index: int) -> None:
         """Send bucket ``index`` through CIERA from the next gather on (a keyframe)."""
-        group = self.intra_distributed_optimizer_instance_group
-        self.codecs[index] = build_shard_codec(self.args, group.size(), group.rank())
-        self.shard_gathers[index] = ShardGather(self.codecs[index], group)
+        self.codecs[index], self.shard_gathers[index] = build_gather(
+            self.args, self.intra_distributed_optimizer_instance_group)
 
     def _post_param_sync_if_defined(self) -> None:
         # megatron-core >= 0.19 moved FP8 post-processing into _post_param_sync(), which
@@ -242,6 +287,12 @@ def _check_args(args) -> None:
             f"--param-gather-compression must be one of {PARAM_GATHER_METHODS}, "
             f"got {args.param_gather_compression!r}"
         )
+    if args.grad_reduce_compression not in GRAD_REDUCE_METHODS:
+        raise ValueError(
+            f"--grad-reduce-compression must be one of {GRAD_REDUCE_METHODS}, got {args.grad_reduce_compression!r}"
+        )
+    if args.param_gather_compression == "none" and args.grad_reduce_compression == "none":
+        raise ValueError("apply_dp_compression() needs --param-gather-compression or --grad-reduce-compression")
     if args.param_gather_verify_interval < 0:
         raise ValueError(
             f"--param-gather-verify-interval must be >= 0 (0 = off), got {args.param_gather_verify_interval}"
@@ -260,27 +311,45 @@ def _check_args(args) -> None:
             )
 
 
-def build_shard_codec(args, world_size: int, rank: int):
-    """The stateful codec of one bucket, from ``--param-gather-compression`` and its options."""
-    if args.param_gather_compression == "ciera":
+def build_gather(args, group) -> tuple:
+    """(codec, gather) of one bucket over ``group``, from ``--param-gather-compression`` and its options."""
+    world_size, rank = group.size(), group.rank()
+    method = args.param_gather_compression
+    if method == "sdp4bit":
+        config = Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
+        codec = WeightDiffCodec(config, world_size, rank)
+        return codec, WeightDiffGather(codec, group)
+    if method == "ciera":
         config = CieraConfig(
             block_size=args.ciera_block_size,
             change_detect=args.ciera_change_detect,
             exponent_coder=args.ciera_exponent_coder,
         )
-        return CieraCodec(config, world_size, rank)
-    return DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank)
+        codec = CieraCodec(config, world_size, rank)
+    else:
+        codec = DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank)
+    return codec, ShardGather(codec, group)
 
 
-def _check_supported(ddp: DistributedDataParallel) -> None:
+def _check_supported(ddp: DistributedDataParallel, args) -> None:
+    flag = "--param-gather-compression" if args.param_gather_compression != "none" else "--grad-reduce-compression"
     if not isinstance(ddp, DistributedDataParallel):
         raise ValueError(
-            f"--param-gather-compression needs megatron-core's DistributedDataParallel, got "
+            f"{flag} needs megatron-core's DistributedDataParallel, got "
             f"{type(ddp).__name__} (Megatron-FSDP is not supported: drop --use-megatron-fsdp)"
         )
     ddp_config = ddp.ddp_config
     if not ddp_config.use_distributed_optimizer:
-        raise ValueError("--param-gather-compression requires --use-distributed-optimizer")
+        raise ValueError(f"{flag} requires --use-distributed-optimizer")
+    for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        if isinstance(bucket_group, CompressedBucketGroup):
+            raise ValueError("apply_dp_compression() was already applied to this model chunk")
+    if args.param_gather_compression != "none":
+        _check_param_gather_supported(ddp)
+
+
+def _check_param_gather_supported(ddp: DistributedDataParallel) -> None:
+    ddp_config = ddp.ddp_config
     if ddp_config.fp8_param_gather or ddp_config.reuse_grad_buf_for_mxfp8_param_ag:
         raise ValueError(
             "--param-gather-compression does not support FP8 parameters: drop --fp8-param-gather"
@@ -292,36 +361,40 @@ def _check_supported(ddp: DistributedDataParallel) -> None:
                 f"holds {buffer.param_dtype}: train with --bf16 (or --fp16)"
             )
     for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-        if isinstance(bucket_group, CompressedParamGatherBucketGroup):
-            raise ValueError("apply_param_gather_compression() was already applied to this model chunk")
         if bucket_group.param_gather_handle is not None:
-            raise RuntimeError(
-                "apply_param_gather_compression() must run while no parameter all-gather is in flight"
-            )
+            raise RuntimeError("apply_dp_compression() must run while no parameter all-gather is in flight")
 
 
 def _install(bucket_group: _ParamAndGradBucketGroup, args, selection) -> None:
     group = bucket_group.intra_distributed_optimizer_instance_group
     num_buckets = len(bucket_group.buckets)
-    bucket_group.__class__ = CompressedParamGatherBucketGroup
+    bucket_group.__class__ = CompressedBucketGroup
     bucket_group.args = args
     bucket_group.num_gathers = 0
     bucket_group.selection = selection
-    if selection is not None:  # uncompressed until the selection decides
-        bucket_group.codecs = [None] * num_buckets
+    method = args.grad_reduce_compression
+    bucket_group.grad_quant = (
+        None if method == "none" else HadamardQuantConfig.from_flags(method, args.grad_reduce_block_size)
+    )
+    bucket_group.codecs = [None] * num_buckets
+    if args.param_gather_compression == "none":
+        bucket_group.shard_gathers = None
+    elif selection is not None:  # uncompressed until the selection decides
         bucket_group.shard_gathers = [_PlainGather(group) for _ in range(num_buckets)]
-        return
-    # A fresh codec starts with a keyframe, so the first gather after install needs no state.
-    bucket_group.codecs = [build_shard_codec(args, group.size(), group.rank()) for _ in range(num_buckets)]
-    bucket_group.shard_gathers = [ShardGather(codec, group) for codec in bucket_group.codecs]
+    else:
+        # A fresh codec starts with a keyframe, so the first gather after install needs no state.
+        pairs = [build_gather(args, group) for _ in range(num_buckets)]
+        bucket_group.codecs = [codec for codec, _ in pairs]
+        bucket_group.shard_gathers = [gather for _, gather in pairs]
 
 
-def apply_param_gather_compression(ddp_chunks: list, args) -> None:
-    """Compress the distributed optimizer's parameter all-gather of every model chunk (dense and
-    expert buckets). Call after DDP wrapping and optimizer construction."""
+def apply_dp_compression(ddp_chunks: list, args) -> None:
+    """Compress the distributed optimizer's parameter all-gather and/or gradient reduce-scatter of
+    every model chunk (dense and expert buckets), as ``--param-gather-compression`` and
+    ``--grad-reduce-compression`` ask. Call after DDP wrapping and optimizer construction."""
     _check_args(args)
     for ddp in ddp_chunks:
-        _check_supported(ddp)
+        _check_supported(ddp, args)
     bucket_groups = [
         bucket_group
         for ddp in ddp_chunks
@@ -339,5 +412,6 @@ def reset_param_gather_state(ddp_chunks: list) -> None:
     else that rewrites parameters. No-op for chunks without compression."""
     for ddp in ddp_chunks:
         for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-            if isinstance(bucket_group, CompressedParamGatherBucketGroup):
+            if isinstance(bucket_group, CompressedBucketGroup):
                 bucket_group.reset_codecs()
+

@@ -169,13 +169,19 @@ class CompressionArgs:
     tp_comm_compression_min_bytes: str = arg(
         "auto", "TP tensors smaller than this many bytes stay uncompressed; 'auto' measures, per collective, the "
         "size from which compression is faster on this TP group at start-up (never, if it never is).")
+    tp_comm_compression_trial_iters: int = arg(
+        6, "With --tp-comm-compression-min-bytes auto: training iterations (after the first 2) that alternate "
+        "uncompressed and compressed TP collectives; compression stays on only if it makes iterations at least "
+        "2%% faster (0: no trial, trust the start-up probe).")
     taco_block_size: int = arg(256, "TACO block size (power of two, 32..1024).")
     taco_format: str = arg("int8", "TACO element format: int8 (default, best error and convergence in our "
                            "runs) or the paper's e4m3, or e5m2.", choices=["e4m3", "e5m2", "int8"])
     taco_transform: str = arg("ash", "TACO outlier transform.", choices=["ash", "hadamard", "none"])
     taco_scaling: str = arg("dual", "TACO scaling.", choices=["dual", "single"])
-    param_gather_compression: str = arg("none", "DP param all-gather compression.", choices=["none", "ciera", "delta"])
-    param_gather_verify_interval: int = arg(0, "Iterations between lossless-gather verifications (0 = off).",
+    param_gather_compression: str = arg("none", "DP param all-gather compression (sdp4bit is lossy).",
+                                        choices=["none", "ciera", "delta", "sdp4bit"])
+    param_gather_verify_interval: int = arg(0, "Gathers between checks (0 = off): lossless codecs bit-compare with an "
+                                            "uncompressed gather, sdp4bit checks that all replicas agree.",
                                             aliases=("ciera-verify-interval",))
     ciera_block_size: int = arg(512, "CIERA block size (power of two, 64..65536).")
     ciera_change_detect: str = arg("compare", "CIERA change detection.", choices=["hash", "compare"])
@@ -183,6 +189,17 @@ class CompressionArgs:
     ciera_selection: str = arg("all", "CIERA block selection.", choices=["all", "benefit"])
     ciera_cache_budget_mb: Optional[float] = arg(None, "CIERA cache budget in MB (default unlimited).")
     delta_block_size: int = arg(256, "Delta codec block size (power of two, 32..8192).")
+    sdp4bit_group_size: int = arg(128, "SDP4Bit weight-difference quantization group (power of two, 16..4096).")
+    sdp4bit_weight_bits: int = arg(4, "SDP4Bit weight-difference code bits.", choices=[4, 8])
+    grad_reduce_compression: str = arg("none", "DP gradient reduce-scatter compression (lossy, SDP4Bit's Hadamard "
+                                       "rotation + int8/int4).", choices=["none", "hadamard-int8", "hadamard-int4"])
+    grad_reduce_block_size: int = arg(128, "Hadamard block size of --grad-reduce-compression (power of two, 16..4096).")
+    pp_comm_compression: str = arg("none", "Pipeline-parallel p2p compression (lossy).", choices=["none", "tahquant"])
+    pp_comm_compress_grads: bool = arg(True, "Compress the backward gradients between stages too (with "
+                                       "--pp-comm-compression).", flag="no-pp-comm-compress-grads")
+    pp_comm_bits: int = arg(4, "TahQuant bits per value of the low-bit tokens (2..8).")
+    pp_comm_tile_size: int = arg(64, "TahQuant tile size: channels per scale (power of two, 16..1024).")
+    pp_comm_high_bit_fraction: float = arg(0.125, "Fraction of each message's tokens that TahQuant sends with 8 bits.")
 
 
 SECTIONS = (ParallelArgs, ModelArgs, MoEArgs, TrainingArgs, OptimizerArgs, DataArgs, CheckpointArgs,
@@ -443,18 +460,29 @@ def _validate_compression(args) -> None:
     _check(args.param_gather_compression == "none" or args.use_distributed_optimizer,
            f"--param-gather-compression {args.param_gather_compression} compresses the distributed optimizer's "
            f"param all-gather: add --use-distributed-optimizer")
+    _check(args.grad_reduce_compression == "none" or args.use_distributed_optimizer,
+           f"--grad-reduce-compression {args.grad_reduce_compression} compresses the distributed optimizer's "
+           f"gradient reduce-scatter: add --use-distributed-optimizer")
     # The codec configs check their own fields (block sizes, choices) with flag-naming errors.
     from compression.ciera import CieraConfig
     from compression.delta import DeltaConfig
+    from compression.pp_quant import TahQuantConfig
+    from compression.sdp4bit import HadamardQuantConfig, Sdp4bitConfig
     from compression.taco import TacoConfig
 
     TacoConfig.from_args(args)
     CieraConfig(block_size=args.ciera_block_size, change_detect=args.ciera_change_detect,
                 exponent_coder=args.ciera_exponent_coder)
     DeltaConfig(block_size=args.delta_block_size)
+    Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
+    HadamardQuantConfig(block_size=args.grad_reduce_block_size)
+    TahQuantConfig.from_args(args)
     min_bytes = str(args.tp_comm_compression_min_bytes)
     _check(min_bytes == "auto" or min_bytes.isdigit(),
            f"--tp-comm-compression-min-bytes must be 'auto' or an integer >= 0, got {min_bytes!r}")
+    trial = args.tp_comm_compression_trial_iters
+    _check(trial == 0 or (trial >= 2 and trial % 2 == 0),
+           f"--tp-comm-compression-trial-iters must be 0 (no trial) or an even number >= 2, got {trial}")
     _check(args.ciera_cache_budget_mb is None or args.ciera_cache_budget_mb > 0,
            f"--ciera-cache-budget-mb must be positive (or omitted for unlimited), got {args.ciera_cache_budget_mb}")
 

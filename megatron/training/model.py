@@ -1,7 +1,7 @@
 """Model, DDP, optimizer and LR schedule from ``args``, in Megatron-LM's order:
 
     GPTModel chunks (one per virtual pipeline stage) -> layout-independent init -> Float16Module
-    -> TP compression hooks (if asked) -> DDP -> optimizer + scheduler -> param-gather compression (if asked)
+    -> TP and PP compression hooks (if asked) -> DDP -> optimizer + scheduler -> param-gather compression (if asked)
 
 Layout-independent init: megatron-core draws weights in construction order from one generator, so a
 pipeline stage (or expert-parallel rank) that does not build the earlier layers (experts) would draw
@@ -226,10 +226,14 @@ def setup_model_and_optimizer(args):
         from megatron.hooks.tp import apply_tp_compression
 
         apply_tp_compression(chunks, args)
+    if args.pp_comm_compression != "none":
+        from megatron.hooks.pp import apply_pp_compression
+
+        apply_pp_compression(config, args)
     ddp_chunks = wrap_ddp(args, config, chunks)
     optimizer, scheduler = build_optimizer(args, ddp_chunks)
-    if args.param_gather_compression != "none":
-        from megatron.hooks.param_gather import apply_param_gather_compression
+    if args.param_gather_compression != "none" or args.grad_reduce_compression != "none":
+        from megatron.hooks.param_gather import apply_dp_compression
 
-        apply_param_gather_compression(ddp_chunks, args)
+        apply_dp_compression(ddp_chunks, args)
     return ddp_chunks, optimizer, scheduler, config

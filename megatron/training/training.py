@@ -137,6 +137,15 @@ def split_per_chunk(iterator, num_chunks: int) -> list:
     return list(itertools.tee(iterator, num_chunks)) if num_chunks > 1 else [iterator]
 
 
+def tp_compression_trial(args, ddp_chunks):
+    """The end-to-end check of ``--tp-comm-compression-min-bytes auto`` (megatron.hooks.tp), or None."""
+    if args.tp_comm_compression == "none":
+        return None
+    from megatron.hooks.tp import build_trial
+
+    return build_trial(ddp_chunks, args)
+
+
 def save(args, iteration, ddp_chunks, optimizer, scheduler) -> None:
     from megatron.training.checkpointing import save_checkpoint
 
@@ -177,13 +186,20 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
     train_iters, valid_iters = iterators
     wire_config_hooks(config, ddp_chunks, optimizer, args)
     writer = metrics.MetricsWriter(args)
+    trial = tp_compression_trial(args, ddp_chunks)
     iteration = start_iteration
     while iteration < args.train_iters:
+        if trial is not None:
+            trial.before_iteration(iteration + 1)
         start = time.perf_counter()
         step = train_step(args, ddp_chunks, optimizer, scheduler, train_iters)
         iteration += 1
         args.consumed_train_samples += args.global_batch_size
-        record = iteration_record(args, iteration, step, time.perf_counter() - start, optimizer)
+        iter_time = time.perf_counter() - start
+        record = iteration_record(args, iteration, step, iter_time, optimizer)
+        if trial is not None:
+            record["tp_comm_compressed"] = trial.compressing
+            trial.after_iteration(iteration, iter_time, default_device())
         record.update(metrics.reduce_telemetry())
         aux = moe_aux_loss(args)
         if aux is not None:

@@ -1,0 +1,204 @@
+"""TahQuant: low-bit codec for the activations and gradients sent between pipeline stages (lossy).
+
+Our version of TAH-Quant (He et al. 2025, "Effective Activation Quantization in Pipeline Parallelism
+over Slow Network", arXiv:2506.01352): tile-wise quantization with one scale per tile, a
+Walsh-Hadamard rotation of each tile before quantizing, and token-level adaptive bit allocation.
+
+Layout: a message of shape [..., H] is T = numel / H tokens of H channels. Each token is zero-padded
+to Hp = ceil(H / G) * G channels and cut into Hp / G tiles of G = ``tile_size`` channels.
+
+Per tile, in fp32 (Qmax(b) = 2^(b-1) - 1, symmetric codes):
+
+    h = fwht(x_tile) / sqrt(G)            normalized Walsh-Hadamard (orthonormal, its own inverse)
+    m = max|h|
+    s = m / Qmax(b), rounded UP to bf16   (so |h / s| <= Qmax: codes never clip)
+    q = round(h / s)                      in [-Qmax, Qmax], stored as q + Qmax in b bits
+    decode: x' = fwht(q * s) / sqrt(G)
+
+Error bound per tile: |h - q s| <= s / 2 per rotated value and the rotation is orthonormal, so
+||x_tile - x'_tile||_2 <= sqrt(G) * s / 2 (up to fp32 rounding), i.e. <= sqrt(G) * m / (2 Qmax(b)).
+
+Adaptive bits: the K = ceil(high_bit_fraction * T) tokens with the largest expected low-bit noise,
+sum over the token's tiles of m^2 (a tile with step s has noise ~ G s^2 / 12), are sent with 8 bits;
+the others with ``bits``. This is the paper's entropy-guided allocation replaced by its goal: the
+tokens whose rotated values are hardest to quantize (largest tile ranges) get the bits. K is a fixed
+function of T, so the wire size is a function of the message shape alone, which the receiver needs:
+megatron-core does not exchange shapes.
+
+Wire (one uint8 buffer), little-endian, sections in this order:
+
+    scales      T * Hp / G bfloat16            (token-major, tile-minor)
+    low codes   (T - K) * Hp * bits / 8 bytes  (the low-bit tokens in token order; 8 codes per
+                                                ``bits`` bytes, code i of a group at bit bits * i)
+    high codes  K * Hp bytes                   (the 8-bit tokens in token order)
+    token map   ceil(T / 8) bytes              (bit t % 8 of byte t // 8 set: token t is 8-bit)
+
+Special values (lossy path): a tile holding NaN or +-Inf, or whose scale overflows bf16 (|x| above
+~3e38), decodes to all NaN; an all-zero tile decodes to exact zeros; -0.0 decodes to +0.0.
+
+Not implemented from the paper: pivot swapping. With a +-1 Hadamard matrix, max|H x| of a tile
+with one or two dominant values does not depend on where in the tile they sit, so an in-tile swap
+does not change the scale in the case it targets; the tile-level rotation already spreads them.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from compression.codec import TensorCodec, check_block_size
+from kernels.taco import fwht_reference
+
+HIGH_BITS = 8
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class TahQuantConfig:
+    bits: int = 4
+    """Bits per value of the low-bit tokens (``--pp-comm-bits``), 2..8."""
+    tile_size: int = 64
+    """Channels per tile, one bf16 scale each (``--pp-comm-tile-size``): a power of two in 16..1024.
+    64 measured best per wire byte on outlier-heavy activations (docs/tahquant.md)."""
+    high_bit_fraction: float = 0.125
+    """Fraction of the tokens of each message sent with 8 bits (``--pp-comm-high-bit-fraction``)."""
+    rotate: bool = True
+    """Hadamard-rotate each tile before quantizing (off only for ablations)."""
+
+    def __post_init__(self):
+        if not (isinstance(self.bits, int) and 2 <= self.bits <= HIGH_BITS):
+            raise ValueError(f"--pp-comm-bits must be an integer in 2..{HIGH_BITS}, got {self.bits!r}")
+        check_block_size("--pp-comm-tile-size", self.tile_size, 16, 1024)
+        if not 0.0 <= self.high_bit_fraction <= 1.0:
+            raise ValueError(f"--pp-comm-high-bit-fraction must be in [0, 1], got {self.high_bit_fraction!r}")
+
+    @classmethod
+    def from_args(cls, args) -> "TahQuantConfig":
+        return cls(bits=args.pp_comm_bits, tile_size=args.pp_comm_tile_size,
+                   high_bit_fraction=args.pp_comm_high_bit_fraction)
+
+
+def _qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes < 2^bits (count a multiple of 8) -> bits bytes per group of 8 codes."""
+    if bits == 8:
+        return codes.reshape(-1)
+    groups = codes.reshape(-1, 8).to(torch.int64)
+    shifts = torch.arange(8, device=codes.device) * bits
+    words = (groups << shifts).sum(dim=1)  # disjoint bit fields: the sum is their OR
+    byte_shifts = torch.arange(bits, device=codes.device) * 8
+    return ((words[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_codes``."""
+    if bits == 8:
+        return packed.reshape(-1)
+    groups = packed.reshape(-1, bits).to(torch.int64)
+    words = (groups << (torch.arange(bits, device=packed.device) * 8)).sum(dim=1)
+    shifts = torch.arange(8, device=packed.device) * bits
+    return ((words[:, None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(-1)
+
+
+def _round_up_bf16(s: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 >= s (s >= 0; NaN stays NaN)."""
+    rounded = s.to(torch.bfloat16)
+    below = (rounded.float() < s).to(torch.int16)  # positive bf16: the next value up is bits + 1
+    return (rounded.view(torch.int16) + below).view(torch.bfloat16)
+
+
+class TahQuantCodec(TensorCodec):
+    """Stateless codec of messages whose last dimension is ``hidden_size`` (tokens x channels)."""
+
+    name = "tahquant"
+
+    def __init__(self, config: TahQuantConfig, hidden_size: int):
+        if hidden_size < 1:
+            raise ValueError(f"TahQuant needs a positive hidden size, got {hidden_size}")
+        self.config = config
+        self.hidden_size = hidden_size
+        self.tiles_per_token = -(-hidden_size // config.tile_size)
+        self.padded_hidden = self.tiles_per_token * config.tile_size
+
+    def high_tokens(self, tokens: int) -> int:
+        """K: how many of ``tokens`` tokens are sent with 8 bits."""
+        return min(tokens, math.ceil(self.config.high_bit_fraction * tokens))
+
+    def _sections(self, tokens: int) -> tuple:
+        """Byte sizes of (scales, low codes, high codes, token map)."""
+        k, hp = self.high_tokens(tokens), self.padded_hidden
+        return (tokens * self.tiles_per_token * 2, (tokens - k) * hp * self.config.bits // 8,
+                k * hp, -(-tokens // 8))
+
+    def _tokens(self, numel: int, rows: int) -> int:
+        if rows != 1:
+            raise ValueError(f"TahQuant encodes whole pipeline messages (rows=1), got rows={rows}")
+        if numel % self.hidden_size:
+            raise ValueError(f"TahQuant: {numel} values are not whole tokens of hidden size {self.hidden_size}")
+        return numel // self.hidden_size
+
+    def wire_nbytes(self, numel: int, rows: int = 1) -> int:
+        return sum(self._sections(self._tokens(numel, rows)))
+
+    def _rotate(self, tiles: torch.Tensor) -> torch.Tensor:
+        """Normalized Walsh-Hadamard of each tile [..., G]; its own inverse."""
+        if not self.config.rotate:
+            return tiles
+        g = self.config.tile_size
+        flat = fwht_reference(tiles.reshape(-1, g)) * (1.0 / math.sqrt(g))
+        return flat.reshape(tiles.shape)
+
+    def _tiles(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        """fp32 [T, tiles, G], each token zero-padded to whole tiles."""
+        padded = torch.zeros(tokens, self.padded_hidden, dtype=torch.float32, device=x.device)
+        padded[:, :self.hidden_size] = x.reshape(tokens, self.hidden_size)
+        return padded.view(tokens, self.tiles_per_token, self.config.tile_size)
+
+    def encode(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        if x.dtype not in _INPUT_DTYPES:
+            raise ValueError(f"TahQuant encodes float32/bfloat16/float16 tensors, got {x.dtype}")
+        tokens = self._tokens(x.numel(), rows)
+        h = self._rotate(self._tiles(x, tokens))
+        amax = h.abs().amax(dim=2)  # [T, tiles]; NaN propagates
+        k = self.high_tokens(tokens)
+        high = torch.zeros(tokens, dtype=torch.bool, device=x.device)
+        high[amax.square().sum(dim=1).topk(k).indices] = True
+        qmax = torch.where(high, float(_qmax(HIGH_BITS)), float(_qmax(self.config.bits)))[:, None]
+        scales = _round_up_bf16(amax / qmax)
+        q = torch.round(h / scales.float()[..., None])
+        q = torch.where(torch.isfinite(q), q, 0.0)  # zero tiles (0/0), non-finite tiles: decoded via s
+        codes = (q + qmax[..., None]).to(torch.uint8).view(tokens, self.padded_hidden)
+        order = torch.sort(high.to(torch.uint8), stable=True).indices  # low tokens, then high, in token order
+        codes = codes[order]
+        token_map = torch.zeros(-(-tokens // 8) * 8, dtype=torch.uint8, device=x.device)
+        token_map[:tokens] = high.to(torch.uint8)
+        return torch.cat([scales.reshape(-1).view(torch.uint8),
+                          pack_codes(codes[:tokens - k], self.config.bits),
+                          codes[tokens - k:].reshape(-1), pack_codes(token_map, 1)])
+
+    def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, rows: int = 1) -> torch.Tensor:
+        tokens = self._tokens(numel, rows)
+        sections = self._sections(tokens)
+        if wire.dtype != torch.uint8 or wire.numel() != sum(sections):
+            raise ValueError(f"TahQuant wire for {tokens} tokens of hidden size {self.hidden_size} must be "
+                             f"{sum(sections)} uint8 bytes, got {wire.numel()} of {wire.dtype}")
+        scale_bytes, low_bytes, high_bytes, map_bytes = torch.split(wire.reshape(-1), sections)
+        k = self.high_tokens(tokens)
+        high = unpack_codes(map_bytes, 1)[:tokens].bool()
+        order = torch.sort(high.to(torch.uint8), stable=True).indices
+        codes = torch.empty(tokens, self.padded_hidden, dtype=torch.uint8, device=wire.device)
+        codes[order[:tokens - k]] = unpack_codes(low_bytes, self.config.bits).view(tokens - k, self.padded_hidden)
+        codes[order[tokens - k:]] = high_bytes.view(k, self.padded_hidden)
+        qmax = torch.where(high, float(_qmax(HIGH_BITS)), float(_qmax(self.config.bits)))[:, None, None]
+        scales = scale_bytes.view(torch.bfloat16).float().view(tokens, self.tiles_per_token, 1)
+        h = (codes.view(tokens, self.tiles_per_token, self.config.tile_size).float() - qmax) * scales
+        x = self._rotate(h).view(tokens, self.padded_hidden)[:, :self.hidden_size]
+        return x.to(dtype).reshape(-1)
+
+    def __repr__(self):
+        c = self.config
+        return (f"TahQuantCodec(bits={c.bits}, tile_size={c.tile_size}, high_bit_fraction={c.high_bit_fraction}, "
+                f"rotate={c.rotate}, hidden_size={self.hidden_size})")

@@ -1,0 +1,306 @@
+"""SDP4Bit (Jia et al., NeurIPS 2024) for the distributed optimizer: quantized weight differences (qWD)
+in the parameter all-gather, and a Hadamard-smoothed low-bit reduce-scatter of gradients. Both lossy.
+
+Group quantization (shared by both): a 1-D fp32 input is zero-padded to whole groups of G values;
+each group gets the fp32 scale s = amax / qmax (qmax = 2^(bits-1) - 1: 7 for int4, 127 for int8;
+s = 1 for an all-zero group) and codes q = round-half-even(x / s) in [-qmax, qmax], so
+|x - q * s| <= s / 2. Rounding is to nearest, not stochastic: qWD feeds its error back (the next
+difference is taken against the reconstruction), so an unbiased but noisier rounding buys nothing,
+and in the reduce-scatter the Hadamard rotation spreads each block's rounding error over all its
+coordinates, so it is not tied to any one gradient entry; nearest also halves the error variance and
+is deterministic. Non-finite inputs make their group's scale non-finite, so NaN/Inf still reach the
+optimizer's overflow checks (as NaN).
+
+Code layout on the wire: int8 codes as bytes; int4 codes as offset-binary nibbles (q + 8), value 2i
+in the low and 2i+1 in the high nibble of byte i. Scales follow the codes as fp32 (little-endian).
+
+qWD, one bucket shard of n 16-bit values, G = ``--sdp4bit-group-size``, b = ``--sdp4bit-weight-bits``:
+    keyframe (first gather, after ``reset``): the raw 16-bit values, 2n bytes
+    difference: codes of d = w_t - w_hat_{t-1} (ceil(n/G) * G * b / 8 bytes) | scales fp32[ceil(n/G)]
+Every rank, the owner included, then writes w_hat_t = (float(w_hat_{t-1}) + q * s).to(dtype) (one fp32
+product, one fp32 sum, one round-to-nearest-even cast: the same bits everywhere), so replicas stay
+bit-identical. The owner keeps w_hat (its own slice of the parameter buffer was overwritten by the
+optimizer step); receivers hold it in their parameter buffers already. The fp32 main params stay
+exact, so the error never accumulates: |w_hat_t - w_t| <= s/2 + half an ulp of the cast.
+
+Hadamard reduce-scatter of a bucket of W * n values over W ranks, B = ``--grad-reduce-block-size``:
+row r (the n values rank r owns) is zero-padded to whole blocks, each block rotated by the normalized
+Walsh-Hadamard transform H / sqrt(B) (orthonormal and symmetric: its own inverse) and group-quantized
+with G = B into one fixed-size row of the wire; an all-to-all hands rank r every rank's row r. Rank r
+dequantizes the W - 1 received rows, sums them in fp32, rotates the sum back once (the rotation is
+linear), adds its own row exactly and writes the (averaged, for AVG) result into its shard.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from compression.codec import ShardCodec, check_block_size
+from compression.telemetry import TELEMETRY
+from kernels.taco import fwht_reference
+
+WEIGHT_BITS = (4, 8)
+GRAD_METHODS = {"hadamard-int8": 8, "hadamard-int4": 4}  # --grad-reduce-compression -> code bits
+SCALE_BYTES = 4
+
+
+# --- group quantization ------------------------------------------------------------------------
+
+
+def qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def quantize_groups(x: torch.Tensor, group_size: int, bits: int):
+    """(codes int8 [groups, G], scales fp32 [groups]) of a tensor, flattened and zero-padded to whole groups."""
+    flat = x.reshape(-1).float()
+    groups = torch.nn.functional.pad(flat, (0, -flat.numel() % group_size)).view(-1, group_size)
+    scales = groups.abs().amax(dim=1) / qmax(bits)
+    # An all-zero (or subnormal-tiny) group quantizes to zeros under any scale; NaN stays NaN.
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    codes = torch.round(groups / scales[:, None]).clamp_(-qmax(bits), qmax(bits))
+    return codes.to(torch.int8), scales
+
+
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., groups, G]: each code times its group's scale."""
+    return codes.float() * scales[..., None]
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [..., m] (m even) as wire bytes [..., m * bits / 8]: one per byte for int8, two for int4."""
+    if bits == 8:
+        return codes.view(torch.uint8)
+    nibbles = (codes + 8).to(torch.uint8).unflatten(-1, (-1, 2))
+    return nibbles[..., 0] | (nibbles[..., 1] << 4)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_codes``: int8 codes [..., m]."""
+    if bits == 8:
+        return packed.view(torch.int8)
+    return (torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).to(torch.int8) - 8)
+
+
+def groups_nbytes(numel: int, group_size: int, bits: int) -> int:
+    """Wire bytes of ``numel`` values: packed codes of whole groups, then one fp32 scale per group."""
+    n_groups = -(-numel // group_size)
+    return n_groups * group_size * bits // 8 + n_groups * SCALE_BYTES
+
+
+def encode_groups(rows: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
+    """uint8 [R, groups_nbytes(m)]: each row of [R, m] quantized on its own (rows padded to whole groups)."""
+    num_rows = rows.shape[0]
+    codes, scales = quantize_groups(torch.nn.functional.pad(rows, (0, -rows.shape[1] % group_size)),
+                                    group_size, bits)
+    packed = pack_codes(codes.view(num_rows, -1), bits)
+    return torch.cat([packed, scales.view(num_rows, -1).view(torch.uint8)], dim=1)
+
+
+def decode_groups(wire: torch.Tensor, numel: int, group_size: int, bits: int) -> torch.Tensor:
+    """fp32 [R, groups, G] (zero padding included) of the rows of ``encode_groups``' wire [R, nbytes]."""
+    n_groups = -(-numel // group_size)
+    codes_nbytes = n_groups * group_size * bits // 8
+    codes = unpack_codes(wire[:, :codes_nbytes], bits).view(wire.shape[0], n_groups, group_size)
+    # A copy: a row's scales need not start 4-byte aligned in the received buffer.
+    scales = wire[:, codes_nbytes:codes_nbytes + n_groups * SCALE_BYTES].contiguous().view(torch.float32)
+    return dequantize_groups(codes, scales)
+
+
+# --- quantized weight differences (param all-gather) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sdp4bitConfig:
+    group_size: int = 128
+    """Values per quantization group of a weight difference (``--sdp4bit-group-size``)."""
+    weight_bits: int = 4
+    """Bits per weight-difference code (``--sdp4bit-weight-bits``): 4 or 8."""
+
+    def __post_init__(self):
+        check_block_size("--sdp4bit-group-size", self.group_size, 16, 4096)
+        if self.weight_bits not in WEIGHT_BITS:
+            raise ValueError(f"--sdp4bit-weight-bits must be 4 or 8, got {self.weight_bits!r}")
+
+
+def reconstruct(previous: torch.Tensor, difference: torch.Tensor) -> torch.Tensor:
+    """w_hat_t from w_hat_{t-1} (16-bit) and the dequantized difference (fp32, possibly padded)."""
+    return (previous.float() + difference.reshape(-1)[:previous.numel()]).to(previous.dtype)
+
+
+class WeightDiffCodec(ShardCodec):
+    """qWD of one bucket's shards. Stateful on the owner only: its last reconstructed shard."""
+
+    name = "sdp4bit"
+    lossless = False
+
+    def __init__(self, config: Sdp4bitConfig, world_size: int, rank: int):
+        self.config = config
+        self.world_size = world_size
+        self.rank = rank
+        self.keyframe = True  # whether the last encode was a keyframe: the same on every rank
+        self._reconstructed = None  # this rank's w_hat (16-bit), None until the first keyframe
+
+    def reset(self) -> None:
+        self._reconstructed = None
+
+    def encode(self, shard: torch.Tensor) -> torch.Tensor:
+        previous = self._reconstructed
+        self.keyframe = previous is None or previous.shape != shard.shape or previous.device != shard.device
+        if self.keyframe:
+            self._reconstructed = shard.clone()
+            return self._reconstructed.view(torch.uint8).clone()
+        difference = (shard.float() - previous.float()).view(1, -1)
+        payload = encode_groups(difference, self.config.group_size, self.config.weight_bits).view(-1)
+        self._reconstructed = self._apply(previous, payload)
+        return payload
+
+    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor) -> None:
+        if self.keyframe:
+            out.view(torch.uint8).copy_(payload)
+        elif src_rank == self.rank:  # our slice holds w_t; w_hat_t was built at encode
+            out.copy_(self._reconstructed)
+        else:
+            out.copy_(self._apply(out, payload))
+
+    def _apply(self, previous: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        return reconstruct(previous, decode_groups(payload.view(1, -1), previous.numel(), c.group_size, c.weight_bits))
+
+
+class _Pending:
+    """Async handle: ``wait()`` finishes the collective, then runs ``finish`` once."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._finish()
+
+
+def replica_checksum(buffer: torch.Tensor) -> torch.Tensor:
+    """int64 [1]: sum of (bits + 1) * (2 * index * K + 1), wrapping. The odd weights make any one
+    differing value change it; integer sums are order-independent, so equal buffers agree on any device."""
+    bits = buffer.reshape(-1).view(torch.int16).to(torch.int64) + 1
+    index = torch.arange(bits.numel(), dtype=torch.int64, device=buffer.device)
+    return (bits * (index * 0x9E3779B2 + 1)).sum().reshape(1)
+
+
+class WeightDiffGather:
+    """In-place all-gather of one bucket through a ``WeightDiffCodec``. Every rank's payload has the
+    same size (all ranks agree on keyframes), so it is one ``all_gather_into_tensor`` with no size
+    exchange. Telemetry: raw = this rank's shard bytes, sent = its payload bytes."""
+
+    def __init__(self, codec: WeightDiffCodec, group=None, comm_class: str = "dp_param_gather"):
+        self.codec = codec
+        self.group = group
+        self.comm_class = comm_class
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def _slices(self, buffer: torch.Tensor) -> torch.Tensor:
+        if buffer.dim() != 1 or buffer.numel() % self.world_size:
+            raise ValueError(f"WeightDiffGather needs a 1-D bucket whose numel is divisible by the group size "
+                             f"{self.world_size}, got shape {tuple(buffer.shape)}")
+        return buffer.view(self.world_size, -1)
+
+    def start(self, buffer: torch.Tensor, async_op: bool = False):
+        """Gather ``buffer`` in place; returns a handle with ``wait()`` if ``async_op``, else None."""
+        slices = self._slices(buffer)
+        payload = self.codec.encode(slices[self.rank])
+        recv = torch.empty(self.world_size, payload.numel(), dtype=torch.uint8, device=buffer.device)
+        TELEMETRY.record(self.comm_class, slices[self.rank].numel() * buffer.element_size(), payload.numel())
+        work = dist.all_gather_into_tensor(recv.view(-1), payload, group=self.group, async_op=async_op)
+
+        def finish():
+            for src in range(self.world_size):
+                self.codec.decode(src, recv[src], slices[src])
+
+        if async_op:
+            return _Pending(work, finish)
+        finish()
+        return None
+
+    def verify(self, buffer: torch.Tensor) -> None:
+        """A lossy gather has no uncompressed result to compare with; check instead that every rank
+        of the group holds the same bits (a checksum all-gather). RuntimeError naming the ranks."""
+        local = replica_checksum(buffer)
+        checksums = torch.empty(self.world_size, dtype=torch.int64, device=buffer.device)
+        dist.all_gather_into_tensor(checksums, local, group=self.group)
+        values = checksums.tolist()
+        differing = [r for r, value in enumerate(values) if value != values[0]]
+        if differing:
+            raise RuntimeError(f"{self.comm_class} verify: the parameter bucket differs between data-parallel "
+                               f"replicas (ranks {differing} of the group disagree with rank 0; checksums {values})")
+
+
+# --- Hadamard-quantized reduce-scatter (gradients) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HadamardQuantConfig:
+    bits: int = 8
+    """Bits per rotated gradient code (from ``--grad-reduce-compression``)."""
+    block_size: int = 128
+    """Values per Hadamard block and quantization group (``--grad-reduce-block-size``)."""
+
+    def __post_init__(self):
+        check_block_size("--grad-reduce-block-size", self.block_size, 16, 4096)
+        if self.bits not in WEIGHT_BITS:
+            raise ValueError(f"Hadamard gradient codes are 4 or 8 bits, got {self.bits!r}")
+
+    @classmethod
+    def from_flags(cls, method: str, block_size: int) -> "HadamardQuantConfig":
+        if method not in GRAD_METHODS:
+            raise ValueError(f"--grad-reduce-compression must be one of none, {', '.join(GRAD_METHODS)}; "
+                             f"got {method!r}")
+        return cls(bits=GRAD_METHODS[method], block_size=block_size)
+
+
+def rotate_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Normalized Walsh-Hadamard transform of each row of [M, B] (its own inverse)."""
+    return fwht_reference(blocks) * (1.0 / math.sqrt(blocks.shape[1]))
+
+
+def encode_rows(rows: torch.Tensor, config: HadamardQuantConfig) -> torch.Tensor:
+    """uint8 [W, row_nbytes]: each row of [W, n] rotated block-wise and quantized on its own."""
+    b = config.block_size
+    padded = torch.nn.functional.pad(rows.float(), (0, -rows.shape[1] % b))
+    rotated = rotate_blocks(padded.view(-1, b)).view(rows.shape[0], -1)
+    return encode_groups(rotated, b, config.bits)
+
+
+def decode_sum(wire: torch.Tensor, skip_row: int, numel: int, config: HadamardQuantConfig) -> torch.Tensor:
+    """fp32 [numel]: the sum of every wire row but ``skip_row``, dequantized and rotated back."""
+    others = [row for row in range(wire.shape[0]) if row != skip_row]
+    blocks = decode_groups(wire[others], numel, config.block_size, config.bits)
+    return rotate_blocks(blocks.sum(dim=0)).view(-1)[:numel]
+
+
+def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: HadamardQuantConfig, group=None,
+                             average: bool = False, async_op: bool = False):
+    """``shard`` = this rank's slice of the sum (mean if ``average``) of ``full`` over ``group``, through
+    the Hadamard-quantized all-to-all; this rank's own contribution is added exact. ``full`` [W * n] is
+    read until the handle completes. Returns a handle with ``wait()`` if ``async_op``, else None.
+    Telemetry (class dp_grad_reduce): raw = ``full``'s bytes (the stock reduce-scatter's input),
+    sent = the wire this rank hands to the all-to-all."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = full.view(world, -1)
+    send = encode_rows(rows, config)
+    recv = torch.empty_like(send)
+    TELEMETRY.record("dp_grad_reduce", full.numel() * full.element_size(), send.numel())
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+
+    def finish():
+        total = decode_sum(recv, rank, rows.shape[1], config) + rows[rank].float()
+        shard.copy_(total / world if average else total)
+
+    if async_op:
+        return _Pending(work, finish)
+    finish()
+    return None
