@@ -63,11 +63,21 @@ def run_variant(name, preset, out_dir, extra, reuse):
     return cmd, [json.loads(line) for line in open(metrics)]
 
 
-def final_losses(records):
-    train = [r["loss"] for r in records if "loss" in r]
-    valid = [r["eval_loss"] for r in records if "eval_loss" in r]
+def final_losses(records, until):
+    """Losses at iteration ``until``: the validation loss evaluated there, the train loss averaged over the
+    10 iterations up to it."""
+    train = [r["loss"] for r in records if "loss" in r and r["iteration"] <= until]
+    valid = [r["eval_loss"] for r in records if "eval_loss" in r and r["iteration"] == until]
     tail = train[-10:]
-    return {"final_train_loss_avg10": sum(tail) / len(tail), "final_valid_loss": valid[-1] if valid else None}
+    return {"iteration": until, "final_train_loss_avg10": sum(tail) / len(tail),
+            "final_valid_loss": valid[0] if valid else None}
+
+
+def common_last_eval(curves) -> int:
+    """The last iteration every variant was evaluated at (a run cut short is compared where it stopped)."""
+    evaluated = [{r["iteration"] for r in records if "eval_loss" in r} for records in curves.values()]
+    common = set.intersection(*evaluated)
+    return max(common) if common else min(max(r["iteration"] for r in records) for records in curves.values())
 
 
 def plot(curves, path):
@@ -107,9 +117,12 @@ def main():
     for name in args.variants:
         cmd, curves[name] = run_variant(name, preset, args.out_dir, extra, args.reuse)
         summary["commands"][name] = " ".join(cmd[1:])
-        summary["results"][name] = final_losses(curves[name])
+    until = common_last_eval(curves)
+    for name in args.variants:
+        summary["results"][name] = final_losses(curves[name], until)
     base = summary["results"]["baseline"]
-    lines = ["| variant | final train loss (avg of last 10) | final valid loss | valid vs baseline |",
+    lines = [f"Losses at iteration {until}, the last evaluation every variant reached.", "",
+             "| variant | train loss (avg of last 10) | valid loss | valid vs baseline |",
              "|---|---|---|---|"]
     for name, res in summary["results"].items():
         rel = (res["final_valid_loss"] / base["final_valid_loss"] - 1) * 100 if base["final_valid_loss"] else None

@@ -31,6 +31,16 @@ SIGNATURES = [
      ["self", "force_sync"]),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.finish_param_sync",
      ["self", "skip_next_bucket_dispatch"]),
+    # megatron/hooks/pp.py overrides _communicate (keyword-only, as the schedules call it) and sends
+    # through megatron-core's own op helpers.
+    ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate",
+     ["self", "tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next", "tensor_shape", "wait_on_reqs"]),
+    ("megatron.core.pipeline_parallel.p2p_communication", "_batched_p2p_ops",
+     ["tensor_send_prev", "tensor_recv_prev", "tensor_send_next", "tensor_recv_next", "group",
+      "prev_pipeline_rank", "next_pipeline_rank"]),
+    ("megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops",
+     ["tensor_send_prev", "tensor_recv_prev", "tensor_send_next", "tensor_recv_next", "group",
+      "prev_pipeline_rank", "next_pipeline_rank"]),
     # megatron/hooks/norm.py wraps WrappedTorchNorm.__new__.
     ("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__", ["cls", "config", "hidden_size", "eps"]),
     # megatron/hooks/cpu.py wraps these.
@@ -59,6 +69,11 @@ SOURCE_CONTAINS = [
     ("megatron.core.tensor_parallel.layers", "VocabParallelEmbedding.forward", "reduce_from_tensor_model_parallel_region("),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher", "maybe_move_tensor_to_cpu("),
     ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker", "_set_cuda_rng_state("),
+    # megatron/hooks/pp.py swaps the communicator class the pipelined schedules construct.
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving",
+     "P2PCommunicator("),
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving",
+     "P2PCommunicator("),
 ]
 if ON_0_19:
     SOURCE_CONTAINS += [
@@ -95,6 +110,8 @@ INSTANCE_ATTRIBUTES = [
       "intra_distributed_optimizer_instance_group", "intra_distributed_optimizer_instance_size",
       "intra_distributed_optimizer_instance_rank"]),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", ["param_dtype", "buckets"]),
+    ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator",
+     ["pp_group", "config", "next_rank", "prev_rank"]),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucket", ["param_data", "bucket_id"]),
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel",
      ["ddp_config", "buffers", "expert_parallel_buffers", "bucket_groups", "expert_parallel_bucket_groups"]),
