@@ -1,6 +1,6 @@
-"""Benefit-driven selection of the shards worth compressing with CIERA (``--ciera-selection benefit``).
+"""Benefit-driven selection of the shards worth compressing (``--param-gather-selection benefit``).
 
-The paper's per-iteration gain of compressing shard i (S bytes, of which S_e exponent and S_sm
+CIERA, the paper's per-iteration gain of compressing shard i (S bytes, of which S_e exponent and S_sm
 sign+mantissa bytes, a bitmap of S_bm bytes, block change rate q):
 
     g = Comm(S) - Comm(S_sm + S_bm + q * S_e) - T_merge(S)
@@ -12,10 +12,20 @@ g > 0 are ranked by g per byte of codec cache and taken greedily until ``--ciera
 is spent; the rest are gathered uncompressed. The cache is the sender's change-detection state
 (the receiver reads previous exponents from the resident parameter buffer, see compression/ciera.py).
 
+Lossless delta code: the same comparison, with every term measured on the real shard during the
+warm-up gathers (``DeltaCostMeter``: payload P, encode and decode time), since the payload depends on
+how the values moved and the codec runs on the critical path of the gather:
+
+    g = Comm(S) - Comm(P) - Comm(size exchange) - T_encode - (world - 1) * T_decode
+
+Shards with g > 0 are compressed (no budget: the sender's previous shard is the codec's only memory).
+
 Every rank must select the same shards: ``profile_comm`` reduces its timings with MAX over the group,
-and the caller must average the measured change rates over the group before calling ``select_shards``.
+and the caller must average the measured change rates and payloads (and MAX-reduce the codec times)
+over the group before calling ``select_shards``.
 """
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Hashable, Optional
@@ -100,8 +110,31 @@ def expected_payload_bytes(s: ShardStats) -> float:
     return HEADER_BYTES + -(-nblocks // 8) + sm + s.change_rate * exponents
 
 
-def gain_seconds(s: ShardStats, comm: CommModel, merge_seconds_per_byte: float = 0.0) -> float:
+@dataclass(frozen=True)
+class DeltaShardStats:
+    """One candidate shard for the delta codec, with what coding it cost in the warm-up gathers."""
+
+    key: Hashable
+    numel: int
+    payload_bytes: float
+    encode_seconds: float
+    decode_seconds: float  # of one payload; every receiver decodes world_size - 1 of them
+    world_size: int
+
+    @property
+    def cache_bytes(self) -> int:
+        return 2 * self.numel  # the sender's copy of what it sent last
+
+
+SIZE_EXCHANGE_BYTES = 8  # ShardGather's all-gather of payload sizes before a variable-size gather
+
+
+def gain_seconds(s, comm: CommModel, merge_seconds_per_byte: float = 0.0) -> float:
+    """Expected seconds saved per gather by compressing shard ``s`` (ShardStats or DeltaShardStats)."""
     raw = s.numel * 2
+    if isinstance(s, DeltaShardStats):
+        return (comm.time(raw) - comm.time(s.payload_bytes) - comm.time(SIZE_EXCHANGE_BYTES)
+                - s.encode_seconds - (s.world_size - 1) * s.decode_seconds)
     return comm.time(raw) - comm.time(expected_payload_bytes(s)) - merge_seconds_per_byte * raw
 
 
@@ -126,7 +159,8 @@ def selection_summary(candidates, selected: set, comm: CommModel, merge_seconds_
     total_bytes = sum(s.numel * 2 for s in candidates) or 1
     gain = sum(gain_seconds(s, comm, merge_seconds_per_byte) for s in chosen)
     cache = sum(s.cache_bytes for s in chosen)
-    return (f"ciera selection: {len(chosen)}/{len(candidates)} shards "
+    codec = "delta" if any(isinstance(s, DeltaShardStats) for s in candidates) else "ciera"
+    return (f"{codec} selection: {len(chosen)}/{len(candidates)} shards "
             f"({100 * sum(s.numel * 2 for s in chosen) / total_bytes:.1f}% of bytes), "
             f"expected gain {gain * 1e3:.3f} ms/iteration, cache {cache / 2**20:.1f} MiB; "
             f"comm model {comm.latency_s * 1e6:.1f} us + {1e-9 / max(comm.seconds_per_byte, 1e-30):.2f} GB/s")
@@ -169,3 +203,39 @@ class BlockChangeMeter:
     def change_rate(self) -> float:
         """1.0 until two snapshots were seen (an unmeasured shard is assumed to change)."""
         return self.blocks_changed / self.blocks_seen if self.blocks_seen else 1.0
+
+
+class DeltaCostMeter:
+    """What the delta codec would cost on one shard, measured during the uncompressed warm-up gathers by
+    coding the real shard against its value at the previous gather: payload bytes, encode and decode
+    seconds (each call between device synchronizations; the decode also brings the meter's copy of the
+    previous shard up to date)."""
+
+    def __init__(self, config):
+        from compression.delta import DeltaCodec  # selection stays importable without the codec's deps
+
+        self.sender, self.receiver = DeltaCodec(config, 2, 0), DeltaCodec(config, 2, 1)
+        self.previous = None  # the receiver's copy of the shard at the last gather
+        self.samples = []  # (payload bytes, encode seconds, decode seconds) per gather
+
+    def update(self, shard: torch.Tensor) -> None:
+        if self.previous is None:
+            self.sender.encode(shard)  # a keyframe: the sender now holds the shard
+            self.previous = shard.clone()
+            return
+        device = shard.device
+        synchronize(device)
+        start = time.perf_counter()
+        payload = self.sender.encode(shard)
+        synchronize(device)
+        encoded = time.perf_counter()
+        self.receiver.decode(0, payload, self.previous)
+        synchronize(device)
+        self.samples.append((payload.numel(), encoded - start, time.perf_counter() - encoded))
+
+    def estimate(self) -> Optional[tuple]:
+        """Median (payload bytes, encode seconds, decode seconds) over the measured gathers (the median
+        drops the first one's kernel compilation); None before two updates."""
+        if not self.samples:
+            return None
+        return tuple(statistics.median(column) for column in zip(*self.samples))

@@ -8,9 +8,10 @@ bash scripts/setup_env.sh
 
 # TACO on every TP collective (min-bytes 0: on gloo/CPU the 'auto' probe would find that compression
 # never pays, and this job is here to show it working) and the lossless delta code on the distributed
-# optimizer's parameter all-gather (bf16 params: the lossless codecs carry 16-bit values).
+# optimizer's parameter all-gather (bf16 params: the lossless codecs carry 16-bit values; selection
+# 'all' for the same reason: 'benefit' would keep gloo's fast loopback gathers uncompressed).
 # COMPRESSION_FLAGS="" gives stock megatron-core.
-COMPRESSION_FLAGS=${COMPRESSION_FLAGS-"--bf16 --tp-comm-compression taco --tp-comm-compression-min-bytes 0 --param-gather-compression delta --param-gather-verify-interval 25"}
+COMPRESSION_FLAGS=${COMPRESSION_FLAGS-"--bf16 --tp-comm-compression taco --tp-comm-compression-min-bytes 0 --param-gather-compression delta --param-gather-selection all --param-gather-verify-interval 25"}
 
 OUT=${OUT:-runs/main}
 mkdir -p "$OUT"

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from compression.ciera import CieraConfig
-from compression.selection import (BlockChangeMeter, CommModel, ShardStats, cache_bytes, expected_payload_bytes,
+from compression.delta import DeltaConfig
+from compression.selection import (SIZE_EXCHANGE_BYTES, BlockChangeMeter, CommModel, DeltaCostMeter, DeltaShardStats,
+                                   ShardStats, cache_bytes, expected_payload_bytes,
                                    fit_comm_model, gain_seconds, measure_merge_seconds_per_byte, profile_comm,
                                    select_shards, selection_summary)
 from dist_utils import run_on_ranks
@@ -77,3 +79,33 @@ def test_profile_comm_agrees_on_all_ranks():
     a, b = run_on_ranks(_profile, 2)
     assert a == b  # bit-identical models -> identical selections
     assert min(a) >= 0 and max(a) > 0  # timings on a loaded CPU are too noisy to insist on a slope
+
+
+def test_delta_gain_charges_codec_time_and_size_exchange():
+    shard = DeltaShardStats("w", numel=4 * MIB, payload_bytes=MIB, encode_seconds=1e-3, decode_seconds=0.5e-3,
+                            world_size=4)
+    want = (SLOW_LINK.time(8 * MIB) - SLOW_LINK.time(MIB) - SLOW_LINK.time(SIZE_EXCHANGE_BYTES)
+            - 1e-3 - 3 * 0.5e-3)
+    assert gain_seconds(shard, SLOW_LINK) == pytest.approx(want)
+    # 8 MiB -> 1 MiB saves ~1.8 ms at 4 GB/s (less than the 2.5 ms of coding) and ~7.3 ms at 1 GB/s
+    assert select_shards([shard], SLOW_LINK, None) == set()
+    assert select_shards([shard], CommModel(20e-6, 1 / 1e9), None) == {"w"}
+    assert select_shards([shard], CommModel(10e-6, 1 / 150e9), None) == set()  # NVLink-class
+    assert select_shards([shard], CommModel(20e-6, 1 / 1e9), 1) == set()  # a budget binds delta too
+    assert selection_summary([shard], {"w"}, SLOW_LINK).startswith("delta selection: 1/1 shards")
+
+
+def test_delta_cost_meter_measures_the_real_payload():
+    meter = DeltaCostMeter(DeltaConfig(block_size=256))
+    assert meter.estimate() is None
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randn(10_000, generator=g) * 0.02
+    for _ in range(4):
+        last_shard = weights.to(torch.bfloat16)
+        meter.update(last_shard)
+        weights = weights - 1e-4 * torch.randn(10_000, generator=g).sign() * weights.abs()
+    payload, encode_s, decode_s = meter.estimate()
+    assert len(meter.samples) == 3 and encode_s > 0 and decode_s > 0
+    assert 0 < payload < 2 * 10_000 / 2  # a small relative step: well under half of the bf16 bytes
+    # the decodes kept the meter's copy equal, bit for bit, to the last shard it was given
+    assert torch.equal(meter.previous.view(torch.int16), last_shard.view(torch.int16))

@@ -31,10 +31,13 @@ Invariants:
   this rank's shard in its slice of ``grad_data``; the first-batch early return, the overlap (a
   ``.wait()``-able ``grad_reduce_handle``) and the sync path behave as the stock method.
   ``force_all_reduce`` and several distributed-optimizer instances fall back to the stock method.
-- ``--ciera-selection benefit``: the first ``SELECTION_WARMUP_GATHERS`` gathers of each bucket group
-  are uncompressed while each bucket's block change rate is measured; then the buckets whose expected
-  gain is positive are picked once, within ``--ciera-cache-budget-mb`` (compression/selection.py),
-  identically on every rank of a group, and only those are compressed from then on.
+- ``--param-gather-selection benefit`` (the default; CIERA and delta): the first
+  ``SELECTION_WARMUP_GATHERS`` gathers of each bucket group are uncompressed while each bucket is
+  measured (CIERA: block change rate; delta: payload, encode and decode time of the real shard); then
+  the buckets whose expected gain is positive are picked once (CIERA: within
+  ``--ciera-cache-budget-mb``; compression/selection.py), identically on every rank of a group, and
+  only those are compressed from then on: where compression would make the gather slower, the
+  bucket keeps megatron-core's plain all-gather. ``all`` compresses every bucket from the start.
 """
 
 import logging
@@ -47,7 +50,8 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from compression.ciera import CieraCodec, CieraConfig
 from compression.delta import DeltaCodec, DeltaConfig
 from compression.selection import (
-    BlockChangeMeter, ShardStats, cache_bytes, profile_comm, select_shards, selection_summary,
+    BlockChangeMeter, DeltaCostMeter, DeltaShardStats, ShardStats, cache_bytes, profile_comm, select_shards,
+    selection_summary,
 )
 from compression.sdp4bit import (
     HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather, quantized_reduce_scatter,
@@ -59,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 PARAM_GATHER_METHODS = ("none", "ciera", "delta", "sdp4bit")
 GRAD_REDUCE_METHODS = ("none", "hadamard-int8", "hadamard-int4")
+SELECTABLE_METHODS = ("ciera", "delta")  # lossless: --param-gather-selection applies; sdp4bit compresses all
 SELECTION_WARMUP_GATHERS = 8  # uncompressed gathers that measure change rates before selecting
 _SIXTEEN_BIT_DTYPES = (torch.bfloat16, torch.float16)
 _comm_models = {}  # process group -> all-gather latency/bandwidth model, profiled once per group
@@ -95,18 +100,25 @@ class _DecodingHandle:
 
 
 class _BenefitSelection:
-    """``--ciera-selection benefit``, shared by every bucket group of one install. The first
-    ``SELECTION_WARMUP_GATHERS`` gathers of each bucket group go uncompressed while each bucket's block
-    change rate is measured; then the buckets to compress are picked once, for all groups together.
-    Process groups are decided in turn (dense first), each spending what is left of
-    ``--ciera-cache-budget-mb``; a MIN over each group makes all of its ranks agree."""
+    """``--param-gather-selection benefit``, shared by every bucket group of one install. The first
+    ``SELECTION_WARMUP_GATHERS`` gathers of each bucket group go uncompressed while each bucket is
+    measured (CIERA: its block change rate; delta: its payload and codec times, by coding the real
+    shard); then the buckets to compress are picked once, for all groups together. Process groups are
+    decided in turn (dense first), CIERA's spending what is left of ``--ciera-cache-budget-mb``; a MIN
+    over each group makes all of its ranks agree."""
 
     def __init__(self, bucket_groups: list, args):
         self.args = args
-        self.budget_bytes = None if args.ciera_cache_budget_mb is None else args.ciera_cache_budget_mb * 2**20
-        self.meters = {
-            bg: [BlockChangeMeter(args.ciera_block_size) for _ in bg.buckets] for bg in bucket_groups
-        }
+        self.method = args.param_gather_compression
+        budget = args.ciera_cache_budget_mb if self.method == "ciera" else None
+        self.budget_bytes = None if budget is None else budget * 2**20
+        if self.method == "ciera":
+            def new_meter():
+                return BlockChangeMeter(args.ciera_block_size)
+        else:
+            def new_meter():
+                return DeltaCostMeter(DeltaConfig(block_size=args.delta_block_size))
+        self.meters = {bg: [new_meter() for _ in bg.buckets] for bg in bucket_groups}
         self.measured = {bg: 0 for bg in bucket_groups}
 
     def before_gather(self, bucket_group) -> None:
@@ -139,8 +151,10 @@ class _BenefitSelection:
             bucket_group.selection = None
 
     def _candidates(self, group, bucket_groups: list, device) -> list:
-        """Every bucket's shard, keyed (bucket group index, bucket index), with its change rate
-        averaged over the group so that all ranks rank the same numbers."""
+        """Every bucket's shard, keyed (bucket group index, bucket index), with its measurements
+        reduced over the group so that all ranks rank the same numbers."""
+        if self.method == "delta":
+            return self._delta_candidates(group, bucket_groups, device)
         rates = [m.change_rate for bg in bucket_groups for m in self.meters[bg]]
         rates = torch.tensor(rates, dtype=torch.float64, device=device)
         dist.all_reduce(rates, group=group)
@@ -153,6 +167,25 @@ class _BenefitSelection:
             )
             for group_index, bg in enumerate(bucket_groups)
             for bucket_index, bucket in enumerate(bg.buckets)
+        ]
+
+
+    def _delta_candidates(self, group, bucket_groups: list, device) -> list:
+        """Payload bytes averaged over the group; encode and decode times of the slowest rank."""
+        buckets = [(i, j, bucket, meter) for i, bg in enumerate(bucket_groups)
+                   for j, (bucket, meter) in enumerate(zip(bg.buckets, self.meters[bg]))]
+        # Unmeasured (fewer than two warm-up gathers): assume it would not shrink.
+        measured = [meter.estimate() or (2 * bucket.param_data.numel() / group.size(), 0.0, 0.0)
+                    for _, _, bucket, meter in buckets]
+        payloads = torch.tensor([m[0] for m in measured], dtype=torch.float64, device=device)
+        times = torch.tensor([m[1:] for m in measured], dtype=torch.float64, device=device)
+        dist.all_reduce(payloads, group=group)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        payloads, times = (payloads / group.size()).tolist(), times.tolist()
+        return [
+            DeltaShardStats(key=(i, j), numel=bucket.param_data.numel() // group.size(), payload_bytes=payloads[k],
+                            encode_seconds=times[k][0], decode_seconds=times[k][1], world_size=group.size())
+            for k, (i, j, bucket, _) in enumerate(buckets)
         ]
 
 
@@ -263,7 +296,7 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
                 codec.reset()
 
     def compress_bucket(self, index: int) -> None:
-        """Send bucket ``index`` through CIERA from the next gather on (a keyframe)."""
+        """Send bucket ``index`` through the codec from the next gather on (a keyframe)."""
         self.codecs[index], self.shard_gathers[index] = build_gather(
             self.args, self.intra_distributed_optimizer_instance_group)
 
@@ -297,12 +330,12 @@ def _check_args(args) -> None:
         raise ValueError(
             f"--param-gather-verify-interval must be >= 0 (0 = off), got {args.param_gather_verify_interval}"
         )
+    if args.param_gather_selection not in ("all", "benefit"):
+        raise ValueError(f"--param-gather-selection must be 'all' or 'benefit', got {args.param_gather_selection!r}")
     if args.param_gather_compression == "ciera":
-        if args.ciera_selection not in ("all", "benefit"):
-            raise ValueError(f"--ciera-selection must be 'all' or 'benefit', got {args.ciera_selection!r}")
-        if args.ciera_cache_budget_mb is not None and args.ciera_selection != "benefit":
+        if args.ciera_cache_budget_mb is not None and args.param_gather_selection != "benefit":
             raise ValueError(
-                "--ciera-cache-budget-mb applies only with --ciera-selection benefit: "
+                "--ciera-cache-budget-mb applies only with --param-gather-selection benefit: "
                 "add that or drop the budget"
             )
         if args.ciera_cache_budget_mb is not None and args.ciera_cache_budget_mb <= 0:
@@ -401,7 +434,7 @@ def apply_dp_compression(ddp_chunks: list, args) -> None:
         for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups
         if bucket_group.intra_distributed_optimizer_instance_size > 1
     ]
-    benefit = args.param_gather_compression == "ciera" and args.ciera_selection == "benefit"
+    benefit = args.param_gather_compression in SELECTABLE_METHODS and args.param_gather_selection == "benefit"
     selection = _BenefitSelection(bucket_groups, args) if benefit else None
     for bucket_group in bucket_groups:
         _install(bucket_group, args, selection)

@@ -186,7 +186,10 @@ class CompressionArgs:
     ciera_block_size: int = arg(512, "CIERA block size (power of two, 64..65536).")
     ciera_change_detect: str = arg("compare", "CIERA change detection.", choices=["hash", "compare"])
     ciera_exponent_coder: str = arg("raw", "CIERA exponent coder.", choices=["raw", "ans"])
-    ciera_selection: str = arg("all", "CIERA block selection.", choices=["all", "benefit"])
+    param_gather_selection: str = arg(
+        "benefit", "Which buckets the lossless param-gather codecs (ciera, delta) compress: 'benefit' measures the "
+        "first 8 gathers and keeps only buckets where compression is expected to be faster (never slower than "
+        "uncompressed); 'all' compresses every bucket.", choices=["all", "benefit"], aliases=("ciera-selection",))
     ciera_cache_budget_mb: Optional[float] = arg(None, "CIERA cache budget in MB (default unlimited).")
     delta_block_size: int = arg(256, "Delta codec block size (power of two, 32..8192).")
     sdp4bit_group_size: int = arg(128, "SDP4Bit weight-difference quantization group (power of two, 16..4096).")
