@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--format", default="e4m3")
     p.add_argument("--transform", default="ash")
     p.add_argument("--scaling", default="dual")
+    p.add_argument("--all-reduce", default="auto", choices=["auto", "one-shot", "two-shot"],
+                   help="compressed all-reduce algorithm (--taco-all-reduce)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--dry-run", action="store_true", help="gloo CPU ranks, tiny sizes, 2 iterations")
@@ -89,9 +91,9 @@ def _same_on_all_ranks(t, world) -> bool:
     return all(torch.equal(f, fingerprint) for f in everyone)
 
 
-def check(op, x, codec, world) -> list:
+def check(op, x, codec, world, all_reduce) -> list:
     exact = uncompressed(op, x).float()
-    got = compressed(op, x, codec)
+    got = compressed(op, x, codec, all_reduce_algorithm=all_reduce)
     problems = []
     rel = ((got.float().reshape(-1) - exact.reshape(-1)).norm() / exact.norm()).item()
     if not rel < 0.05:
@@ -123,11 +125,13 @@ def run(args, device):
     for nbytes in sizes:
         x = _input(nbytes - nbytes % (2 * world), rank, device)
         for op in OPS:
-            problems += check(op, x, codec, world)
+            problems += check(op, x, codec, world, args.all_reduce)
             nccl_ms = _time_ms(lambda: uncompressed(op, x), device, warmup, iters)
-            compressed_ms = _time_ms(lambda: compressed(op, x, codec), device, warmup, iters)
+            compressed_ms = _time_ms(lambda: compressed(op, x, codec, all_reduce_algorithm=args.all_reduce), device,
+                                     warmup, iters)
             nccl_gpu_ms, nccl_host_ms = _queued_ms(lambda: uncompressed(op, x), device, iters)
-            taco_gpu_ms, taco_host_ms = _queued_ms(lambda: compressed(op, x, codec), device, iters)
+            taco_gpu_ms, taco_host_ms = _queued_ms(
+                lambda: compressed(op, x, codec, all_reduce_algorithm=args.all_reduce), device, iters)
             rows.append(dict(op=op, bytes=x.numel() * 2, nccl_ms=nccl_ms, compressed_ms=compressed_ms,
                              speedup=nccl_ms / compressed_ms, nccl_gpu_ms=nccl_gpu_ms, nccl_host_ms=nccl_host_ms,
                              compressed_gpu_ms=taco_gpu_ms, compressed_host_ms=taco_host_ms,
@@ -138,7 +142,9 @@ def run(args, device):
         nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
         env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")}, dry_run=args.dry_run,
         min_bytes={op: min_bytes(rows, op) for op in OPS},
-        auto_min_bytes={timing: measure_min_bytes(codec, sizes=sizes, iters=iters, device=device, timing=timing)
+        all_reduce=args.all_reduce,
+        auto_min_bytes={timing: measure_min_bytes(codec, sizes=sizes, iters=iters, device=device, timing=timing,
+                                                  all_reduce_algorithm=args.all_reduce)
                         for timing in ("synced", "queued")},
         problems=problems, rows=rows)
     if rank == 0:

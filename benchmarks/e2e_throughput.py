@@ -94,8 +94,9 @@ def main():
     parser.add_argument("--model", required=True, help="YAML config with the model shape")
     parser.add_argument("--links", nargs="+", choices=sorted(LINKS), default=list(LINKS))
     parser.add_argument("--variants", nargs="+", help="run only these of the suite's variants (the baseline always)")
-    parser.add_argument("--train-iters", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=4, help="iterations excluded from timing")
+    parser.add_argument("--train-iters", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="iterations excluded from timing (10: past TACO's `auto` trial, iterations 3-8)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--log-dir", default="/tmp/e2e_logs")
     args, extra = parser.parse_known_args()

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from compression.codec import TensorCodec, check_block_size
-from kernels.taco import (FORMATS, SCALINGS, TRANSFORMS, taco_decode, taco_encode, taco_reduce_decode,
-                          taco_reduce_encode, wire_nbytes)
+from kernels.taco import (FORMATS, SCALINGS, TRANSFORMS, taco_decode, taco_decode_sum, taco_encode,
+                          taco_reduce_decode, taco_reduce_encode, wire_nbytes)
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,16 @@ class TacoCodec(TensorCodec):
                              f"got {wire.numel()} of {wire.dtype}")
         c = self.config
         return taco_decode(wire.reshape(-1), numel, dtype, c.block_size, c.format, c.transform, rows)
+
+    def decode_sum(self, wires: torch.Tensor, sources: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """One-shot all-reduce last step: the sum of ``sources`` tensors of ``numel`` values whose wires
+        (``encode(x)`` each) lie back to back in ``wires``, as ``dtype``, bit-identical on every rank."""
+        expected = sources * self.wire_nbytes(numel)
+        if wires.dtype != torch.uint8 or wires.numel() != expected:
+            raise ValueError(f"{sources} TACO wires of {numel} values must be {expected} uint8 bytes, "
+                             f"got {wires.numel()} of {wires.dtype}")
+        c = self.config
+        return taco_decode_sum(wires, sources, numel, dtype, c.block_size, c.format, c.transform)
 
     def reduce_encode(self, x: torch.Tensor, recv: torch.Tensor, rank: int, world: int) -> torch.Tensor:
         """All-reduce middle step: the one-row wire of row ``rank`` of ``x`` (``world`` rows) plus the other

@@ -7,11 +7,17 @@ rows))``), exchanged with ``all_to_all_single`` and ``all_gather_into_tensor``. 
 rows are zero-padded inside the codec, never copied here. Each collective is three kernel launches
 and two NCCL calls at most, with no host synchronization:
 
-- ``compressed_all_reduce``: two-shot. Phase 1: encode x as ``world`` rows, all-to-all (rank r
-  receives everyone's row r). Middle: ``codec.reduce_encode`` sums the received rows (decoded in the
-  rotated domain) and this rank's exact row, and encodes the sum, in one kernel. Phase 2:
-  all-gather, decode. Every rank, the row's owner included, returns the decoded values, so all
-  ranks end bit-identical.
+- ``compressed_all_reduce``, two-shot (the paper's): phase 1: encode x as ``world`` rows, all-to-all
+  (rank r receives everyone's row r). Middle: ``codec.reduce_encode`` sums the received rows
+  (decoded in the rotated domain) and this rank's exact row, and encodes the sum, in one kernel.
+  Phase 2: all-gather, decode. Every rank, the row's owner included, returns the decoded values, so
+  all ranks end bit-identical.
+- ``compressed_all_reduce``, one-shot: encode x, all-gather the wires, ``codec.decode_sum`` (every
+  rank's decoded tensor summed in rank order, one kernel). With two ranks it sends exactly the
+  two-shot's bytes, with two kernel launches and one NCCL call instead of three and two, and each
+  contribution is quantized once (the two-shot re-quantizes the partial sums). With more ranks
+  each sends its whole tensor to every other, (world - 1) / 2 times the two-shot's bytes. ``auto``
+  (the default) takes one-shot for two ranks, two-shot otherwise.
 - ``compressed_reduce_scatter``: along dim 0 like ``reduce_scatter_tensor``; phase 1, then
   ``codec.reduce_decode`` (the received rows decoded and added to the exact own row, one kernel).
 - ``compressed_all_gather``: along dim 0 like ``all_gather_into_tensor``; every rank, the source
@@ -36,7 +42,8 @@ Telemetry (``TELEMETRY.record(comm_class, raw, sent)``): ``sent`` is the size of
 buffers this rank hands to collectives; ``raw`` what it would hand to the same collectives
 uncompressed: n * itemsize for reduce-scatter and all-gather inputs. For the all-reduce both phases
 of the two-shot count, raw = (n + ceil(n / world)) * itemsize against sent = (world + 1) * w, so
-raw / sent is the codec's ratio rather than a figure inflated or deflated by the algorithm.
+raw / sent is the codec's ratio rather than a figure inflated or deflated by the algorithm; the
+one-shot hands its all-gather raw = n * itemsize against sent = wire_nbytes(n).
 """
 
 import statistics
@@ -48,6 +55,7 @@ from compression.telemetry import TELEMETRY
 from compression.timing import call_seconds, default_device, queued_seconds
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+ALL_REDUCE_ALGORITHMS = ("auto", "one-shot", "two-shot")
 PROBE_BYTES = tuple(4**k * 65536 for k in range(7))  # 64 KiB .. 256 MiB
 
 
@@ -100,11 +108,31 @@ def _reduce_decode(codec, x, recv, rank, world) -> torch.Tensor:
     return _sum_rows(codec, x, recv, rank, world).to(x.dtype)
 
 
-def compressed_all_reduce(x: torch.Tensor, codec, group=None, async_op=False, comm_class="tp"):
+def _decode_sum(codec, wires: torch.Tensor, world: int, numel: int, dtype) -> torch.Tensor:
+    if hasattr(codec, "decode_sum"):
+        return codec.decode_sum(wires, world, numel, dtype)
+    parts = [codec.decode(wire, numel, torch.float32) for wire in wires.view(world, -1)]
+    return torch.stack(parts).sum(dim=0).to(dtype)
+
+
+def one_shot(world: int, algorithm: str) -> bool:
+    if algorithm not in ALL_REDUCE_ALGORITHMS:
+        raise ValueError(f"--taco-all-reduce must be one of {'|'.join(ALL_REDUCE_ALGORITHMS)}, got {algorithm!r}")
+    return algorithm == "one-shot" or (algorithm == "auto" and world == 2)
+
+
+def compressed_all_reduce(x: torch.Tensor, codec, group=None, async_op=False, comm_class="tp", algorithm="auto"):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1 or x.numel() == 0:
         return _done(x, async_op)
     n, itemsize = x.numel(), x.element_size()
+    if one_shot(world, algorithm):
+        send = codec.encode(x)
+        gathered = torch.empty(world * send.numel(), dtype=torch.uint8, device=x.device)
+        work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
+        TELEMETRY.record(comm_class, n * itemsize, send.numel())
+        handle = CollectiveHandle(work, lambda: _decode_sum(codec, gathered, world, n, x.dtype).view(x.shape))
+        return handle if async_op else handle.wait()
     row_len = -(-n // world)
     row_wire = codec.wire_nbytes(row_len)
     recv, work = _exchange_rows(x, codec, group)
@@ -175,9 +203,10 @@ def uncompressed(op: str, x: torch.Tensor, group=None) -> torch.Tensor:
     return out
 
 
-def compressed(op: str, x: torch.Tensor, codec, group=None) -> torch.Tensor:
-    fn = {"all_reduce": compressed_all_reduce, "all_gather": compressed_all_gather,
-          "reduce_scatter": compressed_reduce_scatter}[op]
+def compressed(op: str, x: torch.Tensor, codec, group=None, all_reduce_algorithm="auto") -> torch.Tensor:
+    if op == "all_reduce":
+        return compressed_all_reduce(x, codec, group=group, comm_class="tp", algorithm=all_reduce_algorithm)
+    fn = {"all_gather": compressed_all_gather, "reduce_scatter": compressed_reduce_scatter}[op]
     return fn(x, codec, group=group, comm_class="tp")
 
 
@@ -203,7 +232,7 @@ def _time_ms(fn, device: torch.device, iters: int, timing: str, group) -> float:
 
 
 def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None, margin=0.0,
-                      timing="queued") -> dict:
+                      timing="queued", all_reduce_algorithm="auto") -> dict:
     """Per collective in OPS, the bf16 input size in bytes from which ``codec`` compression is faster on
     ``group`` (None: never at the measured sizes; ``margin``: see ``crossover``). ``timing``: "queued"
     (default) compares device time per call of back-to-back calls, as in training where the host
@@ -221,7 +250,8 @@ def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None
         x = (torch.randn(numel, generator=torch.Generator().manual_seed(i)) * 0.02).to(device, torch.bfloat16)
         for j, op in enumerate(OPS):
             timings[i, j, 0] = _time_ms(lambda: uncompressed(op, x, group), device, iters, timing, group)
-            timings[i, j, 1] = _time_ms(lambda: compressed(op, x, codec, group), device, iters, timing, group)
+            timings[i, j, 1] = _time_ms(lambda: compressed(op, x, codec, group, all_reduce_algorithm), device,
+                                        iters, timing, group)
     TELEMETRY.reset()
     slowest = timings.to(device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)

@@ -222,6 +222,14 @@ def taco_decode_reference(wire, numel, dtype, block_size, fmt, transform, rows=1
     return out.view(-1)[:numel]
 
 
+def taco_decode_sum_reference(wires, sources, numel, dtype, block_size, fmt, transform) -> torch.Tensor:
+    """The sum of ``sources`` tensors of ``numel`` values, each one row of ``wires``: folded in the
+    rotated domain in source order, then rotated back once."""
+    t = _fold_reference(wires.view(sources, -1), -1, block_size, fmt, transform)
+    values = t if transform == "none" else fwht_reference(t)
+    return values.reshape(-1)[:numel].to(dtype)
+
+
 def taco_reduce_encode_reference(x, recv, rank, world, block_size, fmt, transform, scaling) -> torch.Tensor:
     _check_input(x)
     g = _blocks_reference(_own_row(x, rank, world), block_size, 1)
@@ -449,6 +457,11 @@ def taco_decode_triton(wire, numel, dtype, block_size, fmt, transform, rows=1) -
     return _decode_triton(wire.view(1, -1), -1, out, None, 0, row_len, rows, block_size, fmt, transform)
 
 
+def taco_decode_sum_triton(wires, sources, numel, dtype, block_size, fmt, transform) -> torch.Tensor:
+    out = torch.empty(numel, dtype=dtype, device=wires.device)
+    return _decode_triton(wires.view(sources, -1), -1, out, None, 0, numel, 1, block_size, fmt, transform)
+
+
 def taco_reduce_encode_triton(x, recv, rank, world, block_size, fmt, transform, scaling) -> torch.Tensor:
     _check_input(x)
     flat = x.reshape(-1)
@@ -479,6 +492,14 @@ def taco_decode(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch
     """Inverse of ``taco_encode``: a 1-D tensor of ``numel`` values of ``dtype``."""
     decode = taco_decode_triton if _use_triton(wire) else taco_decode_reference
     return decode(wire, numel, dtype, block_size, fmt, transform, rows)
+
+
+def taco_decode_sum(wires, sources, numel, dtype, block_size, fmt, transform) -> torch.Tensor:
+    """The one-shot all-reduce's last step in one pass: the sum of ``sources`` encoded tensors of ``numel``
+    values (``wires``: their one-row wires back to back), as ``dtype``. Summed in a fixed order, so every
+    rank that decodes the same wires gets the same bits."""
+    decode = taco_decode_sum_triton if _use_triton(wires) else taco_decode_sum_reference
+    return decode(wires, sources, numel, dtype, block_size, fmt, transform)
 
 
 def taco_reduce_encode(x, recv, rank, world, block_size, fmt, transform, scaling) -> torch.Tensor:

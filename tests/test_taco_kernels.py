@@ -83,6 +83,11 @@ def _compare_reductions(x, case, args, device):
     fused = K.taco_reduce_decode_triton(own, recv, rank, world, block_size, fmt, transform)
     if not _decoded_match(reference, fused, own.dtype == torch.float32 or device != "cpu"):
         failures.append(f"reduce_decode {args} world {world}: values differ")
+    wires = torch.cat([K.taco_encode_reference(o, *args[:4]) for o in others])  # the one-shot all-reduce
+    reference = K.taco_decode_sum_reference(wires, world, n, own.dtype, block_size, fmt, transform)
+    fused = K.taco_decode_sum_triton(wires, world, n, own.dtype, block_size, fmt, transform)
+    if not _decoded_match(reference, fused, own.dtype == torch.float32 or device != "cpu"):
+        failures.append(f"decode_sum {args} world {world}: values differ")
     return failures
 
 

@@ -35,18 +35,25 @@ def _check_world(world):
     rank = dist.get_rank()
     errors, shared = [], {}
     codec = TacoCodec(TacoConfig(block_size=64))
+    total_error = {"one-shot": 0.0, "two-shot": 0.0}
     for i, (shape, dtype) in enumerate(CASES):
         key = f"{shape} {dtype}"
         x = _local_input(shape, dtype, rank, i)
         exact = x.float().clone()
         dist.all_reduce(exact)
-        reduced = compressed_all_reduce(x, codec)
-        shared[f"all_reduce {key}"] = _bits(reduced)
-        if reduced.shape != x.shape or reduced.dtype != dtype or _rel(reduced, exact) > 0.05:
-            errors.append(f"all_reduce {key}: error {_rel(reduced, exact):.4f}")
-        pending = compressed_all_reduce(x, codec, async_op=True)
-        if not torch.equal(pending.wait(), reduced) or pending.wait() is not pending.wait():
-            errors.append(f"async all_reduce {key} differs from the synchronous one")
+        for algorithm in ("one-shot", "two-shot"):
+            reduced = compressed_all_reduce(x, codec, algorithm=algorithm)
+            shared[f"all_reduce {algorithm} {key}"] = _bits(reduced)
+            error = _rel(reduced, exact)
+            total_error[algorithm] += error
+            if reduced.shape != x.shape or reduced.dtype != dtype or error > 0.05:
+                errors.append(f"all_reduce {algorithm} {key}: error {error:.4f}")
+            pending = compressed_all_reduce(x, codec, async_op=True, algorithm=algorithm)
+            if not torch.equal(pending.wait(), reduced) or pending.wait() is not pending.wait():
+                errors.append(f"async all_reduce {algorithm} {key} differs from the synchronous one")
+        auto = compressed_all_reduce(x, codec)
+        if not torch.equal(auto, compressed_all_reduce(x, codec, algorithm="one-shot" if world == 2 else "two-shot")):
+            errors.append(f"all_reduce auto {key}: not one-shot at 2 ranks / two-shot above")
 
         if shape[0] % world == 0:
             shard = compressed_reduce_scatter(x, codec, async_op=True).wait()
@@ -59,6 +66,9 @@ def _check_world(world):
         own = codec.decode(codec.encode(x), x.numel(), dtype).view(x.shape)
         if gathered.shape[0] != world * shape[0] or not torch.equal(gathered.view(world, *shape)[rank], own):
             errors.append(f"all_gather {key}: own slice is not the decoded input")
+    # One quantization per contribution instead of two: the one-shot is the more accurate.
+    if not total_error["one-shot"] < total_error["two-shot"]:
+        errors.append(f"one-shot all-reduce error {total_error['one-shot']:.4f} >= two-shot {total_error['two-shot']:.4f}")
     errors += _check_groups_and_telemetry(world, rank, codec)
     return errors, shared
 
@@ -79,9 +89,11 @@ def _check_groups_and_telemetry(world, rank, codec):
     TELEMETRY.reset()
     n = 1000
     y = torch.randn(n, dtype=torch.bfloat16)
-    compressed_all_reduce(y, codec, comm_class="tp")
+    compressed_all_reduce(y, codec, comm_class="tp", algorithm="two-shot")
     row = -(-n // world)
     want_raw, want_sent = (n + row) * 2, (world + 1) * codec.wire_nbytes(row)
+    compressed_all_reduce(y, codec, comm_class="tp", algorithm="one-shot")
+    want_raw, want_sent = want_raw + 2 * n, want_sent + codec.wire_nbytes(n)
     compressed_all_gather(y, codec, comm_class="pp")
     counters = TELEMETRY.counters()
     tp, pp = counters[0:2], counters[2 * COMM_CLASSES.index("pp"):][:2]

@@ -59,6 +59,7 @@ def _args(**overrides):
     args = dict(
         tp_comm_compression="taco", tp_comm_compression_min_bytes=0, transformer_impl="local",
         tp_comm_overlap=False, taco_block_size=256, taco_format="e4m3", taco_transform="ash", taco_scaling="dual",
+        taco_all_reduce="auto",
     )
     args.update(overrides)
     return argparse.Namespace(**args)
@@ -330,6 +331,7 @@ _FakeTELinear.__module__ = "megatron.core.extensions.transformer_engine"
         (dict(tp_comm_overlap=True), [], "--tp-comm-overlap"),
         (dict(tp_comm_compression_min_bytes=-1), [], "--tp-comm-compression-min-bytes"),
         (dict(tp_comm_compression="fp8"), [], "--tp-comm-compression"),
+        (dict(taco_all_reduce="three-shot"), [], "--taco-all-reduce"),
         ({}, [_FakeTELinear()], "--transformer-impl local"),
     ],
 )

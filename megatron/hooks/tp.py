@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.layers import (
 
 from compression.codec import TensorCodec
 from compression.taco import TacoCodec, TacoConfig
-from compression.tp_collectives import OPS, PROBE_BYTES, measure_min_bytes
+from compression.tp_collectives import ALL_REDUCE_ALGORITHMS, OPS, PROBE_BYTES, measure_min_bytes
 from megatron.hooks.tp_functions import (
     TpComm,
     all_reduce_forward,
@@ -121,6 +121,9 @@ def _check_args(args) -> None:
         )
     if getattr(args, "tp_comm_overlap", False):
         raise ValueError("--tp-comm-compression taco cannot be combined with --tp-comm-overlap (TE userbuffers)")
+    if args.taco_all_reduce not in ALL_REDUCE_ALGORITHMS:
+        raise ValueError(f"--taco-all-reduce must be one of {'|'.join(ALL_REDUCE_ALGORITHMS)}, "
+                         f"got {args.taco_all_reduce!r}")
     min_bytes = str(args.tp_comm_compression_min_bytes)
     if min_bytes != "auto" and not min_bytes.isdigit():
         raise ValueError(f"--tp-comm-compression-min-bytes must be 'auto' or an integer >= 0, got {min_bytes!r}")
@@ -170,7 +173,7 @@ def resolve_min_bytes(args, codec: TensorCodec, group) -> dict:
     largest = largest_tp_message_bytes(args)
     sizes = [size for size in PROBE_BYTES if size < largest] + [largest]  # the model's own largest message
     # margin: compress only where it wins by 10%, above the run-to-run noise of the probe
-    return measure_min_bytes(codec, group, sizes=sizes, margin=0.1)
+    return measure_min_bytes(codec, group, sizes=sizes, margin=0.1, all_reduce_algorithm=args.taco_all_reduce)
 
 
 def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) -> None:
@@ -191,7 +194,7 @@ def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) ->
             swapped[type(module).__name__] += 1
             if module.tp_group not in thresholds:
                 thresholds[module.tp_group] = resolve_min_bytes(args, codec, module.tp_group)
-            module.tp_comm = TpComm(codec, module.tp_group, thresholds[module.tp_group])
+            module.tp_comm = TpComm(codec, module.tp_group, thresholds[module.tp_group], args.taco_all_reduce)
             module.__class__ = _COMPRESSED_CLASS[type(module)]
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(

@@ -62,6 +62,8 @@ class TpComm:
     min_bytes: dict
     """Per collective ("all_reduce", "all_gather", "reduce_scatter"): the input size in bytes from which
     it is compressed, or None for never."""
+    all_reduce_algorithm: str = "auto"
+    """``--taco-all-reduce``: auto | one-shot | two-shot (compression.tp_collectives)."""
 
     def compresses(self, x: torch.Tensor, op: str) -> bool:
         threshold = self.min_bytes[op]
@@ -69,7 +71,8 @@ class TpComm:
 
     def all_reduce(self, x: torch.Tensor, async_op: bool = False):
         if self.compresses(x, "all_reduce"):
-            return compressed_all_reduce(x, self.codec, self.group, async_op=async_op)
+            return compressed_all_reduce(x, self.codec, self.group, async_op=async_op,
+                                         algorithm=self.all_reduce_algorithm)
         out = x.contiguous().clone()
         return _stock_result(x, out, dist.all_reduce(out, group=self.group, async_op=async_op), async_op)
 

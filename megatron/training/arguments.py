@@ -178,6 +178,10 @@ class CompressionArgs:
                            "runs) or the paper's e4m3, or e5m2.", choices=["e4m3", "e5m2", "int8"])
     taco_transform: str = arg("ash", "TACO outlier transform.", choices=["ash", "hadamard", "none"])
     taco_scaling: str = arg("dual", "TACO scaling.", choices=["dual", "single"])
+    taco_all_reduce: str = arg(
+        "auto", "Compressed all-reduce algorithm: two-shot (the paper's: all-to-all, reduce, re-encode, all-gather), "
+        "one-shot (all-gather, decode and sum: same bytes at TP=2, fewer launches, one quantization), or auto "
+        "(one-shot at TP=2, else two-shot).", choices=["auto", "one-shot", "two-shot"])
     param_gather_compression: str = arg("none", "DP param all-gather compression (sdp4bit is lossy).",
                                         choices=["none", "ciera", "delta", "sdp4bit"])
     param_gather_verify_interval: int = arg(0, "Gathers between checks (0 = off): lossless codecs bit-compare with an "
