@@ -132,7 +132,10 @@ def main():
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
-        f.write(f"Command: `python scripts/taco_convergence.py --preset {args.preset} --out-dir {args.out_dir}`\n\n")
+        chosen = [] if args.variants == list(VARIANTS) else ["--variants", *args.variants]
+        command = " ".join(["python scripts/taco_convergence.py", "--preset", args.preset, *chosen,
+                            "--out-dir", args.out_dir, *extra])
+        f.write(f"Command: `{command}`\n\n")
         f.write("\n".join(lines) + "\n")
     plot(curves, os.path.join(args.out_dir, "loss_curves.png"))
     print("\n".join(lines))
