@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compression.bitpack import pack_bits, unpack_bits
 from compression.codec import TensorCodec, check_block_size
 from kernels.taco import fwht_reference
 
@@ -80,27 +81,6 @@ class TahQuantConfig:
 
 def _qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes < 2^bits (count a multiple of 8) -> bits bytes per group of 8 codes."""
-    if bits == 8:
-        return codes.reshape(-1)
-    groups = codes.reshape(-1, 8).to(torch.int64)
-    shifts = torch.arange(8, device=codes.device) * bits
-    words = (groups << shifts).sum(dim=1)  # disjoint bit fields: the sum is their OR
-    byte_shifts = torch.arange(bits, device=codes.device) * 8
-    return ((words[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of ``pack_codes``."""
-    if bits == 8:
-        return packed.reshape(-1)
-    groups = packed.reshape(-1, bits).to(torch.int64)
-    words = (groups << (torch.arange(bits, device=packed.device) * 8)).sum(dim=1)
-    shifts = torch.arange(8, device=packed.device) * bits
-    return ((words[:, None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(-1)
 
 
 def _round_up_bf16(s: torch.Tensor) -> torch.Tensor:
@@ -176,8 +156,8 @@ class TahQuantCodec(TensorCodec):
         token_map = torch.zeros(-(-tokens // 8) * 8, dtype=torch.uint8, device=x.device)
         token_map[:tokens] = high.to(torch.uint8)
         return torch.cat([scales.reshape(-1).view(torch.uint8),
-                          pack_codes(codes[:tokens - k], self.config.bits),
-                          codes[tokens - k:].reshape(-1), pack_codes(token_map, 1)])
+                          pack_bits(codes[:tokens - k].reshape(-1), self.config.bits),
+                          codes[tokens - k:].reshape(-1), pack_bits(token_map, 1)])
 
     def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, rows: int = 1) -> torch.Tensor:
         tokens = self._tokens(numel, rows)
@@ -187,10 +167,10 @@ class TahQuantCodec(TensorCodec):
                              f"{sum(sections)} uint8 bytes, got {wire.numel()} of {wire.dtype}")
         scale_bytes, low_bytes, high_bytes, map_bytes = torch.split(wire.reshape(-1), sections)
         k = self.high_tokens(tokens)
-        high = unpack_codes(map_bytes, 1)[:tokens].bool()
+        high = unpack_bits(map_bytes, 1)[:tokens].bool()
         order = torch.sort(high.to(torch.uint8), stable=True).indices
         codes = torch.empty(tokens, self.padded_hidden, dtype=torch.uint8, device=wire.device)
-        codes[order[:tokens - k]] = unpack_codes(low_bytes, self.config.bits).view(tokens - k, self.padded_hidden)
+        codes[order[:tokens - k]] = unpack_bits(low_bytes, self.config.bits).view(tokens - k, self.padded_hidden)
         codes[order[tokens - k:]] = high_bytes.view(k, self.padded_hidden)
         qmax = torch.where(high, float(_qmax(HIGH_BITS)), float(_qmax(self.config.bits)))[:, None, None]
         scales = scale_bytes.view(torch.bfloat16).float().view(tokens, self.tiles_per_token, 1)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from compression.bitpack import pack_bits, unpack_bits
 from compression.codec import ShardCodec, check_block_size
 from compression.telemetry import TELEMETRY
 from kernels.taco import fwht_reference
@@ -70,18 +71,18 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [..., m] (m even) as wire bytes [..., m * bits / 8]: one per byte for int8, two for int4."""
+    """Signed codes [..., m] (m a multiple of 8) as wire bytes [..., m * bits / 8]: int8 as bytes, int4 as
+    offset-binary nibbles (q + 8) packed by ``compression.bitpack``."""
     if bits == 8:
         return codes.view(torch.uint8)
-    nibbles = (codes + 8).to(torch.uint8).unflatten(-1, (-1, 2))
-    return nibbles[..., 0] | (nibbles[..., 1] << 4)
+    return pack_bits((codes + 8).to(torch.uint8), 4)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``pack_codes``: int8 codes [..., m]."""
     if bits == 8:
         return packed.view(torch.int8)
-    return (torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).to(torch.int8) - 8)
+    return unpack_bits(packed, 4).to(torch.int8) - 8
 
 
 def groups_nbytes(numel: int, group_size: int, bits: int) -> int:

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from compression.pp_quant import TahQuantCodec, TahQuantConfig, pack_codes, unpack_codes
+from compression.bitpack import pack_bits, unpack_bits
+from compression.pp_quant import TahQuantCodec, TahQuantConfig
 from dist_utils import launch_training, run_on_ranks
 
 LOSS_RTOL = 0.01
@@ -93,7 +94,7 @@ def test_high_bit_tokens_are_the_hardest_ones():
     codec = TahQuantCodec(TahQuantConfig(bits=3, tile_size=64, high_bit_fraction=0.125), hidden_size=64)
     assert codec.high_tokens(40) == 5
     wire = codec.encode(x)
-    token_map = unpack_codes(wire[-5:], 1)[:40].bool()
+    token_map = unpack_bits(wire[-5:], 1)[:40].bool()
     assert token_map.nonzero().flatten().tolist() == sorted(hard)
     y = codec.decode(wire, x.numel(), torch.float32).view_as(x)
     err = tile_errors(codec, x, y).squeeze(1)
@@ -146,8 +147,8 @@ def test_codec_on_cuda():
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_pack_unpack_round_trip(bits):
     codes = torch.randint(0, 2 ** bits, (64,), dtype=torch.uint8)
-    packed = pack_codes(codes, bits)
-    assert packed.numel() == 64 * bits // 8 and torch.equal(unpack_codes(packed, bits), codes)
+    packed = pack_bits(codes, bits)
+    assert packed.numel() == 64 * bits // 8 and torch.equal(unpack_bits(packed, bits), codes)
 
 
 def test_flag_errors():

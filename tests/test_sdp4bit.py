@@ -68,7 +68,8 @@ def test_zeros_nan_and_packing():
         packed = pack_codes(codes, bits)
         assert packed.dtype == torch.uint8 and packed.shape == (3, 64 * bits // 8)
         assert torch.equal(unpack_codes(packed, bits), codes)
-    assert pack_codes(torch.tensor([-7, 7], dtype=torch.int8), 4).tolist() == [0xF1]  # low nibble first
+    eight = torch.tensor([-7, 7, 0, 0, 0, 0, 0, -8], dtype=torch.int8)
+    assert pack_codes(eight, 4).tolist() == [0xF1, 0x88, 0x88, 0x08]  # offset-binary, low nibble first
 
 
 # --- quantized weight differences ---------------------------------------------------------------
