@@ -1,4 +1,5 @@
-"""Parameter all-gather benchmark: none (NCCL bf16 all_gather_into_tensor) vs CIERA vs lossless delta.
+"""Parameter all-gather benchmark: none (NCCL bf16 all_gather_into_tensor) vs CIERA vs lossless delta vs
+SDP4Bit's lossy quantized weight differences.
 
 Each rank runs AdamW (betas 0.9/0.95, wd 0.1) on an fp32 master copy of its own shard (N(0, 0.02)
 weights, synthetic gradients: a fixed direction plus noise, per-parameter log-normal scales) and
@@ -6,7 +7,9 @@ writes the bf16 result into its slice of the bucket, as Megatron's distributed o
 the bucket is gathered. Every codec sees the same trajectory (same seeds). Per codec and step:
 wire bytes (raw / sent, from the telemetry), gather time; once per codec: encode and decode
 throughput against a bf16 copy of the shard. Self-checking: after every gather the bucket is
-compared bit for bit with an uncompressed gather, and any difference aborts the run.
+compared bit for bit with an uncompressed gather, and any difference aborts the run; for the lossy
+sdp4bit every rank must hold the same bits instead, and the bucket's error against the uncompressed
+gather is reported (relative L2, largest absolute).
 
 The link class is set by the caller's NCCL environment (see shared/notes/measured-baselines.md):
     torchrun --nproc-per-node 2 benchmarks/bench_param_gather.py --out results/pg_nvlink.json
@@ -46,11 +49,14 @@ def parse_args(argv=None):
     # shared/notes/measured-baselines.md (81%, 0.38%, 79%).
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--optimizer-warmup", type=int, default=30, help="AdamW steps before the first gather")
-    p.add_argument("--codecs", nargs="+", default=["none", "ciera", "delta"], choices=["none", "ciera", "delta"])
+    p.add_argument("--codecs", nargs="+", default=["none", "ciera", "delta", "sdp4bit"],
+                   choices=["none", "ciera", "delta", "sdp4bit"])
     p.add_argument("--ciera-block-size", type=int, default=512)
     p.add_argument("--ciera-change-detect", default="compare", choices=["compare", "hash"])
     p.add_argument("--ciera-exponent-coder", default="raw", choices=["raw", "ans"])
     p.add_argument("--delta-block-size", type=int, default=256)
+    p.add_argument("--sdp4bit-group-size", type=int, default=128)
+    p.add_argument("--sdp4bit-weight-bits", type=int, default=4, choices=[4, 8])
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of encode/decode/copy")
     p.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     p.add_argument("--dry-run", action="store_true", help="tiny CPU/gloo run: numel 8192 per rank, 3 steps")
@@ -61,7 +67,14 @@ def parse_args(argv=None):
     return args
 
 
+LOSSY = ("sdp4bit",)
+
+
 def build_codec(name, args, world, rank):
+    if name == "sdp4bit":
+        from compression.sdp4bit import Sdp4bitConfig, WeightDiffCodec
+
+        return WeightDiffCodec(Sdp4bitConfig(args.sdp4bit_group_size, args.sdp4bit_weight_bits), world, rank)
     if name == "ciera":
         config = CieraConfig(args.ciera_block_size, args.ciera_change_detect, args.ciera_exponent_coder)
         return CieraCodec(config, world, rank)
@@ -119,13 +132,39 @@ def _check_bits(buffer, shard, name, step):
                            f"first index {int(bad[0])}")
 
 
+def _check_replicas(buffer, name, step):
+    """Every rank holds the same bits (a lossy gather's invariant); returns the local checksum."""
+    from compression.sdp4bit import replica_checksum
+
+    local = replica_checksum(buffer)
+    everyone = local.new_empty(dist.get_world_size())
+    dist.all_gather_into_tensor(everyone, local)
+    if not (everyone == local).all():
+        raise RuntimeError(f"{name}: replicas differ after the gather at step {step}")
+
+
+def _error_vs_uncompressed(buffer, shard) -> dict:
+    reference = torch.empty_like(buffer)
+    _gather_uncompressed(reference, shard)
+    diff = buffer.float() - reference.float()
+    return dict(rel_l2_error=float(diff.norm() / reference.float().norm()), max_abs_error=float(diff.abs().max()))
+
+
+def _gather_for(name, codec):
+    if name in LOSSY:
+        from compression.sdp4bit import WeightDiffGather
+
+        return WeightDiffGather(codec, None)
+    return ShardGather(codec, None)
+
+
 def run_codec(name, args, world, rank, device):
     """Gathers one trajectory with codec ``name``; returns per-step bytes and times."""
     n = args.numel // world
     traj = Trajectory(n, args.lr, args.optimizer_warmup, rank, device)
     buffer = torch.empty(n * world, dtype=torch.bfloat16, device=device)
     _gather_uncompressed(buffer, traj.bf16())  # identical start on every rank
-    gather = None if name == "none" else ShardGather(build_codec(name, args, world, rank), None)
+    gather = None if name == "none" else _gather_for(name, build_codec(name, args, world, rank))
     own = buffer[rank * n:(rank + 1) * n]
     steps = []
     for step in range(args.steps):
@@ -140,8 +179,13 @@ def run_codec(name, args, world, rank, device):
             seconds = _timed(lambda: gather.start(buffer, async_op=False), device)
             after = TELEMETRY.counters()
             raw, sent = (after[GATHER_CLASS + i] - before[GATHER_CLASS + i] for i in (0, 1))
-        _check_bits(buffer, own, name, step)
-        steps.append(dict(raw_bytes=raw, sent_bytes=sent, gather_s=seconds,
+        error = {}
+        if name in LOSSY:
+            _check_replicas(buffer, name, step)
+            error = _error_vs_uncompressed(buffer, traj.bf16())
+        else:
+            _check_bits(buffer, own, name, step)
+        steps.append(dict(raw_bytes=raw, sent_bytes=sent, gather_s=seconds, **error,
                           unchanged=float((own.view(torch.int16) == previous.view(torch.int16)).float().mean())))
     return steps, (previous, own.clone())
 
@@ -176,7 +220,9 @@ def summarize(name, steps, throughput, baseline_gather_s):
     raw = sum(s["raw_bytes"] for s in delta_steps)
     sent = sum(s["sent_bytes"] for s in delta_steps)
     speedup = baseline_gather_s / gather_s if baseline_gather_s else None
+    lossy = {key: max(s[key] for s in delta_steps) for key in ("rel_l2_error", "max_abs_error") if key in steps[0]}
     return dict(codec=name, wire_ratio=raw / sent, keyframe_ratio=steps[0]["raw_bytes"] / steps[0]["sent_bytes"],
+                **lossy,
                 gather_ms=gather_s * 1e3, gather_speedup_vs_none=speedup,
                 unchanged_fraction=statistics.mean(s["unchanged"] for s in delta_steps), steps=steps, **throughput)
 
@@ -190,6 +236,9 @@ def print_table(results):
               f"{r['gather_ms']:>11.2f}{speed:>9}"
               f"{r.get('encode_GBps', 0):>10.1f}{r.get('decode_GBps', 0):>10.1f}{r.get('copy_GBps', 0):>11.1f}"
               f"{r['unchanged_fraction']:>11.1%}")
+        if "rel_l2_error" in r:
+            print(f"{'':<8}lossy: relative L2 error {r['rel_l2_error']:.2e}, largest |error| {r['max_abs_error']:.2e} "
+                  f"(worst step), replicas identical")
 
 
 def run(args):

@@ -141,7 +141,7 @@ class WeightDiffCodec(ShardCodec):
         self.config = config
         self.world_size = world_size
         self.rank = rank
-        self.keyframe = True  # whether the last encode was a keyframe: the same on every rank
+        self.keyframe = True  # whether the last encode was a keyframe (telemetry and tests)
         self._reconstructed = None  # this rank's w_hat (16-bit), None until the first keyframe
 
     def reset(self) -> None:
@@ -159,7 +159,9 @@ class WeightDiffCodec(ShardCodec):
         return payload
 
     def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor) -> None:
-        if self.keyframe:
+        # The payload says what it is: a keyframe holds the raw values, and a difference payload is
+        # always smaller (at most 8 bits per value plus a 4-byte scale per group of >= 16).
+        if payload.numel() == out.numel() * out.element_size():
             out.view(torch.uint8).copy_(payload)
         elif src_rank == self.rank:  # our slice holds w_t; w_hat_t was built at encode
             out.copy_(self._reconstructed)

@@ -137,7 +137,9 @@ def test_bench_param_gather_dry_run(tmp_path):
     run_on_ranks(_bench_dry_run, 2, str(out))  # self-checking: raises if any gather is not bit-exact
     report = json.loads(out.read_text())
     by_codec = {r["codec"]: r for r in report["results"]}
-    assert set(by_codec) == {"none", "ciera", "delta"}
+    assert set(by_codec) == {"none", "ciera", "delta", "sdp4bit"}
+    assert 3.0 < by_codec["sdp4bit"]["wire_ratio"] < 4.0  # 4-bit codes + an fp32 scale per 128 values: 3.76x
+    assert 0 < by_codec["sdp4bit"]["rel_l2_error"] < 1e-2 and by_codec["sdp4bit"]["decode_GBps"] > 0
     assert by_codec["none"]["wire_ratio"] == 1.0
     assert 0.9 < by_codec["ciera"]["wire_ratio"] <= 2.0  # exponent reuse saves at most the exponent byte
     assert by_codec["delta"]["wire_ratio"] > 1.0
