@@ -3,7 +3,7 @@
 # all-reduce kernel (decode_sum) and of the delta codec; (2) one-shot vs two-shot compressed all-reduce
 # vs NCCL at ~25 GB/s and NVLink; (3) TACO end to end at TP=2, ~25 GB/s, with `auto` (one-shot at TP=2,
 # probe + in-loop trial), GPT-1.3B and GPT-350M; (4) the delta v2 parameter all-gather vs NCCL at the
-# three link classes; (5) delta with the default benefit selection end to end, GPT-350M DP=2.
+# three link classes, beside SDP4Bit's 4-bit weight differences; (5) delta with the default benefit selection end to end, GPT-350M DP=2.
 # Usage (device machine, repo root): bash scripts/gpu/one_shot_and_delta_gather.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
@@ -24,7 +24,7 @@ for model in gpt_1.3b gpt_350m; do
 done
 for link in nvlink p2p_off sockets; do
   case $link in nvlink) env="";; p2p_off) env="NCCL_P2P_DISABLE=1";; sockets) env="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1";; esac
-  env $env timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/bench_param_gather.py --codecs none delta \
+  env $env timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/bench_param_gather.py --codecs none delta sdp4bit \
     --out $RES/param_gather_delta_v2_$link.json 2>&1 | grep -v -i warn | tail -6; save
 done
 timeout 150 python3 benchmarks/e2e_throughput.py --suite dp2_param_gather --model configs/gpt_350m.yaml \
