@@ -13,12 +13,12 @@ data. The "plain" rows (no rotation, no 8-bit tokens) are the per-tile baseline 
 import argparse
 import json
 import math
-import time
 
 import torch
 
 from benchmarks.taco_codec_ablation import activation_like, gradient_like
 from compression.pp_quant import TahQuantCodec, TahQuantConfig
+from compression.timing import kernel_ms
 
 SETTINGS = {  # name -> TahQuantConfig keywords
     "tahquant_b4_t64": dict(bits=4, tile_size=64, high_bit_fraction=0.125),
@@ -36,16 +36,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def bench_ms(fn, device) -> float:
-    if device == "cuda":
-        import triton.testing
-        return triton.testing.do_bench(fn, return_mode="median")
-    fn()
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
 def sqnr_db(x, y) -> float:
     x, y = x.double(), y.double()
     return 10 * math.log10(x.square().sum() / (x - y).square().sum())
@@ -59,9 +49,9 @@ def bench(tokens: int, hidden: int, name: str, device: str) -> dict:
         wire = codec.encode(x)
         row[f"sqnr_db_{kind}"] = sqnr_db(x, codec.decode(wire, x.numel(), torch.bfloat16).view_as(x))
     row["ratio_vs_bf16"] = 2 * x.numel() / wire.numel()
-    row["copy_ms"] = bench_ms(lambda: x.clone(), device)
-    row["encode_ms"] = bench_ms(lambda: codec.encode(x), device)
-    row["decode_ms"] = bench_ms(lambda: codec.decode(wire, x.numel(), torch.bfloat16), device)
+    row["copy_ms"] = kernel_ms(lambda: x.clone(), device)
+    row["encode_ms"] = kernel_ms(lambda: codec.encode(x), device)
+    row["decode_ms"] = kernel_ms(lambda: codec.decode(wire, x.numel(), torch.bfloat16), device)
     row["encode_vs_copy"] = row["encode_ms"] / row["copy_ms"]
     row["decode_vs_copy"] = row["decode_ms"] / row["copy_ms"]
     return row

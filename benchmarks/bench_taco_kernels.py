@@ -16,13 +16,12 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 
 import torch
 
 from benchmarks.taco_codec_ablation import activation_like
 from compression.taco import TacoCodec, TacoConfig
-from compression.timing import queued_seconds
+from compression.timing import kernel_ms, queued_seconds
 from kernels import taco as K
 
 GOAL_FRACTION, GOAL_FROM_MIB = 0.70, 16
@@ -40,16 +39,6 @@ def parse_args(argv=None):
     p.add_argument("--launch", default="", help="extra launch configs to time, e.g. 4096x8,1024x1 (elements x warps)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, torch reference path, wall-clock timing")
     return p.parse_args(argv)
-
-
-def _bench_ms(fn, device):
-    if device == "cuda":
-        import triton.testing
-        return triton.testing.do_bench(fn, return_mode="median")
-    fn()
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
 
 
 def _input(numel, device):
@@ -85,9 +74,9 @@ def bench_size(codec, mib, device, reference_max_mib):
     problems = verify(codec, x)
     c = codec.config
     in_bytes, wire_bytes = numel * 2, wire.numel()
-    copy_ms = _bench_ms(lambda: x.clone(), device)
-    encode_ms = _bench_ms(lambda: codec.encode(x), device)
-    decode_ms = _bench_ms(lambda: codec.decode(wire, numel, torch.bfloat16), device)
+    copy_ms = kernel_ms(lambda: x.clone(), device)
+    encode_ms = kernel_ms(lambda: codec.encode(x), device)
+    decode_ms = kernel_ms(lambda: codec.decode(wire, numel, torch.bfloat16), device)
     row = dict(mib=mib, numel=numel, wire_bytes=wire_bytes, ratio_vs_bf16=in_bytes / wire_bytes,
                copy_ms=copy_ms, encode_ms=encode_ms, decode_ms=decode_ms, problems=problems,
                copy_gbps=2 * in_bytes / copy_ms / 1e6,
@@ -100,8 +89,8 @@ def bench_size(codec, mib, device, reference_max_mib):
     row["decode_vs_copy"] = row["decode_gbps"] / row["copy_gbps"]
     if mib <= reference_max_mib:
         args = (c.block_size, c.format, c.transform)
-        row["reference_encode_ms"] = _bench_ms(lambda: K.taco_encode_reference(x, *args, c.scaling), device)
-        row["reference_decode_ms"] = _bench_ms(lambda: K.taco_decode_reference(wire, numel, torch.bfloat16, *args), device)
+        row["reference_encode_ms"] = kernel_ms(lambda: K.taco_encode_reference(x, *args, c.scaling), device)
+        row["reference_decode_ms"] = kernel_ms(lambda: K.taco_decode_reference(wire, numel, torch.bfloat16, *args), device)
     return row
 
 
@@ -117,8 +106,8 @@ def launch_sweep(codec, sizes, configs, device):
                 x = _input(numel, device)
                 wire = codec.encode(x)
                 table.append(dict(launch=config, mib=mib, problems=verify(codec, x),
-                                  encode_ms=_bench_ms(lambda: codec.encode(x), device),
-                                  decode_ms=_bench_ms(lambda: codec.decode(wire, numel, torch.bfloat16), device)))
+                                  encode_ms=kernel_ms(lambda: codec.encode(x), device),
+                                  decode_ms=kernel_ms(lambda: codec.decode(wire, numel, torch.bfloat16), device)))
                 print(f"launch {config:>8} {mib:>6g} MiB: encode {table[-1]['encode_ms']:.4f} ms, "
                       f"decode {table[-1]['decode_ms']:.4f} ms {table[-1]['problems'] or ''}")
     finally:

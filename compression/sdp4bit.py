@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from compression.bitpack import pack_bits, unpack_bits
 from compression.codec import ShardCodec, check_block_size
+from compression.shard_gather import PendingGather
 from compression.telemetry import TELEMETRY
 from kernels.taco import fwht_reference
 
@@ -173,19 +174,6 @@ class WeightDiffCodec(ShardCodec):
         return reconstruct(previous, decode_groups(payload.view(1, -1), previous.numel(), c.group_size, c.weight_bits))
 
 
-class _Pending:
-    """Async handle: ``wait()`` finishes the collective, then runs ``finish`` once."""
-
-    def __init__(self, work, finish):
-        self._work, self._finish = work, finish
-
-    def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            self._finish()
-
-
 def replica_checksum(buffer: torch.Tensor) -> torch.Tensor:
     """int64 [1]: sum of (bits + 1) * (2 * index * K + 1), wrapping. The odd weights make any one
     differing value change it; integer sums are order-independent, so equal buffers agree on any device."""
@@ -225,7 +213,7 @@ class WeightDiffGather:
                 self.codec.decode(src, recv[src], slices[src])
 
         if async_op:
-            return _Pending(work, finish)
+            return PendingGather(work, finish)
         finish()
         return None
 
@@ -304,6 +292,6 @@ def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: Ha
         shard.copy_(total / world if average else total)
 
     if async_op:
-        return _Pending(work, finish)
+        return PendingGather(work, finish)
     finish()
     return None

@@ -25,7 +25,7 @@ from compression.telemetry import TELEMETRY
 SIZE_BYTES = 8
 
 
-class _PendingGather:
+class PendingGather:
     """Handle of an asynchronous gather: ``wait()`` finishes the collective, then decodes."""
 
     def __init__(self, work, finish):
@@ -90,7 +90,7 @@ class ShardGather:
                     self.codec.decode(src, chunk, self._own_slice(buffer, src))
 
         if async_op:
-            return _PendingGather(work, finish)
+            return PendingGather(work, finish)
         finish()
         return None
 

@@ -40,6 +40,19 @@ def call_seconds(fn, device: torch.device, repeats: int) -> list:
     return times
 
 
+def kernel_ms(fn, device) -> float:
+    """Median milliseconds of ``fn`` for the kernel benchmarks: ``triton.testing.do_bench`` on CUDA
+    (many repeats, L2 flushed between them), one warmed-up wall-clock call on the CPU."""
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
 def _sleep_rate(device: torch.device) -> float:
     """Cycles per second of ``torch.cuda._sleep`` on ``device``, measured once."""
     index = device.index if device.index is not None else torch.cuda.current_device()
