@@ -38,6 +38,15 @@ PARAM_GATHER = {"baseline": [], "ciera": ["--param-gather-compression", "ciera"]
                 "sdp4bit": ["--param-gather-compression", "sdp4bit"],
                 "sdp4bit_grad": ["--param-gather-compression", "sdp4bit", "--grad-reduce-compression", "hadamard-int8"]}
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+# CIERA's ablation (exponent reuse alone, + benefit selection, + overlap), with the parameter gather exposed
+# (no --overlap-param-gather) unless the variant adds it; delta beside it.
+PARAM_GATHER_ABLATION = {
+    "baseline": [],
+    "ciera_reuse": ["--param-gather-compression", "ciera", "--param-gather-selection", "all"],
+    "ciera_reuse_selection": ["--param-gather-compression", "ciera"],
+    "ciera_reuse_selection_overlap": ["--param-gather-compression", "ciera", "--overlap-param-gather"],
+    "baseline_overlap": ["--overlap-param-gather"],
+    "delta": ["--param-gather-compression", "delta"]}
 
 
 def tp_suite(tp, sequence_parallel=False):
@@ -54,6 +63,7 @@ SUITES = {
     "tp4_taco": tp_suite(4), "tp4_sp_taco": tp_suite(4, True),
     "tp8_taco": tp_suite(8), "tp8_sp_taco": tp_suite(8, True),
     "dp2_param_gather": (2, "pretrain_gpt.py", OVERLAP, PARAM_GATHER),
+    "dp2_param_gather_ablation": (2, "pretrain_gpt.py", ["--overlap-grad-reduce"], PARAM_GATHER_ABLATION),
     "dp8_moe_param_gather": (8, "pretrain_moe.py", OVERLAP, PARAM_GATHER),  # EP via extra flags
 }
 

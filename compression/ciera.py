@@ -11,29 +11,45 @@ parameters. Megatron's distributed optimizer keeps the whole parameter buffer re
 that ``decode`` writes holds the source rank's previous values, so the previous exponents are read
 from it and no extra receiver memory is needed.
 
-Payload (uint8, little endian):
+Payload (uint8, little endian), format version 2: fixed-size sections first, the variable one last,
+each section starting 16-byte aligned (zero padding) so that kernels write it with vector stores:
   header, 32 bytes:
     [0:2] magic b"CE" | [2] version | [3] flags (bit 0 keyframe, bit 1 exponents rANS-coded)
     [4] log2(block_size) | [5] dtype (0 bf16, 1 fp16) | [6:8] zero
     [8:16] numel (i64) | [16:24] changed blocks (i64) | [24:32] exponent-section bytes (i64)
-  bitmap: one bit per block (LSB first), ceil(nblocks / 8) bytes
-  exponents of the changed blocks (last block zero-padded), as a field of exp_bits (see pack_field)
-    or rANS-coded bytes (compression/ans.py) when that is smaller
-  sign+mantissa of all numel values, as a field of 1 + mant_bits
-A keyframe (first payload after construction or ``reset()``) marks every block changed.
+  bitmap: one bit per block (LSB first), ceil(nblocks / 8) bytes, zero-padded to a multiple of 16
+  sign+mantissa of all numel values, as a field of 1 + mant_bits (see pack_field; bf16: one byte per
+    value), zero-padded to a multiple of 16
+  exponents of the changed blocks (last block zero-padded), as a field of exp_bits, or rANS-coded
+    bytes (compression/ans.py) when that is smaller; the payload ends with this section
+A keyframe (first payload after construction or ``reset()``) marks every block changed. An empty
+shard's payload is the header alone.
+
+CUDA path (bf16, block_size <= 8192): the codec keeps one payload buffer of the largest size (every
+block changed) per shard size and returns a view of it, so a payload is valid only until the next
+``encode`` of the same codec (compression/shard_gather.py copies it into its send buffer at once).
+Encode: split kernel (sign+mantissa into the payload, exponents compared with and written over the
+sender state, changed flags), prefix sum, gather kernel (bitmap, changed exponents), then ONE host
+sync to read the changed-block count (the payload size) and a 32-byte pinned copy of the header.
+Decode: one sync to read the header, then unpack + prefix sum + merge kernels reading the payload in
+place. Elsewhere (CPU, fp16, larger blocks) the same bytes come from plain PyTorch.
 """
 
+import struct
 from dataclasses import dataclass
 
 import torch
 
 from compression import ans
 from compression.codec import ShardCodec, check_block_size
-from kernels.ciera import LAYOUTS, merge_blocks, split_compare
+from kernels import ciera as kernels
+from kernels.ciera import LAYOUTS, merge_blocks_reference, split_compare_reference
 
-MAGIC = (ord("C"), ord("E"))
-VERSION = 1
-HEADER_BYTES = 32
+MAGIC = b"CE"
+VERSION = 2
+HEADER = struct.Struct("<2sBBBB2xqqq")  # magic, version, flags, log2(block), dtype, numel, changed, exp bytes
+HEADER_BYTES = HEADER.size
+ALIGN = 16  # every section starts 16-byte aligned
 FLAG_KEYFRAME, FLAG_ANS = 1, 2
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -128,7 +144,33 @@ def block_hashes(exp: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.stack(out, dim=1)
 
 
-# ---- the codec
+# ---- payload sections
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _pad(section: torch.Tensor) -> torch.Tensor:
+    pad = _aligned(section.numel()) - section.numel()
+    return torch.cat([section, section.new_zeros(pad)]) if pad else section
+
+
+@dataclass(frozen=True)
+class Sections:
+    """Byte offsets of a payload's sections (the bitmap starts at HEADER_BYTES); ``capacity`` is the
+    payload size when every block changed and the exponents are raw."""
+
+    sm: int
+    exp: int
+    capacity: int
+
+
+def sections(numel: int, block_size: int, layout) -> Sections:
+    nblocks = -(-numel // block_size)
+    sm = HEADER_BYTES + _aligned(field_nbytes(nblocks, 1))
+    exp = sm + _aligned(field_nbytes(numel, layout.sm_bits))
+    return Sections(sm, exp, exp + field_nbytes(nblocks * block_size, layout.exp_bits))
+
 
 def _layout(dtype: torch.dtype):
     if dtype not in LAYOUTS:
@@ -137,16 +179,19 @@ def _layout(dtype: torch.dtype):
     return LAYOUTS[dtype]
 
 
-def _header(flags: int, block_size: int, dtype, numel: int, n_changed: int, exp_bytes: int, device):
-    tag = torch.tensor([*MAGIC, VERSION, flags, block_size.bit_length() - 1, DTYPE_CODES[dtype], 0, 0],
-                       dtype=torch.uint8)
-    sizes = torch.tensor([numel, n_changed, exp_bytes], dtype=torch.int64).view(torch.uint8)
-    return torch.cat([tag, sizes]).to(device)
+def _header(flags: int, block_size: int, dtype, numel: int, n_changed: int, exp_bytes: int) -> torch.Tensor:
+    """The 32 header bytes, on the CPU."""
+    packed = HEADER.pack(MAGIC, VERSION, flags, block_size.bit_length() - 1, DTYPE_CODES[dtype], numel,
+                         n_changed, exp_bytes)
+    return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
 
+
+# ---- the codec
 
 class CieraCodec(ShardCodec):
     """One instance per bucket on every rank; encodes this rank's shard, decodes every rank's payload.
-    ``last_stats`` holds the block counts of the last ``encode`` (see compression/shard_gather.py)."""
+    ``last_stats`` holds the block counts of the last ``encode`` (see compression/shard_gather.py).
+    On the CUDA path a returned payload is a view of the codec's buffer, valid until its next encode."""
 
     name = "ciera"
     lossless = True
@@ -157,6 +202,7 @@ class CieraCodec(ShardCodec):
         self.world_size = world_size
         self.rank = rank
         self.last_stats = {}
+        self._payload = None  # CUDA path's payload buffer: scratch, kept across reset()
         self.reset()
 
     def reset(self) -> None:
@@ -164,20 +210,12 @@ class CieraCodec(ShardCodec):
         self._numel = None
         self._synced = set()  # source ranks whose keyframe this rank has decoded
 
-    def _changed_blocks(self, bits, layout):
-        """Split and detect the changed blocks; updates the sender state."""
-        B, keyframe = self.config.block_size, self._prev is None
-        if self.config.change_detect == "compare":
-            exp, sm, changed = split_compare(bits, None if keyframe else self._prev, B, layout)
-            self._prev = exp
-        else:
-            exp, sm, _ = split_compare(bits, None, B, layout)
-            hashes = block_hashes(exp, B)
-            changed = None if keyframe else (hashes != self._prev).any(dim=1)
-            self._prev = hashes
-        if keyframe:
-            changed = torch.ones(exp.numel() // B, dtype=torch.bool, device=exp.device)
-        return exp, sm, changed, keyframe
+    def _hash_changed(self, exp, keyframe: bool):
+        """Hash mode: the blocks whose hash differs from the previous one (None on a keyframe)."""
+        hashes = block_hashes(exp, self.config.block_size)
+        changed = None if keyframe else (hashes != self._prev).any(dim=1)
+        self._prev = hashes
+        return changed
 
     def _exponent_section(self, exp_changed, layout):
         raw = pack_field(exp_changed, layout.exp_bits)
@@ -189,48 +227,109 @@ class CieraCodec(ShardCodec):
 
     def encode(self, shard: torch.Tensor) -> torch.Tensor:
         layout = _layout(shard.dtype)
-        B, n = self.config.block_size, shard.numel()
+        n = shard.numel()
         if self._prev is not None and n != self._numel:
             raise RuntimeError(f"CieraCodec encodes one bucket shard of fixed size: got {n} values after "
                                f"{self._numel}; call reset() on every rank first")
         self._numel = n
-        exp, sm, changed, keyframe = self._changed_blocks(shard.reshape(-1).view(torch.int16), layout)
+        bits = shard.reshape(-1).view(torch.int16)
+        keyframe = self._prev is None
+        if kernels.use_triton(bits, self.config.block_size, layout):
+            return self._encode_fused(bits, shard.dtype, layout, keyframe)
+        return self._encode_reference(bits, shard.dtype, layout, keyframe)
+
+    def _encode_reference(self, bits, dtype, layout, keyframe: bool) -> torch.Tensor:
+        """Plain PyTorch: the CPU path and the oracle of the fused one."""
+        B, n = self.config.block_size, bits.numel()
+        compare = self.config.change_detect == "compare"
+        exp, sm, changed = split_compare_reference(bits, self._prev if compare else None, B, layout)
+        if compare:
+            self._prev = exp
+        else:
+            changed = self._hash_changed(exp, keyframe)
+        if keyframe:
+            changed = torch.ones(exp.numel() // B, dtype=torch.bool, device=bits.device)
         exp_changed = exp.view(-1, B)[changed].view(-1)
         n_changed = exp_changed.numel() // B
-        exp_section, flags = self._exponent_section(exp_changed, layout)
-        flags |= FLAG_KEYFRAME if keyframe else 0
+        exp_section, coder_flag = self._exponent_section(exp_changed, layout)
         self.last_stats = {"blocks_total": changed.numel(), "blocks_changed": n_changed}
-        header = _header(flags, B, shard.dtype, n, n_changed, exp_section.numel(), shard.device)
-        return torch.cat([header, pack_field(changed, 1), exp_section, pack_field(sm[:n], layout.sm_bits)])
+        header = _header(coder_flag | (FLAG_KEYFRAME if keyframe else 0), B, dtype, n, n_changed,
+                         exp_section.numel())
+        return torch.cat([header.to(bits.device), _pad(pack_field(changed, 1)),
+                          _pad(pack_field(sm[:n], layout.sm_bits)), exp_section])
+
+    def _payload_buffer(self, capacity: int, device) -> torch.Tensor:
+        if self._payload is None or self._payload.numel() != capacity or self._payload.device != device:
+            self._payload = torch.zeros(capacity, dtype=torch.uint8, device=device)  # padding stays zero
+        return self._payload
+
+    def _encode_fused(self, bits, dtype, layout, keyframe: bool) -> torch.Tensor:
+        """bf16 on CUDA: the kernels write the sections in place of the payload buffer."""
+        B, n = self.config.block_size, bits.numel()
+        sec = sections(n, B, layout)
+        payload = self._payload_buffer(sec.capacity, bits.device)
+        npad = -(-n // B) * B
+        compare = self.config.change_detect == "compare"
+        if compare and keyframe:
+            self._prev = torch.empty(npad, dtype=torch.uint8, device=bits.device)
+        exp = self._prev if compare else torch.empty(npad, dtype=torch.uint8, device=bits.device)
+        flags = kernels.split_blocks(bits, exp, compare and not keyframe, payload[sec.sm:], B)
+        if not compare:
+            changed = self._hash_changed(exp, keyframe)
+            flags = flags if changed is None else changed.to(torch.int32)
+        ranks = torch.cumsum(flags, 0, dtype=torch.int32)
+        kernels.gather_exponents(flags, ranks, exp, payload[HEADER_BYTES:sec.sm], payload[sec.exp:], B)
+        n_changed = int(ranks[-1])  # the one host sync: it sizes the payload
+        raw = payload[sec.exp:sec.exp + n_changed * B]
+        exp_section, coder_flag = self._exponent_section(raw, layout)
+        if coder_flag:
+            raw[:exp_section.numel()].copy_(exp_section)
+        self.last_stats = {"blocks_total": flags.numel(), "blocks_changed": n_changed}
+        header = _header(coder_flag | (FLAG_KEYFRAME if keyframe else 0), B, dtype, n, n_changed,
+                         exp_section.numel())
+        payload[:HEADER_BYTES].copy_(header.pin_memory() if payload.is_cuda else header, non_blocking=True)
+        return payload[:sec.exp + exp_section.numel()]
 
     def _parse_header(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor):
-        head = payload[:HEADER_BYTES].cpu().clone()  # own storage: the int64 view needs alignment
-        tag = head[:8].tolist()
-        numel, n_changed, exp_bytes = head[8:].view(torch.int64).tolist()
-        if tuple(tag[:2]) != MAGIC or tag[2] != VERSION:
-            raise RuntimeError(f"CIERA payload from rank {src_rank} has a bad magic/version {tag[:3]}")
-        if 1 << tag[4] != self.config.block_size or tag[5] != DTYPE_CODES[out.dtype] or numel != out.numel():
-            raise RuntimeError(f"CIERA payload from rank {src_rank} (block 2^{tag[4]}, dtype code {tag[5]}, "
+        if payload.numel() < HEADER_BYTES:
+            raise RuntimeError(f"CIERA payload from rank {src_rank} has {payload.numel()} bytes, less than a header")
+        head = payload[:HEADER_BYTES].cpu().numpy().tobytes()  # the decode's one host sync
+        magic, version, flags, log2_block, dtype_code, numel, n_changed, exp_bytes = HEADER.unpack(head)
+        if magic != MAGIC or version != VERSION:
+            raise RuntimeError(f"CIERA payload from rank {src_rank} has a bad magic/version {magic!r}/{version}")
+        if 1 << log2_block != self.config.block_size or dtype_code != DTYPE_CODES[out.dtype] or numel != out.numel():
+            raise RuntimeError(f"CIERA payload from rank {src_rank} (block 2^{log2_block}, dtype code {dtype_code}, "
                                f"numel {numel}) does not match this rank's bucket slice "
                                f"(block {self.config.block_size}, {out.dtype}, numel {out.numel()})")
-        keyframe = bool(tag[3] & FLAG_KEYFRAME)
-        if not keyframe and src_rank not in self._synced:
+        if not flags & FLAG_KEYFRAME and src_rank not in self._synced:
             raise RuntimeError(f"CIERA delta payload from rank {src_rank} before any keyframe: "
                                "all ranks must reset() together")
-        return tag[3], numel, n_changed, exp_bytes
+        return flags, numel, n_changed, exp_bytes
 
     def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor) -> None:
         layout = _layout(out.dtype)
         flags, n, n_changed, exp_bytes = self._parse_header(src_rank, payload, out)
         B = self.config.block_size
-        nblocks = -(-n // B)
-        pos = HEADER_BYTES + field_nbytes(nblocks, 1)
-        changed = unpack_field(payload[HEADER_BYTES:pos], nblocks, 1).bool()
-        exp_section = payload[pos:pos + exp_bytes]
-        if flags & FLAG_ANS:
-            exp_changed = ans.decode(exp_section, n_changed * B)
+        sec = sections(n, B, layout)
+        if payload.numel() != sec.exp + exp_bytes:
+            raise RuntimeError(f"CIERA payload from rank {src_rank} has {payload.numel()} bytes, its header "
+                               f"says {sec.exp + exp_bytes}")
+        exp_section = payload[sec.exp:]
+        exps = ans.decode(exp_section, n_changed * B) if flags & FLAG_ANS else None
+        bits = out.view(torch.int16)
+        if kernels.use_triton(bits, B, layout):
+            exps = exp_section if exps is None else exps
+            kernels.merge_payload(bits, payload[HEADER_BYTES:sec.sm], payload[sec.sm:sec.exp], exps, B)
         else:
-            exp_changed = unpack_field(exp_section, n_changed * B, layout.exp_bits).to(torch.uint8)
-        sm = unpack_field(payload[pos + exp_bytes:], n, layout.sm_bits).to(layout.sm_dtype)
-        merge_blocks(out.view(torch.int16), changed, exp_changed, sm, B, layout)
+            if exps is None:
+                exps = unpack_field(exp_section, n_changed * B, layout.exp_bits).to(torch.uint8)
+            self._merge_reference(payload, sec, exps, bits, layout)
         self._synced.add(src_rank)
+
+    def _merge_reference(self, payload, sec: Sections, exps, bits, layout) -> None:
+        B, n = self.config.block_size, bits.numel()
+        nblocks = -(-n // B)
+        changed = unpack_field(payload[HEADER_BYTES:HEADER_BYTES + field_nbytes(nblocks, 1)], nblocks, 1).bool()
+        sm_field = payload[sec.sm:sec.sm + field_nbytes(n, layout.sm_bits)]
+        sm = unpack_field(sm_field, n, layout.sm_bits).to(layout.sm_dtype)
+        bits.copy_(merge_blocks_reference(bits, changed, exps, sm, B, layout))

@@ -76,7 +76,7 @@ class ShardGather:
         shard = self._own_slice(buffer, self.rank)
         payload = self.codec.encode(shard)
         sizes = self._exchange_sizes(payload)
-        width = max(sizes)
+        width = -(-max(sizes) // 16) * 16  # 16-byte aligned chunks: the decoders' vector loads stay aligned
         send = torch.zeros(width, dtype=torch.uint8, device=buffer.device)
         send[:payload.numel()] = payload
         recv = torch.empty(width * self.world_size, dtype=torch.uint8, device=buffer.device)

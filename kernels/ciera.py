@@ -1,5 +1,5 @@
 """CIERA bit-field kernels: split 16-bit floats into exponent and sign+mantissa, detect which blocks'
-exponents changed, and merge them back.
+exponents changed, gather the changed blocks' exponents into a payload, and merge them back.
 
 Bit layouts (a value's bits read as an unsigned 16-bit word):
   bf16: sign 15 | exponent 14..7 (8 bits) | mantissa 6..0 (7 bits)  -> sign+mantissa fits one byte
@@ -7,8 +7,15 @@ Bit layouts (a value's bits read as an unsigned 16-bit word):
 sign+mantissa is ``sign << mant_bits | mantissa``. Splitting and merging only move bits, so every
 value (NaN payloads, +-Inf, -0.0, subnormals) survives exactly.
 
-``split_compare`` and ``merge_blocks`` dispatch to fused Triton kernels for bf16 on CUDA and to the
-plain-PyTorch ``*_reference`` functions otherwise; the references are the CPU path and the test oracle.
+The plain-PyTorch ``*_reference`` functions are the CPU path and the test oracle (compression/ciera.py
+assembles its payload from them). For bf16 on CUDA the codec instead runs three fused Triton kernels
+that read and write the payload sections in place (see compression/ciera.py for the layout):
+  encode: ``split_blocks`` (sign+mantissa into the payload, exponents into the sender state, a changed
+          flag per block), a prefix sum of the flags, ``gather_exponents`` (bitmap bytes, and each
+          changed block's exponents into its slot: rank among the changed blocks * block_size);
+  decode: ``merge_payload`` (bitmap -> flags, prefix sum, then one merge kernel writing the output).
+A program handles a [blocks_per_program, block_size] tile of about ``TILE_VALUES`` values, more than
+the ``NUM_WARPS`` warps' threads, so every value belongs to exactly one thread.
 """
 
 from dataclasses import dataclass
@@ -38,6 +45,9 @@ class FloatLayout:
 
 LAYOUTS = {torch.bfloat16: FloatLayout(8, 7), torch.float16: FloatLayout(5, 10)}
 MAX_TRITON_BLOCK = 8192
+TILE_VALUES = 4096  # values per program (several blocks); >= 32 * NUM_WARPS
+NUM_WARPS = 8
+UNPACK_TILE = 1024  # blocks per program of the bitmap unpacking kernel
 
 
 def _words(bits: torch.Tensor) -> torch.Tensor:
@@ -80,73 +90,115 @@ def merge_blocks_reference(out_bits, changed, new_exp, sm, block_size: int, layo
 if triton is not None:
 
     @triton.jit
-    def _split_compare_bf16_kernel(bits_ptr, prev_ptr, exp_ptr, sm_ptr, changed_ptr, n,
-                                   BLOCK: tl.constexpr, COMPARE: tl.constexpr):
-        block = tl.program_id(0)
-        offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        w = tl.load(bits_ptr + offs, mask=offs < n, other=0).to(tl.int32) & 0xFFFF
+    def _split_blocks_kernel(bits_ptr, exp_ptr, sm_ptr, flags_ptr, n, npad, nblocks,
+                             B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr):
+        rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
+        offs = rows.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :]
+        in_shard = offs < n
+        w = tl.load(bits_ptr + offs, mask=in_shard, other=0).to(tl.int32) & 0xFFFF
         exp = (w >> 7) & 0xFF
-        sm = ((w >> 8) & 0x80) | (w & 0x7F)
-        tl.store(exp_ptr + offs, exp.to(tl.uint8))
-        tl.store(sm_ptr + offs, sm.to(tl.uint8))
+        tl.store(sm_ptr + offs, (((w >> 8) & 0x80) | (w & 0x7F)).to(tl.uint8), mask=in_shard)
         if COMPARE:
-            prev = tl.load(prev_ptr + offs).to(tl.int32)
-            diff = tl.max((exp != prev).to(tl.int32), axis=0)
-            tl.store(changed_ptr + block, diff.to(tl.int8))
+            prev = tl.load(exp_ptr + offs, mask=offs < npad, other=0).to(tl.int32)
+            changed = tl.max((exp != prev).to(tl.int32), axis=1)
+            tl.debug_barrier()  # every previous exponent is read before it is overwritten
+        else:
+            changed = tl.full([BPP], 1, tl.int32)
+        tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=offs < npad)
+        tl.store(flags_ptr + rows, changed, mask=rows < nblocks)
 
     @triton.jit
-    def _merge_bf16_kernel(out_ptr, changed_ptr, slot_ptr, new_exp_ptr, sm_ptr, n, BLOCK: tl.constexpr):
-        block = tl.program_id(0)
-        offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        old = tl.load(out_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        exp = (old >> 7) & 0xFF
-        if tl.load(changed_ptr + block) != 0:
-            slot = tl.load(slot_ptr + block).to(tl.int64)
-            exp = tl.load(new_exp_ptr + slot * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
-        sm = tl.load(sm_ptr + offs, mask=mask, other=0).to(tl.int32)
+    def _gather_exponents_kernel(flags_ptr, ranks_ptr, exp_ptr, bitmap_ptr, out_exp_ptr, nblocks,
+                                 B: tl.constexpr, BPP: tl.constexpr, BITMAP_BYTES: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BPP + tl.arange(0, BPP)
+        row_ok = rows < nblocks
+        changed = tl.load(flags_ptr + rows, mask=row_ok, other=0) != 0
+        slot = tl.load(ranks_ptr + rows, mask=row_ok, other=1).to(tl.int64) - 1  # ranks: inclusive sum
+        cols = tl.arange(0, B)[None, :]
+        copy = changed[:, None] & (cols < B)
+        exp = tl.load(exp_ptr + rows.to(tl.int64)[:, None] * B + cols, mask=copy)
+        tl.store(out_exp_ptr + slot[:, None] * B + cols, exp, mask=copy)
+        # The bitmap bytes whose first block is one of this program's (none if BPP < 8 and pid*BPP % 8).
+        byte = (pid * BPP + 7) // 8 + tl.arange(0, BITMAP_BYTES)
+        bit_rows = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
+        bits = tl.load(flags_ptr + bit_rows, mask=bit_rows < nblocks, other=0)
+        value = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
+        tl.store(bitmap_ptr + byte, value.to(tl.uint8), mask=(byte * 8 < (pid + 1) * BPP) & (byte * 8 < nblocks))
+
+    @triton.jit
+    def _unpack_bits_kernel(bitmap_ptr, flags_ptr, nblocks, TILE: tl.constexpr):
+        rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
+        ok = rows < nblocks
+        byte = tl.load(bitmap_ptr + rows // 8, mask=ok, other=0).to(tl.int32)
+        tl.store(flags_ptr + rows, (byte >> (rows % 8)) & 1, mask=ok)
+
+    @triton.jit
+    def _merge_kernel(out_ptr, bitmap_ptr, ranks_ptr, sm_ptr, exp_ptr, n, nblocks,
+                      B: tl.constexpr, BPP: tl.constexpr):
+        rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
+        row_ok = rows < nblocks
+        byte = tl.load(bitmap_ptr + rows // 8, mask=row_ok, other=0).to(tl.int32)
+        bit = ((byte >> (rows % 8)) & 1)[:, None]
+        slot = tl.load(ranks_ptr + rows, mask=row_ok, other=1).to(tl.int64) - 1
+        cols = tl.arange(0, B)[None, :]
+        offs = rows.to(tl.int64)[:, None] * B + cols
+        in_shard = offs < n
+        new = tl.load(exp_ptr + slot[:, None] * B + cols, mask=(bit != 0) & in_shard, other=0).to(tl.int32)
+        old = tl.load(out_ptr + offs, mask=(bit == 0) & in_shard, other=0).to(tl.int32)
+        exp = tl.where(bit != 0, new, (old >> 7) & 0xFF)
+        sm = tl.load(sm_ptr + offs, mask=in_shard, other=0).to(tl.int32)
         w = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
-        tl.store(out_ptr + offs, w.to(tl.int16), mask=mask)
+        tl.store(out_ptr + offs, w.to(tl.int16), mask=in_shard)
 
 
-def _use_triton(bits: torch.Tensor, block_size: int, layout: FloatLayout) -> bool:
+def use_triton(bits: torch.Tensor, block_size: int, layout: FloatLayout) -> bool:
+    """Whether the fused kernels serve this (contiguous, non-empty) bf16 tensor on CUDA."""
     return (triton is not None and bits.is_cuda and layout == LAYOUTS[torch.bfloat16]
-            and block_size <= MAX_TRITON_BLOCK)
+            and block_size <= MAX_TRITON_BLOCK and bits.numel() > 0 and bits.is_contiguous())
 
 
-def split_compare_triton(bits, prev_exp, block_size: int):
-    """Fused bf16 split + per-block exponent comparison (same contract as the reference)."""
-    n = bits.numel()
+def _blocks_per_program(block_size: int) -> int:
+    return max(1, TILE_VALUES // block_size)
+
+
+def _grid(nblocks: int, block_size: int) -> tuple:
+    return (triton.cdiv(nblocks, _blocks_per_program(block_size)),)
+
+
+def split_blocks(bits, exp, compare: bool, sm_out, block_size: int) -> torch.Tensor:
+    """bf16 ``bits`` (int16 [n]): sign+mantissa bytes into ``sm_out[:n]``, exponents into ``exp``
+    (uint8 [nblocks * block_size], zero-padded) after comparing them with the previous exponents that
+    ``exp`` holds if ``compare``. Returns int32 [nblocks] flags: 1 where a block changed (all if not
+    ``compare``). Equals ``split_compare_reference``."""
+    nblocks = exp.numel() // block_size
+    flags = torch.empty(nblocks, dtype=torch.int32, device=bits.device)
+    _split_blocks_kernel[_grid(nblocks, block_size)](
+        bits, exp, sm_out, flags, bits.numel(), exp.numel(), nblocks, B=block_size,
+        BPP=_blocks_per_program(block_size), COMPARE=compare, num_warps=NUM_WARPS)
+    return flags
+
+
+def gather_exponents(flags, ranks, exp, bitmap_out, exp_out, block_size: int) -> None:
+    """Write the bitmap of ``flags`` (one bit per block, LSB first) into ``bitmap_out`` and copy the
+    exponents of each changed block of ``exp`` to ``exp_out[slot * block_size:]``, slot = its rank
+    among the changed blocks (``ranks``: inclusive prefix sum of ``flags``)."""
+    nblocks = flags.numel()
+    bpp = _blocks_per_program(block_size)
+    _gather_exponents_kernel[_grid(nblocks, block_size)](
+        flags, ranks, exp, bitmap_out, exp_out, nblocks, B=block_size, BPP=bpp,
+        BITMAP_BYTES=max(1, bpp // 8), num_warps=NUM_WARPS)
+
+
+def merge_payload(out_bits, bitmap, sm, exps, block_size: int) -> None:
+    """Merge in place of ``out_bits`` (int16 [n], the previous bf16 values): blocks flagged in
+    ``bitmap`` take their exponents from ``exps`` (the changed blocks in order), the others keep
+    theirs; sign+mantissa from ``sm`` (uint8 [n]). Equals ``merge_blocks_reference``."""
+    n = out_bits.numel()
     nblocks = -(-n // block_size)
-    exp = torch.empty(nblocks * block_size, dtype=torch.uint8, device=bits.device)
-    sm = torch.empty_like(exp)
-    changed = torch.empty(nblocks, dtype=torch.int8, device=bits.device)
-    compare = prev_exp is not None
-    if nblocks:
-        _split_compare_bf16_kernel[(nblocks,)](bits, prev_exp if compare else exp, exp, sm, changed, n,
-                                               BLOCK=block_size, COMPARE=compare)
-    return exp, sm, changed.bool() if compare else None
-
-
-def merge_blocks_triton(out_bits, changed, new_exp, sm, block_size: int):
-    """Fused bf16 merge in place of ``out_bits`` (same result as the reference)."""
-    nblocks = changed.numel()
-    slots = torch.cumsum(changed.to(torch.int32), 0) - changed.to(torch.int32)
-    if nblocks:
-        _merge_bf16_kernel[(nblocks,)](out_bits, changed.to(torch.int8), slots, new_exp, sm,
-                                       out_bits.numel(), BLOCK=block_size)
-    return out_bits
-
-
-def split_compare(bits, prev_exp, block_size: int, layout: FloatLayout):
-    if _use_triton(bits, block_size, layout):
-        return split_compare_triton(bits, prev_exp, block_size)
-    return split_compare_reference(bits, prev_exp, block_size, layout)
-
-
-def merge_blocks(out_bits, changed, new_exp, sm, block_size: int, layout: FloatLayout) -> None:
-    """Write the merged values into ``out_bits`` in place."""
-    if _use_triton(out_bits, block_size, layout) and out_bits.is_contiguous():
-        merge_blocks_triton(out_bits, changed, new_exp, sm, block_size)
-    else:
-        out_bits.copy_(merge_blocks_reference(out_bits, changed, new_exp, sm, block_size, layout))
+    flags = torch.empty(nblocks, dtype=torch.int32, device=out_bits.device)
+    _unpack_bits_kernel[(triton.cdiv(nblocks, UNPACK_TILE),)](bitmap, flags, nblocks, TILE=UNPACK_TILE)
+    ranks = torch.cumsum(flags, 0, dtype=torch.int32)
+    _merge_kernel[_grid(nblocks, block_size)](
+        out_bits, bitmap, ranks, sm, exps, n, nblocks, B=block_size, BPP=_blocks_per_program(block_size),
+        num_warps=NUM_WARPS)

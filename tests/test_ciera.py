@@ -1,6 +1,8 @@
-"""CIERA codec: bit-exact round trips over multi-step sequences, hash == compare, raw == ans, the rANS
-coder, the block hash, and the Triton kernels against their references (TRITON_INTERPRET=1)."""
+"""CIERA codec: bit-exact round trips over multi-step sequences, hash == compare, raw == ans, the payload
+layout (format version 2), the rANS coder, the block hash, the fused Triton path against the plain-PyTorch
+path byte for byte (TRITON_INTERPRET=1), and the kernel benchmark's CPU dry run."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,28 +11,39 @@ import pytest
 import torch
 
 from compression import ans
-from compression.ciera import HEADER_BYTES, CieraCodec, CieraConfig, block_hashes, field_nbytes
+from compression.ciera import HEADER_BYTES, VERSION, CieraCodec, CieraConfig, block_hashes, field_nbytes, sections
+from kernels.ciera import LAYOUTS
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 64
 N = 65536 + 37  # every 16-bit pattern (NaN payloads, +-Inf, -0.0, subnormals) plus a partial block
 EXP_SHIFT = {torch.bfloat16: 7, torch.float16: 10}
+# -0.0, 0, +-Inf, NaNs with payloads, the smallest subnormal (bf16 and fp16 patterns)
+SPECIALS = [0x8000, 0, 0x7F80, 0xFF80, 0x7FC1, 0xFFA5, 1, 0x7C00, 0xFC00, 0x7E01, 0x8001]
 
 
 def _bits(x):
     return x.view(torch.int16)
 
 
-def _sequence(dtype):
+def _patterns(n, g):
+    """n 16-bit patterns: every one if n >= 65536 (the rest random), else a random subset; SPECIALS first."""
+    unique = torch.randperm(65536, generator=g)[:n] - 32768
+    extra = torch.randint(-32768, 32768, (n - unique.numel(),), generator=g)
+    words = torch.cat([unique, extra])
+    words[:len(SPECIALS)] = torch.tensor(SPECIALS)
+    return words.to(torch.int16)
+
+
+def _sequence(dtype, n=N):
     """Shards of one codec's life: keyframe, unchanged, small updates, every exponent changed."""
     g = torch.Generator().manual_seed(0)
-    all_patterns = torch.cat([torch.arange(-32768, 32768, dtype=torch.int32),
-                              torch.randint(-32768, 32768, (37,), generator=g, dtype=torch.int32)])
-    first = all_patterns.to(torch.int16).view(dtype)
+    first = _patterns(n, g).view(dtype)
     yield first
     yield first.clone()
-    master = torch.randn(N, generator=g) * 0.02
+    master = torch.randn(n, generator=g) * 0.02
     for _ in range(3):
-        master += torch.randn(N, generator=g) * 2e-4
+        master += torch.randn(n, generator=g) * 2e-4
         yield master.to(dtype)
     yield (_bits(master.to(dtype)) ^ (1 << EXP_SHIFT[dtype])).view(dtype)  # flip an exponent bit
 
@@ -66,9 +79,33 @@ def test_payload_layout_sizes(dtype):
     shard = torch.randn(1000).to(dtype)
     sm_bits, exp_bits = (8, 8) if dtype == torch.bfloat16 else (11, 5)
     nblocks = -(-1000 // BLOCK)
-    fixed = HEADER_BYTES + field_nbytes(nblocks, 1) + field_nbytes(1000, sm_bits)
-    assert codec.encode(shard).numel() == fixed + field_nbytes(nblocks * BLOCK, exp_bits)
-    assert codec.encode(shard).numel() == fixed  # nothing changed: no exponents at all
+    sec = sections(1000, BLOCK, LAYOUTS[dtype])
+    assert sec.sm == HEADER_BYTES + 16  # 2 bitmap bytes, padded to 16
+    assert sec.exp == sec.sm + -(-field_nbytes(1000, sm_bits) // 16) * 16
+    assert codec.encode(shard).numel() == sec.exp + field_nbytes(nblocks * BLOCK, exp_bits) == sec.capacity
+    assert codec.encode(shard).numel() == sec.exp  # nothing changed: no exponents at all
+
+
+def test_bf16_payload_bytes():
+    """Version 2, byte by byte: header | bitmap | sign+mantissa | exponents of the changed blocks."""
+    g = torch.Generator().manual_seed(5)
+    n = 1000
+    shard = (torch.randn(n, generator=g) * 0.02).bfloat16()
+    codec = CieraCodec(CieraConfig(BLOCK), 1, 0)
+    codec.encode(shard)
+    new = shard.clone()
+    new[70] *= 4  # exponent of block 1 changes; blocks 1 and 15 (the partial one) change
+    new[n - 1] = -new[n - 1] * 1024
+    payload = codec.encode(new)
+    sec = sections(n, BLOCK, LAYOUTS[torch.bfloat16])
+    assert payload[:8].tolist() == [ord("C"), ord("E"), VERSION, 0, 6, 0, 0, 0]
+    assert payload[8:32].clone().view(torch.int64).tolist() == [n, 2, 2 * BLOCK]
+    assert payload[32:34].tolist() == [0b10, 0b10000000] and not payload[34:sec.sm].any()
+    w = new.view(torch.int16).to(torch.int32) & 0xFFFF
+    assert torch.equal(payload[sec.sm:sec.sm + n], (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8))
+    assert not payload[sec.sm + n:sec.exp].any()
+    exp = torch.nn.functional.pad((w >> 7) & 0xFF, (0, 16 * BLOCK - n)).view(16, BLOCK)[[1, 15]]
+    assert torch.equal(payload[sec.exp:], exp.to(torch.uint8).view(-1))
 
 
 def test_raw_and_ans_decode_identically_and_ans_is_smaller():
@@ -108,6 +145,9 @@ def test_empty_shard_and_errors():
         receiver.decode(0, sender.encode(x), torch.zeros_like(x))
     with pytest.raises(RuntimeError, match="fixed size"):
         sender.encode(x[:10])
+    with pytest.raises(RuntimeError, match="its header says"):
+        CieraCodec(CieraConfig(BLOCK), 2, 1).decode(0, CieraCodec(CieraConfig(BLOCK), 2, 0).encode(x)[:-1],
+                                                    torch.zeros_like(x))
     with pytest.raises(RuntimeError, match="does not match"):
         receiver.decode(0, CieraCodec(CieraConfig(BLOCK), 2, 0).encode(x), torch.zeros(301, dtype=torch.bfloat16))
 
@@ -150,45 +190,78 @@ def test_ans_round_trip(n):
         assert ans.encode(skewed).numel() < 0.5 * n
 
 
-def _check_triton_matches_reference():
+def _fused_on_cpu(bits, block_size, layout):
+    """kernels.ciera.use_triton without the CUDA requirement (the interpreter runs CPU tensors)."""
     from kernels import ciera as k
 
-    layout = k.LAYOUTS[torch.bfloat16]
-    g = torch.Generator().manual_seed(3)
-    for n in (1, 1000):
-        bits = torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(torch.int16)
-        prev, _, _ = k.split_compare_reference(bits, None, BLOCK, layout)
-        prev[::97] ^= 1  # some blocks changed, some not
-        ref = k.split_compare_reference(bits, prev, BLOCK, layout)
-        tri = k.split_compare_triton(bits, prev, BLOCK)
-        for a, b in zip(ref, tri):
-            assert torch.equal(a, b)
-        new_exp = torch.randint(0, 256, (int(ref[2].sum()) * BLOCK,), generator=g, dtype=torch.uint8)
-        old = torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(torch.int16)
-        want = k.merge_blocks_reference(old, ref[2], new_exp, ref[1], BLOCK, layout)
-        assert torch.equal(k.merge_blocks_triton(old.clone(), ref[2], new_exp, ref[1], BLOCK), want)
+    return layout == k.LAYOUTS[torch.bfloat16] and block_size <= k.MAX_TRITON_BLOCK and bits.numel() > 0
 
 
-def test_triton_kernels_match_reference_interpreted():
+def _check_fused_matches_reference():
+    """Under TRITON_INTERPRET=1: the fused path's payloads equal the plain-PyTorch path's byte for byte
+    and both decode bit-exactly; several programs per kernel (bitmap bytes across program tiles)."""
+    from kernels import ciera as k
+
+    reference_path = k.use_triton
+    n = 9000 + 37
+    for block, mode, coder in [(64, "compare", "raw"), (1024, "compare", "raw"), (8192, "compare", "raw"),
+                               (64, "hash", "ans")]:
+        config = CieraConfig(block, mode, coder)
+        fused, reference, receiver = (CieraCodec(config, 2, r) for r in (0, 0, 1))
+        outs = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
+        for step, shard in enumerate(_sequence(torch.bfloat16, n)):
+            k.use_triton = reference_path
+            want = reference.encode(shard).clone()
+            receiver.decode(0, want, outs[0])
+            k.use_triton = _fused_on_cpu
+            got = fused.encode(shard)
+            assert torch.equal(got, want), (block, mode, step)
+            assert fused.last_stats == reference.last_stats
+            receiver._synced.add(0)
+            receiver.decode(0, got, outs[1])
+            for out in outs:
+                assert torch.equal(_bits(out), _bits(shard)), (block, mode, step)
+        k.use_triton = reference_path
+
+
+def test_fused_path_matches_reference_interpreted():
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-    code = "import test_ciera; test_ciera._check_triton_matches_reference()"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    code = "import test_ciera; test_ciera._check_fused_matches_reference()"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_kernel_benchmark_dry_run(tmp_path):
+    """The GPU benchmark's arguments, trajectory and JSON on CPU (reference path, small shard)."""
+    out = tmp_path / "ciera.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_ciera_kernels.py"), "--dry-run", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    cases = {row["case"] for row in report["rows"]}
+    assert cases == {"keyframe", "lr 0.0001", "lr 1e-05"}
+    for row in report["rows"]:
+        assert row["encode_GBps"] > 0 and row["decode_GBps"] > 0 and 0 < row["changed_fraction"] <= 1
+        assert row["payload_bytes"] < 2.01 * row["numel"]  # sign+mantissa always travels, exponents not always
+    keyframe = next(r for r in report["rows"] if r["case"] == "keyframe")
+    assert keyframe["changed_fraction"] == 1.0
+    assert min(r["changed_fraction"] for r in report["rows"]) < 1  # lr 1e-5 reuses some exponents
+    assert "| keyframe |" in result.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mode", ["compare", "hash"])
-def test_cuda_payloads_equal_cpu_payloads(dtype, mode):
+@pytest.mark.parametrize("mode,coder", [("compare", "raw"), ("hash", "raw"), ("compare", "ans")])
+def test_cuda_payloads_equal_cpu_payloads(dtype, mode, coder):
     """The CUDA path (fused Triton kernels for bf16) produces the CPU reference's payload bytes."""
-    config = CieraConfig(512, mode)
+    config = CieraConfig(512, mode, coder)
     cpu, gpu = CieraCodec(config, 2, 0), CieraCodec(config, 2, 0)
     receiver = CieraCodec(config, 2, 1)
     out = torch.zeros(N, dtype=dtype, device="cuda")
     for step, shard in enumerate(_sequence(dtype)):
         payload = gpu.encode(shard.cuda())
         assert torch.equal(payload.cpu(), cpu.encode(shard)), step
+        assert gpu.last_stats == cpu.last_stats, step
         receiver.decode(0, payload, out)
         assert torch.equal(_bits(out).cpu(), _bits(shard)), step

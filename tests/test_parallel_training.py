@@ -122,3 +122,29 @@ def test_tensorboard_sink(tmp_path):
                   "tokens_per_s": 1.0, "tflops_per_gpu": 0.0, "comm": comm, "comm_counters": {}})
     writer.close()
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+
+
+def test_pytorch_profiler_range(tmp_path):
+    """--profile --use-pytorch-profiler records exactly the iterations start..end-1 and writes the Chrome
+    trace and the op table next to the metrics file; a bad range is refused naming the flags."""
+    import torch
+
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.profiling import IterationProfiler
+
+    flags = f" --profile --use-pytorch-profiler --profile-step-start 2 --profile-step-end 3 --metrics-file {tmp_path / 'm.jsonl'}"
+    profiler = IterationProfiler(validate_args(parse_args((GPT + flags).split()), world_size=1, rank=0))
+    for iteration in (1, 2, 3):
+        profiler.before(iteration)
+        x = torch.ones(8, 8)
+        for _ in range(iteration):  # iteration 2 runs exactly two matmuls
+            x = torch.mm(x, x)
+        profiler.after(iteration)
+    table = (tmp_path / "profile_rank0.txt").read_text()
+    assert table.startswith("iterations 2..2\nby self_cpu_time_total")
+    mm_row = next(line for line in table.splitlines() if line.strip().startswith("aten::mm"))
+    assert mm_row.split()[-1] == "2"  # the "# of Calls" column
+    assert json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    with pytest.raises(ValueError, match="--profile-step-start"):
+        validate_args(parse_args((GPT + " --profile --profile-step-start 5 --profile-step-end 5").split()),
+                      world_size=1, rank=0)

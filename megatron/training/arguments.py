@@ -161,6 +161,13 @@ class LoggingArgs:
     tensorboard_dir: Optional[str] = arg(None, "TensorBoard log directory.")
     metrics_file: Optional[str] = arg(None, "Per-iteration JSON-lines metrics file.")
     params_checksum_interval: int = arg(0, "Iterations between params sha256 checksums in the metrics (0 = off).")
+    profile: bool = arg(False, "Profile iterations --profile-step-start..--profile-step-end (nsys range, or the "
+                        "PyTorch profiler with --use-pytorch-profiler).")
+    use_pytorch_profiler: bool = arg(False, "With --profile: the PyTorch profiler; trace and op table go to "
+                                     "--tensorboard-dir (else next to --metrics-file).")
+    profile_step_start: int = arg(10, "First profiled iteration.")
+    profile_step_end: int = arg(12, "Iteration at which profiling stops (exclusive).")
+    profile_ranks: Optional[list[int]] = arg(None, "Global ranks to profile (default: rank 0).")
 
 
 @dataclass(kw_only=True)
@@ -505,10 +512,22 @@ def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = 
     _validate_batch_and_schedule(args)
     _validate_data(args)
     _validate_compression(args)
+    _validate_profile(args)
     args.consumed_train_samples = getattr(args, "consumed_train_samples", 0)
     args.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)
     args.padded_vocab_size = getattr(args, "padded_vocab_size", None)
     return args
+
+
+def _validate_profile(args) -> None:
+    if not args.profile:
+        return
+    if not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ValueError(f"--profile-step-start ({args.profile_step_start}) must be >= 0 and below "
+                         f"--profile-step-end ({args.profile_step_end})")
+    if args.use_pytorch_profiler and not (args.tensorboard_dir or args.metrics_file):
+        raise ValueError("--use-pytorch-profiler writes its trace to --tensorboard-dir or next to --metrics-file: "
+                         "add one of them")
 
 
 def set_padded_vocab_size(args, vocab_size: int) -> int:

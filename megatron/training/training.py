@@ -18,6 +18,7 @@ from megatron.training import metrics
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
 from megatron.training.initialize import initialize_megatron
 from megatron.training.model import setup_model_and_optimizer
+from megatron.training.profiling import IterationProfiler
 
 AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 
@@ -187,15 +188,18 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
     wire_config_hooks(config, ddp_chunks, optimizer, args)
     writer = metrics.MetricsWriter(args)
     trial = tp_compression_trial(args, ddp_chunks)
+    profiler = IterationProfiler(args)
     iteration = start_iteration
     while iteration < args.train_iters:
         if trial is not None:
             trial.before_iteration(iteration + 1)
+        profiler.before(iteration + 1)
         start = time.perf_counter()
         step = train_step(args, ddp_chunks, optimizer, scheduler, train_iters)
         iteration += 1
         args.consumed_train_samples += args.global_batch_size
         iter_time = time.perf_counter() - start
+        profiler.after(iteration)
         record = iteration_record(args, iteration, step, iter_time, optimizer)
         if trial is not None:
             record["tp_comm_compressed"] = trial.compressing
