@@ -5,7 +5,7 @@ simulated AdamW trajectory of ``benchmarks/delta_wire_ratio.py`` run on the GPU;
 ``--steps`` -> ``--steps + 1``. Encode restarts from the same sender state and decode from the same
 previous values every repeat (untimed), and every decode is checked bit for bit. Times are wall
 clock with a device sync on both sides (the codec's own host syncs included); GB/s are shard bytes
-(2 per value) per second. ``--configs`` sweeps the kernels' tile (values per program) and warps.
+(2 per value) per second. ``--warps`` sweeps the warps per block program of the codec kernels.
 
     python benchmarks/bench_delta_kernels.py --out results/gpu/delta_kernels.json
 """
@@ -84,35 +84,32 @@ def main():
     p.add_argument("--lrs", default="1e-4,1e-5")
     p.add_argument("--steps", type=int, default=20, help="AdamW steps before the timed one")
     p.add_argument("--block-size", type=int, default=256)
-    p.add_argument("--configs", default="", help="comma list of TILE:WARPS to sweep besides the built-in one, "
-                   "e.g. 256:1,1024:4")
+    p.add_argument("--warps", default="", help="comma list of warps per block program to sweep (default: built-in)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = []
-    default_tile, default_warps = kernels.TILE, kernels._num_warps
-    configs = [None] + [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",") if c]
+    default_warps = kernels._num_warps
     for lr in (float(x) for x in args.lrs.split(",")):
         previous, new = steady_step(args.numel, lr, args.steps)
-        for config in configs:
-            tile, warps = config or (default_tile, default_warps(args.block_size))
-            kernels.TILE, kernels._num_warps = tile, (lambda block_size, w=warps: w)
-            row = dict(lr=lr, tile=tile, warps=warps, block_size=args.block_size,
+        for warps in [None] + [int(w) for w in args.warps.split(",") if w]:
+            kernels._num_warps = default_warps if warps is None else (lambda block_size, w=warps: w)
+            row = dict(lr=lr, warps=warps or default_warps(args.block_size), block_size=args.block_size,
                        numel=args.numel, **measure(previous, new, args.block_size, args.repeats))
             rows.append(row)
-            print(f"lr {lr:g} tile {tile} warps {warps}: encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
+            print(f"lr {lr:g} warps {row['warps']}: encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
                   f"blocks kernel {row['encode_blocks_ms']:.3f} ms), decode {row['decode_GBps']:.0f} GB/s "
                   f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x",
                   flush=True)
-        kernels.TILE, kernels._num_warps = default_tile, default_warps
+        kernels._num_warps = default_warps
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(0), torch=torch.__version__,
                        rows=rows), f, indent=1)
-    print("\n| lr | tile | warps | unchanged | ratio | encode GB/s | decode GB/s | copy GB/s | encode/copy | decode/copy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| lr | warps | unchanged | ratio | encode GB/s | decode GB/s | copy GB/s | encode/copy | decode/copy |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['lr']:g} | {r['tile']} | {r['warps']} | {r['unchanged']:.1%} | {r['ratio']:.2f}x | {r['encode_GBps']:.0f} | "
+        print(f"| {r['lr']:g} | {r['warps']} | {r['unchanged']:.1%} | {r['ratio']:.2f}x | {r['encode_GBps']:.0f} | "
               f"{r['decode_GBps']:.0f} | {r['copy_GBps']:.0f} | {r['encode_GBps'] / r['copy_GBps']:.0%} | "
               f"{r['decode_GBps'] / r['copy_GBps']:.0%} |")
 

@@ -12,16 +12,14 @@ Wire format (one uint8 tensor, little-endian):
     header, 24 bytes: magic b"DLTA" | version u8 | flags u8 (bit 0 keyframe, bit 1 fp16) |
                       reserved u16 | block_size u32 | n_changed u32 | numel u64
     keyframe:  the raw 16-bit values (numel * 2 bytes)
-    delta:     codes u8[n_blocks] | 0-1 pad byte to an even offset | stream_sizes u16[n_changed] |
+    delta:     codes u8[n_blocks] | 0-1 pad byte to an even offset | n_esc u16[n_changed] |
                exc_widths u8[n_changed] | bitmaps u8[n_changed * block_size / 8] | value streams (the rest)
 
-``codes``/``exc_widths``/``bitmaps``/value streams are the per-block fields of ``kernels/delta.py``;
-all but the codes are present for changed blocks only, in block order. A block's value stream
-(``stream_sizes`` bytes: ``ceil(count * width / 8) + ceil(exc_width * n_esc / 8)``) starts at the
-prefix sum of the previous blocks' sizes; its count of changed values is the popcount of its bitmap,
-and the decoder finds its escapes from the slots. Version 3; version 2 sent ``n_esc`` instead of the
-stream size and started the exception list right after the last slot bit (version 1 also had no
-``exc_widths``: every exception entry took 17 bits).
+``codes``/``n_esc``/``exc_widths``/``bitmaps``/value streams are the per-block fields of
+``kernels/delta.py``; all but the codes are present for changed blocks only, in block order. A
+block's count of changed values is the popcount of its bitmap; its value stream starts at the
+prefix sum of the previous streams' ``ceil((count * width + exc_width * n_esc) / 8)`` bytes.
+Version 2 (version 1 had no ``exc_widths``: every exception entry took 17 bits).
 """
 
 import struct
@@ -35,11 +33,12 @@ from kernels.delta import (analyze_blocks_reference, pack_values_reference, stre
                            unpack_values_reference, use_triton)
 
 MAGIC = b"DLTA"
-VERSION = 3
+VERSION = 2
 HEADER = struct.Struct("<4sBBHIIQ")
 FLAG_KEYFRAME = 1
 FLAG_FP16 = 2
 DTYPES = (torch.bfloat16, torch.float16)
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class _Layout:
     """Byte offsets of the delta sections after the header."""
 
     n_blocks: int
-    stream_sizes: int
+    n_esc: int
     exc_widths: int
     bitmaps: int
     values: int
@@ -64,16 +63,10 @@ class _Layout:
     @classmethod
     def of(cls, numel: int, n_changed: int, block_size: int) -> "_Layout":
         n_blocks = -(-numel // block_size)
-        stream_sizes = HEADER.size + n_blocks + (HEADER.size + n_blocks) % 2
-        exc_widths = stream_sizes + 2 * n_changed
+        n_esc = HEADER.size + n_blocks + (HEADER.size + n_blocks) % 2
+        exc_widths = n_esc + 2 * n_changed
         bitmaps = exc_widths + n_changed
-        return cls(n_blocks, stream_sizes, exc_widths, bitmaps, bitmaps + n_changed * block_size // 8)
-
-
-def _read_u16(section: torch.Tensor) -> torch.Tensor:
-    """Little-endian u16 fields from bytes at any offset (an int16 view would need an even address)."""
-    pairs = section.view(-1, 2).to(torch.int32)
-    return pairs[:, 0] | (pairs[:, 1] << 8)
+        return cls(n_blocks, n_esc, exc_widths, bitmaps, bitmaps + n_changed * block_size // 8)
 
 
 def _as_bits(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -130,7 +123,7 @@ class DeltaCodec(ShardCodec):
         payload = torch.zeros(layout.values + n_value_bytes, dtype=torch.uint8, device=bits.device)
         payload[: HEADER.size] = self._header(fp16_flag, bits.numel(), changed.numel(), bits.device)
         payload[HEADER.size : HEADER.size + layout.n_blocks] = a.codes
-        payload[layout.stream_sizes : layout.exc_widths].view(torch.int16).copy_(value_bytes)
+        payload[layout.n_esc : layout.exc_widths].view(torch.int16).copy_(a.n_esc[changed])
         payload[layout.exc_widths : layout.bitmaps] = a.exc_widths[changed]
         payload[layout.bitmaps : layout.values].view(-1, b // 8).copy_(a.bitmaps[changed])
         pack_values_reference(a, changed, _exclusive_cumsum(value_bytes), payload[layout.values :])
@@ -151,7 +144,7 @@ class DeltaCodec(ShardCodec):
         layout = _Layout.of(bits.numel(), n_changed, b)
         payload = torch.empty(layout.values + n_value_bytes, dtype=torch.uint8, device=bits.device)
         kernels.gather_records(e, rank_end, stream_end, payload, self._header_bytes(fp16_flag, bits.numel(), n_changed),
-                               layout.stream_sizes, layout.exc_widths, layout.bitmaps, layout.values, b)
+                               layout.n_esc, layout.exc_widths, layout.bitmaps, layout.values, b)
         self._record(payload, bits.numel(), n_changed, n_values, False)
         return payload
 
@@ -181,18 +174,22 @@ class DeltaCodec(ShardCodec):
         b = self.config.block_size
         layout = _Layout.of(bits.numel(), n_changed, b)
         codes = payload[HEADER.size : HEADER.size + layout.n_blocks]
-        stream_sizes = _read_u16(payload[layout.stream_sizes : layout.exc_widths])
+        n_esc = payload[layout.n_esc : layout.exc_widths]
         exc_widths = payload[layout.exc_widths : layout.bitmaps]
         bitmaps = payload[layout.bitmaps : layout.values]
         values = payload[layout.values :]
-        stream_end = torch.cumsum(stream_sizes, 0)
         if use_triton(bits, self.triton):  # every section read as bytes: any payload offset works
-            kernels.decode_blocks(bits, codes, torch.cumsum(codes != 0, 0), stream_end, stream_sizes, exc_widths,
-                                  bitmaps, values, b)
+            rank_end = torch.cumsum(codes != 0, 0)
+            nbytes = kernels.stream_sizes(codes, rank_end, n_esc, exc_widths, bitmaps, b)
+            kernels.decode_blocks(bits, codes, rank_end, torch.cumsum(nbytes, 0), nbytes, exc_widths, bitmaps,
+                                  values, b)
             return
         changed = torch.nonzero(codes).squeeze(1)
-        unpack_values_reference(bits, changed, codes, exc_widths, bitmaps.view(-1, b // 8), stream_end - stream_sizes,
-                                values, b)
+        n_esc = n_esc.clone().view(torch.int16)  # a copy: the payload may start at an odd offset
+        bitmaps = bitmaps.view(-1, b // 8)
+        counts = _POPCOUNT.to(payload.device)[bitmaps.to(torch.int64)].sum(1)
+        value_bytes = stream_nbytes(counts, codes[changed], n_esc, exc_widths)
+        unpack_values_reference(bits, changed, codes, exc_widths, bitmaps, _exclusive_cumsum(value_bytes), values, b)
 
     def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int) -> tuple:
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < HEADER.size:

@@ -10,19 +10,17 @@ Per block of ``B`` values:
 - ``bitmap``: ``B / 8`` bytes, bit ``i % 8`` of byte ``i // 8`` set if value ``i`` changed; the
   decoder gets the block's ``count`` of changed values by popcount;
 - ``exc_width``: the bit length of the block's largest ``v`` (0..17);
-- the value stream: each changed value, in order, in a ``width``-bit slot (``ceil(count * width / 8)``
-  bytes); the slot value ``2**width - 1`` is an escape whose ``v`` follows, from the next byte
-  boundary, in an exception list of ``exc_width``-bit entries (escapes in order). Little-endian bit
-  order (bit ``k`` of a section is bit ``k % 8`` of its byte ``k // 8``).
+- ``n_esc`` and the value stream: each changed value, in order, in a ``width``-bit slot; the slot
+  value ``2**width - 1`` is an escape whose ``v`` follows the slots in an exception list of
+  ``exc_width``-bit entries (escapes in order). So ``count * width + exc_width * n_esc`` bits,
+  little-endian (bit ``k`` of the stream is bit ``k % 8`` of byte ``k // 8``), padded to whole bytes.
 
-``width`` minimizes the stream's bytes ``ceil(count * width / 8) + ceil(exc_width * n_esc(width) / 8)``
-over 1..17 (the smallest on ties; 17 never escapes since ``v <= 131069``), and is 0 when every
-changed value has ``v = 0``. Deltas are heavy-tailed (mostly +-1 ulp, but a weight crossing zero
-moves ~2**15), so a per-block maximum width would let one outlier set the cost of the whole block;
-escapes cap that at ``exc_width`` bits, which is 17 only in the few blocks that hold such an
-outlier. The exception list starts on a byte (format version 3; version 2 packed it right after the
-last slot bit) so that both sections are runs of 8-value rows of ``width`` bytes each: the GPU
-encoder packs a row in registers, with no scan across the block.
+``width`` minimizes ``count * width + exc_width * n_esc(width)`` over 1..17 (the smallest on ties;
+17 never escapes since ``v <= 131069``), and is 0 when every changed value has ``v = 0``. Deltas
+are heavy-tailed (mostly +-1 ulp, but a weight crossing zero moves ~2**15), so a per-block maximum
+width would let one outlier set the cost of the whole block; escapes cap that at ``exc_width``
+bits, which is 17 only in the few blocks that hold such an outlier (version 1 of the format spent
+17 bits on every escape: 12% more bytes at lr 1e-4, ``docs/delta.md``).
 
 Two implementations give identical bytes (``tests/test_delta.py`` checks it):
 
@@ -32,8 +30,8 @@ Two implementations give identical bytes (``tests/test_delta.py`` checks it):
   prefix sum) and ``unpack_values_reference`` (applies the deltas to ``out`` in place).
 - Triton kernels (the CUDA path, one host sync per encode and per decode): ``encode_blocks`` codes
   every block into its own fixed-size row and updates ``prev`` in the same pass; ``gather_records``
-  moves the changed rows into the payload at offsets from prefix sums; ``decode_blocks`` decodes in
-  place.
+  moves the changed rows into the payload at offsets from prefix sums; ``stream_sizes`` and
+  ``decode_blocks`` decode in place.
 """
 
 import struct
@@ -61,15 +59,10 @@ class BlockAnalysis:
     bitmaps: torch.Tensor  # uint8 [n_blocks, B // 8]
 
 
-def _section_nbytes(n, width):
-    return (n * width + 7) // 8
-
-
 def stream_nbytes(counts, codes, n_esc, exc_widths):
     """Bytes of each block's value stream (int64), from its count, code, escapes and exception width."""
     width = (codes.to(torch.int64) - 1).clamp(min=0)
-    return (_section_nbytes(counts.to(torch.int64), width)
-            + _section_nbytes(n_esc.to(torch.int64), exc_widths.to(torch.int64)))
+    return (counts.to(torch.int64) * width + exc_widths.to(torch.int64) * n_esc.to(torch.int64) + 7) // 8
 
 
 def use_triton(t: torch.Tensor, triton_flag) -> bool:
@@ -118,13 +111,12 @@ def _bit_length(x: torch.Tensor) -> torch.Tensor:
 
 
 def _choose_width(v, changed, counts):
-    """Per block: the width of fewest stream bytes (0 if all v are 0), its n_esc and ``exc_width``."""
+    """Per block: the width of least ``count * width + exc_width * n_esc`` (0 if all v are 0), n_esc
+    and ``exc_width``."""
     widths = torch.arange(1, MAX_WIDTH + 1, device=v.device)
     exc_width = _bit_length(torch.where(changed, v, 0).amax(1))
     n_esc = torch.stack([(changed & (v >= (1 << w) - 1)).sum(1) for w in range(1, MAX_WIDTH + 1)], 1)
-    nbytes = _section_nbytes(counts.unsqueeze(1).to(torch.int64), widths) + _section_nbytes(
-        n_esc, exc_width.unsqueeze(1))
-    best = nbytes.argmin(1)  # the first (smallest) width on ties
+    best = (counts.unsqueeze(1).to(torch.int64) * widths + exc_width.unsqueeze(1) * n_esc).argmin(1)
     trivial = exc_width == 0
     width = torch.where(trivial, 0, widths[best])
     n_esc = torch.where(trivial, 0, n_esc.gather(1, best.unsqueeze(1)).squeeze(1))
@@ -172,8 +164,7 @@ def pack_values_reference(a: BlockAnalysis, changed_blocks, value_offsets, value
     base = value_offsets.unsqueeze(1) * 8
     bits = torch.zeros(values.numel() * 8, dtype=torch.bool, device=values.device)
     _scatter_bits(bits, base + i * width, a.slots[changed_blocks], width, i < counts)
-    exc_base = base + 8 * _section_nbytes(counts, width)
-    _scatter_bits(bits, exc_base + i * exc_width, a.exceptions[changed_blocks], exc_width, i < n_esc)
+    _scatter_bits(bits, base + counts * width + i * exc_width, a.exceptions[changed_blocks], exc_width, i < n_esc)
     values.copy_(_pack_bits(bits))
 
 
@@ -195,8 +186,7 @@ def unpack_values_reference(out, changed_blocks, codes, exc_widths, bitmaps, val
     padded = torch.cat([values, values.new_zeros(3)]).to(torch.int64)
     slot = _read_bits(padded, base + (changed.cumsum(1) - 1) * width, width)
     escaped = changed & (width > 0) & (slot == _escape_code(width))
-    exc_base = base + 8 * _section_nbytes(changed.sum(1, keepdim=True), width)
-    exc_pos = exc_base + (escaped.cumsum(1) - 1) * exc_width
+    exc_pos = base + changed.sum(1, keepdim=True) * width + (escaped.cumsum(1) - 1) * exc_width
     z = torch.where(escaped, _read_bits(padded, exc_pos, exc_width), slot) + 1
     d = (z >> 1) ^ -(z & 1)
     idx = changed_blocks.unsqueeze(1) * block_size + i
@@ -208,23 +198,14 @@ def unpack_values_reference(out, changed_blocks, codes, exc_widths, bitmaps, val
 # --- Triton kernels ----------------------------------------------------------------------------
 #
 # The CUDA path needs one host sync per encode (the payload size) and one per decode (the header):
-#   encode: _encode_kernel (code, counts, bitmap and value stream of every block into the block's
+#   encode: _encode_kernel (every block: code, counts, bitmap and value stream into the block's
 #           fixed-size row of ``records``; updates ``prev``) -> prefix sums (torch) -> size sync ->
-#           _gather_kernel (codes, stream sizes, exception widths, bitmaps and streams of the changed
-#           blocks into the payload).
-#   decode: header sync -> prefix sums (torch) -> _decode_kernel.
-# Encode and decode work on tiles of NB blocks (NB * B = TILE values, 4 warps) for occupancy; the
-# encoder is persistent (a grid of a few programs per SM looping over tiles) so that its compaction
-# scratch is per program, not per block. Bit packing without a scan: the changed values (and the
-# escapes) are compacted by rank into the program's scratch, and after a barrier each 8-value row
-# of a section, ``width`` bytes, is assembled in int64 registers (one word when width <= 8, else
-# three: 8 x 17 bits <= 192) and stored at a 24-byte stride in the block's record (6 B + B / 8
-# bytes, 3x the shard); the gather cuts every row to its ``width`` bytes while it copies the stream
-# into the payload (its work is proportional to the payload). Barriers also separate the last read
-# of an updated buffer (``prev``, ``out``) from the write to it.
-
-TILE = 2048
-
+#           _gather_kernel (codes, n_esc, bitmaps and streams of changed blocks into the payload).
+#   decode: header sync -> _stream_sizes_kernel (popcounts) -> prefix sum -> _decode_kernel.
+# One program per block of B values with B >= 32 * num_warps lanes: with fewer lanes than threads
+# (B = 64 under Triton's default 4 warps) two threads hold each value, and one thread's in-place
+# store can overtake the other's load of the same value. A barrier also separates the last read of
+# an updated buffer from the write to it.
 
 if triton is not None:
 
@@ -233,176 +214,166 @@ if triton is not None:
         return tl.where(u >= 0x8000, 0xFFFF - u, u + 0x8000)
 
     @triton.jit
-    def _bits_of(x):
-        """Bits of 0 <= x < 2**24 (0 for 0), from the float32 exponent."""
-        return tl.where(x > 0, (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0)
+    def _count_at_least(z, w: tl.constexpr):
+        """Values with z >= 2**w and with z >= 2**(w + 1): two counts (< 2**14) from one reduction."""
+        both = tl.sum((z >= (1 << w)).to(tl.int32) | ((z >= (1 << (w + 1))).to(tl.int32) << 16), axis=0)
+        return both & 0xFFFF, both >> 16
 
     @triton.jit
-    def _bin(h0, h1, h2, h3, h4, k: tl.constexpr):
-        """Count of bit length ``k`` from the histogram packed 4 x 16 bits per int64 word."""
-        if k // 4 == 0:
-            word = h0
-        elif k // 4 == 1:
-            word = h1
-        elif k // 4 == 2:
-            word = h2
-        elif k // 4 == 3:
-            word = h3
-        else:
-            word = h4
-        return ((word >> (16 * (k % 4))) & 0xFFFF).to(tl.int32)
+    def _keep_cheaper(count, w, n_esc, exc_width, best_width, best_esc, best_cost):
+        cost = count * w + exc_width * n_esc
+        cheaper = cost < best_cost  # strict, widths ascending: the smallest width on ties
+        return tl.where(cheaper, w, best_width), tl.where(cheaper, n_esc, best_esc), tl.minimum(cost, best_cost)
 
     @triton.jit
-    def _section_bytes(n, width):
-        return (n * width + 7) // 8
+    def _scalar_bit_length(x):
+        """Bits of a scalar 0 <= x < 2**17 (0 for 0)."""
+        n = x * 0
+        for k in tl.static_range(17):
+            n += (x >= (1 << k)).to(tl.int32)
+        return n
 
     @triton.jit
     def _best_width(z):
-        """Per block (rows of z): the width of fewest stream bytes (0 if every z <= 1), its n_esc, the
-        count of changed values and exc_width (bits of the largest v). ``n_esc(w)`` counts the values
-        with ``v >= 2**w - 1``, i.e. ``z >= 2**w``, i.e. of bit length above w: every count comes from
-        one histogram of bit lengths (0..17) in five packed reductions."""
-        length = _bits_of(z)
-        one = tl.full(z.shape, 1, tl.int64) << (16 * (length % 4)).to(tl.int64)
-        group = length // 4
-        h0 = tl.sum(tl.where(group == 0, one, 0), axis=1)
-        h1 = tl.sum(tl.where(group == 1, one, 0), axis=1)
-        h2 = tl.sum(tl.where(group == 2, one, 0), axis=1)
-        h3 = tl.sum(tl.where(group == 3, one, 0), axis=1)
-        h4 = tl.sum(tl.where(group == 4, one, 0), axis=1)
-        exc_width = _bits_of(tl.maximum(tl.max(z, axis=1) - 1, 0))
-        count = _bin(h0, h1, h2, h3, h4, 1)
-        for k in tl.static_range(2, 18):
-            count += _bin(h0, h1, h2, h3, h4, k)
-        n_esc = count * 0  # values of bit length > w, for w from 17 down
-        best_width, best_esc, best_cost = n_esc + 17, n_esc, _section_bytes(count, 17)
-        for w in tl.static_range(16, 0, -1):
-            n_esc += _bin(h0, h1, h2, h3, h4, w + 1)
-            cost = _section_bytes(count, w) + _section_bytes(n_esc, exc_width)
-            cheaper = cost <= best_cost  # widths descending: the smallest width on ties
-            best_width = tl.where(cheaper, w, best_width)
-            best_esc = tl.where(cheaper, n_esc, best_esc)
-            best_cost = tl.minimum(cost, best_cost)
-        trivial = exc_width == 0
+        """Width of least ``count * width + exc_width * n_esc(width)`` (0 if every z <= 1), its n_esc,
+        count and exc_width (bits of the largest v). ``n_esc(w)`` counts the values with
+        ``v >= 2**w - 1``, i.e. ``z >= 2**w``."""
+        exc_width = _scalar_bit_length(tl.max(tl.maximum(z - 1, 0), axis=0))
+        count, n_esc = _count_at_least(z, 0)
+        best_width, best_esc, best_cost = count * 0 + 1, n_esc, count + exc_width * n_esc
+        trivial = n_esc == 0
+        for w in tl.static_range(2, 18, 2):
+            n_esc_w, n_esc_next = _count_at_least(z, w)
+            best_width, best_esc, best_cost = _keep_cheaper(count, w, n_esc_w, exc_width, best_width, best_esc,
+                                                            best_cost)
+            best_width, best_esc, best_cost = _keep_cheaper(count, w + 1, n_esc_next, exc_width, best_width,
+                                                            best_esc, best_cost)
         return tl.where(trivial, 0, best_width), tl.where(trivial, 0, best_esc), count, exc_width
 
     @triton.jit
-    def _shifted(x, s):
-        """x << s for s >= 0, x >> -s for s < 0 (|s| < 64); x is a non-negative int64."""
-        return tl.where(s >= 0, x << tl.minimum(tl.maximum(s, 0), 63), x >> tl.minimum(tl.maximum(-s, 0), 63))
+    def _or_window(key_a, window_a, key_b, window_b):
+        """Scan combine: ``window`` holds words ``key`` and ``key + 1`` of the bit stream as the OR of
+        the values placed at keys ``key`` and ``key - 1`` (keys are ascending along the block)."""
+        carried = tl.where(key_a == key_b, window_a, tl.where(key_a == key_b - 1, window_a >> 32, 0))
+        return key_b, window_b | carried
 
     @triton.jit
-    def _word(x, start, offset, width):
-        """Bits of the 64-bit word at row bit ``start`` contributed by x placed at ``offset``."""
-        hit = (offset < start + 64) & (offset + width > start)
-        return tl.where(hit, _shifted(x, offset - start), 0)
+    def _placed(value, bitpos):
+        """A value (< 2**17, 0 where absent) shifted into the 64-bit window of its word ``bitpos >> 5``."""
+        return value.to(tl.int64) << (bitpos & 31)
 
     @triton.jit
-    def _pack_rows(src, n, width, rows_ptr, ROWS: tl.constexpr):
-        """Bit-pack ``n`` (per block) compacted values of ``width`` bits (<= 17) from ``src`` (int32,
-        [NB, 1, 1] pointers): row r of 8 values (8 * width <= 136 bits) goes to the three int64 words
-        at ``rows_ptr`` ([NB, 1] int64 pointers) + 3 r, to be cut to ``width`` bytes by the gather."""
-        row = tl.arange(0, ROWS)[None, :, None]
-        col = tl.arange(0, 8)[None, None, :]
-        j = row * 8 + col
-        x = tl.load(src + j, mask=j < n[:, None, None], other=0).to(tl.int64)
-        w = width[:, None, None].to(tl.int64)
-        offset = col * w
-        dst = rows_ptr + 3 * tl.arange(0, ROWS)[None, :]
-        live = (tl.arange(0, ROWS)[None, :] * 8 < n[:, None])
-        if tl.max(width, axis=0) <= 8:  # the common case: a row fits one word
-            tl.store(dst, tl.sum(x << offset, axis=2), mask=live)
-        else:
-            tl.store(dst, tl.sum(_word(x, 0, offset, w), axis=2), mask=live)
-            tl.store(dst + 1, tl.sum(_word(x, 64, offset, w), axis=2), mask=live)
-            tl.store(dst + 2, tl.sum(_word(x, 128, offset, w), axis=2), mask=live)
+    def _store_words(stream_ptr, placed, key, next_key, first_word, end_word, LAST: tl.constexpr):
+        """Store the 32-bit stream words ``first_word <= w < end_word`` of values placed at ascending
+        words ``key`` (``next_key``: the next lane's). No atomics: a segmented OR scan leaves each word
+        at the last lane of its key, which stores it (and the word after when no lane has that key).
+        Returns the scan's last window and key."""
+        _, window = tl.associative_scan((key, placed), 0, _or_window)
+        last = tl.arange(0, placed.shape[0]) == LAST
+        ends = (next_key != key) | last
+        tl.store(stream_ptr + key, window.to(tl.int32), mask=ends & (key >= first_word) & (key < end_word))
+        hi = ends & ((next_key != key + 1) | last) & (key + 1 >= first_word) & (key + 1 < end_word)
+        tl.store(stream_ptr + key + 1, (window >> 32).to(tl.int32), mask=hi)
+        return tl.sum(tl.where(last, window, 0), axis=0), tl.sum(tl.where(last, key, 0), axis=0)
 
     @triton.jit
-    def _encode_kernel(prev_ptr, new_ptr, numel, n_blocks, tiles_per_program, codes_ptr, counts_ptr, exc_widths_ptr, nbytes_ptr,
-                       records_ptr, scratch_ptr, BLOCK: tl.constexpr, NB: tl.constexpr, RECORD_BYTES: tl.constexpr):
-        pid = tl.program_id(0)
-        r = tl.arange(0, NB)
+    def _encode_kernel(prev_ptr, new_ptr, numel, codes_ptr, counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr,
+                       records_ptr, BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK)
-        rows = tl.arange(0, BLOCK // 8)
-        slots = scratch_ptr + pid.to(tl.int64) * (NB * 2 * BLOCK) + r * (2 * BLOCK)  # [NB] compaction rows
-        step = 0
-        while step < tiles_per_program:  # a while loop: the interpreter cannot range() over a runtime bound
-            blk = (pid + step * tl.num_programs(0)).to(tl.int64) * NB + r  # past the last tile: no live block
-            live = blk < n_blocks
-            idx = blk[:, None] * BLOCK + i[None, :]
-            inside = idx < numel
-            new16 = tl.load(new_ptr + idx, mask=inside, other=0)
-            old = tl.load(prev_ptr + idx, mask=inside, other=0)
-            d = _ordered(new16.to(tl.int32) & 0xFFFF) - _ordered(old.to(tl.int32) & 0xFFFF)
-            z = (d << 1) ^ (d >> 31)
-            changed = z != 0
-            v = z - 1
-            width, n_esc, count, exc_width = _best_width(z)
-            escape = ((1 << width) - 1)[:, None]
-            escaped = changed & (width[:, None] > 0) & (v >= escape)
-            ranks = tl.cumsum(changed.to(tl.int32) | (escaped.to(tl.int32) << 16), axis=1)  # both < 2**14
-            tl.store(slots[:, None] + (ranks & 0xFFFF) - 1, tl.minimum(v, escape), mask=changed)
-            tl.store(slots[:, None] + BLOCK + (ranks >> 16) - 1, v, mask=escaped)
-            record = records_ptr + blk * RECORD_BYTES
-            bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (NB, BLOCK // 8, 8)) << tl.arange(0, 8)[None, None, :],
-                            axis=2)
-            tl.store(record[:, None] + 48 * (BLOCK // 8) + rows[None, :], bitmap.to(tl.uint8), mask=live[:, None])
-            tl.debug_barrier()  # prev read and the compacted values visible to every thread
-            tl.store(prev_ptr + idx, new16, mask=inside)
-            slot_bytes = _section_bytes(count, width)
-            rows64 = record.to(tl.pointer_type(tl.int64), bitcast=True)[:, None]
-            _pack_rows(slots[:, None, None], tl.where(live, count, 0), width, rows64, BLOCK // 8)
-            if tl.max(n_esc, axis=0) > 0:
-                _pack_rows(slots[:, None, None] + BLOCK, tl.where(live, n_esc, 0), exc_width, rows64 + 3 * (BLOCK // 8),
-                           BLOCK // 8)
-            tl.store(codes_ptr + blk, tl.where(count > 0, width + 1, 0).to(tl.uint8), mask=live)
-            tl.store(counts_ptr + blk, count, mask=live)
-            tl.store(exc_widths_ptr + blk, exc_width.to(tl.uint8), mask=live)
-            tl.store(nbytes_ptr + blk, slot_bytes + _section_bytes(n_esc, exc_width), mask=live)
-            tl.debug_barrier()  # the scratch is read before the next tile overwrites it
-            step += 1
+        idx = b * BLOCK + i
+        inside = idx < numel
+        new16 = tl.load(new_ptr + idx, mask=inside, other=0)
+        old = tl.load(prev_ptr + idx, mask=inside, other=0)
+        d = _ordered(new16.to(tl.int32) & 0xFFFF) - _ordered(old.to(tl.int32) & 0xFFFF)
+        z = (d << 1) ^ (d >> 31)
+        changed = z != 0
+        v = z - 1
+        width, n_esc, count, exc_width = _best_width(z)
+        escape = (1 << width) - 1
+        escaped = changed & (width > 0) & (v >= escape)
+        ranks = tl.cumsum(changed.to(tl.int32) | (escaped.to(tl.int32) << 16), axis=0)  # both < 2**14
+        exc_start = count * width
+        nbits = exc_start + exc_width * n_esc
+        record = records_ptr + b * RECORD_WORDS
+        bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], axis=1)
+        tl.store(record + tl.arange(0, BLOCK // 32), bitmap)
+        tl.debug_barrier()  # every thread has read prev before it is overwritten
+        tl.store(prev_ptr + idx, new16, mask=inside)
+        # slots own the words before the one where exceptions start (all words if there are none)
+        stream = record + BLOCK // 32
+        n_words = (nbits + 31) // 32
+        exc_word = exc_start >> 5
+        slot_end = (ranks & 0xFFFF) * width  # bit after each lane's slot (inclusive ranks)
+        slot_at = slot_end - tl.where(changed, width, 0)
+        window, key = _store_words(stream, _placed(tl.where(changed, tl.minimum(v, escape), 0), slot_at),
+                                   slot_at >> 5, slot_end >> 5, 0, tl.where(n_esc > 0, exc_word, n_words), BLOCK - 1)
+        # the slots' bits in the word where exceptions start go with the first exception
+        tail = tl.where(key == exc_word, window, tl.where(key == exc_word - 1, window >> 32, 0)) & 0xFFFFFFFF
+        exc_end = exc_start + exc_width * (ranks >> 16)
+        exc_at = exc_end - tl.where(escaped, exc_width, 0)
+        placed = _placed(tl.where(escaped, v, 0), exc_at) | tl.where(escaped & (exc_at == exc_start), tail, 0)
+        _store_words(stream, placed, exc_at >> 5, exc_end >> 5, exc_word, tl.where(n_esc > 0, n_words, 0), BLOCK - 1)
+        tl.store(codes_ptr + b, tl.where(count > 0, width + 1, 0).to(tl.uint8))
+        tl.store(counts_ptr + b, count)
+        tl.store(n_esc_ptr + b, n_esc)
+        tl.store(exc_widths_ptr + b, exc_width.to(tl.uint8))
+        tl.store(nbytes_ptr + b, (nbits + 7) // 8)
 
-    @triton.jit(do_not_specialize=["header0", "header1", "header2", "sizes_at", "exc_widths_at", "bitmaps_at",
+    @triton.jit(do_not_specialize=["header0", "header1", "header2", "n_esc_at", "exc_widths_at", "bitmaps_at",
                                    "values_at"])
-    def _gather_kernel(records_ptr, codes_ptr, counts_ptr, exc_widths_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr,
-                       n_blocks, payload_ptr, header0, header1, header2, sizes_at, exc_widths_at, bitmaps_at, values_at,
-                       BLOCK: tl.constexpr, HEADER_BYTES: tl.constexpr, RECORD_BYTES: tl.constexpr,
-                       CHUNK: tl.constexpr):
+    def _gather_kernel(records_ptr, codes_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr,
+                       n_blocks, payload_ptr, header0, header1, header2, n_esc_at, exc_widths_at, bitmaps_at, values_at,
+                       BLOCK: tl.constexpr,
+                       HEADER_BYTES: tl.constexpr, RECORD_BYTES: tl.constexpr, STREAM_BYTES: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad byte
         word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), header2.to(tl.int64)))
         tl.store(payload_ptr + t, ((word >> (8 * (t % 8))) & 0xFF).to(tl.uint8), mask=(t < HEADER_BYTES) & (b == 0))
         pad_at = HEADER_BYTES + n_blocks
-        tl.store(payload_ptr + pad_at + t, tl.zeros([32], dtype=tl.uint8), mask=(pad_at + t < sizes_at) & (b == 0))
+        tl.store(payload_ptr + pad_at + t, tl.zeros([32], dtype=tl.uint8), mask=(pad_at + t < n_esc_at) & (b == 0))
         code = tl.load(codes_ptr + b)
         tl.store(payload_ptr + HEADER_BYTES + b, code)
-        if code != 0:
-            rank = tl.load(rank_end_ptr + b) - 1
-            nbytes = tl.load(nbytes_ptr + b)
-            two = tl.arange(0, 2)
-            tl.store(payload_ptr + sizes_at + 2 * rank + two, ((nbytes >> (8 * two)) & 0xFF).to(tl.uint8))
-            exc_width = tl.load(exc_widths_ptr + b).to(tl.int32)
-            tl.store(payload_ptr + exc_widths_at + rank, exc_width.to(tl.uint8))
-            record = records_ptr + b * RECORD_BYTES
-            c = tl.arange(0, CHUNK)
-            for start in tl.static_range(0, BLOCK // 8, CHUNK):
-                m = start + c < BLOCK // 8
-                bitmap = tl.load(record + 48 * (BLOCK // 8) + start + c, mask=m)
-                tl.store(payload_ptr + bitmaps_at + rank * (BLOCK // 8) + start + c, bitmap, mask=m)
-            # the rows (24 bytes each, see _pack_rows) cut to width bytes: the slots, then the exceptions
-            width = code.to(tl.int32) - 1
-            slot_bytes = (tl.load(counts_ptr + b) * width + 7) // 8
-            dst = payload_ptr + values_at + tl.load(stream_end_ptr + b) - nbytes
-            start = 0
-            while start < nbytes:
-                k = start + c
-                in_slots = k < slot_bytes
-                kk = tl.where(in_slots, k, k - slot_bytes)
-                w = tl.maximum(tl.where(in_slots, width, exc_width), 1)
-                src = record + tl.where(in_slots, 0, 24 * (BLOCK // 8)) + 24 * (kk // w) + kk % w
-                m = k < nbytes
-                tl.store(dst + k, tl.load(src, mask=m), mask=m)
-                start += CHUNK
+        changed = code != 0
+        rank = tl.load(rank_end_ptr + b) - 1
+        n_esc = tl.load(n_esc_ptr + b, mask=changed, other=0)
+        two = tl.arange(0, 2)
+        tl.store(payload_ptr + n_esc_at + 2 * rank + two, ((n_esc >> (8 * two)) & 0xFF).to(tl.uint8),
+                 mask=(two < 2) & changed)
+        tl.store(payload_ptr + exc_widths_at + rank, tl.load(exc_widths_ptr + b), mask=changed)
+        record = records_ptr + b * RECORD_BYTES
+        j = tl.arange(0, BLOCK // 8)
+        bitmap_mask = (j < BLOCK // 8) & changed
+        tl.store(payload_ptr + bitmaps_at + rank * (BLOCK // 8) + j, tl.load(record + j, mask=bitmap_mask),
+                 mask=bitmap_mask)
+        nbytes = tl.load(nbytes_ptr + b, mask=changed, other=0)
+        s = tl.arange(0, STREAM_BYTES)
+        live = (s < nbytes) & changed
+        start = values_at + tl.load(stream_end_ptr + b, mask=changed, other=0) - nbytes
+        tl.store(payload_ptr + start + s, tl.load(record + BLOCK // 8 + s, mask=live), mask=live)
+
+    @triton.jit
+    def _changed_lanes(bitmaps_ptr, rank, changed, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        byte = tl.load(bitmaps_ptr + rank * (BLOCK // 8) + i // 8, mask=(i < BLOCK) & changed, other=0)
+        return ((byte.to(tl.int32) >> (i % 8)) & 1) == 1
+
+    @triton.jit
+    def _read_n_esc(n_esc_ptr, rank, changed):
+        lo = tl.load(n_esc_ptr + 2 * rank, mask=changed, other=0).to(tl.int32)
+        return lo | (tl.load(n_esc_ptr + 2 * rank + 1, mask=changed, other=0).to(tl.int32) << 8)
+
+    @triton.jit
+    def _stream_sizes_kernel(codes_ptr, rank_end_ptr, n_esc_ptr, exc_widths_ptr, bitmaps_ptr, nbytes_ptr,
+                             BLOCK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        code = tl.load(codes_ptr + b).to(tl.int32)
+        changed = code != 0
+        rank = tl.load(rank_end_ptr + b) - 1
+        count = tl.sum(_changed_lanes(bitmaps_ptr, rank, changed, BLOCK).to(tl.int32), axis=0)
+        exc_width = tl.load(exc_widths_ptr + rank, mask=changed, other=0).to(tl.int32)
+        nbits = count * tl.maximum(code - 1, 0) + exc_width * _read_n_esc(n_esc_ptr, rank, changed)
+        tl.store(nbytes_ptr + b, (nbits + 7) // 8)
 
     @triton.jit
     def _load_bits(values_ptr, values_nbytes, bitpos, width, mask):
@@ -411,32 +382,26 @@ if triton is not None:
         for t in tl.static_range(3):  # a shift <= 7 plus 17 bits spans at most 3 bytes
             m = mask & (pos + t < values_nbytes)
             word = word | (tl.load(values_ptr + pos + t, mask=m, other=0).to(tl.int32) << (8 * t))
-        return (word >> (bitpos & 7).to(tl.int32)) & ((1 << width) - 1)
+        return (word >> (bitpos & 7)) & ((1 << width) - 1)
 
     @triton.jit(do_not_specialize=["values_nbytes"])
-    def _decode_kernel(out_ptr, numel, n_blocks, codes_ptr, rank_end_ptr, stream_end_ptr, sizes_ptr, exc_widths_ptr,
-                       bitmaps_ptr, values_ptr, values_nbytes, BLOCK: tl.constexpr, NB: tl.constexpr):
-        blk = tl.program_id(0).to(tl.int64) * NB + tl.arange(0, NB)
-        code = tl.load(codes_ptr + blk, mask=blk < n_blocks, other=0).to(tl.int32)
-        block_changed = code != 0
-        width = tl.maximum(code - 1, 0)[:, None]
-        rank = tl.load(rank_end_ptr + blk, mask=block_changed, other=1) - 1
-        i = tl.arange(0, BLOCK)
-        byte = tl.load(bitmaps_ptr + rank[:, None] * (BLOCK // 8) + i[None, :] // 8, mask=block_changed[:, None],
-                       other=0)
-        changed = ((byte.to(tl.int32) >> (i[None, :] % 8)) & 1) == 1
-        exc_width = tl.load(exc_widths_ptr + rank, mask=block_changed, other=0).to(tl.int32)[:, None]
-        base = (tl.load(stream_end_ptr + rank, mask=block_changed, other=0)
-                - tl.load(sizes_ptr + rank, mask=block_changed, other=0)).to(tl.int64)[:, None] * 8
-        ranks = tl.cumsum(changed.to(tl.int32), axis=1) - 1
+    def _decode_kernel(out_ptr, numel, codes_ptr, rank_end_ptr, stream_end_ptr, nbytes_ptr, exc_widths_ptr,
+                       bitmaps_ptr, values_ptr, values_nbytes, BLOCK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        code = tl.load(codes_ptr + b).to(tl.int32)
+        width = tl.maximum(code - 1, 0)
+        rank = tl.load(rank_end_ptr + b) - 1
+        changed = _changed_lanes(bitmaps_ptr, rank, code != 0, BLOCK)
+        exc_width = tl.load(exc_widths_ptr + rank, mask=code != 0, other=0).to(tl.int32)
+        base = (tl.load(stream_end_ptr + b) - tl.load(nbytes_ptr + b)) * 8
+        ranks = tl.cumsum(changed.to(tl.int32), axis=0) - 1
         slot = _load_bits(values_ptr, values_nbytes, base + tl.maximum(ranks, 0) * width, width, changed)
         escaped = changed & (width > 0) & (slot == (1 << width) - 1)
-        esc_rank = tl.cumsum(escaped.to(tl.int32), axis=1) - 1
-        exc_base = base + 8 * _section_bytes(tl.sum(changed.to(tl.int32), axis=1)[:, None], width)
-        exc = _load_bits(values_ptr, values_nbytes, exc_base + tl.maximum(esc_rank, 0) * exc_width, exc_width, escaped)
-        z = tl.where(escaped, exc, slot) + 1
+        esc_rank = tl.cumsum(escaped.to(tl.int32), axis=0) - 1
+        exc_pos = base + tl.sum(changed.to(tl.int32), axis=0) * width + tl.maximum(esc_rank, 0) * exc_width
+        z = tl.where(escaped, _load_bits(values_ptr, values_nbytes, exc_pos, exc_width, escaped), slot) + 1
         d = (z >> 1) ^ -(z & 1)
-        idx = blk[:, None] * BLOCK + i[None, :]
+        idx = b * BLOCK + tl.arange(0, BLOCK)
         keep = changed & (idx < numel)
         o = _ordered(tl.load(out_ptr + idx, mask=keep, other=0).to(tl.int32) & 0xFFFF) + d
         u = tl.where(o >= 0x8000, o - 0x8000, 0xFFFF - o)
@@ -444,81 +409,75 @@ if triton is not None:
         tl.store(out_ptr + idx, tl.where(u >= 0x8000, u - 0x10000, u).to(tl.int16), mask=keep)
 
 
-def _tile_blocks(block_size: int) -> int:
-    return max(1, TILE // block_size)
-
-
 def _num_warps(block_size: int) -> int:
-    return max(4, min(8, block_size // 1024))
+    return max(1, min(8, block_size // 256))  # B >= 32 * num_warps: no value held by two threads
 
 
-def _record_bytes(block_size: int) -> int:
-    """Slot rows and exception rows (B / 8 rows of 24 bytes each), then the bitmap, padded to 8 bytes."""
-    return 48 * (block_size // 8) + -(-block_size // 64) * 8
-
-
-def _persistent_programs(device: torch.device, n_tiles: int) -> int:
-    if device.type != "cuda":
-        return min(n_tiles, 3)  # the interpreter: still several tiles per program
-    return min(n_tiles, 8 * torch.cuda.get_device_properties(device).multi_processor_count)
+def _stream_words(block_size: int) -> int:
+    return -(-block_size * MAX_WIDTH // 32)
 
 
 @dataclass
 class EncodedBlocks:
-    """Per-block results of ``encode_blocks``; ``records`` row b: the packed rows and the bitmap."""
+    """Per-block results of ``encode_blocks``; ``records`` row b: bitmap, then the value stream."""
 
     codes: torch.Tensor  # uint8 [n_blocks]
     counts: torch.Tensor  # int32 [n_blocks]
+    n_esc: torch.Tensor  # int32 [n_blocks]
     exc_widths: torch.Tensor  # uint8 [n_blocks]
     nbytes: torch.Tensor  # int32 [n_blocks]: value stream bytes
-    records: torch.Tensor  # uint8 [n_blocks, 6 B + B / 8 (padded)]: see _record_bytes
+    records: torch.Tensor  # int32 [n_blocks, B / 32 + ceil(17 B / 32)]
 
 
 def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int) -> EncodedBlocks:
     """Triton: code every block of ``new`` (int16) against ``prev``, which is overwritten with ``new``."""
     n_blocks = -(-new.numel() // block_size)
     dev = new.device
+    record_words = block_size // 32 + _stream_words(block_size)
     e = EncodedBlocks(
         codes=torch.empty(n_blocks, dtype=torch.uint8, device=dev),
         counts=torch.empty(n_blocks, dtype=torch.int32, device=dev),
+        n_esc=torch.empty(n_blocks, dtype=torch.int32, device=dev),
         exc_widths=torch.empty(n_blocks, dtype=torch.uint8, device=dev),
         nbytes=torch.empty(n_blocks, dtype=torch.int32, device=dev),
-        records=torch.empty(n_blocks, _record_bytes(block_size), dtype=torch.uint8, device=dev),
+        records=torch.empty(n_blocks, record_words, dtype=torch.int32, device=dev),
     )
     if n_blocks:
-        nb = _tile_blocks(block_size)
-        n_tiles = -(-n_blocks // nb)
-        programs = _persistent_programs(dev, n_tiles)
-        scratch = torch.empty(programs * nb * 2 * block_size, dtype=torch.int32, device=dev)
-        _encode_kernel[(programs,)](prev, new, new.numel(), n_blocks, -(-n_tiles // programs), e.codes, e.counts, e.exc_widths,
-                                    e.nbytes, e.records, scratch,
-                                    BLOCK=block_size, NB=nb, RECORD_BYTES=e.records.shape[1],
-                                    num_warps=_num_warps(block_size))
+        _encode_kernel[(n_blocks,)](prev, new, new.numel(), e.codes, e.counts, e.n_esc, e.exc_widths, e.nbytes,
+                                    e.records,
+                                    BLOCK=block_size, RECORD_WORDS=record_words, num_warps=_num_warps(block_size))
     return e
 
 
-def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: bytes, sizes_at, exc_widths_at,
+def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: bytes, n_esc_at, exc_widths_at,
                    bitmaps_at, values_at, block_size: int) -> None:
-    """Triton: write ``header`` (24 bytes), the pad byte, the codes, and stream size, exc_width, bitmap
-    and stream of each changed block into ``payload`` (uint8) at the given section offsets;
-    ``rank_end``/``stream_end`` are inclusive prefix sums over blocks of (code != 0) and ``nbytes``."""
+    """Triton: write ``header`` (24 bytes), the pad byte, the codes, and n_esc, exc_width, bitmap and stream of each
+    changed block into ``payload`` (uint8) at the given section offsets; ``rank_end``/``stream_end``
+    are inclusive prefix sums over blocks of (code != 0) and ``nbytes``."""
     n_blocks = e.codes.numel()
     if not n_blocks:  # an empty shard: the payload is the header
         payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return
-    _gather_kernel[(n_blocks,)](e.records, e.codes, e.counts, e.exc_widths, e.nbytes, rank_end, stream_end, n_blocks, payload,
-                                *struct.unpack("<3q", header), sizes_at, exc_widths_at, bitmaps_at, values_at,
-                                BLOCK=block_size, HEADER_BYTES=len(header), RECORD_BYTES=e.records.shape[1],
-                                CHUNK=128, num_warps=1)
+    _gather_kernel[(n_blocks,)](e.records.view(torch.uint8), e.codes, e.n_esc, e.exc_widths, e.nbytes, rank_end,
+                                stream_end, n_blocks, payload, *struct.unpack("<3q", header), n_esc_at, exc_widths_at,
+                                bitmaps_at, values_at,
+                                BLOCK=block_size, HEADER_BYTES=len(header), RECORD_BYTES=4 * e.records.shape[1],
+                                STREAM_BYTES=triton.next_power_of_2(4 * _stream_words(block_size)), num_warps=4)
 
 
-def decode_blocks(out, codes, rank_end, stream_end, stream_sizes, exc_widths, bitmaps, values,
-                  block_size: int) -> None:
-    """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values);
-    ``stream_end``/``stream_sizes`` are per changed block."""
-    n_blocks = codes.numel()
-    if n_blocks:
-        nb = _tile_blocks(block_size)
-        _decode_kernel[(-(-n_blocks // nb),)](out, out.numel(), n_blocks, codes, rank_end, stream_end, stream_sizes,
-                                              exc_widths, bitmaps, values, values.numel(), BLOCK=block_size, NB=nb,
-                                              num_warps=_num_warps(block_size))
+def stream_sizes(codes, rank_end, n_esc_bytes, exc_widths, bitmaps, block_size: int) -> torch.Tensor:
+    """Triton: value stream bytes of every block (0 if unchanged), from the payload's sections."""
+    nbytes = torch.empty(codes.numel(), dtype=torch.int32, device=codes.device)
+    if codes.numel():
+        _stream_sizes_kernel[(codes.numel(),)](codes, rank_end, n_esc_bytes, exc_widths, bitmaps, nbytes,
+                                               BLOCK=block_size,
+                                               num_warps=_num_warps(block_size))
+    return nbytes
+
+
+def decode_blocks(out, codes, rank_end, stream_end, nbytes, exc_widths, bitmaps, values, block_size: int) -> None:
+    """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values)."""
+    if codes.numel():
+        _decode_kernel[(codes.numel(),)](out, out.numel(), codes, rank_end, stream_end, nbytes, exc_widths,
+                                         bitmaps, values, values.numel(), BLOCK=block_size,
+                                         num_warps=_num_warps(block_size))

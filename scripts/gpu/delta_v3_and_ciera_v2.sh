@@ -2,6 +2,8 @@
 # Session 3 of 2026-11-30 (2x H200, ~8 min): the delta format-3 kernels (row packing, no scans) and the
 # fused CIERA format-2 kernels: CUDA exactness tests, codec throughput vs a bf16 copy, the parameter
 # all-gather vs NCCL at the three link classes, and delta end to end (GPT-350M, DP=2, benefit selection).
+# The delta numbers in results/gpu/*delta_v3* came from commit 80ef3cc (delta format 3, since reverted);
+# at later commits this script measures delta format 2 beside CIERA format 2.
 # Usage (device machine, repo root): bash scripts/gpu/delta_v3_and_ciera_v2.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1

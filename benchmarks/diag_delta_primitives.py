@@ -1,0 +1,162 @@
+"""Diagnostic: device time of the building blocks of the delta encode kernel (format 2) on one GPU.
+
+Each kernel below does a prefix of the encoder's work on the same steady-state AdamW step as
+bench_delta_kernels.py (62.5M bf16 values, lr 1e-4), so the differences between rows show what each
+step costs: stage0 loads old and new, computes z and writes the sender copy (the floor); stage1 adds
+the width search; stage2 the rank scan and the bitmap; stage3 one of the two segmented OR scans of
+the bit packing. ``hist`` replaces the width search by a bit-length histogram, ``rowpack`` is a
+value-order fixed-width row packing with an escape scatter (a layout not in the format), ``2d_*``
+runs tiles of several blocks per program. Results: results/gpu/delta_primitives.json (read with
+docs/delta.md).
+
+    python benchmarks/diag_delta_primitives.py   # writes $RES/delta_primitives.json (default /tmp)
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels.delta as K  # noqa: E402
+from benchmarks.bench_delta_kernels import steady_step  # noqa: E402
+from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
+
+@triton.jit
+def _zs(prev_ptr, new_ptr, idx, inside):
+    new16 = tl.load(new_ptr + idx, mask=inside, other=0)
+    old = tl.load(prev_ptr + idx, mask=inside, other=0)
+    d = K._ordered(new16.to(tl.int32) & 0xFFFF) - K._ordered(old.to(tl.int32) & 0xFFFF)
+    return new16, (d << 1) ^ (d >> 31)
+
+@triton.jit
+def k_stage(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexpr, STAGE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    idx = b * BLOCK + i
+    inside = idx < numel
+    new16, z = _zs(prev_ptr, new_ptr, idx, inside)
+    acc = tl.sum(z, axis=0)
+    if STAGE >= 1:  # width search
+        width, n_esc, count, exc_width = K._best_width(z)
+        acc += width + n_esc + count + exc_width
+    if STAGE >= 2:  # ranks + bitmap
+        changed = z != 0
+        ranks = tl.cumsum(changed.to(tl.int32), axis=0)
+        bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], axis=1)
+        tl.store(scratch_ptr + b * 64 + tl.arange(0, BLOCK // 32), bitmap)
+        acc += tl.sum(ranks, axis=0)
+    if STAGE >= 3:  # one packing scan (slots of width 3)
+        slot_end = ranks * 3
+        slot_at = slot_end - tl.where(changed, 3, 0)
+        window, key = K._store_words(scratch_ptr + b * 64 + 8, K._placed(tl.where(changed, tl.minimum(z, 7), 0), slot_at),
+                                     slot_at >> 5, slot_end >> 5, 0, 24, BLOCK - 1)
+        acc += window.to(tl.int32) + key.to(tl.int32)
+    tl.debug_barrier()
+    tl.store(prev_ptr + idx, new16, mask=inside)
+    tl.store(out_ptr + b, acc)
+
+@triton.jit
+def k_hist(prev_ptr, new_ptr, numel, out_ptr, BLOCK: tl.constexpr):
+    """bit-length histogram via float exponent, 5 packed int64 reductions"""
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    idx = b * BLOCK + i
+    inside = idx < numel
+    new16, z = _zs(prev_ptr, new_ptr, idx, inside)
+    L = tl.where(z > 0, (z.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0)  # 0..18
+    one = tl.full(L.shape, 1, tl.int64) << ((L % 4) * 16).to(tl.int64)
+    acc = tl.zeros([], dtype=tl.int64)
+    for g in tl.static_range(5):
+        acc += tl.sum(tl.where(L // 4 == g, one, 0), axis=0) * (g + 1)
+    tl.debug_barrier()
+    tl.store(prev_ptr + idx, new16, mask=inside)
+    tl.store(out_ptr + b, acc.to(tl.int32))
+
+@triton.jit
+def k_rowpack(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexpr, W: tl.constexpr):
+    """value-order slots at fixed width W (pow2), packed per row of 8 values (thread-local); escapes scattered."""
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    idx = b * BLOCK + i
+    inside = idx < numel
+    new16, z = _zs(prev_ptr, new_ptr, idx, inside)
+    esc = (1 << W) - 1
+    slot = tl.minimum(z, esc)
+    rows = tl.reshape(slot, (BLOCK // 8, 8))
+    packed = tl.sum(rows << (tl.arange(0, 8) * W)[None, :], axis=1)
+    tl.store(scratch_ptr + b * BLOCK + tl.arange(0, BLOCK // 8), packed)
+    escaped = z >= esc
+    r = tl.cumsum(escaped.to(tl.int32), axis=0) - 1
+    tl.store(scratch_ptr.to(tl.pointer_type(tl.int16)) + b * 2 * BLOCK + BLOCK + r, z.to(tl.int16), mask=escaped)
+    tl.debug_barrier()
+    tl.store(prev_ptr + idx, new16, mask=inside)
+    tl.store(out_ptr + b, tl.sum(escaped.to(tl.int32), axis=0))
+
+@triton.jit
+def k_stage2d(prev_ptr, new_ptr, numel, out_ptr, BLOCK: tl.constexpr, NB: tl.constexpr, STAGE: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, NB)
+    i = tl.arange(0, BLOCK)
+    idx = (p * NB + r)[:, None] * BLOCK + i[None, :]
+    inside = idx < numel
+    new16, z = _zs(prev_ptr, new_ptr, idx, inside)
+    acc = tl.sum(z, axis=1)
+    if STAGE >= 1:
+        for w in tl.static_range(0, 18, 2):
+            acc += tl.sum((z >= (1 << w)).to(tl.int32) | ((z >= (1 << (w + 1))).to(tl.int32) << 16), axis=1)
+    if STAGE >= 2:
+        acc += tl.sum(tl.cumsum((z != 0).to(tl.int32), axis=1), axis=1)
+    tl.debug_barrier()
+    tl.store(prev_ptr + idx, new16, mask=inside)
+    tl.store(out_ptr + p * NB + r, acc)
+
+def t(fn, reset, reps=20):
+    best = 1e9
+    for _ in range(reps):
+        reset(); torch.cuda.synchronize(); s = time.perf_counter(); fn(); torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - s)
+    return best * 1e3
+
+def main():
+    numel, B = 62_500_000, 256
+    res = {}
+    for lr in (1e-4,):
+        previous, new = steady_step(numel, lr, 20)
+        prev16, new16 = previous.view(torch.int16), new.view(torch.int16)
+        state = prev16.clone()
+        work = prev16.clone()
+        reset = lambda: work.copy_(state)
+        nb = -(-numel // B)
+        out = torch.empty(nb, dtype=torch.int32, device="cuda")
+        scratch = torch.empty(nb * 2 * B, dtype=torch.int32, device="cuda")
+        dst = torch.empty_like(new16)
+        res["copy"] = t(lambda: dst.copy_(new16), lambda: None)
+        for warps in (1, 2):
+            for stage in range(4):
+                res[f"stage{stage}_w{warps}"] = t(lambda: k_stage[(nb,)](work, new16, numel, out, scratch, BLOCK=B, STAGE=stage, num_warps=warps), reset)
+        res["hist_w1"] = t(lambda: k_hist[(nb,)](work, new16, numel, out, BLOCK=B, num_warps=1), reset)
+        for W in (1, 2, 4):
+            for warps in (1, 2):
+                res[f"rowpack{W}_w{warps}"] = t(lambda: k_rowpack[(nb,)](work, new16, numel, out, scratch, BLOCK=B, W=W, num_warps=warps), reset)
+        for NB, warps in ((4, 4), (8, 4), (8, 8), (16, 8)):
+            for stage in range(3):
+                res[f"2d_nb{NB}_w{warps}_s{stage}"] = t(lambda: k_stage2d[(-(-nb // NB),)](work, new16, numel, out, BLOCK=B, NB=NB, STAGE=stage, num_warps=warps), reset)
+        res["encode_blocks"] = t(lambda: K.encode_blocks(work, new16, B), reset)
+        codec = DeltaCodec(DeltaConfig(B), 2, 0); codec.encode(previous); st = codec._prev.clone()
+        res["full_encode"] = t(lambda: codec.encode(new), lambda: codec._prev.copy_(st))
+        codec._prev.copy_(st); payload = codec.encode(new)
+        rx = DeltaCodec(DeltaConfig(B), 2, 1)
+        o = previous.clone()
+        res["full_decode"] = t(lambda: rx.decode(0, payload, o), lambda: o.copy_(previous))
+        assert torch.equal(o.view(torch.int16), new16)
+        for k, v in res.items():
+            print(f"{k:24s} {v:7.3f} ms  {2*numel/v/1e6:7.0f} GB/s")
+    json.dump(res, open(os.environ.get("RES", "/tmp") + "/delta_primitives.json", "w"), indent=1)
+
+if __name__ == "__main__":
+    main()
