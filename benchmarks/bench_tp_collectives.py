@@ -16,7 +16,10 @@ an idle device, so the host's launch cost counts), then "queued" times (``timing
 is the smallest swept size from which the compressed collective is faster at every larger size
 (``tp_collectives.crossover``; null: never faster); ``auto_min_bytes`` is what
 ``tp_collectives.measure_min_bytes``, the AUTO policy's start-up probe, picks on the same group.
-Exits non-zero if a check fails. ``--dry-run`` runs the same logic on gloo CPU ranks, tiny sizes.
+``--cuda-graphs`` also times the compressed collectives replayed as CUDA graphs
+(``compression.collective_graphs``, ``--tp-comm-cuda-graphs``) and checks them bit-identical to the eager
+calls (``graphed_*`` columns). Exits non-zero if a check fails. ``--dry-run`` runs the same logic on
+gloo CPU ranks, tiny sizes.
 """
 
 import argparse
@@ -30,6 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from compression.collective_graphs import CollectiveGraphs
 from compression.taco import TacoCodec, TacoConfig
 from compression.timing import queued_seconds
 from compression.tp_collectives import OPS, compressed, crossover, measure_min_bytes, uncompressed
@@ -48,6 +52,7 @@ def parse_args(argv=None):
                    help="compressed all-reduce algorithm (--taco-all-reduce)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--cuda-graphs", action="store_true", help="also time CUDA-graph replays of the compressed calls")
     p.add_argument("--dry-run", action="store_true", help="gloo CPU ranks, tiny sizes, 2 iterations")
     return p.parse_args(argv)
 
@@ -122,6 +127,7 @@ def run(args, device):
     sizes = [4096, 16384] if args.dry_run else [int(k) * 1024 for k in args.sizes_kib.split(",")]
     warmup, iters = (1, 2) if args.dry_run else (args.warmup, args.iters)
     rows, problems = [], []
+    graphs = CollectiveGraphs() if args.cuda_graphs else None
     for nbytes in sizes:
         x = _input(nbytes - nbytes % (2 * world), rank, device)
         for op in OPS:
@@ -136,13 +142,15 @@ def run(args, device):
                              speedup=nccl_ms / compressed_ms, nccl_gpu_ms=nccl_gpu_ms, nccl_host_ms=nccl_host_ms,
                              compressed_gpu_ms=taco_gpu_ms, compressed_host_ms=taco_host_ms,
                              queued_speedup=nccl_gpu_ms / taco_gpu_ms))
+            if graphs is not None:
+                problems += _time_graphed(rows[-1], graphs, op, x, codec, args, device, warmup, iters)
     result = dict(
         config=dataclasses.asdict(codec.config), world_size=world, device=str(device),
         gpu=torch.cuda.get_device_name() if device.type == "cuda" else None, torch=torch.__version__,
         nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
         env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")}, dry_run=args.dry_run,
         min_bytes={op: min_bytes(rows, op) for op in OPS},
-        all_reduce=args.all_reduce,
+        all_reduce=args.all_reduce, cuda_graphs=args.cuda_graphs,
         auto_min_bytes={timing: measure_min_bytes(codec, sizes=sizes, iters=iters, device=device, timing=timing,
                                                   all_reduce_algorithm=args.all_reduce)
                         for timing in ("synced", "queued")},
@@ -152,6 +160,24 @@ def run(args, device):
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def _time_graphed(row, graphs, op, x, codec, args, device, warmup, iters) -> list:
+    """Add the CUDA-graph replay's times to ``row``; a problem if a replay differs from the eager call."""
+    key = (op, args.all_reduce)
+
+    def collective(t):
+        return compressed(op, t, codec, all_reduce_algorithm=args.all_reduce)
+
+    eager = collective(x)
+    for _ in range(graphs.warmup + 2):  # eager warm-up calls, the capture, a replay
+        graphed = graphs.run(key, collective, x)
+    row["graphed_ms"] = _time_ms(lambda: graphs.run(key, collective, x), device, warmup, iters)
+    row["graphed_gpu_ms"], row["graphed_host_ms"] = _queued_ms(lambda: graphs.run(key, collective, x), device, iters)
+    row["graphed_speedup"] = row["nccl_ms"] / row["graphed_ms"]
+    row["graphed_queued_speedup"] = row["nccl_gpu_ms"] / row["graphed_gpu_ms"]
+    same = torch.equal(graphed.view(torch.int16), eager.view(torch.int16))
+    return [] if same else [f"{op} {x.numel() * 2} bytes: CUDA-graph replay differs from the eager call"]
 
 
 def _print_table(result):
@@ -164,6 +190,11 @@ def _print_table(result):
               f"{r['nccl_host_ms']:>9.3f} {r['compressed_host_ms']:>9.3f}")
     print(f"min_bytes (compression wins from here up): {result['min_bytes']}")
     print(f"auto_min_bytes (measure_min_bytes on this group): {result['auto_min_bytes']}")
+    for r in result["rows"]:
+        if "graphed_ms" in r:
+            print(f"{r['op']:>15} {r['bytes']:>11} CUDA graph: {r['graphed_ms']:.3f} ms (speedup {r['graphed_speedup']:.2f}), "
+                  f"queued gpu {r['graphed_gpu_ms']:.3f} ms (speedup {r['graphed_queued_speedup']:.2f}), "
+                  f"host {r['graphed_host_ms']:.3f} ms")
     for p in result["problems"]:
         print("CHECK FAILED:", p)
 
@@ -173,6 +204,8 @@ def main(argv=None):
     use_cuda = not args.dry_run
     if use_cuda and not torch.cuda.is_available():
         sys.exit("bench_tp_collectives needs CUDA (or --dry-run)")
+    if args.cuda_graphs and not use_cuda:
+        sys.exit("--cuda-graphs needs CUDA (drop it with --dry-run)")
     dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:

@@ -31,7 +31,10 @@ COMMON = ["--bf16", "--transformer-impl", "local", "--use-distributed-optimizer"
 TACO = {"baseline": [], "taco": ["--tp-comm-compression", "taco", "--taco-format", "e4m3"],
         "taco_int8": ["--tp-comm-compression", "taco", "--taco-format", "int8"],
         # every floating-point TP tensor compressed, whatever the start-up probe would pick
-        "taco_int8_all": ["--tp-comm-compression", "taco", "--taco-format", "int8", "--tp-comm-compression-min-bytes", "0"]}
+        "taco_int8_all": ["--tp-comm-compression", "taco", "--taco-format", "int8", "--tp-comm-compression-min-bytes", "0"],
+        # taco_int8_all with the compressed collectives replayed as CUDA graphs (the start-up probe times eager calls)
+        "taco_int8_graphs": ["--tp-comm-compression", "taco", "--taco-format", "int8", "--tp-comm-compression-min-bytes",
+                             "0", "--tp-comm-cuda-graphs"]}
 PARAM_GATHER = {"baseline": [], "ciera": ["--param-gather-compression", "ciera"],
                 "delta": ["--param-gather-compression", "delta"],
                 # lossy (SDP4Bit): 4-bit weight differences; + Hadamard int8 gradient reduce-scatter

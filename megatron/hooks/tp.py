@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 
 from compression.codec import TensorCodec
+from compression.collective_graphs import CollectiveGraphs
 from compression.taco import TacoCodec, TacoConfig
 from compression.tp_collectives import ALL_REDUCE_ALGORITHMS, OPS, PROBE_BYTES, measure_min_bytes
 from megatron.hooks.tp_functions import (
@@ -176,6 +177,14 @@ def resolve_min_bytes(args, codec: TensorCodec, group) -> dict:
     return measure_min_bytes(codec, group, sizes=sizes, margin=0.1, all_reduce_algorithm=args.taco_all_reduce)
 
 
+def _collective_graphs(args):
+    if not getattr(args, "tp_comm_cuda_graphs", False):
+        return None
+    if not torch.cuda.is_available():
+        raise ValueError("--tp-comm-cuda-graphs replays CUDA graphs and needs GPUs: drop the flag on CPU")
+    return CollectiveGraphs()
+
+
 def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) -> None:
     """Route the TP collectives of every local tensor-parallel layer in ``model_chunks`` through
     ``codec`` (default: TACO built from ``args``). Call after building (and Float16Module wrapping)
@@ -184,6 +193,7 @@ def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) ->
     codec = codec if codec is not None else build_taco_codec(args)
     swapped, kept = Counter(), Counter()
     thresholds = {}  # per TP group, measured once
+    graphs = {}  # per TP group: its collectives' CUDA graphs (--tp-comm-cuda-graphs)
     for chunk in model_chunks:
         for name, module in chunk.named_modules():
             _check_module(name, module)
@@ -194,7 +204,9 @@ def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) ->
             swapped[type(module).__name__] += 1
             if module.tp_group not in thresholds:
                 thresholds[module.tp_group] = resolve_min_bytes(args, codec, module.tp_group)
-            module.tp_comm = TpComm(codec, module.tp_group, thresholds[module.tp_group], args.taco_all_reduce)
+                graphs[module.tp_group] = _collective_graphs(args)
+            module.tp_comm = TpComm(codec, module.tp_group, thresholds[module.tp_group], args.taco_all_reduce,
+                                    graphs[module.tp_group])
             module.__class__ = _COMPRESSED_CLASS[type(module)]
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(

@@ -19,11 +19,13 @@ call, and every rank (the source included) uses the decoded values.
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from compression.codec import TensorCodec
+from compression.collective_graphs import CollectiveGraphs
 from compression.telemetry import TELEMETRY
 from compression.tp_collectives import (
     compressed_all_gather,
@@ -64,22 +66,32 @@ class TpComm:
     it is compressed, or None for never."""
     all_reduce_algorithm: str = "auto"
     """``--taco-all-reduce``: auto | one-shot | two-shot (compression.tp_collectives)."""
+    graphs: Optional[CollectiveGraphs] = None
+    """``--tp-comm-cuda-graphs``: the compressed collectives replayed as CUDA graphs."""
 
     def compresses(self, x: torch.Tensor, op: str) -> bool:
         threshold = self.min_bytes[op]
         return threshold is not None and x.is_floating_point() and x.numel() * x.element_size() >= threshold
 
+    def _compressed(self, op: str, collective, x: torch.Tensor, async_op: bool):
+        """``collective(x, async_op)``, or its CUDA-graph replay (complete on return: a ready handle)."""
+        if self.graphs is None:
+            return collective(x, async_op)
+        result = self.graphs.run(op, lambda t: collective(t, False), x)
+        return _Ready(result, None) if async_op else result
+
     def all_reduce(self, x: torch.Tensor, async_op: bool = False):
         if self.compresses(x, "all_reduce"):
-            return compressed_all_reduce(x, self.codec, self.group, async_op=async_op,
-                                         algorithm=self.all_reduce_algorithm)
+            return self._compressed("all_reduce", lambda t, a: compressed_all_reduce(
+                t, self.codec, self.group, async_op=a, algorithm=self.all_reduce_algorithm), x, async_op)
         out = x.contiguous().clone()
         return _stock_result(x, out, dist.all_reduce(out, group=self.group, async_op=async_op), async_op)
 
     def reduce_scatter(self, x: torch.Tensor, async_op: bool = False):
         """Sum over the group and keep this rank's slice of dim 0."""
         if self.compresses(x, "reduce_scatter"):
-            return compressed_reduce_scatter(x, self.codec, self.group, async_op=async_op)
+            return self._compressed("reduce_scatter", lambda t, a: compressed_reduce_scatter(
+                t, self.codec, self.group, async_op=a), x, async_op)
         world_size = self.group.size()
         if x.shape[0] % world_size:
             raise ValueError(f"reduce-scatter needs dim 0 ({x.shape[0]}) divisible by the TP size ({world_size})")
@@ -90,7 +102,8 @@ class TpComm:
     def all_gather(self, x: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's ``x`` along dim 0."""
         if self.compresses(x, "all_gather"):
-            return compressed_all_gather(x, self.codec, self.group, async_op=async_op)
+            return self._compressed("all_gather", lambda t, a: compressed_all_gather(
+                t, self.codec, self.group, async_op=a), x, async_op)
         out = x.new_empty((x.shape[0] * self.group.size(),) + tuple(x.shape[1:]))
         work = dist.all_gather_into_tensor(out, x.contiguous(), group=self.group, async_op=async_op)
         return _stock_result(x, out, work, async_op)

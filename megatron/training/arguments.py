@@ -180,6 +180,9 @@ class CompressionArgs:
         6, "With --tp-comm-compression-min-bytes auto: training iterations (after the first 2) that alternate "
         "uncompressed and compressed TP collectives; compression stays on only if it makes iterations at least "
         "2%% faster (0: no trial, trust the start-up probe).")
+    tp_comm_cuda_graphs: bool = arg(
+        False, "Replay each compressed TP collective of a fixed shape as a CUDA graph (after 2 eager calls), "
+        "cutting its host cost; a replayed collective completes before the next GEMM (no comm/compute overlap).")
     taco_block_size: int = arg(256, "TACO block size (power of two, 32..1024).")
     taco_format: str = arg("int8", "TACO element format: int8 (default, best error and convergence in our "
                            "runs) or the paper's e4m3, or e5m2.", choices=["e4m3", "e5m2", "int8"])
@@ -491,6 +494,8 @@ def _validate_compression(args) -> None:
     Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
     HadamardQuantConfig(block_size=args.grad_reduce_block_size)
     TahQuantConfig.from_args(args)
+    _check(not args.tp_comm_cuda_graphs or args.tp_comm_compression == "taco",
+           "--tp-comm-cuda-graphs replays TACO's compressed TP collectives: add --tp-comm-compression taco")
     min_bytes = str(args.tp_comm_compression_min_bytes)
     _check(min_bytes == "auto" or min_bytes.isdigit(),
            f"--tp-comm-compression-min-bytes must be 'auto' or an integer >= 0, got {min_bytes!r}")

@@ -1,0 +1,85 @@
+"""CUDA-graph replay of compressed collectives, to take their host cost out of every call.
+
+A compressed collective costs the GPU less than NCCL's but the host more: Triton's Python launch
+path, tensor bookkeeping and the NCCL calls add up to 0.24-0.43 ms per one-shot all-reduce against
+~0.1 ms for NCCL (results/gpu/README.md, session 3), and where the host is the bottleneck (GPT-350M at
+TP=2) that cost eats the GPU's saving. The TACO collectives have no host synchronization, so a call
+of fixed input shape can be captured once and replayed: the host then launches one graph.
+
+``CollectiveGraphs.run(key, fn, x)`` runs ``fn(x)`` eagerly for the first ``warmup`` calls of a key
+(Triton compilation, NCCL communicator set-up, allocator), captures it on the next and replays it from
+then on: ``x`` is copied into the graph's static input and the static output is cloned out, two device
+copies of the tensor in exchange for the host work. Results are bit-identical to the eager calls
+(same kernels, same order). Semantics differ in one way: a replayed call is complete when ``run``
+returns (on the current stream), so there is no communication left to overlap with later work.
+
+Telemetry recorded by ``fn`` (host-side counters) runs only while capturing; the graph re-records the
+bytes of that call on every replay, and the capture itself counts nothing. All graphs share one
+memory pool: they are replayed one at a time on one stream and every replay's output is cloned out
+before the next, so one graph's scratch may reuse another's.
+"""
+
+from typing import Callable, Hashable
+
+import torch
+
+from compression.telemetry import COMM_CLASSES, TELEMETRY
+
+
+class _Captured:
+    def __init__(self, graph, static_in, static_out, telemetry):
+        self.graph = graph
+        self.static_in = static_in
+        self.static_out = static_out
+        self.telemetry = telemetry  # [(comm_class, raw, sent)] recorded by one call
+
+
+def _telemetry_delta(before: list, after: list) -> list:
+    return [(c, after[2 * i] - before[2 * i], after[2 * i + 1] - before[2 * i + 1])
+            for i, c in enumerate(COMM_CLASSES) if after[2 * i] != before[2 * i] or after[2 * i + 1] != before[2 * i + 1]]
+
+
+class CollectiveGraphs:
+    """One per process group (or any set of collectives replayed on one stream)."""
+
+    def __init__(self, warmup: int = 2):
+        if warmup < 1:
+            raise ValueError(f"CollectiveGraphs needs >= 1 eager warm-up call per shape, got {warmup}")
+        self.warmup = warmup
+        self._calls: dict = {}
+        self._graphs: dict = {}
+        self._pool = None
+
+    def run(self, key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``fn(x)``; ``key`` must identify ``fn`` (op, group, settings): the input's shape, dtype and
+        device are added to it."""
+        if not x.is_cuda:
+            raise ValueError("CUDA graphs of collectives need CUDA tensors (--tp-comm-cuda-graphs needs GPUs)")
+        key = (key, tuple(x.shape), x.dtype, x.device)
+        captured = self._graphs.get(key)
+        if captured is None:
+            calls = self._calls.get(key, 0)
+            self._calls[key] = calls + 1
+            if calls < self.warmup:
+                return fn(x)
+            captured = self._graphs[key] = self._capture(fn, x)
+        captured.static_in.copy_(x)
+        captured.graph.replay()
+        for comm_class, raw, sent in captured.telemetry:
+            TELEMETRY.record(comm_class, raw, sent)
+        return captured.static_out.clone()
+
+    def _capture(self, fn, x) -> _Captured:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        static_in = torch.empty_like(x, memory_format=torch.contiguous_format)
+        static_in.copy_(x)
+        graph = torch.cuda.CUDAGraph()
+        before = TELEMETRY.counters()
+        # thread_local: NCCL's watchdog thread keeps querying its events while this thread captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            static_out = fn(static_in)
+        telemetry = _telemetry_delta(before, TELEMETRY.counters())
+        for comm_class, raw, sent in telemetry:  # capturing sent nothing
+            TELEMETRY.record(comm_class, -raw, -sent)
+        return _Captured(graph, static_in, static_out, telemetry)
