@@ -107,12 +107,18 @@ def main():
     parser.add_argument("--model", required=True, help="YAML config with the model shape")
     parser.add_argument("--links", nargs="+", choices=sorted(LINKS), default=list(LINKS))
     parser.add_argument("--variants", nargs="+", help="run only these of the suite's variants (the baseline always)")
-    parser.add_argument("--train-iters", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=10,
-                        help="iterations excluded from timing (10: past TACO's `auto` trial, iterations 3-8)")
+    parser.add_argument("--train-iters", type=int, default=None,
+                        help="default 16, or 22 for the param-gather suites")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="iterations excluded from timing; default 10 (past TACO's `auto` trial, iterations "
+                             "3-8), or 16 for the param-gather suites (past the selection's 8 warm-up gathers and "
+                             "--param-gather-trial-iters' iterations 11-16)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--log-dir", default="/tmp/e2e_logs")
     args, extra = parser.parse_known_args()
+    param_gather_suite = "param_gather" in args.suite
+    args.train_iters = args.train_iters or (22 if param_gather_suite else 16)
+    args.warmup = args.warmup if args.warmup is not None else (16 if param_gather_suite else 10)
     os.makedirs(args.log_dir, exist_ok=True)
     nproc, script, suite_flags, variants = SUITES[args.suite]
     if args.variants:

@@ -65,3 +65,9 @@ class ShardCodec(ABC):
     @abstractmethod
     def reset(self) -> None:
         """Forget all state (after checkpoint load or anything that rewrites parameters)."""
+
+    def observe(self, shard: torch.Tensor) -> None:
+        """This rank's new shard went out uncompressed (every rank's buffer now holds it): bring the
+        sender state up to date so that the next ``encode`` codes against it. The default forgets the
+        state, so the next payload is a keyframe (call it on every rank together, like ``reset``)."""
+        self.reset()

@@ -98,6 +98,13 @@ class DeltaCodec(ShardCodec):
     def reset(self) -> None:
         self._prev = None
 
+    def observe(self, shard: torch.Tensor) -> None:
+        """The shard was gathered uncompressed: code the next one against it (no keyframe needed,
+        receivers hold it in their buffers)."""
+        bits = _as_bits(shard, "shard")
+        if self._prev is not None and self._prev.numel() == bits.numel() and self._prev.device == bits.device:
+            self._prev.copy_(bits)
+
     # --- encode --------------------------------------------------------------------------------
 
     def encode(self, shard: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,9 @@ identical data with and without ``apply_dp_compression``; the per-step loss bits
 of every parameter buffer must match exactly, for CIERA and delta, with ``--overlap-param-gather`` off
 and on, with periodic ``verify()``, across a parameter rewrite followed by ``reset_param_gather_state``
 (and without the reset ``verify()`` must fail), for ``--param-gather-selection benefit`` under a budget
-that fits only some buckets (CIERA) and with measured delta costs (ranks must agree). Refused settings raise errors naming the flag.
+that fits only some buckets (CIERA) and with measured delta costs (ranks must agree), and while a trial
+switches the gathers between plain and compressed and finally off (``--param-gather-trial-iters``).
+Refused settings raise errors naming the flag.
 
 Through the training driver (torchrun, 50 iterations): DP=2 with CIERA from scratch and with delta
 resumed from the uncompressed run's iteration-25 checkpoint; and MoE runs (both codecs) with TP=2 x SP
@@ -36,14 +38,18 @@ METHODS = {  # run name -> compression flags
     "delta": dict(param_gather_compression="delta"),
     # measured on the real shards; on CPU whether delta pays depends on timings, so only agreement is checked
     "delta-benefit": dict(param_gather_compression="delta", param_gather_selection="benefit"),
+    # compressed, switched by a trial (TRIAL_SWITCHES) between plain and compressed gathers, then off for good
+    "delta-trial": dict(param_gather_compression="delta"),
+    "ciera-trial": dict(param_gather_compression="ciera"),
 }
+TRIAL_SWITCHES = {3: (False, False), 4: (True, False), 5: (False, False), 7: (True, False), 9: (False, True)}
 
 
 def _args(method, verify_interval=0, **overrides):
     args = argparse.Namespace(
         param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
         ciera_exponent_coder="raw", param_gather_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
-        grad_reduce_compression="none",
+        grad_reduce_compression="none", param_gather_trial_iters=0,
     )
     vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), **overrides)
     return args
@@ -134,6 +140,9 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     forward_backward = get_forward_backward_func()
     loss_bits = []
     for step in range(STEPS):
+        if method.endswith("-trial") and step in TRIAL_SWITCHES:
+            for bucket_group in _compressed_groups(ddp):
+                bucket_group.set_compressing(*TRIAL_SWITCHES[step])
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(
@@ -157,11 +166,14 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     )
 
 
-def _hook_counts(ddp):
+def _compressed_groups(ddp):
     from megatron.hooks.param_gather import CompressedBucketGroup
 
-    groups = [g for g in ddp.bucket_groups + ddp.expert_parallel_bucket_groups
-              if isinstance(g, CompressedBucketGroup)]
+    return [g for g in ddp.bucket_groups + ddp.expert_parallel_bucket_groups if isinstance(g, CompressedBucketGroup)]
+
+
+def _hook_counts(ddp):
+    groups = _compressed_groups(ddp)
     return dict(
         num_groups=len(groups), num_gathers=sum(g.num_gathers for g in groups),
         num_compressed=sum(c is not None for g in groups for c in g.codecs),
@@ -224,7 +236,33 @@ def _dense_world():
                   lambda: _train("delta", False, rewrite_at=5, reset=False, verify_interval=1))
     runs = [(method, overlap, None) for method in ("ciera", "delta") for overlap in (False, True)]
     runs += [("delta", False, 5), ("ciera", True, 5), ("ciera-benefit", True, None), ("delta-benefit", True, None)]
+    runs += [("delta-trial", True, None), ("delta-trial", False, None), ("ciera-trial", True, None)]
+    _check_trial_wiring()
     return _compare_runs(runs)
+
+
+def _check_trial_wiring():
+    """build_trial: only with benefit selection and a trial length; it starts after the selection's
+    warm-up gathers (and after another trial's iterations), and has work only once a bucket is compressed."""
+    from megatron.hooks.param_gather import SELECTION_WARMUP_GATHERS, apply_dp_compression, build_trial
+
+    ddp, _ = _build(overlap=False)
+    apply_dp_compression([ddp], _args("delta", param_gather_selection="benefit", param_gather_trial_iters=4))
+    assert build_trial([ddp], _args("delta", param_gather_trial_iters=4)) is None  # selection "all": no trial
+    assert build_trial([ddp], _args("delta-benefit", param_gather_trial_iters=0)) is None
+    trial = build_trial([ddp], _args("delta-benefit", param_gather_trial_iters=4), after_iters=6)
+    assert trial.iters == 4 and trial.skip == max(SELECTION_WARMUP_GATHERS + 2, 2 + 6)
+    assert not trial.has_work()  # the selection has not compressed anything yet
+    _compressed_groups(ddp)[0].compress_bucket(0)
+    assert trial.has_work()
+    idle = build_trial([_build(overlap=False)[0]], _args("delta-benefit", param_gather_trial_iters=4))
+    assert idle is None  # no compression installed on that model
+    ddp, _ = _build(overlap=False)
+    apply_dp_compression([ddp], _args("delta", param_gather_selection="benefit", param_gather_trial_iters=2))
+    trial = build_trial([ddp], _args("delta-benefit", param_gather_trial_iters=2))
+    for iteration in range(1, trial.skip + 2):  # nothing selected: decided at its first iteration, off
+        trial.before_iteration(iteration)
+    assert trial.decided and not trial.compressing
 
 
 def _assert_identical(results_by_rank):
@@ -241,6 +279,8 @@ def _assert_identical(results_by_rank):
                 assert 0 < result["num_compressed"] < result["num_groups"], (run, result)
             elif run[0] == "delta-benefit":
                 assert 0 <= result["num_compressed"] <= result["num_groups"], (run, result)
+            elif run[0].endswith("-trial"):  # switched off for good at step 9
+                assert result["num_compressed"] == 0, (run, result)
             else:
                 assert result["num_compressed"] == result["num_groups"], (run, result)
 

@@ -38,6 +38,12 @@ Invariants:
   ``--ciera-cache-budget-mb``; compression/selection.py), identically on every rank of a group, and
   only those are compressed from then on: where compression would make the gather slower, the
   bucket keeps megatron-core's plain all-gather. ``all`` compresses every bucket from the start.
+- ``--param-gather-trial-iters`` (with ``benefit``): the per-bucket model can promise a gain that the
+  iteration never sees (the gather overlaps compute, or costs less inside the step than alone), so
+  after the selection ``build_trial`` alternates plain and compressed gathers in the training loop and
+  keeps compression only if iterations get faster. A plain gather during the trial calls each codec's
+  ``observe`` with the shard it sent (delta: its sender copy; CIERA: a keyframe next), so switching
+  back needs no extra state and both modes stay bit-exact.
 """
 
 import logging
@@ -58,6 +64,7 @@ from compression.sdp4bit import (
 )
 from compression.shard_gather import ShardGather
 from compression.telemetry import TELEMETRY
+from megatron.hooks.trial import TRIAL_SKIP_ITERATIONS, CompressionTrial
 
 logger = logging.getLogger(__name__)
 
@@ -224,10 +231,16 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
 
         if self.selection is not None:
             self.selection.before_gather(self)
+        gathers = self.shard_gathers
+        if self.plain:  # a trial's uncompressed iteration: keep every codec's sender in step
+            for codec, bucket in zip(self.codecs, self.buckets):
+                if codec is not None:
+                    codec.observe(_own_shard(self, bucket))
+            gathers = [_PlainGather(self.intra_distributed_optimizer_instance_group)] * len(self.buckets)
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         handles = [
             gather.start(bucket.param_data, async_op)
-            for gather, bucket in zip(self.shard_gathers, self.buckets)
+            for gather, bucket in zip(gathers, self.buckets)
         ]
         if async_op:
             self.param_gather_handle = _DecodingHandle([h for h in handles if h is not None], self._gathered)
@@ -299,6 +312,15 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         """Send bucket ``index`` through the codec from the next gather on (a keyframe)."""
         self.codecs[index], self.shard_gathers[index] = build_gather(
             self.args, self.intra_distributed_optimizer_instance_group)
+
+    def set_compressing(self, compressing: bool, final: bool) -> None:
+        """Trial switch: plain gathers while not ``compressing``; a final off drops the codecs."""
+        self.plain = not compressing
+        if final and not compressing:
+            group = self.intra_distributed_optimizer_instance_group
+            self.codecs = [None] * len(self.buckets)
+            self.shard_gathers = [_PlainGather(group) for _ in self.buckets]
+            self.plain = False
 
     def _post_param_sync_if_defined(self) -> None:
         # megatron-core >= 0.19 moved FP8 post-processing into _post_param_sync(), which
@@ -405,6 +427,7 @@ def _install(bucket_group: _ParamAndGradBucketGroup, args, selection) -> None:
     bucket_group.args = args
     bucket_group.num_gathers = 0
     bucket_group.selection = selection
+    bucket_group.plain = False
     method = args.grad_reduce_compression
     bucket_group.grad_quant = (
         None if method == "none" else HadamardQuantConfig.from_flags(method, args.grad_reduce_block_size)
@@ -440,11 +463,41 @@ def apply_dp_compression(ddp_chunks: list, args) -> None:
         _install(bucket_group, args, selection)
 
 
+def _compressed_bucket_groups(ddp_chunks: list) -> list:
+    return [bucket_group for ddp in ddp_chunks for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups
+            if isinstance(bucket_group, CompressedBucketGroup)]
+
+
+def build_trial(ddp_chunks: list, args, after_iters: int = 0):
+    """The end-to-end check of ``--param-gather-selection benefit`` for the training loop
+    (``megatron/hooks/trial.py``): once the selection has decided (``SELECTION_WARMUP_GATHERS``
+    gathers) and after ``after_iters`` more iterations (another trial's), ``--param-gather-trial-iters``
+    iterations alternate plain and compressed gathers; compression stays only if it makes iterations
+    faster. Both modes are bit-exact, so training is the same either way. None if not asked for."""
+    bucket_groups = _compressed_bucket_groups(ddp_chunks)
+    selecting = args.param_gather_compression in SELECTABLE_METHODS and args.param_gather_selection == "benefit"
+    if not (selecting and args.param_gather_trial_iters and bucket_groups and dist.is_initialized()):
+        return None
+
+    def set_compressing(compressing: bool, final: bool) -> None:
+        for bucket_group in bucket_groups:
+            bucket_group.set_compressing(compressing, final)
+
+    def has_work() -> bool:  # every rank asks: a MAX over the world, since groups decide apart
+        any_codec = any(codec is not None for bucket_group in bucket_groups for codec in bucket_group.codecs)
+        flag = torch.tensor([int(any_codec)], device=_device(bucket_groups[0]))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    skip = max(SELECTION_WARMUP_GATHERS + 2, TRIAL_SKIP_ITERATIONS + after_iters)
+    return CompressionTrial("parameter-gather compression", set_compressing, args.param_gather_trial_iters,
+                            flag="--param-gather-trial-iters", fallback="megatron-core's plain all-gather",
+                            skip=skip, has_work=has_work)
+
+
 def reset_param_gather_state(ddp_chunks: list) -> None:
     """Make the next gather of every bucket a keyframe. Call after loading a checkpoint or anything
     else that rewrites parameters. No-op for chunks without compression."""
-    for ddp in ddp_chunks:
-        for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-            if isinstance(bucket_group, CompressedBucketGroup):
-                bucket_group.reset_codecs()
+    for bucket_group in _compressed_bucket_groups(ddp_chunks):
+        bucket_group.reset_codecs()
 

@@ -38,6 +38,7 @@ from megatron.hooks.tp_functions import (
     column_parallel_linear,
     reduce_scatter_forward,
 )
+from megatron.hooks.trial import CompressionTrial
 
 logger = logging.getLogger(__name__)
 
@@ -231,64 +232,24 @@ def build_trial(model_chunks: list, args):
 
 
 _STOCK_CLASS = {compressed: stock for stock, compressed in _COMPRESSED_CLASS.items()}
-TRIAL_SKIP_ITERATIONS = 2  # first iterations of a run: allocator and kernel warm-up, not timed
-TRIAL_MARGIN = 0.02  # keep compression only if it makes iterations at least this much faster
 
 
-class TpCompressionTrial:
-    """Second stage of ``--tp-comm-compression-min-bytes auto``: an end-to-end check in the real loop.
-
-    The start-up probe times each collective alone, with the host enqueuing ahead of the device. In
-    training the host also runs the model's Python, and each compressed collective adds its kernel
-    launches; where the host is the bottleneck, faster collectives still make slower iterations
-    (measured: GPT-350M, TP=2, ~25 GB/s, 18-24% slower though every collective was faster alone). So
-    after ``TRIAL_SKIP_ITERATIONS`` iterations, ``iters`` iterations alternate uncompressed (the stock
-    classes) and compressed; if the compressed median is not ``TRIAL_MARGIN`` faster, the stock
-    classes stay for the rest of the run, i.e. megatron-core's own TP path. Every rank times its own
-    iterations and the decision uses the slowest rank's (an all-reduce MAX over the world), so all
-    ranks switch together, at the same iteration."""
+class TpCompressionTrial(CompressionTrial):
+    """Second stage of ``--tp-comm-compression-min-bytes auto`` (``megatron/hooks/trial.py``): the
+    start-up probe times each collective alone, with the host enqueuing ahead of the device; where the
+    host is the bottleneck, faster collectives still make slower iterations (measured: GPT-350M, TP=2,
+    ~25 GB/s, 18-24% slower though every collective was faster alone). Uncompressed iterations use the
+    stock layer classes, i.e. megatron-core's own TP path, which also stays if the trial says so."""
 
     def __init__(self, modules: list, iters: int):
-        if iters < 2 or iters % 2:
-            raise ValueError(f"--tp-comm-compression-trial-iters must be an even number >= 2 (or 0 for no trial), "
-                             f"got {iters}")
         self.modules = modules
-        self.iters = iters
-        self.first = None  # first trial iteration, set by the first before_iteration call
-        self.times = []
-        self.compressing = True
-        self.decided = False
+        super().__init__("TP compression", self._swap_classes, iters, flag="--tp-comm-compression-trial-iters",
+                         fallback="megatron-core's own TP path")
 
-    def _set(self, compressing: bool) -> None:
+    def _swap_classes(self, compressing: bool, final: bool) -> None:
         for module in self.modules:
             compressed = type(module) in _STOCK_CLASS
             if compressing and not compressed:
                 module.__class__ = _COMPRESSED_CLASS[type(module)]
             elif not compressing and compressed:
                 module.__class__ = _STOCK_CLASS[type(module)]
-        self.compressing = compressing
-
-    def before_iteration(self, iteration: int) -> None:
-        """Set the mode of 1-based ``iteration`` (trial iterations alternate, uncompressed first)."""
-        if self.first is None:
-            self.first = iteration + TRIAL_SKIP_ITERATIONS
-        if not self.decided and self.first <= iteration < self.first + self.iters:
-            self._set((iteration - self.first) % 2 == 1)
-
-    def after_iteration(self, iteration: int, seconds: float, device: torch.device) -> None:
-        if self.decided or not self.first <= iteration < self.first + self.iters:
-            return
-        self.times.append(seconds)
-        if len(self.times) < self.iters:
-            return
-        slowest = torch.tensor(self.times, dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        plain, compressed = sorted(slowest[0::2].tolist()), sorted(slowest[1::2].tolist())
-        plain_median, compressed_median = plain[len(plain) // 2], compressed[len(compressed) // 2]
-        self._set(compressed_median < (1 - TRIAL_MARGIN) * plain_median)
-        self.decided = True
-        if dist.get_rank() == 0:
-            logger.info("TP compression trial (iterations %d-%d): median %.1f ms uncompressed, %.1f ms compressed: %s",
-                        self.first, self.first + self.iters - 1, plain_median * 1e3, compressed_median * 1e3,
-                        "keeping compression" if self.compressing else
-                        "compression off for the rest of the run (megatron-core's own TP path)")

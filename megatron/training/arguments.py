@@ -204,6 +204,10 @@ class CompressionArgs:
         "benefit", "Which buckets the lossless param-gather codecs (ciera, delta) compress: 'benefit' measures the "
         "first 8 gathers and keeps only buckets where compression is expected to be faster (never slower than "
         "uncompressed); 'all' compresses every bucket.", choices=["all", "benefit"], aliases=("ciera-selection",))
+    param_gather_trial_iters: int = arg(
+        6, "With --param-gather-selection benefit: once the buckets are chosen, training iterations that "
+        "alternate the plain and the compressed parameter all-gather (both bit-exact); compression stays on only "
+        "if it makes iterations at least 2%% faster (0: no trial, trust the per-bucket model).")
     ciera_cache_budget_mb: Optional[float] = arg(None, "CIERA cache budget in MB (default unlimited).")
     delta_block_size: int = arg(256, "Delta codec block size (power of two, 32..8192).")
     sdp4bit_group_size: int = arg(128, "SDP4Bit weight-difference quantization group (power of two, 16..4096).")
@@ -502,6 +506,9 @@ def _validate_compression(args) -> None:
     trial = args.tp_comm_compression_trial_iters
     _check(trial == 0 or (trial >= 2 and trial % 2 == 0),
            f"--tp-comm-compression-trial-iters must be 0 (no trial) or an even number >= 2, got {trial}")
+    trial = args.param_gather_trial_iters
+    _check(trial == 0 or (trial >= 2 and trial % 2 == 0),
+           f"--param-gather-trial-iters must be 0 (no trial) or an even number >= 2, got {trial}")
     _check(args.ciera_cache_budget_mb is None or args.ciera_cache_budget_mb > 0,
            f"--ciera-cache-budget-mb must be positive (or omitted for unlimited), got {args.ciera_cache_budget_mb}")
 

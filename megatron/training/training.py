@@ -147,6 +147,16 @@ def tp_compression_trial(args, ddp_chunks):
     return build_trial(ddp_chunks, args)
 
 
+def param_gather_trial(args, ddp_chunks, tp_trial):
+    """The end-to-end check of ``--param-gather-selection benefit`` (megatron.hooks.param_gather), after
+    the TP trial's iterations if there is one, or None."""
+    if args.param_gather_compression == "none":
+        return None
+    from megatron.hooks.param_gather import build_trial
+
+    return build_trial(ddp_chunks, args, after_iters=tp_trial.iters if tp_trial is not None else 0)
+
+
 def save(args, iteration, ddp_chunks, optimizer, scheduler) -> None:
     from megatron.training.checkpointing import save_checkpoint
 
@@ -188,11 +198,13 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
     wire_config_hooks(config, ddp_chunks, optimizer, args)
     writer = metrics.MetricsWriter(args)
     trial = tp_compression_trial(args, ddp_chunks)
+    gather_trial = param_gather_trial(args, ddp_chunks, trial)
     profiler = IterationProfiler(args)
     iteration = start_iteration
     while iteration < args.train_iters:
-        if trial is not None:
-            trial.before_iteration(iteration + 1)
+        for t in (trial, gather_trial):
+            if t is not None:
+                t.before_iteration(iteration + 1)
         profiler.before(iteration + 1)
         start = time.perf_counter()
         step = train_step(args, ddp_chunks, optimizer, scheduler, train_iters)
@@ -201,9 +213,10 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
         iter_time = time.perf_counter() - start
         profiler.after(iteration)
         record = iteration_record(args, iteration, step, iter_time, optimizer)
-        if trial is not None:
-            record["tp_comm_compressed"] = trial.compressing
-            trial.after_iteration(iteration, iter_time, default_device())
+        for key, t in (("tp_comm_compressed", trial), ("param_gather_compressed", gather_trial)):
+            if t is not None:
+                record[key] = t.compressing
+                t.after_iteration(iteration, iter_time, default_device())
         record.update(metrics.reduce_telemetry())
         aux = moe_aux_loss(args)
         if aux is not None:
