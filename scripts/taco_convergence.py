@@ -1,145 +1,15 @@
-"""Reproduce TACO's convergence comparison: baseline vs TACO vs its ablations, trained and plotted.
-
-Each variant is one `torchrun pretrain_gpt.py` run with the same model, data, seed and flags except
-the TP compression settings; losses come from the runs' `--metrics-file`. Outputs, under --out-dir:
-`<variant>.jsonl` (raw metrics), `summary.md` / `summary.json` (final train and validation losses,
-relative to the baseline) and `loss_curves.png`.
+"""TACO's convergence comparison: ``scripts/convergence.py --family taco`` (kept for the commands recorded
+in results/*/summary.md).
 
     python scripts/taco_convergence.py --preset cpu-tiny --out-dir results/taco_convergence_cpu
 """
 
-import argparse
-import json
 import os
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# name -> TP-compression flags. "taco" is the paper's configuration (E4M3, ASH, dual scale); "naive
-# FP8" is one per-tensor scale with no transform. Every variant names its format explicitly.
-E4M3 = ["--taco-format", "e4m3"]
-VARIANTS = {
-    "baseline": [],
-    "taco": ["--tp-comm-compression", "taco", *E4M3],
-    "naive_fp8": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "none", "--taco-scaling", "single"],
-    "ds_only": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "none"],
-    "hadamard_ds": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "hadamard"],
-    "hadamard_single": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "hadamard",
-                        "--taco-scaling", "single"],
-    "e5m2": ["--tp-comm-compression", "taco", "--taco-format", "e5m2"],
-    "int8": ["--tp-comm-compression", "taco", "--taco-format", "int8"],
-    "hadamard_int8": ["--tp-comm-compression", "taco", "--taco-transform", "hadamard", "--taco-format", "int8"],
-}
-
-PRESETS = {
-    # Small enough for 2 CPU cores: TP=2 with sequence parallelism off, byte-level stdlib text.
-    "cpu-tiny": dict(nproc=2, flags=[
-        "--config", "configs/tiny_cpu_gpt.yaml", "--tensor-model-parallel-size", "2",
-        "--transformer-impl", "local", "--train-iters", "300", "--eval-interval", "50", "--eval-iters", "4",
-        "--tp-comm-compression-min-bytes", "0",
-    ]),
-    # The report run on two GPUs (~2 min per variant on 2x H200): GPT-125M, TP=2, every TP tensor
-    # compressed (on NVLink `auto` would compress none), 300 iterations of 32k tokens.
-    "gpu-125m": dict(nproc=2, flags=[
-        "--config", "configs/gpt_125m.yaml", "--tensor-model-parallel-size", "2", "--builtin-corpus",
-        "python-stdlib", "--tokenizer-type", "ByteTokenizer", "--train-iters", "300", "--lr-warmup-iters", "30",
-        "--global-batch-size", "16", "--eval-interval", "50", "--eval-iters", "8",
-        "--tp-comm-compression-min-bytes", "0",
-    ]),
-}
-
-
-def run_variant(name, preset, out_dir, extra, reuse):
-    """Train one variant (or, with ``reuse``, read the metrics an earlier run of the same command left)."""
-    metrics = os.path.join(out_dir, f"{name}.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={preset['nproc']}",
-           "pretrain_gpt.py", *preset["flags"], *VARIANTS[name], *extra, "--metrics-file", metrics]
-    if not (reuse and os.path.exists(metrics)):
-        if os.path.exists(metrics):
-            os.remove(metrics)
-        print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
-    return cmd, [json.loads(line) for line in open(metrics)]
-
-
-def final_losses(records, until):
-    """Losses at iteration ``until``: the validation loss evaluated there, the train loss averaged over the
-    10 iterations up to it."""
-    train = [r["loss"] for r in records if "loss" in r and r["iteration"] <= until]
-    valid = [r["eval_loss"] for r in records if "eval_loss" in r and r["iteration"] == until]
-    tail = train[-10:]
-    return {"iteration": until, "final_train_loss_avg10": sum(tail) / len(tail),
-            "final_valid_loss": valid[0] if valid else None}
-
-
-def common_last_eval(curves) -> int:
-    """The last iteration every variant was evaluated at (a run cut short is compared where it stopped)."""
-    evaluated = [{r["iteration"] for r in records if "eval_loss" in r} for records in curves.values()]
-    common = set.intersection(*evaluated)
-    return max(common) if common else min(max(r["iteration"] for r in records) for records in curves.values())
-
-
-def plot(curves, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, records in curves.items():
-        it = [r["iteration"] for r in records if "loss" in r]
-        axes[0].plot(it, [r["loss"] for r in records if "loss" in r], label=name, linewidth=0.8)
-        ev = [(r["iteration"], r["eval_loss"]) for r in records if "eval_loss" in r]
-        if ev:
-            axes[1].plot(*zip(*ev), marker="o", label=name)
-    axes[0].set(title="training loss", xlabel="iteration", yscale="log")
-    axes[1].set(title="validation loss", xlabel="iteration")
-    for ax in axes:
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
-    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
-    parser.add_argument("--out-dir", required=True)
-    parser.add_argument("--reuse", action="store_true", help="keep variants whose metrics file already exists")
-    args, extra = parser.parse_known_args()
-    if "baseline" not in args.variants:
-        parser.error("--variants must include baseline: every result is reported relative to it")
-    os.makedirs(args.out_dir, exist_ok=True)
-    preset = PRESETS[args.preset]
-    curves, summary = {}, {"preset": args.preset, "commands": {}, "results": {}}
-    for name in args.variants:
-        cmd, curves[name] = run_variant(name, preset, args.out_dir, extra, args.reuse)
-        summary["commands"][name] = " ".join(cmd[1:])
-    until = common_last_eval(curves)
-    for name in args.variants:
-        summary["results"][name] = final_losses(curves[name], until)
-    base = summary["results"]["baseline"]
-    lines = [f"Losses at iteration {until}, the last evaluation every variant reached.", "",
-             "| variant | train loss (avg of last 10) | valid loss | valid vs baseline |",
-             "|---|---|---|---|"]
-    for name, res in summary["results"].items():
-        rel = (res["final_valid_loss"] / base["final_valid_loss"] - 1) * 100 if base["final_valid_loss"] else None
-        res["valid_rel_to_baseline_pct"] = rel
-        lines.append(f"| {name} | {res['final_train_loss_avg10']:.4f} | {res['final_valid_loss']:.4f} | "
-                     f"{rel:+.2f}% |" if rel is not None else f"| {name} | {res['final_train_loss_avg10']:.4f} | - | - |")
-    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
-        chosen = [] if args.variants == list(VARIANTS) else ["--variants", *args.variants]
-        command = " ".join(["python scripts/taco_convergence.py", "--preset", args.preset, *chosen,
-                            "--out-dir", args.out_dir, *extra])
-        f.write(f"Command: `{command}`\n\n")
-        f.write("\n".join(lines) + "\n")
-    plot(curves, os.path.join(args.out_dir, "loss_curves.png"))
-    print("\n".join(lines))
-
+from convergence import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    main(family="taco")

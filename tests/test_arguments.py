@@ -82,6 +82,8 @@ ERRORS = [
     ("--delta-block-size 300", 1, "--delta-block-size must be a power of two"),
     ("--ciera-cache-budget-mb 0", 1, "--ciera-cache-budget-mb must be positive"),
     ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1, "only one of --lr-warmup-iters and --lr-warmup-fraction"),
+    ("--lr-warmup-iters 500", 1, "--lr-warmup-iters (500) must be below the decay length"),
+    ("--param-gather-trial-iters 3", 1, "--param-gather-trial-iters must be 0 (no trial) or an even"),
     ("--train-samples 8", 1, "exactly one of --train-iters and --train-samples"),
     ("--recompute-granularity full", 1, "--recompute-method"),
     ("--seq-length 64 --max-position-embeddings 32", 1, "--seq-length 64 exceeds --max-position-embeddings 32"),

@@ -460,6 +460,9 @@ def _validate_batch_and_schedule(args) -> None:
            "give only one of --lr-warmup-iters and --lr-warmup-fraction")
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    _check(args.lr_warmup_iters < args.lr_decay_iters,
+           f"--lr-warmup-iters ({args.lr_warmup_iters}) must be below the decay length (--lr-decay-iters, default "
+           f"--train-iters: {args.lr_decay_iters}): lower the warm-up or train longer")
     if not args.overlap_param_gather:
         args.align_param_gather = False
     else:

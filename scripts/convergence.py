@@ -1,0 +1,185 @@
+"""Convergence of the lossy compressions: baseline vs each compression and its ablations, trained and
+plotted. Families: ``taco`` (TP: TACO and the paper's ablations), ``sdp4bit`` (DP: 4-bit weight
+differences in the parameter all-gather, Hadamard INT8/INT4 gradient reduce-scatter) and ``tahquant``
+(PP: low-bit activations and gradients between pipeline stages).
+
+Each variant is one `torchrun pretrain_gpt.py` run with the same model, data, seed and flags except
+the compression settings; losses come from the runs' `--metrics-file`. Outputs, under --out-dir:
+`<variant>.jsonl` (raw metrics), `summary.md` / `summary.json` (final train and validation losses,
+relative to the baseline) and `loss_curves.png`.
+
+    python scripts/convergence.py --family taco --preset cpu-tiny --out-dir results/taco_convergence_cpu
+    python scripts/convergence.py --family sdp4bit --preset cpu-tiny --out-dir results/sdp4bit_convergence_cpu
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# TACO: "taco" is the paper's configuration (E4M3, ASH, dual scale); "naive FP8" is one per-tensor scale
+# with no transform. Every variant names its format explicitly.
+E4M3 = ["--taco-format", "e4m3"]
+TACO_VARIANTS = {
+    "baseline": [],
+    "taco": ["--tp-comm-compression", "taco", *E4M3],
+    "naive_fp8": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "none", "--taco-scaling", "single"],
+    "ds_only": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "none"],
+    "hadamard_ds": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "hadamard"],
+    "hadamard_single": ["--tp-comm-compression", "taco", *E4M3, "--taco-transform", "hadamard",
+                        "--taco-scaling", "single"],
+    "e5m2": ["--tp-comm-compression", "taco", "--taco-format", "e5m2"],
+    "int8": ["--tp-comm-compression", "taco", "--taco-format", "int8"],
+    "hadamard_int8": ["--tp-comm-compression", "taco", "--taco-transform", "hadamard", "--taco-format", "int8"],
+}
+SDP4BIT_VARIANTS = {
+    "baseline": [],
+    "weights_4bit": ["--param-gather-compression", "sdp4bit"],
+    "weights_8bit": ["--param-gather-compression", "sdp4bit", "--sdp4bit-weight-bits", "8"],
+    "grads_int8": ["--grad-reduce-compression", "hadamard-int8"],
+    "grads_int4": ["--grad-reduce-compression", "hadamard-int4"],
+    "weights_4bit_grads_int8": ["--param-gather-compression", "sdp4bit", "--grad-reduce-compression", "hadamard-int8"],
+}
+TAHQUANT_VARIANTS = {
+    "baseline": [],
+    "tahquant_4bit": ["--pp-comm-compression", "tahquant"],
+    "tahquant_4bit_activations_only": ["--pp-comm-compression", "tahquant", "--no-pp-comm-compress-grads"],
+    "tahquant_8bit": ["--pp-comm-compression", "tahquant", "--pp-comm-bits", "8"],
+}
+
+# The tiny CPU model: small enough for 2 CPU cores, byte-level stdlib text, 300 iterations (cpu-tiny,
+# ~15 s per run) or 2000 (cpu-tiny-2k, the lr schedule stretched over them).
+CPU_TINY = ["--config", "configs/tiny_cpu_gpt.yaml", "--transformer-impl", "local", "--train-iters", "300",
+            "--eval-interval", "50", "--eval-iters", "4"]
+CPU_TINY_2K = [*CPU_TINY, "--train-iters", "2000", "--eval-interval", "250", "--lr-warmup-iters", "50"]
+FAMILIES = {
+    "taco": dict(variants=TACO_VARIANTS, presets={
+        # TP=2 with sequence parallelism off, every TP tensor compressed.
+        "cpu-tiny": dict(nproc=2, flags=[*CPU_TINY, "--tensor-model-parallel-size", "2",
+                                         "--tp-comm-compression-min-bytes", "0"]),
+        # The report run on two GPUs (~2 min per variant on 2x H200): GPT-125M, TP=2, every TP tensor
+        # compressed (on NVLink `auto` would compress none), 300 iterations of 32k tokens.
+        "gpu-125m": dict(nproc=2, flags=[
+            "--config", "configs/gpt_125m.yaml", "--tensor-model-parallel-size", "2", "--builtin-corpus",
+            "python-stdlib", "--tokenizer-type", "ByteTokenizer", "--train-iters", "300", "--lr-warmup-iters", "30",
+            "--global-batch-size", "16", "--eval-interval", "50", "--eval-iters", "8",
+            "--tp-comm-compression-min-bytes", "0",
+        ]),
+    }),
+    # DP=2, bf16 parameters (the codecs code 16-bit values), distributed optimizer.
+    "sdp4bit": dict(variants=SDP4BIT_VARIANTS, presets={
+        name: dict(nproc=2, flags=[*flags, "--bf16", "--use-distributed-optimizer"])
+        for name, flags in (("cpu-tiny", CPU_TINY), ("cpu-tiny-2k", CPU_TINY_2K))
+    }),
+    # PP=2 (two layers per stage), 4 micro-batches per step so the 1F1B schedule has traffic both ways.
+    "tahquant": dict(variants=TAHQUANT_VARIANTS, presets={
+        name: dict(nproc=2, flags=[*flags, "--pipeline-model-parallel-size", "2"])
+        for name, flags in (("cpu-tiny", CPU_TINY), ("cpu-tiny-2k", CPU_TINY_2K))
+    }),
+}
+
+
+def run_variant(name, variant_flags, preset, out_dir, extra, reuse):
+    """Train one variant (or, with ``reuse``, read the metrics an earlier run of the same command left)."""
+    metrics = os.path.join(out_dir, f"{name}.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={preset['nproc']}",
+           "pretrain_gpt.py", *preset["flags"], *variant_flags, *extra, "--metrics-file", metrics]
+    if not (reuse and os.path.exists(metrics)):
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+    return cmd, [json.loads(line) for line in open(metrics)]
+
+
+def final_losses(records, until):
+    """Losses at iteration ``until``: the validation loss evaluated there, the train loss averaged over the
+    10 iterations up to it."""
+    train = [r["loss"] for r in records if "loss" in r and r["iteration"] <= until]
+    valid = [r["eval_loss"] for r in records if "eval_loss" in r and r["iteration"] == until]
+    tail = train[-10:]
+    return {"iteration": until, "final_train_loss_avg10": sum(tail) / len(tail),
+            "final_valid_loss": valid[0] if valid else None}
+
+
+def common_last_eval(curves) -> int:
+    """The last iteration every variant was evaluated at (a run cut short is compared where it stopped)."""
+    evaluated = [{r["iteration"] for r in records if "eval_loss" in r} for records in curves.values()]
+    common = set.intersection(*evaluated)
+    return max(common) if common else min(max(r["iteration"] for r in records) for records in curves.values())
+
+
+def plot(curves, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, records in curves.items():
+        it = [r["iteration"] for r in records if "loss" in r]
+        axes[0].plot(it, [r["loss"] for r in records if "loss" in r], label=name, linewidth=0.8)
+        ev = [(r["iteration"], r["eval_loss"]) for r in records if "eval_loss" in r]
+        if ev:
+            axes[1].plot(*zip(*ev), marker="o", label=name)
+    axes[0].set(title="training loss", xlabel="iteration", yscale="log")
+    axes[1].set(title="validation loss", xlabel="iteration")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None, family=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default=family or "taco")
+    parser.add_argument("--preset", default="cpu-tiny")
+    parser.add_argument("--variants", nargs="+", help="default: every variant of the family")
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--reuse", action="store_true", help="keep variants whose metrics file already exists")
+    args, extra = parser.parse_known_args(argv)
+    variants, presets = FAMILIES[args.family]["variants"], FAMILIES[args.family]["presets"]
+    if args.preset not in presets:
+        parser.error(f"--preset must be one of {sorted(presets)} for --family {args.family}")
+    chosen_variants = args.variants or list(variants)
+    unknown = set(chosen_variants) - set(variants)
+    if unknown:
+        parser.error(f"--variants: {sorted(unknown)} not in family {args.family}: {sorted(variants)}")
+    if "baseline" not in chosen_variants:
+        parser.error("--variants must include baseline: every result is reported relative to it")
+    os.makedirs(args.out_dir, exist_ok=True)
+    preset = presets[args.preset]
+    curves, summary = {}, {"family": args.family, "preset": args.preset, "commands": {}, "results": {}}
+    for name in chosen_variants:
+        cmd, curves[name] = run_variant(name, variants[name], preset, args.out_dir, extra, args.reuse)
+        summary["commands"][name] = " ".join(cmd[1:])
+    until = common_last_eval(curves)
+    for name in chosen_variants:
+        summary["results"][name] = final_losses(curves[name], until)
+    base = summary["results"]["baseline"]
+    lines = [f"Losses at iteration {until}, the last evaluation every variant reached.", "",
+             "| variant | train loss (avg of last 10) | valid loss | valid vs baseline |",
+             "|---|---|---|---|"]
+    for name, res in summary["results"].items():
+        rel = (res["final_valid_loss"] / base["final_valid_loss"] - 1) * 100 if base["final_valid_loss"] else None
+        res["valid_rel_to_baseline_pct"] = rel
+        lines.append(f"| {name} | {res['final_train_loss_avg10']:.4f} | {res['final_valid_loss']:.4f} | "
+                     f"{rel:+.2f}% |" if rel is not None else f"| {name} | {res['final_train_loss_avg10']:.4f} | - | - |")
+    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
+        chosen = [] if args.variants is None else ["--variants", *args.variants]
+        command = " ".join(["python scripts/convergence.py", "--family", args.family, "--preset", args.preset,
+                            *chosen, "--out-dir", args.out_dir, *extra])
+        f.write(f"Command: `{command}`\n\n")
+        f.write("\n".join(lines) + "\n")
+    plot(curves, os.path.join(args.out_dir, "loss_curves.png"))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
