@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -26,35 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import kernels.ciera as kernels  # noqa: E402
-from benchmarks.delta_wire_ratio import simulated_adamw  # noqa: E402
+from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.ciera import CieraCodec, CieraConfig  # noqa: E402
-
-
-def synchronize(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, setup, check, repeats: int, device) -> list:
-    """Seconds of ``fn`` per repeat, each after an untimed ``setup`` and followed by an untimed ``check``."""
-    seconds = []
-    for _ in range(repeats):
-        setup()
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-        check()
-    return seconds
-
-
-def trajectory_step(numel: int, lr: float, steps: int, device) -> tuple:
-    """(previous, new) bf16 snapshots of steps ``steps`` and ``steps + 1``."""
-    snapshots = simulated_adamw(numel, lr, steps + 1, device=device)
-    for _ in range(steps):
-        previous = next(snapshots)
-    return previous.clone(), next(snapshots)
+from compression.timing import call_seconds  # noqa: E402
 
 
 def measure(previous, new, keyframe: bool, config: CieraConfig, repeats: int) -> dict:
@@ -79,11 +52,11 @@ def measure(previous, new, keyframe: bool, config: CieraConfig, repeats: int) ->
         if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
             raise AssertionError("CIERA decode is not bit-exact")
 
-    enc = timed(encode, restore_sender, lambda: None, repeats, device)
+    enc = call_seconds(encode, device, repeats, setup=restore_sender)
     payload = result["payload"].clone()  # the codec's buffer is reused by the next encode
-    dec = timed(lambda: receiver.decode(0, payload, out), lambda: out.copy_(previous), check_decode, repeats,
-                device)
-    copy = timed(lambda: out.copy_(new), lambda: None, lambda: None, repeats, device)
+    dec = call_seconds(lambda: receiver.decode(0, payload, out), device, repeats,
+                       setup=lambda: out.copy_(previous), check=check_decode)
+    copy = call_seconds(lambda: out.copy_(new), device, repeats)
     nbytes = 2 * new.numel()
     gbps = lambda s: nbytes / min(s) / 1e9  # noqa: E731
     stats = sender.last_stats
@@ -134,8 +107,8 @@ def main():
     device = torch.device("cpu" if args.dry_run else "cuda")
     config = CieraConfig(args.block_size, args.change_detect, args.exponent_coder)
     lrs = [float(x) for x in args.lrs.split(",")]
-    cases = [("keyframe", *trajectory_step(args.numel, lrs[0], args.steps, device), True)]
-    cases += [(f"lr {lr:g}", *trajectory_step(args.numel, lr, args.steps, device), False) for lr in lrs]
+    cases = [("keyframe", *simulated_step(args.numel, lrs[0], args.steps, device), True)]
+    cases += [(f"lr {lr:g}", *simulated_step(args.numel, lr, args.steps, device), False) for lr in lrs]
     default_tile, default_warps = kernels.TILE_VALUES, kernels.NUM_WARPS
     rows = []
     for (name, previous, new, keyframe), tile, warps in itertools.product(

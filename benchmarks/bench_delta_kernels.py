@@ -15,7 +15,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -23,27 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import kernels.delta as kernels  # noqa: E402
-from benchmarks.delta_wire_ratio import simulated_adamw  # noqa: E402
+from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
-
-
-def timed(fn, setup, repeats: int) -> list:
-    seconds = []
-    for _ in range(repeats):
-        setup()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-def steady_step(numel: int, lr: float, steps: int) -> tuple:
-    snapshots = simulated_adamw(numel, lr, steps + 1, device="cuda")
-    for _ in range(steps):
-        previous = next(snapshots)
-    return previous.clone(), next(snapshots)
+from compression.timing import call_seconds  # noqa: E402
 
 
 def measure(previous, new, block_size: int, repeats: int) -> dict:
@@ -60,14 +41,15 @@ def measure(previous, new, block_size: int, repeats: int) -> dict:
     def encode():
         result["payload"] = sender.encode(new)
 
-    enc = timed(encode, reset_sender, repeats)
+    cuda = torch.device("cuda")
+    enc = call_seconds(encode, cuda, repeats, setup=reset_sender)
     payload = result["payload"]
-    dec = timed(lambda: receiver.decode(0, payload, out), lambda: out.copy_(previous), repeats)
+    dec = call_seconds(lambda: receiver.decode(0, payload, out), cuda, repeats, setup=lambda: out.copy_(previous))
     if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
         raise AssertionError("decode is not bit-exact")
-    blocks = timed(lambda: kernels.encode_blocks(sender._prev, new.view(torch.int16), block_size), reset_sender,
-                   repeats)
-    copy = timed(lambda: out.copy_(new), lambda: None, repeats)
+    blocks = call_seconds(lambda: kernels.encode_blocks(sender._prev, new.view(torch.int16), block_size), cuda,
+                          repeats, setup=reset_sender)
+    copy = call_seconds(lambda: out.copy_(new), cuda, repeats)
     gbps = lambda s: nbytes / min(s) / 1e9  # noqa: E731
     return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy),
                 encode_blocks_GBps=gbps(blocks), encode_ms=1e3 * min(enc),
@@ -91,7 +73,7 @@ def main():
     rows = []
     default_warps = kernels._num_warps
     for lr in (float(x) for x in args.lrs.split(",")):
-        previous, new = steady_step(args.numel, lr, args.steps)
+        previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
         for warps in [None] + [int(w) for w in args.warps.split(",") if w]:
             kernels._num_warps = default_warps if warps is None else (lambda block_size, w=warps: w)
             row = dict(lr=lr, warps=warps or default_warps(args.block_size), block_size=args.block_size,

@@ -50,6 +50,14 @@ def simulated_adamw(numel: int, lr: float, steps: int, seed: int = 0, device="cp
         yield master.detach().bfloat16()
 
 
+def simulated_step(numel: int, lr: float, steps: int, device="cpu") -> tuple:
+    """(previous, new): the snapshots after ``steps`` and ``steps + 1`` steps of ``simulated_adamw``."""
+    snapshots = simulated_adamw(numel, lr, steps + 1, device=device)
+    for _ in range(steps):
+        previous = next(snapshots)
+    return previous.clone(), next(snapshots)
+
+
 class TinyGPT(torch.nn.Module):
     def __init__(self, layers=4, dim=256, heads=4, seq=128, vocab=256):
         super().__init__()

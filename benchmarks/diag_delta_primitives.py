@@ -14,7 +14,6 @@ docs/delta.md).
 import json
 import os
 import sys
-import time
 
 import torch
 import triton
@@ -23,8 +22,9 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels.delta as K  # noqa: E402
-from benchmarks.bench_delta_kernels import steady_step  # noqa: E402
+from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
+from compression.timing import call_seconds  # noqa: E402
 
 @triton.jit
 def _zs(prev_ptr, new_ptr, idx, inside):
@@ -116,17 +116,14 @@ def k_stage2d(prev_ptr, new_ptr, numel, out_ptr, BLOCK: tl.constexpr, NB: tl.con
     tl.store(out_ptr + p * NB + r, acc)
 
 def t(fn, reset, reps=20):
-    best = 1e9
-    for _ in range(reps):
-        reset(); torch.cuda.synchronize(); s = time.perf_counter(); fn(); torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - s)
-    return best * 1e3
+    """Best of ``reps`` synchronized calls, in ms, each after an untimed ``reset``."""
+    return min(call_seconds(fn, torch.device("cuda"), reps, setup=reset)) * 1e3
 
 def main():
     numel, B = 62_500_000, 256
     res = {}
     for lr in (1e-4,):
-        previous, new = steady_step(numel, lr, 20)
+        previous, new = simulated_step(numel, lr, 20, device="cuda")
         prev16, new16 = previous.view(torch.int16), new.view(torch.int16)
         state = prev16.clone()
         work = prev16.clone()

@@ -28,15 +28,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def call_seconds(fn, device: torch.device, repeats: int) -> list:
-    """Seconds of each of ``repeats`` calls of ``fn``, every call bracketed by device synchronization."""
+def call_seconds(fn, device: torch.device, repeats: int, setup=None, check=None) -> list:
+    """Seconds of each of ``repeats`` calls of ``fn``, every call bracketed by device synchronization;
+    ``setup`` runs untimed before each call (e.g. restoring a codec's state), ``check`` after it."""
     times = []
     for _ in range(repeats):
+        if setup is not None:
+            setup()
         synchronize(device)
         start = time.perf_counter()
         fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
+        if check is not None:
+            check()
     return times
 
 
