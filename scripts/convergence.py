@@ -58,8 +58,9 @@ CPU_TINY_2K = [*CPU_TINY, "--train-iters", "2000", "--eval-interval", "250", "--
 FAMILIES = {
     "taco": dict(variants=TACO_VARIANTS, presets={
         # TP=2 with sequence parallelism off, every TP tensor compressed.
-        "cpu-tiny": dict(nproc=2, flags=[*CPU_TINY, "--tensor-model-parallel-size", "2",
-                                         "--tp-comm-compression-min-bytes", "0"]),
+        **{name: dict(nproc=2, flags=[*flags, "--tensor-model-parallel-size", "2",
+                                      "--tp-comm-compression-min-bytes", "0"])
+           for name, flags in (("cpu-tiny", CPU_TINY), ("cpu-tiny-2k", CPU_TINY_2K))},
         # The report run on two GPUs (~2 min per variant on 2x H200): GPT-125M, TP=2, every TP tensor
         # compressed (on NVLink `auto` would compress none), 300 iterations of 32k tokens.
         "gpu-125m": dict(nproc=2, flags=[
