@@ -19,6 +19,7 @@ memory pool: they are replayed one at a time on one stream and every replay's ou
 before the next, so one graph's scratch may reuse another's.
 """
 
+import weakref
 from typing import Callable, Hashable
 
 import torch
@@ -39,6 +40,15 @@ def _telemetry_delta(before: list, after: list) -> list:
             for i, c in enumerate(COMM_CLASSES) if after[2 * i] != before[2 * i] or after[2 * i + 1] != before[2 * i + 1]]
 
 
+_LIVE: "weakref.WeakSet[CollectiveGraphs]" = weakref.WeakSet()
+
+
+def release_all_graphs() -> None:
+    """Free the CUDA graphs of every ``CollectiveGraphs``: call before destroying process groups."""
+    for graphs in list(_LIVE):
+        graphs.release()
+
+
 class CollectiveGraphs:
     """One per process group (or any set of collectives replayed on one stream)."""
 
@@ -48,6 +58,17 @@ class CollectiveGraphs:
         self.warmup = warmup
         self._calls: dict = {}
         self._graphs: dict = {}
+        self._pool = None
+        _LIVE.add(self)
+
+    def release(self) -> None:
+        """Free the captured graphs (a later call of a key starts its warm-up again)."""
+        if self._graphs:
+            torch.cuda.synchronize()
+            for captured in self._graphs.values():
+                captured.graph.reset()
+        self._graphs.clear()
+        self._calls.clear()
         self._pool = None
 
     def run(self, key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 
+from compression.collective_graphs import release_all_graphs
 from compression.timing import default_device
 from megatron.training import metrics
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
@@ -255,6 +256,7 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     saved_by_interval = args.save_interval and iteration % args.save_interval == 0
     if args.save and iteration > start and not saved_by_interval:
         save(args, iteration, ddp_chunks, optimizer, scheduler)
+    release_all_graphs()  # graphs holding NCCL kernels make destroy_process_group hang
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return iteration
