@@ -5,7 +5,9 @@ The shard is ``--numel`` bf16 values (default 62.5M, as in bench_param_gather.py
 simulated trajectory of benchmarks/delta_wire_ratio.py, so that the changed-block fraction is
 realistic. Encode restarts from the same sender state and decode from the same previous values every
 repeat (untimed), and every decode is checked bit for bit. Times are wall clock with a device sync on
-both sides (the codec's own host sync included); GB/s are shard bytes (2 per value) per second.
+both sides (the codec's own host sync included); GB/s are shard bytes (2 per value) per second. On
+CUDA, ``*_device_GBps`` count only the device's time in the call's kernels and copies (PyTorch
+profiler; ``*_ops_us`` lists them), i.e. without launch gaps and host syncs: the kernels' own speed.
 ``--tiles`` and ``--warps`` sweep the values per program and warps per program of the fused kernels.
 ``--dry-run`` checks the script on the CPU (plain-PyTorch path, small shard).
 
@@ -27,7 +29,7 @@ sys.path.insert(0, ROOT)
 import kernels.ciera as kernels  # noqa: E402
 from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.ciera import CieraCodec, CieraConfig  # noqa: E402
-from compression.timing import call_seconds  # noqa: E402
+from compression.timing import call_seconds, device_op_seconds  # noqa: E402
 
 
 def measure(previous, new, keyframe: bool, config: CieraConfig, repeats: int) -> dict:
@@ -60,7 +62,15 @@ def measure(previous, new, keyframe: bool, config: CieraConfig, repeats: int) ->
     nbytes = 2 * new.numel()
     gbps = lambda s: nbytes / min(s) / 1e9  # noqa: E731
     stats = sender.last_stats
-    return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy),
+    device_ops = {}
+    if device.type == "cuda":
+        ops = dict(encode=device_op_seconds(encode, 5, setup=restore_sender),
+                   decode=device_op_seconds(lambda: receiver.decode(0, payload, out), 5,
+                                            setup=lambda: out.copy_(previous)),
+                   copy=device_op_seconds(lambda: out.copy_(new), 5))
+        device_ops = {f"{k}_device_GBps": nbytes / sum(v.values()) / 1e9 for k, v in ops.items()}
+        device_ops.update({f"{k}_ops_us": {name: 1e6 * t for name, t in v.items()} for k, v in ops.items()})
+    return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy), **device_ops,
                 encode_ms=1e3 * min(enc), encode_median_ms=1e3 * statistics.median(enc),
                 decode_ms=1e3 * min(dec), decode_median_ms=1e3 * statistics.median(dec), copy_ms=1e3 * min(copy),
                 ratio=nbytes / payload.numel(), payload_bytes=payload.numel(),
@@ -100,6 +110,15 @@ def print_table(rows: list) -> None:
         print(f"| {r['case']} | {r['tile']} | {r['warps']} | {r['changed_fraction']:.1%} | {r['ratio']:.3f}x | "
               f"{r['encode_GBps']:.0f} | {r['decode_GBps']:.0f} | {r['copy_GBps']:.0f} | "
               f"{r['encode_GBps'] / r['copy_GBps']:.0%} | {r['decode_GBps'] / r['copy_GBps']:.0%} |")
+    device_rows = [r for r in rows if "copy_device_GBps" in r]
+    if device_rows:
+        print("\nDevice time only (kernels and copies of one call, no launch gaps or host syncs):")
+        print("| case | encode GB/s | decode GB/s | copy GB/s | encode/copy | decode/copy |")
+        print("|---|---|---|---|---|---|")
+        for r in device_rows:
+            print(f"| {r['case']} | {r['encode_device_GBps']:.0f} | {r['decode_device_GBps']:.0f} | "
+                  f"{r['copy_device_GBps']:.0f} | {r['encode_device_GBps'] / r['copy_device_GBps']:.0%} | "
+                  f"{r['decode_device_GBps'] / r['copy_device_GBps']:.0%} |")
 
 
 def main():

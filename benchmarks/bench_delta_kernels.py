@@ -5,7 +5,8 @@ simulated AdamW trajectory of ``benchmarks/delta_wire_ratio.py`` run on the GPU;
 ``--steps`` -> ``--steps + 1``. Encode restarts from the same sender state and decode from the same
 previous values every repeat (untimed), and every decode is checked bit for bit. Times are wall
 clock with a device sync on both sides (the codec's own host syncs included); GB/s are shard bytes
-(2 per value) per second. ``--warps`` sweeps the warps per block program of the codec kernels.
+(2 per value) per second; ``*_device_GBps`` count only the device's time in the call's kernels and
+copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps`` sweeps the warps per block program of the codec kernels.
 
     python benchmarks/bench_delta_kernels.py --out results/gpu/delta_kernels.json
 """
@@ -24,7 +25,7 @@ sys.path.insert(0, ROOT)
 import kernels.delta as kernels  # noqa: E402
 from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
-from compression.timing import call_seconds  # noqa: E402
+from compression.timing import call_seconds, device_op_seconds  # noqa: E402
 
 
 def measure(previous, new, block_size: int, repeats: int) -> dict:
@@ -51,13 +52,18 @@ def measure(previous, new, block_size: int, repeats: int) -> dict:
                           repeats, setup=reset_sender)
     copy = call_seconds(lambda: out.copy_(new), cuda, repeats)
     gbps = lambda s: nbytes / min(s) / 1e9  # noqa: E731
+    ops = dict(encode=device_op_seconds(encode, 5, setup=reset_sender),
+               decode=device_op_seconds(lambda: receiver.decode(0, payload, out), 5, setup=lambda: out.copy_(previous)),
+               copy=device_op_seconds(lambda: out.copy_(new), 5))
+    device_ops = {f"{k}_device_GBps": nbytes / sum(v.values()) / 1e9 for k, v in ops.items()}
+    device_ops.update({f"{k}_ops_us": {name: 1e6 * t for name, t in v.items()} for k, v in ops.items()})
     return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy),
                 encode_blocks_GBps=gbps(blocks), encode_ms=1e3 * min(enc),
                 encode_median_ms=1e3 * statistics.median(enc),
                 decode_ms=1e3 * min(dec), decode_median_ms=1e3 * statistics.median(dec),
                 encode_blocks_ms=1e3 * min(blocks), copy_ms=1e3 * min(copy), ratio=nbytes / payload.numel(),
                 unchanged=float((new.view(torch.int16) == previous.view(torch.int16)).float().mean()),
-                stats=sender.last_stats)
+                stats=sender.last_stats, **device_ops)
 
 
 def main():
@@ -81,8 +87,9 @@ def main():
             rows.append(row)
             print(f"lr {lr:g} warps {row['warps']}: encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
                   f"blocks kernel {row['encode_blocks_ms']:.3f} ms), decode {row['decode_GBps']:.0f} GB/s "
-                  f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x",
-                  flush=True)
+                  f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x; "
+                  f"device time only: encode {row['encode_device_GBps']:.0f}, decode {row['decode_device_GBps']:.0f}, "
+                  f"copy {row['copy_device_GBps']:.0f} GB/s", flush=True)
         kernels._num_warps = default_warps
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -163,7 +163,13 @@ def selection_summary(candidates, selected: set, comm: CommModel, merge_seconds_
     return (f"{codec} selection: {len(chosen)}/{len(candidates)} shards "
             f"({100 * sum(s.numel * 2 for s in chosen) / total_bytes:.1f}% of bytes), "
             f"expected gain {gain * 1e3:.3f} ms/iteration, cache {cache / 2**20:.1f} MiB; "
-            f"comm model {comm.latency_s * 1e6:.1f} us + {1e-9 / max(comm.seconds_per_byte, 1e-30):.2f} GB/s")
+            f"comm model {comm.latency_s * 1e6:.1f} us + {_bandwidth(comm)}")
+
+
+def _bandwidth(comm: CommModel) -> str:
+    if comm.seconds_per_byte <= 0:  # the fit's slope is clamped at 0 when time does not grow with size
+        return "no per-byte cost measurable at the probed sizes"
+    return f"{1e-9 / comm.seconds_per_byte:.2f} GB/s"
 
 
 def measure_merge_seconds_per_byte(config, numel: int = 1 << 22, dtype=torch.bfloat16, device=None,

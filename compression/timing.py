@@ -7,6 +7,8 @@ Two ways to time a call on CUDA:
 - ``queued_seconds``: back-to-back calls enqueued while the device is held busy by a sleep kernel, so
   the host runs ahead of the device as it does in training; gives the device time per call with the
   host's launch cost hidden, and that host cost separately.
+And ``device_op_seconds``: the device's own time per kernel and copy of one call (PyTorch profiler),
+without the host's launches and syncs in between: what a kernel-throughput goal is about.
 """
 
 import time
@@ -43,6 +45,29 @@ def call_seconds(fn, device: torch.device, repeats: int, setup=None, check=None)
         if check is not None:
             check()
     return times
+
+
+def device_op_seconds(fn, repeats: int, setup=None) -> dict:
+    """{kernel or copy name: device seconds per call of ``fn``} (CUDA), the smallest of ``repeats``
+    profiled calls per name; ``setup`` runs untimed and unprofiled before each call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    best = {}
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        per_call = {}
+        for event in prof.events():
+            if event.device_type == DeviceType.CUDA:
+                per_call[event.name] = per_call.get(event.name, 0.0) + event.time_range.elapsed_us() * 1e-6
+        for name, seconds in per_call.items():
+            best[name] = min(best.get(name, seconds), seconds)
+    return best
 
 
 def kernel_ms(fn, device) -> float:

@@ -93,6 +93,9 @@ def test_delta_gain_charges_codec_time_and_size_exchange():
     assert select_shards([shard], CommModel(10e-6, 1 / 150e9), None) == set()  # NVLink-class
     assert select_shards([shard], CommModel(20e-6, 1 / 1e9), 1) == set()  # a budget binds delta too
     assert selection_summary([shard], {"w"}, SLOW_LINK).startswith("delta selection: 1/1 shards")
+    assert selection_summary([shard], {"w"}, SLOW_LINK).endswith("+ 4.00 GB/s")
+    flat = CommModel(60e-6, 0.0)  # the fit on a link too fast for the probed sizes
+    assert selection_summary([shard], set(), flat).endswith("no per-byte cost measurable at the probed sizes")
 
 
 def test_delta_cost_meter_measures_the_real_payload():

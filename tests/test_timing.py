@@ -1,0 +1,27 @@
+"""compression/timing.py: the wall-clock helpers on the CPU, the profiler's device times on a GPU."""
+
+import pytest
+import torch
+
+from compression.timing import call_seconds, device_op_seconds, queued_seconds
+
+
+def test_call_and_queued_seconds_on_cpu():
+    calls = []
+    times = call_seconds(lambda: calls.append("call"), torch.device("cpu"), 3,
+                         setup=lambda: calls.append("setup"), check=lambda: calls.append("check"))
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    assert calls == ["setup", "call", "check"] * 3
+    device_s, host_s = queued_seconds(lambda: sum(range(1000)), torch.device("cpu"), 4)
+    assert device_s == host_s > 0
+
+
+@pytest.mark.gpu
+def test_device_op_seconds_counts_the_call_not_its_setup():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = torch.randn(1 << 24, device="cuda")
+    y = torch.empty_like(x)
+    ops = device_op_seconds(lambda: y.copy_(x), 3, setup=lambda: torch.mul(x, 2))
+    assert len(ops) == 1 and 0 < next(iter(ops.values())) < 1e-2, ops  # the copy only, not the mul
+    assert torch.equal(x, y)
