@@ -34,7 +34,9 @@ TACO = {"baseline": [], "taco": ["--tp-comm-compression", "taco", "--taco-format
         "taco_int8_all": ["--tp-comm-compression", "taco", "--taco-format", "int8", "--tp-comm-compression-min-bytes", "0"],
         # taco_int8_all with the compressed collectives replayed as CUDA graphs (the start-up probe times eager calls)
         "taco_int8_graphs": ["--tp-comm-compression", "taco", "--taco-format", "int8", "--tp-comm-compression-min-bytes",
-                             "0", "--tp-comm-cuda-graphs"]}
+                             "0", "--tp-comm-cuda-graphs"],
+        # the default `auto` (start-up probe + in-loop trial) with CUDA graphs: the trial times replayed calls
+        "taco_int8_auto_graphs": ["--tp-comm-compression", "taco", "--taco-format", "int8", "--tp-comm-cuda-graphs"]}
 PARAM_GATHER = {"baseline": [], "ciera": ["--param-gather-compression", "ciera"],
                 "delta": ["--param-gather-compression", "delta"],
                 # lossy (SDP4Bit): 4-bit weight differences; + Hadamard int8 gradient reduce-scatter
