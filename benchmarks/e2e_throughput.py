@@ -69,6 +69,7 @@ SUITES = {
     "tp8_taco": tp_suite(8), "tp8_sp_taco": tp_suite(8, True),
     "dp2_param_gather": (2, "pretrain_gpt.py", OVERLAP, PARAM_GATHER),
     "dp2_param_gather_ablation": (2, "pretrain_gpt.py", ["--overlap-grad-reduce"], PARAM_GATHER_ABLATION),
+    "dp2_moe_param_gather": (2, "pretrain_moe.py", OVERLAP, PARAM_GATHER),  # EP=1: expert buckets gather over DP=2
     "dp8_moe_param_gather": (8, "pretrain_moe.py", OVERLAP, PARAM_GATHER),  # EP via extra flags
 }
 
