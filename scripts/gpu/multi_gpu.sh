@@ -3,19 +3,23 @@
 # GPT-6.7B with sequence parallelism off and on, and an OLMoE-shaped MoE at DP=8 (EP=2, so expert
 # buckets gather over expert-DP=4) with param-gather compression none / ciera / delta; each against
 # the uncompressed baseline in the same run, at NVLink and with NCCL_P2P_DISABLE=1.
-# Usage on the device: bash scripts/gpu/multi_gpu.sh   (about 25 min on 8 GPUs: split by SUITES=...)
+# TACO variants: INT8 with the default `auto` (probe + trial), and the same with --tp-comm-cuda-graphs.
+# Usage on the device: bash scripts/gpu/multi_gpu.sh (~60 min on 8 GPUs in all: split it over calls with
+# MODELS="gpt_2.7b" TPS="4" SPS="none" LINKS="nvlink" MOE=0 and so on; "none" = no sequence parallelism).
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-links="nvlink p2p_off_25GBps"
-for model in gpt_2.7b gpt_6.7b; do for tp in 4 8; do for sp in "" _sp; do
+links=${LINKS:-"nvlink p2p_off_25GBps"}
+for model in ${MODELS:-gpt_2.7b gpt_6.7b}; do for tp in ${TPS:-4 8}; do for sp in ${SPS:-none _sp}; do
   [ $tp -le $ngpu ] || continue
+  [ "$sp" = none ] && sp=""
   python3 benchmarks/e2e_throughput.py --suite tp${tp}${sp}_taco --model configs/$model.yaml --links $links \
-    --micro-batch-size 1 --global-batch-size 8 --log-dir $RES/logs --out $RES/e2e_tp${tp}${sp}_taco_$model.json 2>&1 | grep -E "speedup|Error"
+    --variants taco_int8 taco_int8_auto_graphs --micro-batch-size 1 --global-batch-size 8 --log-dir $RES/logs \
+    --out $RES/e2e_tp${tp}${sp}_taco_$model.json 2>&1 | grep -E "speedup|Error"
   tar czf $OUT/results.tgz -C $RES .
 done; done; done
-if [ $ngpu -ge 8 ]; then
+if [ $ngpu -ge 8 ] && [ "${MOE:-1}" = 1 ]; then
   python3 benchmarks/e2e_throughput.py --suite dp8_moe_param_gather --model configs/olmoe_1b_7b.yaml --links $links \
-    --expert-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 16 --params-checksum-interval 1 \
+    --variants ciera delta --expert-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 16 --params-checksum-interval 1 \
     --log-dir $RES/logs --out $RES/e2e_dp8_moe_param_gather_olmoe.json 2>&1 | grep -E "speedup|Error"
 fi
