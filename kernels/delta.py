@@ -202,7 +202,9 @@ def unpack_values_reference(out, changed_blocks, codes, exc_widths, bitmaps, val
 #           fixed-size row of ``records``; updates ``prev``) -> prefix sums (torch) -> size sync ->
 #           _gather_kernel (codes, n_esc, bitmaps and streams of changed blocks into the payload).
 #   decode: header sync -> _stream_sizes_kernel (popcounts) -> prefix sum -> _decode_kernel.
-# One program per block of B values with B >= 32 * num_warps lanes: with fewer lanes than threads
+# _gather_kernel and _stream_sizes_kernel take a tile of blocks per program (one block each was
+# latency bound: a few live bytes per program). The others run one program per block of B values
+# with B >= 32 * num_warps lanes: with fewer lanes than threads
 # (B = 64 under Triton's default 4 warps) two threads hold each value, and one thread's in-place
 # store can overtake the other's load of the same value. A barrier also separates the last read of
 # an updated buffer from the write to it.
@@ -324,33 +326,45 @@ if triton is not None:
                                    "values_at"])
     def _gather_kernel(records_ptr, codes_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr,
                        n_blocks, payload_ptr, header0, header1, header2, n_esc_at, exc_widths_at, bitmaps_at, values_at,
-                       BLOCK: tl.constexpr,
-                       HEADER_BYTES: tl.constexpr, RECORD_BYTES: tl.constexpr, STREAM_BYTES: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
+                       BLOCK: tl.constexpr, HEADER_BYTES: tl.constexpr, RECORD_BYTES: tl.constexpr,
+                       TILE: tl.constexpr, CHUNK: tl.constexpr):
+        pid = tl.program_id(0)
         t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad byte
         word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), header2.to(tl.int64)))
-        tl.store(payload_ptr + t, ((word >> (8 * (t % 8))) & 0xFF).to(tl.uint8), mask=(t < HEADER_BYTES) & (b == 0))
+        tl.store(payload_ptr + t, ((word >> (8 * (t % 8))) & 0xFF).to(tl.uint8), mask=(t < HEADER_BYTES) & (pid == 0))
         pad_at = HEADER_BYTES + n_blocks
-        tl.store(payload_ptr + pad_at + t, tl.zeros([32], dtype=tl.uint8), mask=(pad_at + t < n_esc_at) & (b == 0))
-        code = tl.load(codes_ptr + b)
-        tl.store(payload_ptr + HEADER_BYTES + b, code)
+        tl.store(payload_ptr + pad_at + t, tl.zeros([32], dtype=tl.uint8), mask=(pad_at + t < n_esc_at) & (pid == 0))
+        b = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+        inside = b < n_blocks
+        code = tl.load(codes_ptr + b, mask=inside, other=0)
+        tl.store(payload_ptr + HEADER_BYTES + b, code, mask=inside)
         changed = code != 0
-        rank = tl.load(rank_end_ptr + b) - 1
+        rank = tl.load(rank_end_ptr + b, mask=changed, other=1) - 1
         n_esc = tl.load(n_esc_ptr + b, mask=changed, other=0)
-        two = tl.arange(0, 2)
-        tl.store(payload_ptr + n_esc_at + 2 * rank + two, ((n_esc >> (8 * two)) & 0xFF).to(tl.uint8),
-                 mask=(two < 2) & changed)
-        tl.store(payload_ptr + exc_widths_at + rank, tl.load(exc_widths_ptr + b), mask=changed)
-        record = records_ptr + b * RECORD_BYTES
-        j = tl.arange(0, BLOCK // 8)
-        bitmap_mask = (j < BLOCK // 8) & changed
-        tl.store(payload_ptr + bitmaps_at + rank * (BLOCK // 8) + j, tl.load(record + j, mask=bitmap_mask),
+        two = tl.arange(0, 2)[None, :]
+        tl.store(payload_ptr + n_esc_at + 2 * rank[:, None] + two, ((n_esc[:, None] >> (8 * two)) & 0xFF).to(tl.uint8),
+                 mask=changed[:, None] & (two < 2))
+        tl.store(payload_ptr + exc_widths_at + rank, tl.load(exc_widths_ptr + b, mask=changed), mask=changed)
+        record = records_ptr + b[:, None] * RECORD_BYTES
+        j = tl.arange(0, BLOCK // 8)[None, :]
+        bitmap_mask = changed[:, None] & (j < BLOCK // 8)
+        tl.store(payload_ptr + bitmaps_at + rank[:, None] * (BLOCK // 8) + j, tl.load(record + j, mask=bitmap_mask),
                  mask=bitmap_mask)
+        # only the live bytes of each stream: CHUNK-byte columns up to the tile's longest stream (a
+        # fixed 17 B / 8-byte row per block left ~90% of the lanes masked off)
         nbytes = tl.load(nbytes_ptr + b, mask=changed, other=0)
-        s = tl.arange(0, STREAM_BYTES)
-        live = (s < nbytes) & changed
-        start = values_at + tl.load(stream_end_ptr + b, mask=changed, other=0) - nbytes
-        tl.store(payload_ptr + start + s, tl.load(record + BLOCK // 8 + s, mask=live), mask=live)
+        start = payload_ptr + values_at + tl.load(stream_end_ptr + b, mask=changed, other=0) - nbytes
+        stream = record + BLOCK // 8
+        s = tl.arange(0, CHUNK)[None, :]
+        longest = tl.max(nbytes, axis=0)  # 0 in a tile of unchanged blocks
+        chunk = longest * 0
+        while chunk * CHUNK < longest:
+            at = chunk * CHUNK + s
+            # whole chunks of a live row (within the record) are loaded: vectorized, unlike per-byte masks
+            row = (chunk * CHUNK < nbytes[:, None]) & (at < RECORD_BYTES - BLOCK // 8)
+            live = at < nbytes[:, None]
+            tl.store(start[:, None] + at, tl.load(stream + at, mask=row), mask=live)
+            chunk += 1
 
     @triton.jit
     def _changed_lanes(bitmaps_ptr, rank, changed, BLOCK: tl.constexpr):
@@ -364,16 +378,29 @@ if triton is not None:
         return lo | (tl.load(n_esc_ptr + 2 * rank + 1, mask=changed, other=0).to(tl.int32) << 8)
 
     @triton.jit
-    def _stream_sizes_kernel(codes_ptr, rank_end_ptr, n_esc_ptr, exc_widths_ptr, bitmaps_ptr, nbytes_ptr,
-                             BLOCK: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        code = tl.load(codes_ptr + b).to(tl.int32)
+    def _popcount_bytes(x):
+        """Set bits of each 0 <= x < 256 (int32), SWAR: no libdevice, so the interpreter runs it too."""
+        x = x - ((x >> 1) & 0x55)
+        x = (x & 0x33) + ((x >> 2) & 0x33)
+        return (x + (x >> 4)) & 0x0F
+
+    @triton.jit
+    def _stream_sizes_kernel(codes_ptr, rank_end_ptr, n_esc_ptr, exc_widths_ptr, bitmaps_ptr, nbytes_ptr, n_blocks,
+                             BLOCK: tl.constexpr, TILE: tl.constexpr):
+        # the bitmaps of a tile's changed blocks are contiguous: one coalesced [TILE, B / 8] byte load
+        # (one block per program, one byte per lane, used 3 of 32 bytes per sector)
+        b = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+        inside = b < n_blocks
+        code = tl.load(codes_ptr + b, mask=inside, other=0).to(tl.int32)
         changed = code != 0
-        rank = tl.load(rank_end_ptr + b) - 1
-        count = tl.sum(_changed_lanes(bitmaps_ptr, rank, changed, BLOCK).to(tl.int32), axis=0)
+        rank = tl.load(rank_end_ptr + b, mask=changed, other=1) - 1
+        j = tl.arange(0, BLOCK // 8)[None, :]
+        bitmap = tl.load(bitmaps_ptr + rank[:, None] * (BLOCK // 8) + j, mask=changed[:, None] & (j < BLOCK // 8),
+                         other=0)
+        count = tl.sum(_popcount_bytes(bitmap.to(tl.int32)), axis=1)
         exc_width = tl.load(exc_widths_ptr + rank, mask=changed, other=0).to(tl.int32)
         nbits = count * tl.maximum(code - 1, 0) + exc_width * _read_n_esc(n_esc_ptr, rank, changed)
-        tl.store(nbytes_ptr + b, (nbits + 7) // 8)
+        tl.store(nbytes_ptr + b, (nbits + 7) // 8, mask=inside)
 
     @triton.jit
     def _load_bits(values_ptr, values_nbytes, bitpos, width, mask):
@@ -411,6 +438,12 @@ if triton is not None:
 
 def _num_warps(block_size: int) -> int:
     return max(1, min(8, block_size // 256))  # B >= 32 * num_warps: no value held by two threads
+
+
+def _tile_blocks(block_size: int) -> int:
+    """Blocks per program of the gather and stream-size kernels: 1024 bitmap bytes (fewer for B < 256),
+    8 per thread of 4 warps (16 needed 141 registers); 10^4 blocks of 256 still make 313 programs."""
+    return max(1, min(32, 1024 // (block_size // 8)))
 
 
 def _stream_words(block_size: int) -> int:
@@ -458,20 +491,21 @@ def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: byte
     if not n_blocks:  # an empty shard: the payload is the header
         payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return
-    _gather_kernel[(n_blocks,)](e.records.view(torch.uint8), e.codes, e.n_esc, e.exc_widths, e.nbytes, rank_end,
-                                stream_end, n_blocks, payload, *struct.unpack("<3q", header), n_esc_at, exc_widths_at,
-                                bitmaps_at, values_at,
-                                BLOCK=block_size, HEADER_BYTES=len(header), RECORD_BYTES=4 * e.records.shape[1],
-                                STREAM_BYTES=triton.next_power_of_2(4 * _stream_words(block_size)), num_warps=4)
+    tile = _tile_blocks(block_size)
+    _gather_kernel[(triton.cdiv(n_blocks, tile),)](
+        e.records.view(torch.uint8), e.codes, e.n_esc, e.exc_widths, e.nbytes, rank_end, stream_end, n_blocks, payload,
+        *struct.unpack("<3q", header), n_esc_at, exc_widths_at, bitmaps_at, values_at,
+        BLOCK=block_size, HEADER_BYTES=len(header), RECORD_BYTES=4 * e.records.shape[1], TILE=tile,
+        CHUNK=max(32, block_size // 8), num_warps=4)  # TILE * CHUNK = 1024 stream bytes per pass
 
 
 def stream_sizes(codes, rank_end, n_esc_bytes, exc_widths, bitmaps, block_size: int) -> torch.Tensor:
     """Triton: value stream bytes of every block (0 if unchanged), from the payload's sections."""
     nbytes = torch.empty(codes.numel(), dtype=torch.int32, device=codes.device)
-    if codes.numel():
-        _stream_sizes_kernel[(codes.numel(),)](codes, rank_end, n_esc_bytes, exc_widths, bitmaps, nbytes,
-                                               BLOCK=block_size,
-                                               num_warps=_num_warps(block_size))
+    n_blocks, tile = codes.numel(), _tile_blocks(block_size)
+    if n_blocks:
+        _stream_sizes_kernel[(triton.cdiv(n_blocks, tile),)](codes, rank_end, n_esc_bytes, exc_widths, bitmaps, nbytes,
+                                                             n_blocks, BLOCK=block_size, TILE=tile, num_warps=4)
     return nbytes
 
 

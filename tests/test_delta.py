@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from compression.delta import DeltaCodec, DeltaConfig
+from compression.delta import DeltaCodec, DeltaConfig, _Layout
+from kernels import delta as kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -195,7 +196,7 @@ def test_wire_ratio_on_simulated_adamw():
 
 def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 100), (torch.float16, 64, 150),
                                                             (torch.bfloat16, 256, 600), (torch.float16, 1024, 1100),
-                                                            (torch.bfloat16, 32, 0))):
+                                                            (torch.float16, 256, 200), (torch.bfloat16, 32, 0))):
     """Same payload bytes, same sender state and same decoded bits from the Triton path as from the
     references, step after step (keyframe, unchanged, small moves, jumps between special patterns,
     all changed, sparse moves), for every block size case given."""
@@ -216,6 +217,48 @@ def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 10
             assert_same_bits(out_tri.cpu(), bits)
 
 
+def _reference_records(prev: torch.Tensor, bits: torch.Tensor, block_size: int, device) -> "kernels.EncodedBlocks":
+    """What ``encode_blocks`` returns, built by the references; record bytes past each stream are junk
+    (the gather must copy only live bytes)."""
+    a = kernels.analyze_blocks_reference(prev.clone(), bits, block_size)
+    nbytes = kernels.stream_nbytes(a.counts, a.codes, a.n_esc, a.exc_widths)
+    row_bytes = 4 * (block_size // 32 + kernels._stream_words(block_size))
+    changed = torch.nonzero(a.codes).squeeze(1)
+    rows = torch.zeros(a.codes.numel() * row_bytes, dtype=torch.uint8)
+    kernels.pack_values_reference(a, changed, changed * row_bytes + block_size // 8, rows)
+    rows = rows.view(-1, row_bytes)
+    at = torch.arange(row_bytes) - block_size // 8
+    rows = torch.where((at >= 0) & (at < nbytes.unsqueeze(1)), rows, 0xA5)
+    rows[:, : block_size // 8] = a.bitmaps
+    fields = (a.codes, a.counts, a.n_esc, a.exc_widths, nbytes.to(torch.int32), rows.view(torch.int32))
+    return kernels.EncodedBlocks(*(f.to(device) for f in fields))
+
+
+def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5), (1024, 34 * 1024 - 100))):
+    """``gather_records`` and ``stream_sizes`` run a tile of blocks per program (32 of B = 32, 8 of B = 1024):
+    grids of several programs with a partial last tile, on every step of the trajectory (all unchanged,
+    mixed, all changed), give the reference payload bytes and stream sizes (also from a payload at an odd
+    offset). Their inputs come from the references: the interpreted block kernels would take minutes here."""
+    for block_size, n in cases:
+        ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
+        steps = trajectory(n, seed=n)
+        ref.encode(as_float(steps[0], torch.bfloat16))
+        for step, (prev, bits) in enumerate(zip(steps, steps[1:])):
+            payload = ref.encode(as_float(bits, torch.bfloat16))
+            e = _reference_records(prev, bits, block_size, device)
+            rank_end, stream_end = torch.cumsum(e.codes != 0, 0), torch.cumsum(e.nbytes, 0)
+            layout = _Layout.of(n, int(rank_end[-1]), block_size)
+            gathered = torch.full_like(payload, 0x5A, device=device)
+            kernels.gather_records(e, rank_end, stream_end, gathered, bytes(payload[:24].tolist()), layout.n_esc,
+                                   layout.exc_widths, layout.bitmaps, layout.values, block_size)
+            assert torch.equal(gathered.cpu(), payload), (block_size, step, _first_difference(payload, gathered.cpu()))
+            for p in (payload.to(device), torch.cat([payload.new_zeros(1), payload]).to(device)[1:]):
+                sizes = kernels.stream_sizes(p[24 : 24 + layout.n_blocks], rank_end,
+                                             p[layout.n_esc : layout.exc_widths], p[layout.exc_widths : layout.bitmaps],
+                                             p[layout.bitmaps : layout.values], block_size)
+                assert torch.equal(sizes, e.nbytes), (block_size, step)
+
+
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     if a.numel() != b.numel():
         return f"sizes {a.numel()} != {b.numel()}"
@@ -226,7 +269,8 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
 def test_triton_matches_reference_interpreted():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    code = "import test_delta; test_delta._check_triton_matches_reference()"
+    code = ("import test_delta; test_delta._check_triton_matches_reference(); "
+            "test_delta._check_tiled_kernels_match_reference()")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -234,6 +278,7 @@ def test_triton_matches_reference_interpreted():
 @pytest.mark.gpu
 def test_triton_matches_reference_cuda():
     _check_triton_matches_reference("cuda")
+    _check_tiled_kernels_match_reference("cuda")
     g = torch.Generator().manual_seed(0)
     for block_size in (64, 256, 1024):  # many blocks: every program of the grid, partial last block
         ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
