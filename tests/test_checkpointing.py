@@ -4,7 +4,7 @@ A small bf16 GPTModel (dropout on, so resuming also depends on the RNG state) + 
 + cosine LR schedule trains 3 steps, saves, trains 3 more; a freshly built (differently seeded) copy
 loads the checkpoint and trains the same 3 steps. Losses and parameters must match bit for bit.
 Run once with TP=1 x DP=2 (optimizer state sharded over DP) and once with TP=2 x DP=1, plus
---no-load-optim, --no-load-rng, a save that crashes before publishing, bad flags and a TP=2 checkpoint
+--no-load-optim, --no-load-rng, --finetune, a save that crashes before publishing, bad flags and a TP=2 checkpoint
 loaded at TP=1. The second test resumes the real driver (pretrain_gpt.py via torchrun) and compares it
 with an uninterrupted run through the metrics file.
 """
@@ -191,6 +191,10 @@ def _resume_scenario(tp: int, root: str, with_extras: bool) -> dict:
                                                for sub in _inner_optimizers(no_optim[1]))
         out["no_optim_first_loss"] = _train(no_optim, [SAVE_AT], no_optim_args)[0]
 
+        finetune, finetune_args, iteration = _fresh_load(tp, root, finetune=True, consumed_train_samples=-1)
+        out["finetune"] = _state(finetune, finetune_args, iteration)
+        out["finetune_adam_state_empty"] = all(not sub.optimizer.state for sub in _inner_optimizers(finetune[1]))
+
         no_rng, no_rng_args, _ = _fresh_load(tp, root, no_load_rng=True)
         out["no_rng_losses"] = _train(no_rng, range(SAVE_AT, 2 * SAVE_AT), no_rng_args)
 
@@ -276,6 +280,9 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
         assert r["no_optim_main_params_match_model"] and r["no_optim_adam_state_empty"]
         assert r["no_optim_first_loss"] == r["reference_losses"][0]  # same weights and RNG, same forward
         assert r["no_rng_losses"] != r["reference_losses"]  # dropout masks come from the RNG state
+        finetune = r["finetune"]  # weights only, a new run: iteration 0, no samples consumed, fresh schedule
+        assert finetune["params"] == r["saved"]["params"] and finetune["iteration"] == 0
+        assert finetune["consumed"] == 0 and finetune["scheduler_steps"] == 0 and r["finetune_adam_state_empty"]
 
         assert r["tracker_after_crash"] == str(SAVE_AT)
         assert r["after_crash"] == r["saved"]

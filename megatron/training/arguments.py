@@ -150,6 +150,8 @@ class CheckpointArgs:
     save_interval: Optional[int] = arg(None, "Iterations between saves.")
     no_load_optim: bool = arg(False, "Do not load the optimizer state.")
     no_load_rng: bool = arg(False, "Do not load the RNG states.")
+    finetune: bool = arg(False, "Load only the model weights from --load (no optimizer or RNG state) and start "
+                         "at iteration 0 with no samples consumed: fine-tuning from a pretrained checkpoint.")
     ckpt_format: str = arg("torch_dist", "Checkpoint format.", choices=["torch_dist"])
 
 

@@ -21,8 +21,8 @@ Checkpoint contents (one dist_checkpointing state dict):
     parallel_sizes, args (the plain-valued flags, for inspection)
 
 Loading restores all of it bit-exactly, except what ``--no-load-optim`` (optimizer and scheduler) or
-``--no-load-rng`` skip. Model weights reshard freely across TP/PP/DP; optimizer state needs the same
-TP, PP and EP sizes, RNG state the same TP, PP and DP sizes (clear errors name the flag that skips them).
+``--no-load-rng`` skip; ``--finetune`` loads the weights only and starts at iteration 0 with no samples
+consumed. Model weights reshard freely across TP/PP/DP; optimizer state needs the same TP, PP and EP sizes, RNG state the same TP, PP and DP sizes (clear errors name the flag that skips them).
 Exact resume also needs the caller not to draw from the global torch RNG between ``load_checkpoint``
 and the first step (on CPU that RNG also drives dropout; a DataLoader without its own ``generator``
 draws from it on every ``iter()``).
@@ -113,8 +113,9 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
         return 0
     ckpt_dir = checkpoint_dir(args.load, iteration)
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-    load_optim = optimizer is not None and not args.no_load_optim
-    load_rng = not args.no_load_rng
+    finetune = getattr(args, "finetune", False)
+    load_optim = optimizer is not None and not (args.no_load_optim or finetune)
+    load_rng = not (args.no_load_rng or finetune)
     _check_topology(common["parallel_sizes"], load_optim, load_rng)
 
     request = _sharded_state_dict(model_chunks, optimizer, with_optimizer=load_optim,
@@ -133,10 +134,14 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
     if load_rng:
         _restore_rng_state(state["rng_state"])
 
+    dist.barrier()
+    if finetune:  # a new run on pretrained weights: its own iterations, data order and schedule
+        args.consumed_train_samples = args.consumed_valid_samples = 0
+        args.num_floating_point_operations_so_far = 0
+        return 0
     args.consumed_train_samples = state["consumed_train_samples"]
     args.consumed_valid_samples = state["consumed_valid_samples"]
     args.num_floating_point_operations_so_far = state["num_floating_point_operations_so_far"]
-    dist.barrier()
     return state["iteration"]
 
 
