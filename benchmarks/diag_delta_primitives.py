@@ -98,6 +98,50 @@ def k_rowpack(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexp
     tl.store(out_ptr + b, tl.sum(escaped.to(tl.int32), axis=0))
 
 @triton.jit
+def _placed64(v, s):
+    """v (< 2**17, int64) shifted by s bits (left if s >= 0, right if s < 0); 0 when out of a 64-bit word."""
+    left = tl.where((s >= 0) & (s < 64), v << tl.maximum(s, 0), 0)
+    return left | tl.where((s < 0) & (s > -64), v >> tl.maximum(-s, 0), 0)
+
+@triton.jit
+def k_stage3_rows(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexpr):
+    """stage 3 with the packing scan replaced by row-local packing: each row of 8 values builds the bits of its
+    compacted slots in three 64-bit registers (a sum over the row, bits disjoint), rows meet in words only at
+    their ends, so the words go out with atomic ORs into the zeroed stream (same words as stage 3)."""
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    idx = b * BLOCK + i
+    inside = idx < numel
+    new16, z = _zs(prev_ptr, new_ptr, idx, inside)
+    acc = tl.sum(z, axis=0)
+    width, n_esc, count, exc_width = K._best_width(z)
+    acc += width + n_esc + count + exc_width
+    changed = z != 0
+    ranks = tl.cumsum(changed.to(tl.int32), axis=0)
+    bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], axis=1)
+    tl.store(scratch_ptr + b * 64 + tl.arange(0, BLOCK // 32), bitmap)
+    acc += tl.sum(ranks, axis=0)
+    c = tl.reshape(changed.to(tl.int32), (BLOCK // 8, 8))
+    v = tl.reshape(tl.where(changed, tl.minimum(z, 7), 0), (BLOCK // 8, 8)).to(tl.int64)
+    in_row = tl.cumsum(c, axis=1) - c  # exclusive rank within the row
+    kr = tl.sum(c, axis=1)
+    row_start = tl.cumsum(kr, axis=0) - kr  # exclusive rank of the row's first slot
+    bit0 = row_start * 3
+    word0 = bit0 >> 5
+    off = ((bit0 & 31)[:, None] + in_row * 3).to(tl.int64)  # bit offset from the row's first word
+    stream = scratch_ptr + b * 64 + 32
+    nwords = ((bit0 & 31) + kr * 3 + 31) >> 5  # words the row touches
+    for q in tl.static_range(3):
+        word = tl.sum(_placed64(v, off - 64 * q), axis=1)
+        lo = word.to(tl.int32)
+        hi = (word >> 32).to(tl.int32)
+        tl.atomic_or(stream + word0 + 2 * q, lo, mask=(2 * q < nwords) & (lo != 0))
+        tl.atomic_or(stream + word0 + 2 * q + 1, hi, mask=(2 * q + 1 < nwords) & (hi != 0))
+    tl.debug_barrier()
+    tl.store(prev_ptr + idx, new16, mask=inside)
+    tl.store(out_ptr + b, acc)
+
+@triton.jit
 def k_stage2d(prev_ptr, new_ptr, numel, out_ptr, BLOCK: tl.constexpr, NB: tl.constexpr, STAGE: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, NB)
