@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 import kernels.ciera as kernels  # noqa: E402
 from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.ciera import CieraCodec, CieraConfig  # noqa: E402
-from compression.timing import call_seconds, device_op_seconds  # noqa: E402
+from compression.timing import call_seconds, device_throughput  # noqa: E402
 
 
 def measure(previous, new, keyframe: bool, config: CieraConfig, repeats: int) -> dict:
@@ -64,12 +64,10 @@ def measure(previous, new, keyframe: bool, config: CieraConfig, repeats: int) ->
     stats = sender.last_stats
     device_ops = {}
     if device.type == "cuda":
-        ops = dict(encode=device_op_seconds(encode, 5, setup=restore_sender),
-                   decode=device_op_seconds(lambda: receiver.decode(0, payload, out), 5,
-                                            setup=lambda: out.copy_(previous)),
-                   copy=device_op_seconds(lambda: out.copy_(new), 5))
-        device_ops = {f"{k}_device_GBps": nbytes / sum(v.values()) / 1e9 for k, v in ops.items()}
-        device_ops.update({f"{k}_ops_us": {name: 1e6 * t for name, t in v.items()} for k, v in ops.items()})
+        device_ops = device_throughput(nbytes, dict(
+            encode=(encode, restore_sender),
+            decode=(lambda: receiver.decode(0, payload, out), lambda: out.copy_(previous)),
+            copy=(lambda: out.copy_(new), None)))
     return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy), **device_ops,
                 encode_ms=1e3 * min(enc), encode_median_ms=1e3 * statistics.median(enc),
                 decode_ms=1e3 * min(dec), decode_median_ms=1e3 * statistics.median(dec), copy_ms=1e3 * min(copy),

@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 import kernels.delta as kernels  # noqa: E402
 from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
-from compression.timing import call_seconds, device_op_seconds  # noqa: E402
+from compression.timing import call_seconds, device_throughput  # noqa: E402
 
 
 def measure(previous, new, block_size: int, repeats: int) -> dict:
@@ -52,11 +52,10 @@ def measure(previous, new, block_size: int, repeats: int) -> dict:
                           repeats, setup=reset_sender)
     copy = call_seconds(lambda: out.copy_(new), cuda, repeats)
     gbps = lambda s: nbytes / min(s) / 1e9  # noqa: E731
-    ops = dict(encode=device_op_seconds(encode, 5, setup=reset_sender),
-               decode=device_op_seconds(lambda: receiver.decode(0, payload, out), 5, setup=lambda: out.copy_(previous)),
-               copy=device_op_seconds(lambda: out.copy_(new), 5))
-    device_ops = {f"{k}_device_GBps": nbytes / sum(v.values()) / 1e9 for k, v in ops.items()}
-    device_ops.update({f"{k}_ops_us": {name: 1e6 * t for name, t in v.items()} for k, v in ops.items()})
+    device_ops = device_throughput(nbytes, dict(
+        encode=(encode, reset_sender),
+        decode=(lambda: receiver.decode(0, payload, out), lambda: out.copy_(previous)),
+        copy=(lambda: out.copy_(new), None)))
     return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy),
                 encode_blocks_GBps=gbps(blocks), encode_ms=1e3 * min(enc),
                 encode_median_ms=1e3 * statistics.median(enc),

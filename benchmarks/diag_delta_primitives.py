@@ -4,7 +4,8 @@ Each kernel below does a prefix of the encoder's work on the same steady-state A
 bench_delta_kernels.py (62.5M bf16 values, lr 1e-4), so the differences between rows show what each
 step costs: stage0 loads old and new, computes z and writes the sender copy (the floor); stage1 adds
 the width search; stage2 the rank scan and the bitmap; stage3 one of the two segmented OR scans of
-the bit packing. ``hist`` replaces the width search by a bit-length histogram, ``rowpack`` is a
+the bit packing; stage4 the same words as stage3 packed per row of 8 values with atomic ORs
+(benchmarks/sass_count.py: more instructions than the scan). ``hist`` replaces the width search by a bit-length histogram, ``rowpack`` is a
 value-order fixed-width row packing with an escape scatter (a layout not in the format), ``2d_*``
 runs tiles of several blocks per program. Results: results/gpu/delta_primitives.json (read with
 docs/delta.md).
@@ -34,6 +35,25 @@ def _zs(prev_ptr, new_ptr, idx, inside):
     return new16, (d << 1) ^ (d >> 31)
 
 @triton.jit
+def _pack_rows(stream_ptr, changed, z, BLOCK: tl.constexpr):
+    """Stage 3's slots (min(z, 7), width 3, compacted) into the zeroed ``stream_ptr``: each row of 8 values
+    builds its bits in three 64-bit registers (a sum over the row: the bits are disjoint); rows share
+    words only at their ends, so the words go out as atomic ORs."""
+    c = tl.reshape(changed.to(tl.int32), (BLOCK // 8, 8))
+    v = tl.reshape(tl.where(changed, tl.minimum(z, 7), 0), (BLOCK // 8, 8)).to(tl.int64)
+    in_row = tl.cumsum(c, axis=1) - c  # exclusive rank within the row
+    kr = tl.sum(c, axis=1)
+    bit0 = (tl.cumsum(kr, axis=0) - kr) * 3  # the row's first slot bit
+    word0 = bit0 >> 5
+    off = ((bit0 & 31)[:, None] + in_row * 3).to(tl.int64)  # bit offset from the row's first word
+    nwords = ((bit0 & 31) + kr * 3 + 31) >> 5
+    for q in tl.static_range(3):
+        word = tl.sum(_placed64(v, off - 64 * q), axis=1)
+        lo, hi = word.to(tl.int32), (word >> 32).to(tl.int32)
+        tl.atomic_or(stream_ptr + word0 + 2 * q, lo, mask=(2 * q < nwords) & (lo != 0))
+        tl.atomic_or(stream_ptr + word0 + 2 * q + 1, hi, mask=(2 * q + 1 < nwords) & (hi != 0))
+
+@triton.jit
 def k_stage(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexpr, STAGE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
@@ -50,12 +70,14 @@ def k_stage(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexpr,
         bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], axis=1)
         tl.store(scratch_ptr + b * 64 + tl.arange(0, BLOCK // 32), bitmap)
         acc += tl.sum(ranks, axis=0)
-    if STAGE >= 3:  # one packing scan (slots of width 3)
+    if STAGE == 3:  # one packing scan (slots of width 3)
         slot_end = ranks * 3
         slot_at = slot_end - tl.where(changed, 3, 0)
         window, key = K._store_words(scratch_ptr + b * 64 + 8, K._placed(tl.where(changed, tl.minimum(z, 7), 0), slot_at),
                                      slot_at >> 5, slot_end >> 5, 0, 24, BLOCK - 1)
         acc += window.to(tl.int32) + key.to(tl.int32)
+    if STAGE == 4:  # the same words as stage 3, packed per row of 8 values instead of by a scan
+        _pack_rows(scratch_ptr + b * 64 + 32, changed, z, BLOCK)
     tl.debug_barrier()
     tl.store(prev_ptr + idx, new16, mask=inside)
     tl.store(out_ptr + b, acc)
@@ -104,44 +126,6 @@ def _placed64(v, s):
     return left | tl.where((s < 0) & (s > -64), v >> tl.maximum(-s, 0), 0)
 
 @triton.jit
-def k_stage3_rows(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexpr):
-    """stage 3 with the packing scan replaced by row-local packing: each row of 8 values builds the bits of its
-    compacted slots in three 64-bit registers (a sum over the row, bits disjoint), rows meet in words only at
-    their ends, so the words go out with atomic ORs into the zeroed stream (same words as stage 3)."""
-    b = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    idx = b * BLOCK + i
-    inside = idx < numel
-    new16, z = _zs(prev_ptr, new_ptr, idx, inside)
-    acc = tl.sum(z, axis=0)
-    width, n_esc, count, exc_width = K._best_width(z)
-    acc += width + n_esc + count + exc_width
-    changed = z != 0
-    ranks = tl.cumsum(changed.to(tl.int32), axis=0)
-    bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], axis=1)
-    tl.store(scratch_ptr + b * 64 + tl.arange(0, BLOCK // 32), bitmap)
-    acc += tl.sum(ranks, axis=0)
-    c = tl.reshape(changed.to(tl.int32), (BLOCK // 8, 8))
-    v = tl.reshape(tl.where(changed, tl.minimum(z, 7), 0), (BLOCK // 8, 8)).to(tl.int64)
-    in_row = tl.cumsum(c, axis=1) - c  # exclusive rank within the row
-    kr = tl.sum(c, axis=1)
-    row_start = tl.cumsum(kr, axis=0) - kr  # exclusive rank of the row's first slot
-    bit0 = row_start * 3
-    word0 = bit0 >> 5
-    off = ((bit0 & 31)[:, None] + in_row * 3).to(tl.int64)  # bit offset from the row's first word
-    stream = scratch_ptr + b * 64 + 32
-    nwords = ((bit0 & 31) + kr * 3 + 31) >> 5  # words the row touches
-    for q in tl.static_range(3):
-        word = tl.sum(_placed64(v, off - 64 * q), axis=1)
-        lo = word.to(tl.int32)
-        hi = (word >> 32).to(tl.int32)
-        tl.atomic_or(stream + word0 + 2 * q, lo, mask=(2 * q < nwords) & (lo != 0))
-        tl.atomic_or(stream + word0 + 2 * q + 1, hi, mask=(2 * q + 1 < nwords) & (hi != 0))
-    tl.debug_barrier()
-    tl.store(prev_ptr + idx, new16, mask=inside)
-    tl.store(out_ptr + b, acc)
-
-@triton.jit
 def k_stage2d(prev_ptr, new_ptr, numel, out_ptr, BLOCK: tl.constexpr, NB: tl.constexpr, STAGE: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, NB)
@@ -178,8 +162,9 @@ def main():
         dst = torch.empty_like(new16)
         res["copy"] = t(lambda: dst.copy_(new16), lambda: None)
         for warps in (1, 2):
-            for stage in range(4):
-                res[f"stage{stage}_w{warps}"] = t(lambda: k_stage[(nb,)](work, new16, numel, out, scratch, BLOCK=B, STAGE=stage, num_warps=warps), reset)
+            for stage in range(5):  # stage 4 ORs into the scratch: zero it first (untimed)
+                res[f"stage{stage}_w{warps}"] = t(lambda: k_stage[(nb,)](work, new16, numel, out, scratch, BLOCK=B, STAGE=stage, num_warps=warps),
+                                                  reset if stage < 4 else lambda: (reset(), scratch.zero_()))
         res["hist_w1"] = t(lambda: k_hist[(nb,)](work, new16, numel, out, BLOCK=B, num_warps=1), reset)
         for W in (1, 2, 4):
             for warps in (1, 2):

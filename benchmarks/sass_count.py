@@ -64,8 +64,7 @@ KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per pro
              exc_widths_ptr="*u8", bitmaps_ptr="*u8", values_ptr="*u8", values_nbytes="i64", BLOCK="constexpr")),
         dict(BLOCK=B), delta._num_warps(B), B),
     **{f"encoder prefix, stage {s}": (diag.k_stage, STREAM, dict(BLOCK=B, STAGE=s), 1, B) for s in range(4)},
-    "encoder prefix, stage 3 with row-local packing": (
-        diag.k_stage3_rows, {k: v for k, v in STREAM.items() if k != "STAGE"}, dict(BLOCK=B), 1, B),
+    "encoder prefix, stage 4 (stage 3 with row-local packing)": (diag.k_stage, STREAM, dict(BLOCK=B, STAGE=4), 1, B),
 }
 
 

@@ -70,6 +70,17 @@ def device_op_seconds(fn, repeats: int, setup=None) -> dict:
     return best
 
 
+def device_throughput(nbytes: int, calls: dict, repeats: int = 5) -> dict:
+    """For each ``name: (fn, setup or None)``: ``{name}_device_GBps``, ``nbytes`` over the device time
+    of ``fn``'s kernels and copies (``device_op_seconds``), and ``{name}_ops_us``, that time per op."""
+    out = {}
+    for name, (fn, setup) in calls.items():
+        ops = device_op_seconds(fn, repeats, setup=setup)
+        out[f"{name}_device_GBps"] = nbytes / sum(ops.values()) / 1e9
+        out[f"{name}_ops_us"] = {op: 1e6 * seconds for op, seconds in ops.items()}
+    return out
+
+
 def kernel_ms(fn, device) -> float:
     """Median milliseconds of ``fn`` for the kernel benchmarks: ``triton.testing.do_bench`` on CUDA
     (many repeats, L2 flushed between them), one warmed-up wall-clock call on the CPU."""

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from compression.timing import call_seconds, device_op_seconds, queued_seconds
+from compression import timing
+from compression.timing import call_seconds, device_op_seconds, device_throughput, queued_seconds
 
 
 def test_call_and_queued_seconds_on_cpu():
@@ -14,6 +15,14 @@ def test_call_and_queued_seconds_on_cpu():
     assert calls == ["setup", "call", "check"] * 3
     device_s, host_s = queued_seconds(lambda: sum(range(1000)), torch.device("cpu"), 4)
     assert device_s == host_s > 0
+
+
+def test_device_throughput_sums_each_calls_ops(monkeypatch):
+    ops = {"kernel_a": 1e-3, "Memcpy DtoD": 1e-3}
+    monkeypatch.setattr(timing, "device_op_seconds", lambda fn, repeats, setup=None: ops)
+    out = device_throughput(4_000_000, {"encode": (lambda: None, None)})
+    assert out["encode_device_GBps"] == pytest.approx(2.0)  # 4 MB in 2 ms
+    assert out["encode_ops_us"] == {"kernel_a": pytest.approx(1000.0), "Memcpy DtoD": pytest.approx(1000.0)}
 
 
 @pytest.mark.gpu
