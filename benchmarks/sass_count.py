@@ -1,4 +1,4 @@
-"""Static SASS instruction counts of the delta codec's Triton kernels, compiled for sm_90 on the CPU.
+"""Static SASS instruction counts of codec Triton kernels (delta, TACO), compiled for sm_90 on the CPU.
 
 Nsight Compute (results/gpu/ncu/SUMMARY.md) shows the delta encoder and decoder ALU-bound: their time
 follows the instructions they execute. Their programs have no data-dependent loops (one program per
@@ -26,14 +26,18 @@ sys.path.insert(0, ROOT)
 
 import benchmarks.diag_delta_primitives as diag  # noqa: E402
 import kernels.delta as delta  # noqa: E402
+import kernels.taco as taco  # noqa: E402
 
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4}\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
 def sass_opcodes(kernel, signature: dict, constexprs: dict, num_warps: int) -> collections.Counter:
-    """Opcode -> count in the SASS of ``kernel`` compiled for sm_90 (Hopper)."""
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    """Opcode -> count in the SASS of ``kernel`` compiled for sm_90 (Hopper), with the launch options
+    the codecs use (TACO disables FP contraction for bit-identity with its reference)."""
+    options = {"num_warps": num_warps, "enable_fp_fusion": kernel is not taco._taco_encode_kernel}
+    compiled = triton.compile(ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                                        constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -48,23 +52,30 @@ def _sig(names: str, types: dict) -> dict:
 
 B = 256
 STREAM = _sig("prev_ptr new_ptr numel out_ptr scratch_ptr BLOCK STAGE",
-              dict(prev_ptr="*i16", new_ptr="*i16", out_ptr="*i32", scratch_ptr="*i32", BLOCK="constexpr",
-                   STAGE="constexpr"))
+              dict(prev_ptr="*i16", new_ptr="*i16", out_ptr="*i32", scratch_ptr="*i32"))
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program)
     "delta encode": (delta._encode_kernel, _sig(
         "prev_ptr new_ptr numel codes_ptr counts_ptr n_esc_ptr exc_widths_ptr nbytes_ptr records_ptr BLOCK RECORD_WORDS",
         dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", counts_ptr="*i32", n_esc_ptr="*i32",
-             exc_widths_ptr="*u8", nbytes_ptr="*i32", records_ptr="*i32", BLOCK="constexpr",
-             RECORD_WORDS="constexpr")),
+             exc_widths_ptr="*u8", nbytes_ptr="*i32", records_ptr="*i32")),
         dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B)), delta._num_warps(B), B),
     "delta decode": (delta._decode_kernel, _sig(
         "out_ptr numel codes_ptr rank_end_ptr stream_end_ptr nbytes_ptr exc_widths_ptr bitmaps_ptr values_ptr "
         "values_nbytes BLOCK",
         dict(out_ptr="*i16", codes_ptr="*u8", rank_end_ptr="*i64", stream_end_ptr="*i64", nbytes_ptr="*i32",
-             exc_widths_ptr="*u8", bitmaps_ptr="*u8", values_ptr="*u8", values_nbytes="i64", BLOCK="constexpr")),
+             exc_widths_ptr="*u8", bitmaps_ptr="*u8", values_ptr="*u8", values_nbytes="i64")),
         dict(BLOCK=B), delta._num_warps(B), B),
     **{f"encoder prefix, stage {s}": (diag.k_stage, STREAM, dict(BLOCK=B, STAGE=s), 1, B) for s in range(4)},
     "encoder prefix, stage 4 (stage 3 with row-local packing)": (diag.k_stage, STREAM, dict(BLOCK=B, STAGE=4), 1, B),
+    # TACO INT8 encode at its launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual scaling
+    "TACO encode, INT8": (taco._taco_encode_kernel, _sig(
+        "x_ptr wire_u8 wire_f32 amax_ptr scale_ptr src_u8 src_f32 src_stride skip x_start numel row_len "
+        "blocks_per_row n_blocks tau qmax inv_qmax inv_sqrt_b eps",
+        dict(x_ptr="*bf16", wire_u8="*u8", wire_f32="*fp32", amax_ptr="*fp32", scale_ptr="*fp32", src_u8="*u8",
+             src_f32="*fp32", tau="fp32", qmax="fp32", inv_qmax="fp32", inv_sqrt_b="fp32", eps="fp32")),
+        dict(B=B, LOG_B=8, ROWS=taco.LAUNCH["encode"][0] // B, FORMAT=taco._FORMAT_ID["int8"], HADAMARD=True,
+             GAIN=taco._gain(B, "ash"), SOURCES=0, RESCALE=taco._rescales("ash", "dual"), SCALE_MODE=taco._DUAL, EVEN=True, SOFT_ROUND=False,
+             MANTISSA_STEP=2.0**-7, MIN_ULP=1.0), taco.LAUNCH["encode"][1], taco.LAUNCH["encode"][0]),
 }
 
 

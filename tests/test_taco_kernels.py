@@ -134,3 +134,18 @@ def test_kernel_benchmark_dry_run(tmp_path):
     result = bench_taco_kernels.main(["--dry-run", "--out", str(tmp_path / "kernels.json")])
     assert (tmp_path / "kernels.json").exists() and len(result["rows"]) == 2
     assert all(not row["problems"] and row["ratio_vs_bf16"] > 1.9 for row in result["rows"])
+
+
+def test_int8_cast_shortcut_rounds_like_the_reference():
+    """The fused encoder rounds INT8 values as (y + 1.5 * 2**23) - 1.5 * 2**23 (fp32); the reference rounds
+    with _round_to_grid. They must agree on every |y| <= Qmax, ties (x.5) and signed zeros included."""
+    from kernels.taco import _round_to_grid
+
+    quarters = torch.arange(-127 * 4, 127 * 4 + 1, dtype=torch.float32) / 4
+    ties = torch.arange(-127, 127, dtype=torch.float32) + 0.5
+    near_ties = torch.cat([torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    dense = torch.linspace(-127, 127, 200_001, dtype=torch.float32)
+    y = torch.cat([quarters, ties, near_ties, dense, torch.tensor([0.0, -0.0, 127.0, -127.0])])
+    magic = torch.tensor(12582912.0)
+    shortcut = (y + magic) - magic
+    assert torch.equal(shortcut.to(torch.int8), _round_to_grid(y, "int8").to(torch.int8))
