@@ -216,41 +216,26 @@ if triton is not None:
         return tl.where(u >= 0x8000, 0xFFFF - u, u + 0x8000)
 
     @triton.jit
-    def _count_at_least(z, w: tl.constexpr):
-        """Values with z >= 2**w and with z >= 2**(w + 1): two counts (< 2**14) from one reduction."""
-        both = tl.sum((z >= (1 << w)).to(tl.int32) | ((z >= (1 << (w + 1))).to(tl.int32) << 16), axis=0)
-        return both & 0xFFFF, both >> 16
-
-    @triton.jit
-    def _keep_cheaper(count, w, n_esc, exc_width, best_width, best_esc, best_cost):
-        cost = count * w + exc_width * n_esc
-        cheaper = cost < best_cost  # strict, widths ascending: the smallest width on ties
-        return tl.where(cheaper, w, best_width), tl.where(cheaper, n_esc, best_esc), tl.minimum(cost, best_cost)
-
-    @triton.jit
-    def _scalar_bit_length(x):
-        """Bits of a scalar 0 <= x < 2**17 (0 for 0)."""
-        n = x * 0
-        for k in tl.static_range(17):
-            n += (x >= (1 << k)).to(tl.int32)
-        return n
+    def _bit_lengths(x):
+        """Bits of each 0 <= x < 2**24 (0 for 0): the exponent field of x as an exact fp32."""
+        return tl.where(x > 0, (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0)
 
     @triton.jit
     def _best_width(z):
-        """Width of least ``count * width + exc_width * n_esc(width)`` (0 if every z <= 1), its n_esc,
-        count and exc_width (bits of the largest v). ``n_esc(w)`` counts the values with
-        ``v >= 2**w - 1``, i.e. ``z >= 2**w``."""
-        exc_width = _scalar_bit_length(tl.max(tl.maximum(z - 1, 0), axis=0))
-        count, n_esc = _count_at_least(z, 0)
-        best_width, best_esc, best_cost = count * 0 + 1, n_esc, count + exc_width * n_esc
-        trivial = n_esc == 0
-        for w in tl.static_range(2, 18, 2):
-            n_esc_w, n_esc_next = _count_at_least(z, w)
-            best_width, best_esc, best_cost = _keep_cheaper(count, w, n_esc_w, exc_width, best_width, best_esc,
-                                                            best_cost)
-            best_width, best_esc, best_cost = _keep_cheaper(count, w + 1, n_esc_next, exc_width, best_width,
-                                                            best_esc, best_cost)
-        return tl.where(trivial, 0, best_width), tl.where(trivial, 0, best_esc), count, exc_width
+        """Width of least ``count * width + exc_width * n_esc(width)`` over 1..17, the smallest on ties (0
+        if every z <= 1), its n_esc, count and exc_width (bits of the largest v). ``n_esc(w)`` counts the
+        values with ``v >= 2**w - 1``, i.e. ``z >= 2**w``, i.e. bit length > w: all of them come from one
+        histogram of bit lengths (warp ballots), not a block reduction per candidate width."""
+        exc_width = _bit_lengths(tl.max(tl.maximum(z - 1, 0), axis=0))
+        hist = tl.histogram(_bit_lengths(z), 32)
+        w = tl.arange(0, 32)
+        n_esc = z.shape[0] - tl.cumsum(hist, axis=0)  # [w]: values with bit length > w
+        count = tl.sum(tl.where(w == 0, n_esc, 0), axis=0)
+        cost = tl.where((w >= 1) & (w <= 17), count * w + exc_width * n_esc, 1 << 30)
+        width = tl.argmin(cost, axis=0, tie_break_left=True)
+        best_esc = tl.sum(tl.where(w == width, n_esc, 0), axis=0)
+        trivial = tl.sum(tl.where(w == 1, n_esc, 0), axis=0) == 0
+        return tl.where(trivial, 0, width), tl.where(trivial, 0, best_esc), count, exc_width
 
     @triton.jit
     def _or_window(key_a, window_a, key_b, window_b):

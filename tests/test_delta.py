@@ -266,11 +266,32 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"first differing byte {i}: {a[i - 4 : i + 4].tolist()} vs {b[i - 4 : i + 4].tolist()}"
 
 
+def _check_width_choice(device="cpu", block_size=64, n_blocks=150):
+    """The encode kernel's per-block width, escape count and exception width equal the reference's on
+    blocks whose deltas span every bit length 1..17 at every density, where equal costs (ties between
+    widths) are common."""
+    g = torch.Generator().manual_seed(17)
+    m = torch.randint(1, 18, (n_blocks, 1), generator=g)  # the block's largest bit length
+    bits = (torch.rand(n_blocks, block_size, generator=g) * m).long()  # bit length of each |delta|
+    magnitude = (1 << bits) + (torch.rand(n_blocks, block_size, generator=g) * (1 << bits)).long() // 2
+    density = torch.rand(n_blocks, 1, generator=g)
+    moved = torch.rand(n_blocks, block_size, generator=g) < density
+    sign = torch.where(torch.rand(n_blocks, block_size, generator=g) < 0.5, -1, 1)
+    prev = torch.randint(-20000, 20000, (n_blocks, block_size), generator=g)
+    new = torch.where(moved, prev + sign * torch.minimum(magnitude, torch.full_like(magnitude, 12000)), prev)
+    prev16, new16 = prev.to(torch.int16).view(-1), new.to(torch.int16).view(-1)
+    ref = kernels.analyze_blocks_reference(prev16.clone(), new16, block_size)
+    tri = kernels.encode_blocks(prev16.clone().to(device), new16.to(device), block_size)
+    for name in ("codes", "counts", "n_esc", "exc_widths"):
+        assert torch.equal(getattr(ref, name).cpu().long(), getattr(tri, name).cpu().long()), name
+    assert len(set(ref.codes.tolist())) > 10  # many widths were chosen
+
+
 def test_triton_matches_reference_interpreted():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     code = ("import test_delta; test_delta._check_triton_matches_reference(); "
-            "test_delta._check_tiled_kernels_match_reference()")
+            "test_delta._check_tiled_kernels_match_reference(); test_delta._check_width_choice()")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -279,6 +300,7 @@ def test_triton_matches_reference_interpreted():
 def test_triton_matches_reference_cuda():
     _check_triton_matches_reference("cuda")
     _check_tiled_kernels_match_reference("cuda")
+    _check_width_choice("cuda")
     g = torch.Generator().manual_seed(0)
     for block_size in (64, 256, 1024):  # many blocks: every program of the grid, partial last block
         ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
