@@ -35,6 +35,21 @@ def _zs(prev_ptr, new_ptr, idx, inside):
     return new16, (d << 1) ^ (d >> 31)
 
 @triton.jit
+def _block_zs(prev_ptr, new_ptr, numel, BLOCK: tl.constexpr):
+    """This program's block: its index, element offsets and mask, the new values and their z."""
+    b = tl.program_id(0).to(tl.int64)
+    idx = b * BLOCK + tl.arange(0, BLOCK)
+    inside = idx < numel
+    new16, z = _zs(prev_ptr, new_ptr, idx, inside)
+    return b, idx, inside, new16, z
+
+@triton.jit
+def _placed64(v, s):
+    """v (< 2**17, int64) shifted by s bits (left if s >= 0, right if s < 0); 0 when out of a 64-bit word."""
+    left = tl.where((s >= 0) & (s < 64), v << tl.maximum(s, 0), 0)
+    return left | tl.where((s < 0) & (s > -64), v >> tl.maximum(-s, 0), 0)
+
+@triton.jit
 def _pack_rows(stream_ptr, changed, z, BLOCK: tl.constexpr):
     """Stage 3's slots (min(z, 7), width 3, compacted) into the zeroed ``stream_ptr``: each row of 8 values
     builds its bits in three 64-bit registers (a sum over the row: the bits are disjoint); rows share
@@ -55,11 +70,7 @@ def _pack_rows(stream_ptr, changed, z, BLOCK: tl.constexpr):
 
 @triton.jit
 def k_stage(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexpr, STAGE: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    idx = b * BLOCK + i
-    inside = idx < numel
-    new16, z = _zs(prev_ptr, new_ptr, idx, inside)
+    b, idx, inside, new16, z = _block_zs(prev_ptr, new_ptr, numel, BLOCK)
     acc = tl.sum(z, axis=0)
     if STAGE >= 1:  # width search
         width, n_esc, count, exc_width = K._best_width(z)
@@ -85,12 +96,8 @@ def k_stage(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexpr,
 @triton.jit
 def k_hist(prev_ptr, new_ptr, numel, out_ptr, BLOCK: tl.constexpr):
     """bit-length histogram via float exponent, 5 packed int64 reductions"""
-    b = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    idx = b * BLOCK + i
-    inside = idx < numel
-    new16, z = _zs(prev_ptr, new_ptr, idx, inside)
-    L = tl.where(z > 0, (z.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0)  # 0..18
+    b, idx, inside, new16, z = _block_zs(prev_ptr, new_ptr, numel, BLOCK)
+    L = K._bit_lengths(z)  # 0..17
     one = tl.full(L.shape, 1, tl.int64) << ((L % 4) * 16).to(tl.int64)
     acc = tl.zeros([], dtype=tl.int64)
     for g in tl.static_range(5):
@@ -102,11 +109,7 @@ def k_hist(prev_ptr, new_ptr, numel, out_ptr, BLOCK: tl.constexpr):
 @triton.jit
 def k_rowpack(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexpr, W: tl.constexpr):
     """value-order slots at fixed width W (pow2), packed per row of 8 values (thread-local); escapes scattered."""
-    b = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    idx = b * BLOCK + i
-    inside = idx < numel
-    new16, z = _zs(prev_ptr, new_ptr, idx, inside)
+    b, idx, inside, new16, z = _block_zs(prev_ptr, new_ptr, numel, BLOCK)
     esc = (1 << W) - 1
     slot = tl.minimum(z, esc)
     rows = tl.reshape(slot, (BLOCK // 8, 8))
@@ -118,12 +121,6 @@ def k_rowpack(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexp
     tl.debug_barrier()
     tl.store(prev_ptr + idx, new16, mask=inside)
     tl.store(out_ptr + b, tl.sum(escaped.to(tl.int32), axis=0))
-
-@triton.jit
-def _placed64(v, s):
-    """v (< 2**17, int64) shifted by s bits (left if s >= 0, right if s < 0); 0 when out of a 64-bit word."""
-    left = tl.where((s >= 0) & (s < 64), v << tl.maximum(s, 0), 0)
-    return left | tl.where((s < 0) & (s > -64), v >> tl.maximum(-s, 0), 0)
 
 @triton.jit
 def k_stage2d(prev_ptr, new_ptr, numel, out_ptr, BLOCK: tl.constexpr, NB: tl.constexpr, STAGE: tl.constexpr):
