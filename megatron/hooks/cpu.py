@@ -90,16 +90,11 @@ def _patch_torch_cuda() -> None:
 
 def _patch_megatron_core() -> None:
     import megatron.core.tensor_parallel.random as tp_random
-    import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
     # The model-parallel RNG tracker saves and restores "CUDA" generator states.
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     tp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-
-    # 0.16.1 references te_general_gemm unconditionally though it is imported only with TE.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
     # all_to_all split sizes must be Python/numpy, but the helper only converts CUDA tensors.
     to_host = token_dispatcher.maybe_move_tensor_to_cpu

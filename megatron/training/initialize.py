@@ -103,6 +103,9 @@ def initialize_megatron(args) -> None:
 
     check_installation()
     install_cpu_support()
+    from megatron.hooks import compat
+
+    compat.apply()
     allow_torch_norm_under_sequence_parallel(args)
     initialize_distributed(args)
     # The hooks report what they installed (swapped layers, TP thresholds, CIERA selection) on rank 0.
