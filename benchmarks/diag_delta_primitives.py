@@ -81,12 +81,11 @@ def k_stage(prev_ptr, new_ptr, numel, out_ptr, scratch_ptr, BLOCK: tl.constexpr,
         bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], axis=1)
         tl.store(scratch_ptr + b * 64 + tl.arange(0, BLOCK // 32), bitmap)
         acc += tl.sum(ranks, axis=0)
-    if STAGE == 3:  # one packing scan (slots of width 3)
-        slot_end = ranks * 3
-        slot_at = slot_end - tl.where(changed, 3, 0)
-        window, key = K._store_words(scratch_ptr + b * 64 + 8, K._placed(tl.where(changed, tl.minimum(z, 7), 0), slot_at),
-                                     slot_at >> 5, slot_end >> 5, 0, 24, BLOCK - 1)
-        acc += window.to(tl.int32) + key.to(tl.int32)
+    if STAGE == 3:  # one packing pass (slots of width 3, the encoder's atomic ORs)
+        slot_at = (ranks - 1) * 3
+        tl.store(scratch_ptr + b * 64 + 8 + tl.arange(0, 32), tl.zeros([32], dtype=tl.int32), mask=tl.arange(0, 32) < 24)
+        tl.debug_barrier()
+        K._or_bits(scratch_ptr + b * 64 + 8, tl.minimum(z, 7), slot_at, changed)
     if STAGE == 4:  # the same words as stage 3, packed per row of 8 values instead of by a scan
         _pack_rows(scratch_ptr + b * 64 + 32, changed, z, BLOCK)
     tl.debug_barrier()

@@ -238,30 +238,16 @@ if triton is not None:
         return tl.where(trivial, 0, width), tl.where(trivial, 0, best_esc), count, exc_width
 
     @triton.jit
-    def _or_window(key_a, window_a, key_b, window_b):
-        """Scan combine: ``window`` holds words ``key`` and ``key + 1`` of the bit stream as the OR of
-        the values placed at keys ``key`` and ``key - 1`` (keys are ascending along the block)."""
-        carried = tl.where(key_a == key_b, window_a, tl.where(key_a == key_b - 1, window_a >> 32, 0))
-        return key_b, window_b | carried
-
-    @triton.jit
-    def _placed(value, bitpos):
-        """A value (< 2**17, 0 where absent) shifted into the 64-bit window of its word ``bitpos >> 5``."""
-        return value.to(tl.int64) << (bitpos & 31)
-
-    @triton.jit
-    def _store_words(stream_ptr, placed, key, next_key, first_word, end_word, LAST: tl.constexpr):
-        """Store the 32-bit stream words ``first_word <= w < end_word`` of values placed at ascending
-        words ``key`` (``next_key``: the next lane's). No atomics: a segmented OR scan leaves each word
-        at the last lane of its key, which stores it (and the word after when no lane has that key).
-        Returns the scan's last window and key."""
-        _, window = tl.associative_scan((key, placed), 0, _or_window)
-        last = tl.arange(0, placed.shape[0]) == LAST
-        ends = (next_key != key) | last
-        tl.store(stream_ptr + key, window.to(tl.int32), mask=ends & (key >= first_word) & (key < end_word))
-        hi = ends & ((next_key != key + 1) | last) & (key + 1 >= first_word) & (key + 1 < end_word)
-        tl.store(stream_ptr + key + 1, (window >> 32).to(tl.int32), mask=hi)
-        return tl.sum(tl.where(last, window, 0), axis=0), tl.sum(tl.where(last, key, 0), axis=0)
+    def _or_bits(stream_ptr, value, bitpos, present):
+        """OR each present value (< 2**17) into the 32-bit stream words at bit ``bitpos``: its shifted 64-bit
+        window spans word ``bitpos >> 5`` and possibly the next. Relaxed atomics (the L2 combines them): no
+        scan to give each word one writer, and lanes whose bits are all zero (v = 0: a third of the changed
+        values) issue nothing."""
+        word = stream_ptr + (bitpos >> 5)
+        placed = value.to(tl.int64) << (bitpos & 31)
+        lo, hi = placed.to(tl.int32), (placed >> 32).to(tl.int32)
+        tl.atomic_or(word, lo, mask=present & (lo != 0), sem="relaxed")
+        tl.atomic_or(word + 1, hi, mask=present & (hi != 0), sem="relaxed")
 
     @triton.jit
     def _encode_kernel(prev_ptr, new_ptr, numel, codes_ptr, counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr,
@@ -285,22 +271,14 @@ if triton is not None:
         record = records_ptr + b * RECORD_WORDS
         bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], axis=1)
         tl.store(record + tl.arange(0, BLOCK // 32), bitmap)
-        tl.debug_barrier()  # every thread has read prev before it is overwritten
-        tl.store(prev_ptr + idx, new16, mask=inside)
-        # slots own the words before the one where exceptions start (all words if there are none)
+        # the stream's live words are zeroed here and every value ORs its bits in after the barrier
         stream = record + BLOCK // 32
-        n_words = (nbits + 31) // 32
-        exc_word = exc_start >> 5
-        slot_end = (ranks & 0xFFFF) * width  # bit after each lane's slot (inclusive ranks)
-        slot_at = slot_end - tl.where(changed, width, 0)
-        window, key = _store_words(stream, _placed(tl.where(changed, tl.minimum(v, escape), 0), slot_at),
-                                   slot_at >> 5, slot_end >> 5, 0, tl.where(n_esc > 0, exc_word, n_words), BLOCK - 1)
-        # the slots' bits in the word where exceptions start go with the first exception
-        tail = tl.where(key == exc_word, window, tl.where(key == exc_word - 1, window >> 32, 0)) & 0xFFFFFFFF
-        exc_end = exc_start + exc_width * (ranks >> 16)
-        exc_at = exc_end - tl.where(escaped, exc_width, 0)
-        placed = _placed(tl.where(escaped, v, 0), exc_at) | tl.where(escaped & (exc_at == exc_start), tail, 0)
-        _store_words(stream, placed, exc_at >> 5, exc_end >> 5, exc_word, tl.where(n_esc > 0, n_words, 0), BLOCK - 1)
+        tl.store(stream + i, tl.zeros([BLOCK], dtype=tl.int32), mask=i < (nbits + 31) // 32)  # ceil(17 B / 32) < B
+        tl.debug_barrier()  # every thread has read prev before it is overwritten, and the zeros are stored
+        tl.store(prev_ptr + idx, new16, mask=inside)
+        slot_at = ((ranks & 0xFFFF) - 1) * width  # inclusive ranks
+        _or_bits(stream, tl.minimum(v, escape), slot_at, changed)
+        _or_bits(stream, v, exc_start + ((ranks >> 16) - 1) * exc_width, escaped)
         tl.store(codes_ptr + b, tl.where(count > 0, width + 1, 0).to(tl.uint8))
         tl.store(counts_ptr + b, count)
         tl.store(n_esc_ptr + b, n_esc)
