@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,17 +84,42 @@ FAMILIES = {
 }
 
 
-def run_variant(name, variant_flags, preset, out_dir, extra, reuse):
-    """Train one variant (or, with ``reuse``, read the metrics an earlier run of the same command left)."""
+def start_variant(name, variant_flags, preset, out_dir, extra, reuse, log_to_file):
+    """Start one variant's training (None instead of a process, with ``reuse``, if an earlier run of the same
+    command left its metrics). Returns (command, process or None)."""
     metrics = os.path.join(out_dir, f"{name}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={preset['nproc']}",
            "pretrain_gpt.py", *preset["flags"], *variant_flags, *extra, "--metrics-file", metrics]
-    if not (reuse and os.path.exists(metrics)):
-        if os.path.exists(metrics):
-            os.remove(metrics)
-        print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
-    return cmd, [json.loads(line) for line in open(metrics)]
+    if reuse and os.path.exists(metrics):
+        return cmd, None
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    print("+", " ".join(cmd), flush=True)
+    log = open(os.path.join(out_dir, f"{name}.log"), "w") if log_to_file else None
+    return cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT if log else None)
+
+
+def run_variants(names, variants, preset, out_dir, extra, reuse, jobs):
+    """Train the variants, ``jobs`` at a time (concurrent runs share the devices: the losses do not depend
+    on it, only the wall time). Returns {name: command} and {name: metrics records}."""
+    commands, running, pending = {}, {}, list(names)
+    while pending or running:
+        while pending and len(running) < jobs:
+            name = pending.pop(0)
+            commands[name], proc = start_variant(name, variants[name], preset, out_dir, extra, reuse, jobs > 1)
+            if proc is not None:
+                running[name] = proc
+        for name, proc in list(running.items()):
+            if proc.poll() is not None or len(running) == 1:
+                if proc.wait() != 0:
+                    raise RuntimeError(f"variant {name} failed ({proc.returncode}): {' '.join(commands[name])}"
+                                       + (f"; see {out_dir}/{name}.log" if jobs > 1 else ""))
+                del running[name]
+                break
+        else:
+            time.sleep(1)
+    curves = {name: [json.loads(line) for line in open(os.path.join(out_dir, f"{name}.jsonl"))] for name in names}
+    return commands, curves
 
 
 def final_losses(records, until):
@@ -142,6 +168,9 @@ def main(argv=None, family=None):
     parser.add_argument("--variants", nargs="+", help="default: every variant of the family")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--reuse", action="store_true", help="keep variants whose metrics file already exists")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="variants trained at once (their output goes to <out-dir>/<variant>.log); small "
+                             "models leave the GPUs idle most of the time, so a few at once finish sooner")
     args, extra = parser.parse_known_args(argv)
     variants, presets = FAMILIES[args.family]["variants"], FAMILIES[args.family]["presets"]
     if args.preset not in presets:
@@ -154,10 +183,9 @@ def main(argv=None, family=None):
         parser.error("--variants must include baseline: every result is reported relative to it")
     os.makedirs(args.out_dir, exist_ok=True)
     preset = presets[args.preset]
-    curves, summary = {}, {"family": args.family, "preset": args.preset, "commands": {}, "results": {}}
-    for name in chosen_variants:
-        cmd, curves[name] = run_variant(name, variants[name], preset, args.out_dir, extra, args.reuse)
-        summary["commands"][name] = " ".join(cmd[1:])
+    summary = {"family": args.family, "preset": args.preset, "commands": {}, "results": {}}
+    commands, curves = run_variants(chosen_variants, variants, preset, args.out_dir, extra, args.reuse, args.jobs)
+    summary["commands"] = {name: " ".join(cmd[1:]) for name, cmd in commands.items()}
     until = common_last_eval(curves)
     for name in chosen_variants:
         summary["results"][name] = final_losses(curves[name], until)

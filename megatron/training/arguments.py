@@ -98,6 +98,9 @@ class TrainingArgs:
     train_iters: Optional[int] = arg(None, "Training iterations.")
     train_samples: Optional[int] = arg(None, "Training samples (alternative to --train-iters).")
     seed: int = arg(1234, "Random seed.")
+    deterministic_mode: bool = arg(False, "Deterministic kernels (torch.use_deterministic_algorithms; cuBLAS "
+                                   "workspace :4096:8 and NCCL_ALGO=Ring unless set): run-to-run identical bits, e.g. "
+                                   "MoE token scatter on GPUs, at some speed cost.")
     bf16: bool = arg(False, "bf16 mixed precision.")
     fp16: bool = arg(False, "fp16 mixed precision.")
     loss_scale: Optional[float] = arg(None, "Static fp16 loss scale (default dynamic).")

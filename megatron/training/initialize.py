@@ -59,6 +59,16 @@ def allow_torch_norm_under_sequence_parallel(args) -> None:
         norm.allow_sequence_parallel_torch_norm()
 
 
+def set_deterministic_mode(args) -> None:
+    """--deterministic-mode: deterministic torch kernels (megatron-core's MoE then scatters tokens with
+    index_add), a fixed cuBLAS workspace and one NCCL algorithm, all set before CUDA and NCCL start."""
+    if not args.deterministic_mode:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    torch.use_deterministic_algorithms(True)
+
+
 def initialize_distributed(args) -> None:
     """torch.distributed from torchrun's environment (a one-process world without it)."""
     if torch.distributed.is_initialized():
@@ -107,6 +117,7 @@ def initialize_megatron(args) -> None:
 
     compat.apply()
     allow_torch_norm_under_sequence_parallel(args)
+    set_deterministic_mode(args)
     initialize_distributed(args)
     # The hooks report what they installed (swapped layers, TP thresholds, CIERA selection) on rank 0.
     logging.basicConfig(level=logging.INFO if args.rank == 0 else logging.WARNING,

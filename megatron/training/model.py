@@ -56,6 +56,7 @@ def core_transformer_config(args):
         moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_grouped_gemm=args.moe_grouped_gemm,
+        deterministic_mode=args.deterministic_mode,
     )
 
 
