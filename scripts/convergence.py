@@ -112,6 +112,8 @@ def run_variants(names, variants, preset, out_dir, extra, reuse, jobs):
         for name, proc in list(running.items()):
             if proc.poll() is not None or len(running) == 1:
                 if proc.wait() != 0:
+                    for other in running.values():
+                        other.terminate()
                     raise RuntimeError(f"variant {name} failed ({proc.returncode}): {' '.join(commands[name])}"
                                        + (f"; see {out_dir}/{name}.log" if jobs > 1 else ""))
                 del running[name]
@@ -170,7 +172,8 @@ def main(argv=None, family=None):
     parser.add_argument("--reuse", action="store_true", help="keep variants whose metrics file already exists")
     parser.add_argument("--jobs", type=int, default=1,
                         help="variants trained at once (their output goes to <out-dir>/<variant>.log); small "
-                             "models leave the GPUs idle most of the time, so a few at once finish sooner")
+                             "models leave the GPUs idle most of the time, so a few at once finish sooner (GPU "
+                             "memory permitting: gpu-125m takes ~22 GB per GPU)")
     args, extra = parser.parse_known_args(argv)
     variants, presets = FAMILIES[args.family]["variants"], FAMILIES[args.family]["presets"]
     if args.preset not in presets:
