@@ -15,6 +15,7 @@ relative to the baseline) and `loss_curves.png`.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -100,6 +101,7 @@ def start_variant(name, variant_flags, preset, out_dir, extra, reuse, log_to_fil
 
 
 def run_variants(names, variants, preset, out_dir, extra, reuse, jobs):
+    """``variants``: run name -> its flags."""
     """Train the variants, ``jobs`` at a time (concurrent runs share the devices: the losses do not depend
     on it, only the wall time). Returns {name: command} and {name: metrics records}."""
     commands, running, pending = {}, {}, list(names)
@@ -141,26 +143,75 @@ def common_last_eval(curves) -> int:
     return max(common) if common else min(max(r["iteration"] for r in records) for records in curves.values())
 
 
-def plot(curves, path):
+def _mean_curve(runs, key):
+    """(iterations, mean of ``key`` over the runs) at the iterations every run recorded it."""
+    per_run = [{r["iteration"]: r[key] for r in records if key in r} for records in runs]
+    common = sorted(set.intersection(*(set(p) for p in per_run)))
+    return common, [statistics.mean(p[i] for p in per_run) for i in common]
+
+
+def plot(groups, path):
+    """``groups``: label -> the metrics records of its runs (one per seed), drawn as their mean."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, records in curves.items():
-        it = [r["iteration"] for r in records if "loss" in r]
-        axes[0].plot(it, [r["loss"] for r in records if "loss" in r], label=name, linewidth=0.8)
-        ev = [(r["iteration"], r["eval_loss"]) for r in records if "eval_loss" in r]
-        if ev:
-            axes[1].plot(*zip(*ev), marker="o", label=name)
-    axes[0].set(title="training loss", xlabel="iteration", yscale="log")
-    axes[1].set(title="validation loss", xlabel="iteration")
+    for name, runs in groups.items():
+        axes[0].plot(*_mean_curve(runs, "loss"), label=name, linewidth=0.8)
+        it, ev = _mean_curve(runs, "eval_loss")
+        if it:
+            axes[1].plot(it, ev, marker="o", label=name)
+    seeds = max(len(runs) for runs in groups.values())
+    suffix = f" (mean of {seeds} seeds)" if seeds > 1 else ""
+    axes[0].set(title="training loss" + suffix, xlabel="iteration", yscale="log")
+    axes[1].set(title="validation loss" + suffix, xlabel="iteration")
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _run_name(variant, seed):
+    return variant if seed is None else f"{variant}_seed{seed}"
+
+
+def _single_table(variants, seeds, runs, until):
+    results = {name: dict(runs[name]) for name in variants}
+    base = results["baseline"]["final_valid_loss"]
+    lines = [f"Losses at iteration {until}, the last evaluation every variant reached.", "",
+             "| variant | train loss (avg of last 10) | valid loss | valid vs baseline |", "|---|---|---|---|"]
+    for name, res in results.items():
+        rel = (res["final_valid_loss"] / base - 1) * 100 if base and res["final_valid_loss"] else None
+        res["valid_rel_to_baseline_pct"] = rel
+        lines.append(f"| {name} | {res['final_train_loss_avg10']:.4f} | {res['final_valid_loss']:.4f} | {rel:+.2f}% |"
+                     if rel is not None else f"| {name} | {res['final_train_loss_avg10']:.4f} | - | - |")
+    return lines, results
+
+
+def _seed_table(variants, seeds, runs, until):
+    """Per variant over the seeds: validation loss mean and standard deviation, and the difference to the
+    baseline trained with the same seed (same initialization and data order), whose spread is the noise a
+    single-seed comparison cannot see."""
+    results, lines = {}, [
+        f"Validation loss at iteration {until} over seeds {', '.join(map(str, seeds))}; the difference to the "
+        "baseline is paired (same seed: same initialization and data order): mean +- standard error.", "",
+        "| variant | valid loss mean +- std | paired difference vs baseline | seeds below baseline |",
+        "|---|---|---|---|"]
+    base = [runs[_run_name("baseline", seed)]["final_valid_loss"] for seed in seeds]
+    for name in variants:
+        valid = [runs[_run_name(name, seed)]["final_valid_loss"] for seed in seeds]
+        rel = [(v / b - 1) * 100 for v, b in zip(valid, base)]
+        sem = statistics.stdev(rel) / len(rel) ** 0.5 if len(rel) > 1 else float("nan")
+        std = statistics.stdev(valid) if len(valid) > 1 else float("nan")
+        results[name] = {"valid_losses": valid, "valid_mean": statistics.mean(valid), "valid_std": std,
+                         "paired_rel_pct": rel, "paired_rel_mean_pct": statistics.mean(rel), "paired_rel_sem_pct": sem}
+        below = sum(r < 0 for r in rel)
+        lines.append(f"| {name} | {statistics.mean(valid):.4f} +- {std:.4f} | {statistics.mean(rel):+.2f}% +- "
+                     f"{sem:.2f}% | {below}/{len(seeds)} |")
+    return lines, results
 
 
 def main(argv=None, family=None):
@@ -170,6 +221,9 @@ def main(argv=None, family=None):
     parser.add_argument("--variants", nargs="+", help="default: every variant of the family")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--reuse", action="store_true", help="keep variants whose metrics file already exists")
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="train every variant once per seed (--seed S) and report the mean over seeds and the "
+                             "paired difference to the baseline of the same seed")
     parser.add_argument("--jobs", type=int, default=1,
                         help="variants trained at once (their output goes to <out-dir>/<variant>.log); small "
                              "models leave the GPUs idle most of the time, so a few at once finish sooner (GPU "
@@ -186,30 +240,27 @@ def main(argv=None, family=None):
         parser.error("--variants must include baseline: every result is reported relative to it")
     os.makedirs(args.out_dir, exist_ok=True)
     preset = presets[args.preset]
-    summary = {"family": args.family, "preset": args.preset, "commands": {}, "results": {}}
-    commands, curves = run_variants(chosen_variants, variants, preset, args.out_dir, extra, args.reuse, args.jobs)
-    summary["commands"] = {name: " ".join(cmd[1:]) for name, cmd in commands.items()}
+    seeds = args.seeds or [None]
+    runs = {_run_name(name, seed): variants[name] + ([] if seed is None else ["--seed", str(seed)])
+            for name in chosen_variants for seed in seeds}
+    commands, curves = run_variants(list(runs), runs, preset, args.out_dir, extra, args.reuse, args.jobs)
     until = common_last_eval(curves)
-    for name in chosen_variants:
-        summary["results"][name] = final_losses(curves[name], until)
-    base = summary["results"]["baseline"]
-    lines = [f"Losses at iteration {until}, the last evaluation every variant reached.", "",
-             "| variant | train loss (avg of last 10) | valid loss | valid vs baseline |",
-             "|---|---|---|---|"]
-    for name, res in summary["results"].items():
-        rel = (res["final_valid_loss"] / base["final_valid_loss"] - 1) * 100 if base["final_valid_loss"] else None
-        res["valid_rel_to_baseline_pct"] = rel
-        lines.append(f"| {name} | {res['final_train_loss_avg10']:.4f} | {res['final_valid_loss']:.4f} | "
-                     f"{rel:+.2f}% |" if rel is not None else f"| {name} | {res['final_train_loss_avg10']:.4f} | - | - |")
+    summary = {"family": args.family, "preset": args.preset, "seeds": args.seeds, "iteration": until,
+               "commands": {name: " ".join(cmd[1:]) for name, cmd in commands.items()},
+               "runs": {name: final_losses(records, until) for name, records in curves.items()}}
+    table = _seed_table if args.seeds else _single_table
+    lines, summary["results"] = table(chosen_variants, seeds, summary["runs"], until)
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
         chosen = [] if args.variants is None else ["--variants", *args.variants]
+        seeded = [] if args.seeds is None else ["--seeds", *map(str, args.seeds)]
         command = " ".join(["python scripts/convergence.py", "--family", args.family, "--preset", args.preset,
-                            *chosen, "--out-dir", args.out_dir, *extra])
+                            *chosen, *seeded, "--out-dir", args.out_dir, *extra])
         f.write(f"Command: `{command}`\n\n")
         f.write("\n".join(lines) + "\n")
-    plot(curves, os.path.join(args.out_dir, "loss_curves.png"))
+    plot({name: [curves[_run_name(name, seed)] for seed in seeds] for name in chosen_variants},
+         os.path.join(args.out_dir, "loss_curves.png"))
     print("\n".join(lines))
 
 
