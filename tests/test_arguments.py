@@ -87,6 +87,8 @@ ERRORS = [
     ("--train-samples 8", 1, "exactly one of --train-iters and --train-samples"),
     ("--recompute-granularity full", 1, "--recompute-method"),
     ("--seq-length 64 --max-position-embeddings 32", 1, "--seq-length 64 exceeds --max-position-embeddings 32"),
+    ("--finetune", 1, "--finetune loads pretrained weights: add --load DIR"),
+    ("--finetune --load /tmp/pretrained --save /tmp/pretrained/", 1, "give --save a new directory"),
 ]
 
 

@@ -532,11 +532,23 @@ def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = 
     _validate_batch_and_schedule(args)
     _validate_data(args)
     _validate_compression(args)
+    _validate_checkpointing(args)
     _validate_profile(args)
     args.consumed_train_samples = getattr(args, "consumed_train_samples", 0)
     args.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)
     args.padded_vocab_size = getattr(args, "padded_vocab_size", None)
     return args
+
+
+def _validate_checkpointing(args) -> None:
+    if not args.finetune:
+        return
+    _check(args.load is not None, "--finetune loads pretrained weights: add --load DIR")
+    # A fine-tuning run counts from iteration 0: saving into the pretrained directory would overwrite its
+    # iterations (and the tracker file) with the new run's.
+    _check(args.save is None or os.path.realpath(args.save) != os.path.realpath(args.load),
+           f"--finetune with --save equal to --load ({args.load}) would overwrite the pretrained checkpoint's "
+           f"iterations with the fine-tuning run's: give --save a new directory")
 
 
 def _validate_profile(args) -> None:
