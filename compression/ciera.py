@@ -258,6 +258,15 @@ class CieraCodec(ShardCodec):
         return torch.cat([header.to(bits.device), _pad(pack_field(changed, 1)),
                           _pad(pack_field(sm[:n], layout.sm_bits)), exp_section])
 
+    @staticmethod
+    def payload_buffer_bytes(shard: torch.Tensor, block_size: int) -> int:
+        """Bytes of the payload buffer the codec keeps for ``shard`` (the CUDA path's; 0 elsewhere, where each
+        payload is a fresh tensor)."""
+        layout = _layout(shard.dtype)
+        if not kernels.use_triton(shard.reshape(-1).view(torch.int16), block_size, layout):
+            return 0
+        return sections(shard.numel(), block_size, layout).capacity
+
     def _payload_buffer(self, capacity: int, device) -> torch.Tensor:
         if self._payload is None or self._payload.numel() != capacity or self._payload.device != device:
             self._payload = torch.zeros(capacity, dtype=torch.uint8, device=device)  # padding stays zero

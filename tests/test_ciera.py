@@ -265,3 +265,13 @@ def test_cuda_payloads_equal_cpu_payloads(dtype, mode, coder):
         assert gpu.last_stats == cpu.last_stats, step
         receiver.decode(0, payload, out)
         assert torch.equal(_bits(out).cpu(), _bits(shard)), step
+    # the selection's cache budget counts the buffer the CUDA path keeps (0 where there is none)
+    kept = 0 if gpu._payload is None else gpu._payload.numel()
+    assert CieraCodec.payload_buffer_bytes(torch.zeros(N, dtype=dtype, device="cuda"), 512) == kept
+
+
+def test_payload_buffer_counted_only_where_kept():
+    """The CPU path allocates each payload afresh, so it keeps no buffer for the cache budget to count."""
+    assert CieraCodec.payload_buffer_bytes(torch.zeros(1000, dtype=torch.bfloat16), 512) == 0
+    with pytest.raises(ValueError, match="needs bf16 or fp16 parameters"):
+        CieraCodec.payload_buffer_bytes(torch.zeros(1000, dtype=torch.float32), 512)

@@ -332,8 +332,11 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
 
 
 def _bucket_cache_bytes(bucket, group_size: int, args) -> int:
-    shard_numel = bucket.param_data.numel() // group_size
-    return cache_bytes(shard_numel, args.ciera_block_size, args.ciera_change_detect)
+    """Persistent memory of compressing one rank's shard of ``bucket``: the sender's exponents (compare) or
+    block hashes, plus on GPUs the codec's payload buffer (about the shard's own size)."""
+    shard = bucket.param_data[:bucket.param_data.numel() // group_size]
+    return (cache_bytes(shard.numel(), args.ciera_block_size, args.ciera_change_detect)
+            + CieraCodec.payload_buffer_bytes(shard, args.ciera_block_size))
 
 
 def _check_args(args) -> None:

@@ -213,7 +213,9 @@ class CompressionArgs:
         6, "With --param-gather-selection benefit: once the buckets are chosen, training iterations that "
         "alternate the plain and the compressed parameter all-gather (both bit-exact); compression stays on only "
         "if it makes iterations at least 2%% faster (0: no trial, trust the per-bucket model).")
-    ciera_cache_budget_mb: Optional[float] = arg(None, "CIERA cache budget in MB (default unlimited).")
+    ciera_cache_budget_mb: Optional[float] = arg(None, "CIERA cache budget in MB per rank (default unlimited): the "
+                                                 "sender's exponent copy or block hashes, plus on GPUs the payload "
+                                                 "buffer, of every compressed shard.")
     delta_block_size: int = arg(256, "Delta codec block size (power of two, 32..8192).")
     sdp4bit_group_size: int = arg(128, "SDP4Bit weight-difference quantization group (power of two, 16..4096).")
     sdp4bit_weight_bits: int = arg(4, "SDP4Bit weight-difference code bits.", choices=[4, 8])
