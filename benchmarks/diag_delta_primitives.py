@@ -3,9 +3,10 @@
 Each kernel below does a prefix of the encoder's work on the same steady-state AdamW step as
 bench_delta_kernels.py (62.5M bf16 values, lr 1e-4), so the differences between rows show what each
 step costs: stage0 loads old and new, computes z and writes the sender copy (the floor); stage1 adds
-the width search; stage2 the rank scan and the bitmap; stage3 one of the two segmented OR scans of
-the bit packing; stage4 the same words as stage3 packed per row of 8 values with atomic ORs
-(benchmarks/sass_count.py: more instructions than the scan). ``hist`` replaces the width search by a bit-length histogram, ``rowpack`` is a
+the width search; stage2 the rank scan and the bitmap; stage3 one of the encoder's two packing passes
+(per-value atomic ORs since session 5; results/gpu/delta_primitives.json timed the segmented OR scan
+it replaced); stage4 the same words as stage3 packed per row of 8 values with atomic ORs at the row
+boundaries (benchmarks/sass_count.py: more instructions than either). ``hist`` replaces the width search by a bit-length histogram, ``rowpack`` is a
 value-order fixed-width row packing with an escape scatter (a layout not in the format), ``2d_*``
 runs tiles of several blocks per program. Results: results/gpu/delta_primitives.json (read with
 docs/delta.md).

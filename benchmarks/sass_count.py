@@ -3,7 +3,7 @@
 Nsight Compute (results/gpu/ncu/SUMMARY.md) shows the delta encoder and decoder ALU-bound: their time
 follows the instructions they execute. Their programs have no data-dependent loops (one program per
 block, loops unrolled), so the static SASS count per program tracks the executed count (encode: 2784
-static vs ~2084 executed per 256-value block, the difference being skipped store branches) and lets a
+static vs ~2084 executed per 256-value block before session 5, the difference being skipped store branches) and lets a
 kernel change be judged on a machine without a GPU before a GPU session times it. Compiles with
 Triton's bundled ptxas and disassembles with its nvdisasm; prints the count and the top opcodes.
 
