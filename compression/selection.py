@@ -163,7 +163,22 @@ def selection_summary(candidates, selected: set, comm: CommModel, merge_seconds_
     return (f"{codec} selection: {len(chosen)}/{len(candidates)} shards "
             f"({100 * sum(s.numel * 2 for s in chosen) / total_bytes:.1f}% of bytes), "
             f"expected gain {gain * 1e3:.3f} ms/iteration, cache {cache / 2**20:.1f} MiB; "
-            f"comm model {comm.latency_s * 1e6:.1f} us + {_bandwidth(comm)}")
+            f"comm model {comm.latency_s * 1e6:.1f} us + {_bandwidth(comm)}; measured {_measured(candidates)}")
+
+
+def _measured(candidates) -> str:
+    """What the warm-up gathers measured over all candidate shards, so a choice can be read off the log."""
+    raw = sum(s.numel * 2 for s in candidates)
+    if not raw:
+        return "nothing (empty shards)"
+    if all(isinstance(s, DeltaShardStats) for s in candidates):
+        payload = sum(s.payload_bytes for s in candidates)
+        encode, decode = sum(s.encode_seconds for s in candidates), sum(s.decode_seconds for s in candidates)
+        speed = lambda seconds: f"{raw / seconds / 1e9:.1f} GB/s" if seconds > 0 else "unmeasured"  # noqa: E731
+        return (f"wire ratio {raw / max(payload, 1):.2f}x, encode {speed(encode)}, decode {speed(decode)} "
+                f"(wall clock with syncs)")
+    rate = sum(s.change_rate * s.numel for s in candidates) / sum(s.numel for s in candidates)
+    return f"block change rate {rate:.3f}"
 
 
 def _bandwidth(comm: CommModel) -> str:

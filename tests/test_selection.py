@@ -41,7 +41,7 @@ def test_select_shards_ranks_by_gain_per_cache_byte_within_budget():
     # on a fast link with a costly merge nothing pays (the paper's Llama-4-Scout on NVLink)
     assert select_shards(candidates, CommModel(5e-6, 1 / 300e9), None, 1e-11) == set()
     line = selection_summary(candidates, {"norm", "expert"}, SLOW_LINK, merge)
-    assert line.startswith("ciera selection: 2/5 shards") and "MiB" in line
+    assert line.startswith("ciera selection: 2/5 shards") and "MiB" in line and "measured block change rate" in line
     assert cache_bytes(1000, 512, "hash") == 2 * 16 and cache_bytes(1000, 512, "compare") == 1024
 
 
@@ -92,10 +92,12 @@ def test_delta_gain_charges_codec_time_and_size_exchange():
     assert select_shards([shard], CommModel(20e-6, 1 / 1e9), None) == {"w"}
     assert select_shards([shard], CommModel(10e-6, 1 / 150e9), None) == set()  # NVLink-class
     assert select_shards([shard], CommModel(20e-6, 1 / 1e9), 1) == set()  # a budget binds delta too
-    assert selection_summary([shard], {"w"}, SLOW_LINK).startswith("delta selection: 1/1 shards")
-    assert selection_summary([shard], {"w"}, SLOW_LINK).endswith("+ 4.00 GB/s")
+    line = selection_summary([shard], {"w"}, SLOW_LINK)
+    assert line.startswith("delta selection: 1/1 shards") and "+ 4.00 GB/s;" in line
+    # what the warm-up measured: 8 MiB -> 1 MiB, coded at 8 MiB / 1 ms and decoded at 8 MiB / 0.5 ms
+    assert line.endswith("measured wire ratio 8.00x, encode 8.4 GB/s, decode 16.8 GB/s (wall clock with syncs)")
     flat = CommModel(60e-6, 0.0)  # the fit on a link too fast for the probed sizes
-    assert selection_summary([shard], set(), flat).endswith("no per-byte cost measurable at the probed sizes")
+    assert "no per-byte cost measurable at the probed sizes;" in selection_summary([shard], set(), flat)
 
 
 def test_delta_cost_meter_measures_the_real_payload():
