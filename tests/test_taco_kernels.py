@@ -137,8 +137,9 @@ def test_kernel_benchmark_dry_run(tmp_path):
 
 
 def test_int8_cast_shortcut_rounds_like_the_reference():
-    """The fused encoder rounds INT8 values as (y + 1.5 * 2**23) - 1.5 * 2**23 (fp32); the reference rounds
-    with _round_to_grid. They must agree on every |y| <= Qmax, ties (x.5) and signed zeros included."""
+    """The fused encoder's INT8 byte is the low byte of the bits of y + 1.5 * 2**23 (fp32: the add rounds y
+    to an integer, ties to even, held in two's complement in the low mantissa bits); the reference rounds
+    with _round_to_grid and casts. They must agree on every |y| <= Qmax, ties (x.5) and signed zeros included."""
     from kernels.taco import _round_to_grid
 
     quarters = torch.arange(-127 * 4, 127 * 4 + 1, dtype=torch.float32) / 4
@@ -147,5 +148,5 @@ def test_int8_cast_shortcut_rounds_like_the_reference():
     dense = torch.linspace(-127, 127, 200_001, dtype=torch.float32)
     y = torch.cat([quarters, ties, near_ties, dense, torch.tensor([0.0, -0.0, 127.0, -127.0])])
     magic = torch.tensor(12582912.0)
-    shortcut = (y + magic) - magic
-    assert torch.equal(shortcut.to(torch.int8), _round_to_grid(y, "int8").to(torch.int8))
+    shortcut = ((y + magic).view(torch.int32) & 0xFF).to(torch.uint8)
+    assert torch.equal(shortcut, _round_to_grid(y, "int8").to(torch.int8).view(torch.uint8))
