@@ -232,6 +232,25 @@ def test_fused_path_matches_reference_interpreted():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def _check_lookback_diagnostic():
+    from benchmarks.delta_wire_ratio import simulated_step
+    from benchmarks.diag_ciera_split import check_fused
+
+    for n, lr in ((40_961, 1e-4), (50_000, 1e-5), (4096 * 3, 1e-6)):  # partial last tile; few changed blocks
+        previous, new = simulated_step(n, lr, 5, device="cpu")
+        check_fused(previous, new, 512, "cpu")
+
+
+def test_lookback_diagnostic_matches_production_interpreted():
+    """benchmarks/diag_ciera_split.py's fused look-back encoder (a GPU experiment, not the codec's path)
+    writes the production path's payload sections and cache, under the interpreter (programs in order)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    code = "import test_ciera; test_ciera._check_lookback_diagnostic()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_kernel_benchmark_dry_run(tmp_path):
     """The GPU benchmark's arguments, trajectory and JSON on CPU (reference path, small shard)."""
     out = tmp_path / "ciera.json"

@@ -2,8 +2,9 @@
 # First call of a GPU session (~3 min on one H200): the kernel changes not yet run on CUDA, each checked
 # for bytes against its reference and timed. Pending after session 5: TACO's INT8 byte from the bits of
 # y + 1.5 * 2**23 (static SASS 1048 -> 984 per 1024 values; session 5 timed INT8 encode at 0.64-0.65x of
-# copy, taco_kernels_int8_magic.json), and the CIERA compare-mode split variants of
-# benchmarks/diag_ciera_split.py (the production split is unchanged until they are measured).
+# copy, taco_kernels_int8_magic.json), and benchmarks/diag_ciera_split.py: CIERA compare-mode split variants
+# and a one-kernel encode by decoupled look-back against the production split + prefix sum + gather (each
+# checked byte for byte; the production path changes only after they are measured).
 # (Session 5 ran the previous version of this script: delta tiled kernels and histogram width search.)
 # Usage (device machine, repo root): bash scripts/gpu/kernel_changes_check.sh
 set -uo pipefail
