@@ -53,11 +53,7 @@ from compression.timing import device_op_seconds  # noqa: E402
 def _split_compare_variant(bits_ptr, exp_ptr, sm_ptr, flags_ptr, n, npad, nblocks,
                            B: tl.constexpr, BPP: tl.constexpr, BARRIER: tl.constexpr, CHANGED_ONLY: tl.constexpr):
     rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
-    offs = rows.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :]
-    in_shard = offs < n
-    w = tl.load(bits_ptr + offs, mask=in_shard, other=0).to(tl.int32) & 0xFFFF
-    exp = (w >> 7) & 0xFF
-    tl.store(sm_ptr + offs, (((w >> 8) & 0x80) | (w & 0x7F)).to(tl.uint8), mask=in_shard)
+    offs, exp = K._split_tile(bits_ptr, sm_ptr, rows, n, B)
     prev = tl.load(exp_ptr + offs, mask=offs < npad, other=0).to(tl.int32)
     changed = tl.max((exp != prev).to(tl.int32), axis=1)
     if BARRIER:
@@ -77,12 +73,8 @@ def _split_lookback(bits_ptr, cache_ptr, sm_ptr, bitmap_ptr, exp_out_ptr, status
     # | 2 (changed blocks of tiles 0..t); 0 while unpublished.
     t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
     rows = t * BPP + tl.arange(0, BPP)
-    offs = rows.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :]
-    in_shard = offs < n
+    offs, exp = K._split_tile(bits_ptr, sm_ptr, rows, n, B)
     in_pad = offs < npad
-    w = tl.load(bits_ptr + offs, mask=in_shard, other=0).to(tl.int32) & 0xFFFF
-    exp = (w >> 7) & 0xFF
-    tl.store(sm_ptr + offs, (((w >> 8) & 0x80) | (w & 0x7F)).to(tl.uint8), mask=in_shard)
     prev = tl.load(cache_ptr + offs, mask=in_pad, other=0).to(tl.int32)
     changed = tl.max((exp != prev).to(tl.int32), axis=1) * (rows < nblocks).to(tl.int32)
     local = tl.sum(changed, axis=0)

@@ -90,14 +90,20 @@ def merge_blocks_reference(out_bits, changed, new_exp, sm, block_size: int, layo
 if triton is not None:
 
     @triton.jit
-    def _split_blocks_kernel(bits_ptr, exp_ptr, sm_ptr, flags_ptr, n, npad, nblocks,
-                             B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr):
-        rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
+    def _split_tile(bits_ptr, sm_ptr, rows, n, B: tl.constexpr):
+        """Blocks ``rows`` of the bf16 bits: sign+mantissa bytes stored to ``sm_ptr``; returns the element
+        offsets [rows, B] and the exponents (int32)."""
         offs = rows.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :]
         in_shard = offs < n
         w = tl.load(bits_ptr + offs, mask=in_shard, other=0).to(tl.int32) & 0xFFFF
-        exp = (w >> 7) & 0xFF
         tl.store(sm_ptr + offs, (((w >> 8) & 0x80) | (w & 0x7F)).to(tl.uint8), mask=in_shard)
+        return offs, (w >> 7) & 0xFF
+
+    @triton.jit
+    def _split_blocks_kernel(bits_ptr, exp_ptr, sm_ptr, flags_ptr, n, npad, nblocks,
+                             B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr):
+        rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
+        offs, exp = _split_tile(bits_ptr, sm_ptr, rows, n, B)
         if COMPARE:
             prev = tl.load(exp_ptr + offs, mask=offs < npad, other=0).to(tl.int32)
             changed = tl.max((exp != prev).to(tl.int32), axis=1)
