@@ -60,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of encode/decode/copy")
     p.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     p.add_argument("--dry-run", action="store_true", help="tiny CPU/gloo run: numel 8192 per rank, 3 steps")
+    p.add_argument("--profile-dir", help="after each codec's timed steps, one more gather under the PyTorch "
+                                         "profiler: <dir>/<codec>_rank<r>.json (Chrome trace: where the gather's "
+                                         "time goes between kernels, syncs and NCCL) and .txt (top ops)")
     args = p.parse_args(argv)
     if args.dry_run:
         args.numel, args.steps, args.repeats = 8192 * int(os.environ.get("WORLD_SIZE", "1")), 3, 1
@@ -187,7 +190,29 @@ def run_codec(name, args, world, rank, device):
             _check_bits(buffer, own, name, step)
         steps.append(dict(raw_bytes=raw, sent_bytes=sent, gather_s=seconds, **error,
                           unchanged=float((own.view(torch.int16) == previous.view(torch.int16)).float().mean())))
-    return steps, (previous, own.clone())
+    snapshots = (previous, own.clone())
+    if args.profile_dir:
+        own.copy_(traj.step())
+        dist.barrier()
+        _profiled(lambda: _gather_uncompressed(buffer, own) if gather is None else gather.start(buffer),
+                  device, os.path.join(args.profile_dir, f"{name}_rank{rank}"))
+    return steps, snapshots
+
+
+def _profiled(fn, device, path_stem):
+    """One call of ``fn`` under the PyTorch profiler (host and device): Chrome trace and top-ops table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    os.makedirs(os.path.dirname(path_stem), exist_ok=True)
+    _sync(device)
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    prof.export_chrome_trace(path_stem + ".json")
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(path_stem + ".txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=25))
 
 
 def codec_throughput(name, args, world, rank, snapshots, device):

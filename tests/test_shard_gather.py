@@ -122,19 +122,21 @@ def test_shard_gather_world_4():
     _check_world(4)
 
 
-def _bench_dry_run(out_path):
+def _bench_dry_run(out_path, profile_dir):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.path.join(root, "benchmarks", "bench_param_gather.py")
     spec = importlib.util.spec_from_file_location("bench_param_gather", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.main(["--dry-run", "--out", out_path])
+    bench.main(["--dry-run", "--out", out_path, "--profile-dir", profile_dir])
 
 
 @pytest.mark.slow
 def test_bench_param_gather_dry_run(tmp_path):
     out = tmp_path / "pg.json"
-    run_on_ranks(_bench_dry_run, 2, str(out))  # self-checking: raises if any gather is not bit-exact
+    run_on_ranks(_bench_dry_run, 2, str(out), str(tmp_path / "profile"))  # raises if a gather is not bit-exact
+    assert (tmp_path / "profile" / "delta_rank1.json").stat().st_size > 0  # one profiled gather per codec and rank
+    assert "Self CPU" in (tmp_path / "profile" / "none_rank0.txt").read_text()
     report = json.loads(out.read_text())
     by_codec = {r["codec"]: r for r in report["results"]}
     assert set(by_codec) == {"none", "ciera", "delta", "sdp4bit"}
