@@ -77,8 +77,9 @@ class ShardGather:
         payload = self.codec.encode(shard)
         sizes = self._exchange_sizes(payload)
         width = -(-max(sizes) // 16) * 16  # 16-byte aligned chunks: the decoders' vector loads stay aligned
-        send = torch.zeros(width, dtype=torch.uint8, device=buffer.device)
+        send = torch.empty(width, dtype=torch.uint8, device=buffer.device)
         send[:payload.numel()] = payload
+        send[payload.numel():] = 0  # the padding (receivers ignore it) is not left uninitialized
         recv = torch.empty(width * self.world_size, dtype=torch.uint8, device=buffer.device)
         self._record(shard, width)
         work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=async_op)
