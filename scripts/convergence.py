@@ -191,26 +191,37 @@ def _single_table(variants, seeds, runs, until):
     return lines, results
 
 
+def _paired(runs, name, seeds, key):
+    """Per seed, the variant's ``key`` relative to the baseline of the same seed, in %."""
+    return [(runs[_run_name(name, seed)][key] / runs[_run_name("baseline", seed)][key] - 1) * 100 for seed in seeds]
+
+
+def _mean_sem(values):
+    sem = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+    return statistics.mean(values), sem
+
+
 def _seed_table(variants, seeds, runs, until):
-    """Per variant over the seeds: validation loss mean and standard deviation, and the difference to the
-    baseline trained with the same seed (same initialization and data order), whose spread is the noise a
-    single-seed comparison cannot see."""
+    """Per variant over the seeds: validation loss mean and standard deviation, and the differences to the
+    baseline trained with the same seed (same initialization and data order) in validation loss and in
+    training loss (average of the last 10 iterations: less noisy than a few evaluation batches); their
+    spread is the noise a single-seed comparison cannot see."""
     results, lines = {}, [
-        f"Validation loss at iteration {until} over seeds {', '.join(map(str, seeds))}; the difference to the "
-        "baseline is paired (same seed: same initialization and data order): mean +- standard error.", "",
-        "| variant | valid loss mean +- std | paired difference vs baseline | seeds below baseline |",
-        "|---|---|---|---|"]
-    base = [runs[_run_name("baseline", seed)]["final_valid_loss"] for seed in seeds]
+        f"Losses at iteration {until} over seeds {', '.join(map(str, seeds))}; differences to the baseline are "
+        "paired (same seed: same initialization and data order), mean +- standard error over the seeds.", "",
+        "| variant | valid loss mean +- std | valid vs baseline | train loss (avg of last 10) vs baseline | "
+        "seeds with lower valid loss |", "|---|---|---|---|---|"]
     for name in variants:
         valid = [runs[_run_name(name, seed)]["final_valid_loss"] for seed in seeds]
-        rel = [(v / b - 1) * 100 for v, b in zip(valid, base)]
-        sem = statistics.stdev(rel) / len(rel) ** 0.5 if len(rel) > 1 else float("nan")
+        valid_rel, train_rel = (_paired(runs, name, seeds, key) for key in ("final_valid_loss", "final_train_loss_avg10"))
+        (v_mean, v_sem), (t_mean, t_sem) = _mean_sem(valid_rel), _mean_sem(train_rel)
         std = statistics.stdev(valid) if len(valid) > 1 else float("nan")
         results[name] = {"valid_losses": valid, "valid_mean": statistics.mean(valid), "valid_std": std,
-                         "paired_rel_pct": rel, "paired_rel_mean_pct": statistics.mean(rel), "paired_rel_sem_pct": sem}
-        below = sum(r < 0 for r in rel)
-        lines.append(f"| {name} | {statistics.mean(valid):.4f} +- {std:.4f} | {statistics.mean(rel):+.2f}% +- "
-                     f"{sem:.2f}% | {below}/{len(seeds)} |")
+                         "paired_valid_rel_pct": valid_rel, "paired_valid_rel_mean_pct": v_mean,
+                         "paired_valid_rel_sem_pct": v_sem, "paired_train_rel_pct": train_rel,
+                         "paired_train_rel_mean_pct": t_mean, "paired_train_rel_sem_pct": t_sem}
+        lines.append(f"| {name} | {statistics.mean(valid):.4f} +- {std:.4f} | {v_mean:+.2f}% +- {v_sem:.2f}% | "
+                     f"{t_mean:+.2f}% +- {t_sem:.2f}% | {sum(r < 0 for r in valid_rel)}/{len(seeds)} |")
     return lines, results
 
 
