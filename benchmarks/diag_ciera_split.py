@@ -138,9 +138,8 @@ def check_fused(previous, new, B, device):
     for which in (0, 1):
         cache = start.clone()
         payload = torch.zeros(n * 2 + 4096, dtype=torch.uint8, device=device)
-        fn = encode_paths(bits, cache, payload, n, B)[which]
-        changed = int(fn())
-        sec = encode_paths(bits, cache, payload, n, B)[2]
+        *paths, sec = encode_paths(bits, cache, payload, n, B)
+        changed = int(paths[which]())
         outputs.append((changed, payload[:sec.exp + changed * B].clone(), cache))
     (c0, p0, k0), (c1, p1, k1) = outputs
     assert c0 == c1, (c0, c1)
