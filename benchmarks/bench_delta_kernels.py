@@ -6,7 +6,8 @@ simulated AdamW trajectory of ``benchmarks/delta_wire_ratio.py`` run on the GPU;
 previous values every repeat (untimed), and every decode is checked bit for bit. Times are wall
 clock with a device sync on both sides (the codec's own host syncs included); GB/s are shard bytes
 (2 per value) per second; ``*_device_GBps`` count only the device's time in the call's kernels and
-copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps`` sweeps the warps per block program of the codec kernels.
+copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps``
+sweeps the warps per block program of the codec kernels.
 
     python benchmarks/bench_delta_kernels.py --out results/gpu/delta_kernels.json
 """

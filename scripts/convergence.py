@@ -101,9 +101,9 @@ def start_variant(name, variant_flags, preset, out_dir, extra, reuse, log_to_fil
 
 
 def run_variants(names, variants, preset, out_dir, extra, reuse, jobs):
-    """``variants``: run name -> its flags."""
-    """Train the variants, ``jobs`` at a time (concurrent runs share the devices: the losses do not depend
-    on it, only the wall time). Returns {name: command} and {name: metrics records}."""
+    """Train the runs ``names`` (``variants``: run name -> its flags), ``jobs`` at a time (concurrent runs
+    share the devices: the losses do not depend on it, only the wall time). Returns {name: command} and
+    {name: metrics records}."""
     commands, running, pending = {}, {}, list(names)
     while pending or running:
         while pending and len(running) < jobs:

@@ -22,7 +22,8 @@ Checkpoint contents (one dist_checkpointing state dict):
 
 Loading restores all of it bit-exactly, except what ``--no-load-optim`` (optimizer and scheduler) or
 ``--no-load-rng`` skip; ``--finetune`` loads the weights only and starts at iteration 0 with no samples
-consumed. Model weights reshard freely across TP/PP/DP; optimizer state needs the same TP, PP and EP sizes, RNG state the same TP, PP and DP sizes (clear errors name the flag that skips them).
+consumed. Model weights reshard freely across TP/PP/DP; optimizer state needs the same TP, PP and EP
+sizes, RNG state the same TP, PP and DP sizes (clear errors name the flag that skips them).
 Exact resume also needs the caller not to draw from the global torch RNG between ``load_checkpoint``
 and the first step (on CPU that RNG also drives dropout; a DataLoader without its own ``generator``
 draws from it on every ``iter()``).
