@@ -56,7 +56,8 @@ def measure(previous, new, keyframe: bool, config: CieraConfig, repeats: int) ->
 
     enc = call_seconds(encode, device, repeats, setup=restore_sender)
     payload = result["payload"].clone()  # the codec's buffer is reused by the next encode
-    dec = call_seconds(lambda: receiver.decode(0, payload, out), device, repeats,
+    header = payload[:receiver.header_nbytes].cpu().numpy().tobytes()  # the gather delivers it on the host
+    dec = call_seconds(lambda: receiver.decode(0, payload, out, header), device, repeats,
                        setup=lambda: out.copy_(previous), check=check_decode)
     copy = call_seconds(lambda: out.copy_(new), device, repeats)
     nbytes = 2 * new.numel()
@@ -66,7 +67,7 @@ def measure(previous, new, keyframe: bool, config: CieraConfig, repeats: int) ->
     if device.type == "cuda":
         device_ops = device_throughput(nbytes, dict(
             encode=(encode, restore_sender),
-            decode=(lambda: receiver.decode(0, payload, out), lambda: out.copy_(previous)),
+            decode=(lambda: receiver.decode(0, payload, out, header), lambda: out.copy_(previous)),
             copy=(lambda: out.copy_(new), None)))
     return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy), **device_ops,
                 encode_ms=1e3 * min(enc), encode_median_ms=1e3 * statistics.median(enc),

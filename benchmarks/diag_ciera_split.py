@@ -1,18 +1,19 @@
-"""Diagnostic: why CIERA's compare-mode split kernel takes ~2.2x the keyframe split (131 vs 59.5 us on
+"""Diagnostic: why CIERA's compare-mode split kernel took ~2.2x the keyframe split (131 vs 59.5 us on
 62.5M bf16 values, results/gpu/ciera_kernels_device_time.json) when it moves only 5 bytes per value to
 the keyframe's 4.
 
 Variants of ``kernels.ciera._split_blocks_kernel`` in compare mode, each checked bit for bit against the
 production kernel (flags, sign+mantissa bytes, updated exponents) on the same AdamW step, timed by
-device time only (PyTorch profiler):
+device time only (PyTorch profiler). Session 6 measured them (results/gpu/ciera_split_variants.json:
+barrier + every block 130 us, no barrier 311 us, changed blocks only without a barrier 76 us, keyframe
+59 us) and the production kernel became the last of these:
 
-- ``production``: the kernel as shipped (a barrier between reading the previous exponents and
-  overwriting them; every block's exponents stored);
-- ``no_barrier``: without the barrier. Safe only when no element is held by two threads (a tile of at
-  least 32 x num_warps values, as every production launch has): each exponent is then loaded and
-  stored by one thread in program order;
-- ``no_barrier_changed_only``: also stores the exponents of changed blocks only (an unchanged block's
-  new exponents equal the stored ones);
+- ``production``: the kernel as shipped (stores the exponents of changed blocks only, whose mask
+  depends on the whole block's loads, so no barrier is needed);
+- ``barrier_all_blocks``: the kernel before session 6 (a barrier between reading the previous
+  exponents and overwriting them; every block's exponents stored);
+- ``no_barrier``: every block stored without the barrier (safe only when no element is held by two
+  threads; measured 2.4x slower than with it);
 - ``keyframe``: the production kernel without the comparison, the bandwidth reference.
 
 And the whole encode's kernels (the split, the prefix sum over blocks, the exponent gather) against one
@@ -51,17 +52,14 @@ from compression.timing import device_op_seconds  # noqa: E402
 
 @triton.jit
 def _split_compare_variant(bits_ptr, exp_ptr, sm_ptr, flags_ptr, n, npad, nblocks,
-                           B: tl.constexpr, BPP: tl.constexpr, BARRIER: tl.constexpr, CHANGED_ONLY: tl.constexpr):
+                           B: tl.constexpr, BPP: tl.constexpr, BARRIER: tl.constexpr):
     rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
     offs, exp = K._split_tile(bits_ptr, sm_ptr, rows, n, B)
     prev = tl.load(exp_ptr + offs, mask=offs < npad, other=0).to(tl.int32)
     changed = tl.max((exp != prev).to(tl.int32), axis=1)
     if BARRIER:
         tl.debug_barrier()
-    store = offs < npad
-    if CHANGED_ONLY:
-        store = store & (changed[:, None] != 0)
-    tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store)
+    tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=offs < npad)  # every block's exponents
     tl.store(flags_ptr + rows, changed, mask=rows < nblocks)
 
 
@@ -171,12 +169,10 @@ def main():
         flags = torch.empty(nblocks, dtype=torch.int32, device="cuda")
         variants = {
             "production": lambda: flags.copy_(K.split_blocks(bits, exp, True, sm, B)),
-            "no_barrier": lambda: _split_compare_variant[grid](bits, exp, sm, flags, n, exp.numel(), nblocks, B=B,
-                                                             BPP=bpp, BARRIER=False, CHANGED_ONLY=False,
-                                                             num_warps=K.NUM_WARPS),
-            "no_barrier_changed_only": lambda: _split_compare_variant[grid](
-                bits, exp, sm, flags, n, exp.numel(), nblocks, B=B, BPP=bpp, BARRIER=False, CHANGED_ONLY=True,
-                num_warps=K.NUM_WARPS),
+            "barrier_all_blocks": lambda: _split_compare_variant[grid](
+                bits, exp, sm, flags, n, exp.numel(), nblocks, B=B, BPP=bpp, BARRIER=True, num_warps=K.NUM_WARPS),
+            "no_barrier": lambda: _split_compare_variant[grid](
+                bits, exp, sm, flags, n, exp.numel(), nblocks, B=B, BPP=bpp, BARRIER=False, num_warps=K.NUM_WARPS),
             "keyframe": lambda: flags.copy_(K.split_blocks(bits, exp, False, sm, B)),
         }
         reset = lambda: exp.copy_(start_exp)  # noqa: E731

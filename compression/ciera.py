@@ -195,6 +195,7 @@ class CieraCodec(ShardCodec):
 
     name = "ciera"
     lossless = True
+    header_nbytes = HEADER_BYTES
     stat_names = ("blocks_total", "blocks_changed")
 
     def __init__(self, config: CieraConfig, world_size: int, rank: int):
@@ -299,11 +300,12 @@ class CieraCodec(ShardCodec):
         payload[:HEADER_BYTES].copy_(header.pin_memory() if payload.is_cuda else header, non_blocking=True)
         return payload[:sec.exp + exp_section.numel()]
 
-    def _parse_header(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor):
+    def _parse_header(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header):
         if payload.numel() < HEADER_BYTES:
             raise RuntimeError(f"CIERA payload from rank {src_rank} has {payload.numel()} bytes, less than a header")
-        head = payload[:HEADER_BYTES].cpu().numpy().tobytes()  # the decode's one host sync
-        magic, version, flags, log2_block, dtype_code, numel, n_changed, exp_bytes = HEADER.unpack(head)
+        if header is None:
+            header = payload[:HEADER_BYTES].cpu().numpy().tobytes()  # a host sync
+        magic, version, flags, log2_block, dtype_code, numel, n_changed, exp_bytes = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION:
             raise RuntimeError(f"CIERA payload from rank {src_rank} has a bad magic/version {magic!r}/{version}")
         if 1 << log2_block != self.config.block_size or dtype_code != DTYPE_CODES[out.dtype] or numel != out.numel():
@@ -315,9 +317,9 @@ class CieraCodec(ShardCodec):
                                "all ranks must reset() together")
         return flags, numel, n_changed, exp_bytes
 
-    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header: bytes = None) -> None:
         layout = _layout(out.dtype)
-        flags, n, n_changed, exp_bytes = self._parse_header(src_rank, payload, out)
+        flags, n, n_changed, exp_bytes = self._parse_header(src_rank, payload, out, header)
         B = self.config.block_size
         sec = sections(n, B, layout)
         if payload.numel() != sec.exp + exp_bytes:

@@ -52,15 +52,20 @@ class ShardCodec(ABC):
     """Names of the integer statistics of the last ``encode`` in ``last_stats`` (e.g. blocks_changed),
     which the gather adds to the byte telemetry as ``dp_param_gather/<name>``."""
     last_stats: dict = {}
+    header_nbytes: int = 0
+    """Length of the fixed header every payload starts with (0: none). The gather sends these bytes
+    with the payload sizes, which the host reads anyway, and hands them to ``decode`` as ``header``:
+    the decode then needs no device-to-host read of its own (a sync that would stall the stream)."""
 
     @abstractmethod
     def encode(self, shard: torch.Tensor) -> torch.Tensor:
         """Encode this rank's new shard; returns a 1-D uint8 payload (a keyframe after ``reset``)."""
 
     @abstractmethod
-    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header: bytes = None) -> None:
         """Write ``src_rank``'s new shard into ``out`` in place; ``out`` holds that rank's previous
-        shard (from the last gather) unless the payload is a keyframe."""
+        shard (from the last gather) unless the payload is a keyframe. ``header``: the payload's first
+        ``header_nbytes`` bytes on the host, if the caller has them (else they are read from ``payload``)."""
 
     @abstractmethod
     def reset(self) -> None:

@@ -86,6 +86,7 @@ class DeltaCodec(ShardCodec):
     name = "delta"
     lossless = True
     stat_names = ("blocks_total", "blocks_changed", "values_changed")  # telemetry counters
+    header_nbytes = HEADER.size
 
     def __init__(self, config: DeltaConfig, world_size: int, rank: int, *, triton=None):
         self.config = config
@@ -170,11 +171,11 @@ class DeltaCodec(ShardCodec):
 
     # --- decode --------------------------------------------------------------------------------
 
-    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header: bytes = None) -> None:
         if not 0 <= src_rank < self.world_size:
             raise ValueError(f"src_rank {src_rank} outside the data-parallel group of size {self.world_size}")
         bits = _as_bits(out, "output buffer")
-        flags, n_changed = self._check_header(payload, out, bits.numel())
+        flags, n_changed = self._check_header(payload, out, bits.numel(), header)
         if flags & FLAG_KEYFRAME:
             bits.view(torch.uint8).copy_(payload[HEADER.size : HEADER.size + 2 * bits.numel()])
             return
@@ -198,11 +199,12 @@ class DeltaCodec(ShardCodec):
         value_bytes = stream_nbytes(counts, codes[changed], n_esc, exc_widths)
         unpack_values_reference(bits, changed, codes, exc_widths, bitmaps, _exclusive_cumsum(value_bytes), values, b)
 
-    def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int) -> tuple:
+    def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int, header) -> tuple:
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < HEADER.size:
             raise ValueError("delta payload must be a 1-D uint8 tensor with a 24-byte header")
-        magic, version, flags, _, block_size, n_changed, p_numel = HEADER.unpack(
-            bytes(payload[: HEADER.size].tolist()))
+        if header is None:
+            header = payload[: HEADER.size].cpu().numpy().tobytes()
+        magic, version, flags, _, block_size, n_changed, p_numel = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION:
             raise ValueError(f"not a delta payload of version {VERSION} (magic {magic!r}, version {version})")
         if block_size != self.config.block_size:

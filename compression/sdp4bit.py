@@ -159,8 +159,8 @@ class WeightDiffCodec(ShardCodec):
         self._reconstructed = self._apply(previous, payload)
         return payload
 
-    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor) -> None:
-        # The payload says what it is: a keyframe holds the raw values, and a difference payload is
+    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header: bytes = None) -> None:
+        # No header (header_nbytes 0): the payload says what it is: a keyframe holds the raw values, and a difference payload is
         # always smaller (at most 8 bits per value plus a 4-byte scale per group of >= 16).
         if payload.numel() == out.numel() * out.element_size():
             out.view(torch.uint8).copy_(payload)
@@ -213,9 +213,15 @@ class WeightDiffGather:
                 self.codec.decode(src, recv[src], slices[src])
 
         if async_op:
-            return PendingGather(work, finish)
+            return PendingGather([(work, finish)])
         finish()
         return None
+
+    def reset(self) -> None:
+        self.codec.reset()
+
+    def observe(self, buffer: torch.Tensor) -> None:
+        self.codec.observe(self._slices(buffer)[self.rank])
 
     def verify(self, buffer: torch.Tensor) -> None:
         """A lossy gather has no uncompressed result to compare with; check instead that every rank
@@ -292,6 +298,6 @@ def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: Ha
         shard.copy_(total / world if average else total)
 
     if async_op:
-        return PendingGather(work, finish)
+        return PendingGather([(work, finish)])
     finish()
     return None

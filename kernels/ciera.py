@@ -104,13 +104,17 @@ if triton is not None:
                              B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr):
         rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
         offs, exp = _split_tile(bits_ptr, sm_ptr, rows, n, B)
+        store = offs < npad
         if COMPARE:
-            prev = tl.load(exp_ptr + offs, mask=offs < npad, other=0).to(tl.int32)
+            prev = tl.load(exp_ptr + offs, mask=store, other=0).to(tl.int32)
             changed = tl.max((exp != prev).to(tl.int32), axis=1)
-            tl.debug_barrier()  # every previous exponent is read before it is overwritten
+            # Only changed blocks are rewritten (the others' exponents are already stored): the store
+            # then depends on its whole block's loads, so no barrier is needed, and it is 1.7x faster
+            # than storing every block after a barrier (results/gpu/ciera_split_variants.json).
+            store = store & (changed[:, None] != 0)
         else:
             changed = tl.full([BPP], 1, tl.int32)
-        tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=offs < npad)
+        tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store)
         tl.store(flags_ptr + rows, changed, mask=rows < nblocks)
 
     @triton.jit

@@ -40,6 +40,9 @@ METHODS = {  # run name -> compression flags
     "delta-benefit": dict(param_gather_compression="delta", param_gather_selection="benefit"),
     # compressed, switched by a trial (TRIAL_SWITCHES) between plain and compressed gathers, then off for good
     "delta-trial": dict(param_gather_compression="delta"),
+    # each bucket's shard in pieces, each with its own codec and collective (3 does not divide the shards)
+    "delta-chunks": dict(param_gather_compression="delta", param_gather_chunks=3),
+    "ciera-chunks": dict(param_gather_compression="ciera", param_gather_chunks=2),
     "ciera-trial": dict(param_gather_compression="ciera"),
 }
 TRIAL_SWITCHES = {3: (False, False), 4: (True, False), 5: (False, False), 7: (True, False), 9: (False, True)}
@@ -49,7 +52,7 @@ def _args(method, verify_interval=0, **overrides):
     args = argparse.Namespace(
         param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
         ciera_exponent_coder="raw", param_gather_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
-        grad_reduce_compression="none", param_gather_trial_iters=0,
+        grad_reduce_compression="none", param_gather_trial_iters=0, param_gather_chunks=1,
     )
     vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), **overrides)
     return args
@@ -173,10 +176,12 @@ def _compressed_groups(ddp):
 
 
 def _hook_counts(ddp):
+    from megatron.hooks.param_gather import _PlainGather
+
     groups = _compressed_groups(ddp)
     return dict(
         num_groups=len(groups), num_gathers=sum(g.num_gathers for g in groups),
-        num_compressed=sum(c is not None for g in groups for c in g.codecs),
+        num_compressed=sum(not isinstance(gather, _PlainGather) for g in groups for gather in g.shard_gathers),
         undecided=sum(g.selection is not None for g in groups),
     )
 
@@ -237,6 +242,7 @@ def _dense_world():
     runs = [(method, overlap, None) for method in ("ciera", "delta") for overlap in (False, True)]
     runs += [("delta", False, 5), ("ciera", True, 5), ("ciera-benefit", True, None), ("delta-benefit", True, None)]
     runs += [("delta-trial", True, None), ("delta-trial", False, None), ("ciera-trial", True, None)]
+    runs += [("delta-chunks", True, None), ("ciera-chunks", False, 5)]
     _check_trial_wiring()
     return _compare_runs(runs)
 

@@ -296,9 +296,9 @@ def _dp_world():
         # overlaps it): every bucket now holds this step's values.
         losses.append(train_step(args, ddp_chunks, optimizer, scheduler, _batches(args, step))["loss"])
         if step in (0, 4):
-            assert all(codec.keyframe for g in groups for codec in g.codecs), step
+            assert all(gather.codec.keyframe for g in groups for gather in g.shard_gathers), step
         else:
-            assert not any(codec.keyframe for g in groups for codec in g.codecs), step
+            assert not any(gather.codec.keyframe for g in groups for gather in g.shard_gathers), step
         hashes.append(_param_hash(ddp_chunks))
     for g in groups:
         g.verify()  # all replicas agree

@@ -91,6 +91,12 @@ class _PlainGather:
     def verify(self, buffer: torch.Tensor) -> None:
         """Nothing to check: the bytes went uncompressed."""
 
+    def reset(self) -> None:
+        """No state."""
+
+    def observe(self, buffer: torch.Tensor) -> None:
+        """No state."""
+
 
 class _DecodingHandle:
     """The async handle of one bucket group's collectives: ``wait()`` waits for (and thereby decodes)
@@ -215,7 +221,7 @@ def _own_shard(bucket_group, bucket) -> torch.Tensor:
 class CompressedBucketGroup(_ParamAndGradBucketGroup):
     """A bucket group whose parameter all-gather goes through one gather object per bucket and whose
     gradient reduce-scatter through the Hadamard-quantized collective. Attributes added at install:
-    ``args``, ``codecs`` (None for uncompressed buckets), ``shard_gathers`` (None: stock all-gather),
+    ``args``, ``shard_gathers`` (None: stock all-gather; a ``_PlainGather`` for an uncompressed bucket),
     ``selection`` (None once decided), ``num_gathers``, ``grad_quant`` (None: stock reduce-scatter)."""
 
     def start_param_sync(self, force_sync: bool = False):
@@ -233,9 +239,8 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
             self.selection.before_gather(self)
         gathers = self.shard_gathers
         if self.plain:  # a trial's uncompressed iteration: keep every codec's sender in step
-            for codec, bucket in zip(self.codecs, self.buckets):
-                if codec is not None:
-                    codec.observe(_own_shard(self, bucket))
+            for gather, bucket in zip(self.shard_gathers, self.buckets):
+                gather.observe(bucket.param_data)
             gathers = [_PlainGather(self.intra_distributed_optimizer_instance_group)] * len(self.buckets)
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         handles = [
@@ -304,21 +309,18 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
                 "reset_param_gather_state() was called while a parameter all-gather is in flight; "
                 "call it only between iterations (e.g. right after loading a checkpoint)"
             )
-        for codec in self.codecs:
-            if codec is not None:
-                codec.reset()
+        for gather in self.shard_gathers or ():
+            gather.reset()
 
     def compress_bucket(self, index: int) -> None:
         """Send bucket ``index`` through the codec from the next gather on (a keyframe)."""
-        self.codecs[index], self.shard_gathers[index] = build_gather(
-            self.args, self.intra_distributed_optimizer_instance_group)
+        self.shard_gathers[index] = build_gather(self.args, self.intra_distributed_optimizer_instance_group)
 
     def set_compressing(self, compressing: bool, final: bool) -> None:
         """Trial switch: plain gathers while not ``compressing``; a final off drops the codecs."""
         self.plain = not compressing
         if final and not compressing:
             group = self.intra_distributed_optimizer_instance_group
-            self.codecs = [None] * len(self.buckets)
             self.shard_gathers = [_PlainGather(group) for _ in self.buckets]
             self.plain = False
 
@@ -369,24 +371,25 @@ def _check_args(args) -> None:
             )
 
 
-def build_gather(args, group) -> tuple:
-    """(codec, gather) of one bucket over ``group``, from ``--param-gather-compression`` and its options."""
+def build_gather(args, group):
+    """The compressed gather of one bucket over ``group``, from ``--param-gather-compression`` and its
+    options (ciera and delta: one codec per ``--param-gather-chunks`` piece)."""
     world_size, rank = group.size(), group.rank()
     method = args.param_gather_compression
     if method == "sdp4bit":
         config = Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
-        codec = WeightDiffCodec(config, world_size, rank)
-        return codec, WeightDiffGather(codec, group)
+        return WeightDiffGather(WeightDiffCodec(config, world_size, rank), group)
     if method == "ciera":
         config = CieraConfig(
             block_size=args.ciera_block_size,
             change_detect=args.ciera_change_detect,
             exponent_coder=args.ciera_exponent_coder,
         )
-        codec = CieraCodec(config, world_size, rank)
+        codecs = [CieraCodec(config, world_size, rank) for _ in range(args.param_gather_chunks)]
     else:
-        codec = DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank)
-    return codec, ShardGather(codec, group)
+        config = DeltaConfig(block_size=args.delta_block_size)
+        codecs = [DeltaCodec(config, world_size, rank) for _ in range(args.param_gather_chunks)]
+    return ShardGather(codecs, group)
 
 
 def _check_supported(ddp: DistributedDataParallel, args) -> None:
@@ -435,16 +438,13 @@ def _install(bucket_group: _ParamAndGradBucketGroup, args, selection) -> None:
     bucket_group.grad_quant = (
         None if method == "none" else HadamardQuantConfig.from_flags(method, args.grad_reduce_block_size)
     )
-    bucket_group.codecs = [None] * num_buckets
     if args.param_gather_compression == "none":
         bucket_group.shard_gathers = None
     elif selection is not None:  # uncompressed until the selection decides
         bucket_group.shard_gathers = [_PlainGather(group) for _ in range(num_buckets)]
     else:
         # A fresh codec starts with a keyframe, so the first gather after install needs no state.
-        pairs = [build_gather(args, group) for _ in range(num_buckets)]
-        bucket_group.codecs = [codec for codec, _ in pairs]
-        bucket_group.shard_gathers = [gather for _, gather in pairs]
+        bucket_group.shard_gathers = [build_gather(args, group) for _ in range(num_buckets)]
 
 
 def apply_dp_compression(ddp_chunks: list, args) -> None:
@@ -487,7 +487,8 @@ def build_trial(ddp_chunks: list, args, after_iters: int = 0):
             bucket_group.set_compressing(compressing, final)
 
     def has_work() -> bool:  # every rank asks: a MAX over the world, since groups decide apart
-        any_codec = any(codec is not None for bucket_group in bucket_groups for codec in bucket_group.codecs)
+        any_codec = any(not isinstance(gather, _PlainGather)
+                        for bucket_group in bucket_groups for gather in bucket_group.shard_gathers or ())
         flag = torch.tensor([int(any_codec)], device=_device(bucket_groups[0]))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
