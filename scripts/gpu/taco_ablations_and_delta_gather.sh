@@ -4,12 +4,12 @@
 # (2) TACO's convergence ablations on GPT-125M (TP=2, every TP tensor compressed, 300 iterations): every
 # variant of scripts/convergence.py's taco family but hadamard_single, one after another (~2 min each; session
 # 5 ran them 8 at once: out of GPU memory, then 4 at once: each 4-5x slower than alone, cut at iterations 249-293).
-# SKIP_GATHER=1 skips (1); VARIANTS (default all eight) picks the variants: ~4 fit in one 10-minute call.
+# SKIP_GATHER=1 skips (1); VARIANTS (default all eight) picks the variants: 4 take ~420 s alone (session 6).
 # Usage (device machine, repo root): bash scripts/gpu/taco_ablations_and_delta_gather.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
 [ -n "${SKIP_GATHER:-}" ] || NCCL_P2P_DISABLE=1 timeout 100 torchrun --standalone --nproc-per-node 2 benchmarks/bench_param_gather.py --codecs none delta \
   --out $RES/param_gather_delta_atomic_p2p_off.json 2>&1 | grep -v -i warn | tail -4
-timeout 400 python3 scripts/taco_convergence.py --preset gpu-125m --jobs 1 \
+timeout 560 python3 scripts/taco_convergence.py --preset gpu-125m --jobs 1 \
   --variants ${VARIANTS:-baseline taco naive_fp8 ds_only hadamard_ds e5m2 int8 hadamard_int8} \
   --out-dir $RES/taco_convergence_gpu_ablations --taco-all-reduce two-shot 2>&1 | grep -v -i warn | tail -14
