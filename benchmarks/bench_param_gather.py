@@ -57,9 +57,6 @@ def parse_args(argv=None):
     p.add_argument("--delta-block-size", type=int, default=256)
     p.add_argument("--sdp4bit-group-size", type=int, default=128)
     p.add_argument("--sdp4bit-weight-bits", type=int, default=4, choices=[4, 8])
-    p.add_argument("--chunks", type=int, nargs="+", default=[1],
-                   help="for ciera/delta: gather each shard in this many pieces (--param-gather-chunks); several "
-                        "values give one row each, named e.g. delta/4")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of encode/decode/copy")
     p.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     p.add_argument("--dry-run", action="store_true", help="tiny CPU/gloo run: numel 8192 per rank, 3 steps")
@@ -156,21 +153,21 @@ def _error_vs_uncompressed(buffer, shard) -> dict:
     return dict(rel_l2_error=float(diff.norm() / reference.float().norm()), max_abs_error=float(diff.abs().max()))
 
 
-def _gather_for(name, args, world, rank, chunks):
+def _gather_for(name, codec):
     if name in LOSSY:
         from compression.sdp4bit import WeightDiffGather
 
-        return WeightDiffGather(build_codec(name, args, world, rank), None)
-    return ShardGather([build_codec(name, args, world, rank) for _ in range(chunks)], None)
+        return WeightDiffGather(codec, None)
+    return ShardGather(codec, None)
 
 
-def run_codec(name, args, world, rank, device, chunks=1):
-    """Gathers one trajectory with codec ``name`` (in ``chunks`` pieces); returns per-step bytes and times."""
+def run_codec(name, args, world, rank, device):
+    """Gathers one trajectory with codec ``name``; returns per-step bytes and times."""
     n = args.numel // world
     traj = Trajectory(n, args.lr, args.optimizer_warmup, rank, device)
     buffer = torch.empty(n * world, dtype=torch.bfloat16, device=device)
     _gather_uncompressed(buffer, traj.bf16())  # identical start on every rank
-    gather = None if name == "none" else _gather_for(name, args, world, rank, chunks)
+    gather = None if name == "none" else _gather_for(name, build_codec(name, args, world, rank))
     own = buffer[rank * n:(rank + 1) * n]
     steps = []
     for step in range(args.steps):
@@ -198,7 +195,7 @@ def run_codec(name, args, world, rank, device, chunks=1):
         own.copy_(traj.step())
         dist.barrier()
         _profiled(lambda: _gather_uncompressed(buffer, own) if gather is None else gather.start(buffer),
-                  device, os.path.join(args.profile_dir, f"{name}{'' if chunks == 1 else chunks}_rank{rank}"))
+                  device, os.path.join(args.profile_dir, f"{name}_rank{rank}"))
     return steps, snapshots
 
 
@@ -276,15 +273,11 @@ def run(args):
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     results, baseline = [], None
     for name in args.codecs:
-        throughput = None
-        for chunks in args.chunks if name in ("ciera", "delta") else [1]:
-            steps, snapshots = run_codec(name, args, world, rank, device, chunks)
-            if throughput is None:  # the codec's speed on the whole shard: the same for every chunk count
-                throughput = {} if name == "none" else codec_throughput(name, args, world, rank, snapshots, device)
-            if name == "none":
-                baseline = statistics.median(s["gather_s"] for s in (steps[1:] or steps))
-            label = name if chunks == 1 else f"{name}/{chunks}"
-            results.append(summarize(label, steps, throughput, baseline))
+        steps, snapshots = run_codec(name, args, world, rank, device)
+        throughput = {} if name == "none" else codec_throughput(name, args, world, rank, snapshots, device)
+        if name == "none":
+            baseline = statistics.median(s["gather_s"] for s in (steps[1:] or steps))
+        results.append(summarize(name, steps, throughput, baseline))
     report = dict(world_size=world, numel=args.numel, lr=args.lr, device=str(device),
                   link_env={k: os.environ[k] for k in LINK_ENV if k in os.environ},
                   args={k: v for k, v in vars(args).items() if k != "out"}, results=results)

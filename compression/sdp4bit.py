@@ -213,7 +213,7 @@ class WeightDiffGather:
                 self.codec.decode(src, recv[src], slices[src])
 
         if async_op:
-            return PendingGather([(work, finish)])
+            return PendingGather(work, finish)
         finish()
         return None
 
@@ -298,6 +298,6 @@ def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: Ha
         shard.copy_(total / world if average else total)
 
     if async_op:
-        return PendingGather([(work, finish)])
+        return PendingGather(work, finish)
     finish()
     return None

@@ -1,25 +1,21 @@
-"""All-gather of one bucket's parameter shards through ShardCodecs (variable-size payloads).
+"""All-gather of one bucket's parameter shards through a ShardCodec (variable-size payloads).
 
 The bucket is a 1-D buffer split evenly over the group: rank r owns ``buffer[r*n:(r+1)*n]``. Before a
 gather, the own slice holds this rank's NEW values and every other slice holds that rank's PREVIOUS
 values (from the last gather); afterwards every slice holds the new values on every rank.
 
-Wire scheme: (1) one all_gather of a small message per rank: each chunk's payload size and fixed header
-(``codec.header_nbytes``); (2) per chunk, an all_gather_into_tensor of the payloads zero-padded to the
-largest size. Padding costs the imbalance between ranks but keeps one NCCL/gloo collective of
-equal-size pieces (variable-size all-gather is not a single NCCL call; a send/recv ring would cost W-1
-latencies). The host must see the sizes, so ``start`` synchronises with the device once (``encode``
-had to as well, to size its payload); the headers ride along so that no decode reads its own header
-back from the device, and every decode's kernels are queued while the payload gathers run.
+Wire scheme: (1) all_gather of a small message per rank: its payload size and the payload's fixed
+header (``codec.header_nbytes``); (2) all_gather_into_tensor of the payloads zero-padded to the largest
+size. Padding costs the imbalance between ranks but keeps one NCCL/gloo collective of equal-size chunks
+(variable-size all-gather is not a single NCCL call; a send/recv ring would cost W-1 latencies). The
+host must see the sizes, so ``start`` synchronises with the device once (``encode`` had to as well, to
+size its payload); the headers ride along so that no decode reads its own header back from the device,
+and the decodes' kernels are queued while the payload gather runs.
 
-Chunks: with several codecs, the shard is cut into that many contiguous pieces, each with its own codec
-(its own state) and its own payload collective, so that decoding chunk k overlaps the transfer of chunk
-k + 1 (the codec's output is unchanged, the wire carries one header and one padding per chunk more).
-
-Telemetry (class ``comm_class``): raw = this rank's shard bytes; sent = its padded payloads plus the
+Telemetry (class ``comm_class``): raw = this rank's shard bytes; sent = its padded payload plus the
 size message, i.e. what it hands to the collectives. A codec may declare extra integer stats with
 ``stat_names`` (a tuple) and fill ``last_stats`` (dict name -> int) on every ``encode``; they are
-declared at construction and added (over chunks) as counters ``<comm_class>/<name>``.
+declared at construction and added as counters ``<comm_class>/<name>``.
 """
 
 import torch
@@ -29,20 +25,20 @@ from compression.codec import ShardCodec
 from compression.telemetry import TELEMETRY
 
 SIZE_BYTES = 8
-ALIGN = 16  # payload pieces start 16-byte aligned: the decoders' vector loads stay aligned
+ALIGN = 16  # payloads start 16-byte aligned in the gathered buffer: the decoders' vector loads stay aligned
 
 
 class PendingGather:
-    """Handle of an asynchronous gather: ``wait()`` finishes each chunk's collective, then decodes it."""
+    """Handle of an asynchronous gather: ``wait()`` finishes the collective, then decodes."""
 
-    def __init__(self, steps):
-        self._steps = steps  # [(work, decode)] per chunk
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
 
     def wait(self) -> None:
-        steps, self._steps = self._steps, []
-        for work, decode in steps:
-            work.wait()
-            decode()
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._finish()
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -50,28 +46,20 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class ShardGather:
-    """``codecs``: one ShardCodec, or one per chunk (all of the same kind, each with its own state)."""
-
-    def __init__(self, codecs, group=None, comm_class: str = "dp_param_gather"):
-        self.codecs = list(codecs) if isinstance(codecs, (list, tuple)) else [codecs]
-        if not self.codecs or not all(isinstance(c, ShardCodec) for c in self.codecs):
-            raise ValueError(f"ShardGather needs one or more ShardCodecs, got {codecs!r}")
-        self.lossless = self.codecs[0].lossless
-        self.header_nbytes = self.codecs[0].header_nbytes
+    def __init__(self, codec: ShardCodec, group=None, comm_class: str = "dp_param_gather"):
+        self.codec = codec
         self.group = group
         self.comm_class = comm_class
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._stat_names = tuple(getattr(self.codecs[0], "stat_names", ()))
+        self._message_nbytes = SIZE_BYTES + _round_up(codec.header_nbytes, SIZE_BYTES)
+        self._stat_names = tuple(getattr(codec, "stat_names", ()))
         for name in self._stat_names:
             TELEMETRY.declare_counter(f"{comm_class}/{name}")
 
     def _own_slice(self, buffer: torch.Tensor, rank: int) -> torch.Tensor:
         n = buffer.numel() // self.world_size
         return buffer[rank * n:(rank + 1) * n]
-
-    def _chunks(self, shard: torch.Tensor) -> tuple:
-        return torch.tensor_split(shard, len(self.codecs))  # contiguous, sizes differ by at most one
 
     def _check(self, buffer: torch.Tensor) -> None:
         if buffer.dim() != 1 or buffer.numel() % self.world_size:
@@ -80,74 +68,56 @@ class ShardGather:
 
     def reset(self) -> None:
         """The next gather is a keyframe (call on every rank together)."""
-        for codec in self.codecs:
-            codec.reset()
+        self.codec.reset()
 
     def observe(self, buffer: torch.Tensor) -> None:
         """This rank's slice of ``buffer`` went out uncompressed: code the next gather against it."""
-        for codec, chunk in zip(self.codecs, self._chunks(self._own_slice(buffer, self.rank))):
-            codec.observe(chunk)
+        self.codec.observe(self._own_slice(buffer, self.rank))
 
-    @property
-    def _message_nbytes(self) -> int:
-        return len(self.codecs) * (SIZE_BYTES + _round_up(self.header_nbytes, SIZE_BYTES))
-
-    def _exchange_sizes(self, payloads: list) -> tuple:
-        """sizes[r][k] and headers[r][k]: rank r's chunk-k payload size and header, on the host (one sync)."""
-        field = SIZE_BYTES + _round_up(self.header_nbytes, SIZE_BYTES)
-        device = payloads[0].device
-        message = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=device)
-        for k, payload in enumerate(payloads):
-            at = k * field
-            message[at:at + SIZE_BYTES].view(torch.int64).fill_(payload.numel())
-            head = min(self.header_nbytes, payload.numel())
-            message[at + SIZE_BYTES:at + SIZE_BYTES + head] = payload[:head]
-        table = torch.empty(self.world_size * message.numel(), dtype=torch.uint8, device=device)
+    def _exchange_sizes(self, payload: torch.Tensor) -> tuple:
+        """Every rank's payload size and first ``codec.header_nbytes`` bytes, on the host (one sync)."""
+        header_nbytes = self.codec.header_nbytes
+        message = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=payload.device)
+        message[:SIZE_BYTES].view(torch.int64).fill_(payload.numel())
+        head = min(header_nbytes, payload.numel())
+        message[SIZE_BYTES:SIZE_BYTES + head] = payload[:head]
+        table = torch.empty(self.world_size * self._message_nbytes, dtype=torch.uint8, device=payload.device)
         dist.all_gather_into_tensor(table, message, group=self.group)
-        table = table.view(self.world_size, len(payloads), field).cpu()
-        sizes = table[:, :, :SIZE_BYTES].contiguous().view(torch.int64).view(self.world_size, -1).tolist()
-        headers = [[table[r, k, SIZE_BYTES:SIZE_BYTES + min(self.header_nbytes, sizes[r][k])].numpy().tobytes()
-                    for k in range(len(payloads))] for r in range(self.world_size)]
+        table = table.view(self.world_size, self._message_nbytes).cpu()
+        sizes = table[:, :SIZE_BYTES].contiguous().view(torch.int64).view(-1).tolist()
+        headers = [table[r, SIZE_BYTES:SIZE_BYTES + min(header_nbytes, sizes[r])].numpy().tobytes()
+                   for r in range(self.world_size)]
         return sizes, headers
 
     def _record(self, shard: torch.Tensor, padded_bytes: int) -> None:
         TELEMETRY.record(self.comm_class, shard.numel() * shard.element_size(), padded_bytes + self._message_nbytes)
+        stats = getattr(self.codec, "last_stats", {})
         for name in self._stat_names:
-            total = sum(getattr(codec, "last_stats", {}).get(name, 0) for codec in self.codecs)
-            TELEMETRY.add_counter(f"{self.comm_class}/{name}", total)
+            TELEMETRY.add_counter(f"{self.comm_class}/{name}", stats.get(name, 0))
 
     def start(self, buffer: torch.Tensor, async_op: bool = False):
         """Gather ``buffer`` in place; returns a handle with ``wait()`` if ``async_op``, else None."""
         self._check(buffer)
         shard = self._own_slice(buffer, self.rank)
-        payloads = [codec.encode(chunk) for codec, chunk in zip(self.codecs, self._chunks(shard))]
-        sizes, headers = self._exchange_sizes(payloads)
-        widths = [_round_up(max(row[k] for row in sizes), ALIGN) for k in range(len(payloads))]
-        send = torch.empty(sum(widths), dtype=torch.uint8, device=buffer.device)
-        recv = torch.empty(sum(widths) * self.world_size, dtype=torch.uint8, device=buffer.device)
-        self._record(shard, sum(widths))
-        out_chunks = [self._chunks(self._own_slice(buffer, src)) for src in range(self.world_size)]
-        steps, at = [], 0
-        for k, (codec, payload, width) in enumerate(zip(self.codecs, payloads, widths)):
-            piece = send[at:at + width]
-            piece[:payload.numel()] = payload
-            piece[payload.numel():] = 0  # the padding (receivers ignore it) is not left uninitialized
-            received = recv[at * self.world_size:(at + width) * self.world_size]
-            work = dist.all_gather_into_tensor(received, piece, group=self.group, async_op=True)
-            at += width
+        payload = self.codec.encode(shard)
+        sizes, headers = self._exchange_sizes(payload)
+        width = _round_up(max(sizes), ALIGN)
+        send = torch.empty(width, dtype=torch.uint8, device=buffer.device)
+        send[:payload.numel()] = payload
+        send[payload.numel():] = 0  # the padding (receivers ignore it) is not left uninitialized
+        recv = torch.empty(width * self.world_size, dtype=torch.uint8, device=buffer.device)
+        self._record(shard, width)
+        work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=async_op)
 
-            def decode(codec=codec, k=k, received=received, width=width):
-                for src in range(self.world_size):
-                    if src != self.rank or not self.lossless:
-                        chunk = received[src * width:src * width + sizes[src][k]]
-                        codec.decode(src, chunk, out_chunks[src][k], headers[src][k])
+        def finish():
+            for src in range(self.world_size):
+                if src != self.rank or not self.codec.lossless:
+                    chunk = recv[src * width:src * width + sizes[src]]
+                    self.codec.decode(src, chunk, self._own_slice(buffer, src), headers[src])
 
-            steps.append((work, decode))
-        handle = PendingGather(steps)
         if async_op:
-            return handle
-        # NCCL: wait() only orders the stream, so every decode is queued behind its own chunk's transfer.
-        handle.wait()
+            return PendingGather(work, finish)
+        finish()
         return None
 
     def verify(self, buffer: torch.Tensor) -> None:

@@ -81,10 +81,6 @@ ERRORS = [
     ("--ciera-block-size 16", 1, "--ciera-block-size must be a power of two in 64..65536, got 16"),
     ("--delta-block-size 300", 1, "--delta-block-size must be a power of two"),
     ("--ciera-cache-budget-mb 0", 1, "--ciera-cache-budget-mb must be positive"),
-    ("--param-gather-chunks 4", 1, "--param-gather-chunks must be in 1..64 and applies to --param-gather-compression "
-     "ciera or delta, got 4 with --param-gather-compression none"),
-    ("--use-distributed-optimizer --param-gather-compression delta --param-gather-chunks 0", 1,
-     "--param-gather-chunks must be in 1..64"),
     ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1, "only one of --lr-warmup-iters and --lr-warmup-fraction"),
     ("--lr-warmup-iters 500", 1, "--lr-warmup-iters (500) must be below the decay length"),
     ("--param-gather-trial-iters 3", 1, "--param-gather-trial-iters must be 0 (no trial) or an even"),

@@ -40,9 +40,6 @@ METHODS = {  # run name -> compression flags
     "delta-benefit": dict(param_gather_compression="delta", param_gather_selection="benefit"),
     # compressed, switched by a trial (TRIAL_SWITCHES) between plain and compressed gathers, then off for good
     "delta-trial": dict(param_gather_compression="delta"),
-    # each bucket's shard in pieces, each with its own codec and collective (3 does not divide the shards)
-    "delta-chunks": dict(param_gather_compression="delta", param_gather_chunks=3),
-    "ciera-chunks": dict(param_gather_compression="ciera", param_gather_chunks=2),
     "ciera-trial": dict(param_gather_compression="ciera"),
 }
 TRIAL_SWITCHES = {3: (False, False), 4: (True, False), 5: (False, False), 7: (True, False), 9: (False, True)}
@@ -52,7 +49,7 @@ def _args(method, verify_interval=0, **overrides):
     args = argparse.Namespace(
         param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
         ciera_exponent_coder="raw", param_gather_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
-        grad_reduce_compression="none", param_gather_trial_iters=0, param_gather_chunks=1,
+        grad_reduce_compression="none", param_gather_trial_iters=0,
     )
     vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), **overrides)
     return args
@@ -242,7 +239,6 @@ def _dense_world():
     runs = [(method, overlap, None) for method in ("ciera", "delta") for overlap in (False, True)]
     runs += [("delta", False, 5), ("ciera", True, 5), ("ciera-benefit", True, None), ("delta-benefit", True, None)]
     runs += [("delta-trial", True, None), ("delta-trial", False, None), ("ciera-trial", True, None)]
-    runs += [("delta-chunks", True, None), ("ciera-chunks", False, 5)]
     _check_trial_wiring()
     return _compare_runs(runs)
 

@@ -1,7 +1,7 @@
 """ShardGather over gloo: many steps of optimizer-like updates of each rank's own shard, sync and async,
-CIERA (compare/raw and hash/ans), a lossy codec and chunked delta gathers (one codec per piece, also
-more pieces than values); buffers bit-identical on all ranks and equal to an uncompressed gather;
-telemetry; verify() catching a corrupted slice."""
+CIERA (compare/raw and hash/ans), delta (also on three values per rank) and a lossy codec whose header
+delivery is checked; buffers bit-identical on all ranks and equal to an uncompressed gather; telemetry;
+verify() catching a corrupted slice."""
 
 import importlib.util
 import json
@@ -66,7 +66,7 @@ def _run_steps(gather, rank, world):
         handle = gather.start(buffer, async_op=step % 2 == 1)
         if handle is not None:
             handle.wait()
-        if gather.lossless:
+        if gather.codec.lossless:
             assert torch.equal(_bits(buffer), _bits(expected)), step
             gather.verify(buffer)
         everyone = _full_gather(buffer).view(world, -1)
@@ -88,8 +88,8 @@ def _gather_world():
         sent.append((after[i] - before[i], after[i + 1] - before[i + 1]))
     assert ((_bits(buffer) & 0xF) == 0).all()  # lossy codec: own slices were decoded (truncated) too
     stats = dict(zip(TELEMETRY.extra_names(), TELEMETRY.counters()[2 * len(COMM_CLASSES):]))
-    _run_steps(ShardGather([DeltaCodec(DeltaConfig(64), world, rank) for _ in range(7)], None), rank, world)
-    _tiny_chunked_gathers(rank, world)
+    _run_steps(ShardGather(DeltaCodec(DeltaConfig(64), world, rank), None), rank, world)
+    _tiny_gathers(rank, world)
     codecs[0].reset()  # the buffer below starts over: the codec must forget its previous shard
     gather = ShardGather(codecs[0], None)
     buffer = _run_steps(gather, rank, world)
@@ -103,9 +103,9 @@ def _gather_world():
     return sent, stats, error
 
 
-def _tiny_chunked_gathers(rank, world):
-    """Three values per rank in five chunks: two chunks are empty on every rank."""
-    gather = ShardGather([DeltaCodec(DeltaConfig(32), world, rank) for _ in range(5)], None)
+def _tiny_gathers(rank, world):
+    """Three values per rank: payloads shorter than a block."""
+    gather = ShardGather(DeltaCodec(DeltaConfig(32), world, rank), None)
     buffer = torch.zeros(3 * world, dtype=torch.bfloat16)
     for step in range(3):
         buffer[3 * rank:3 * rank + 3] = torch.tensor([step, -step, 0.5 * rank], dtype=torch.bfloat16)
@@ -145,7 +145,7 @@ def _bench_dry_run(out_path, profile_dir):
     spec = importlib.util.spec_from_file_location("bench_param_gather", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.main(["--dry-run", "--chunks", "1", "3", "--out", out_path, "--profile-dir", profile_dir])
+    bench.main(["--dry-run", "--out", out_path, "--profile-dir", profile_dir])
 
 
 @pytest.mark.slow
@@ -156,7 +156,7 @@ def test_bench_param_gather_dry_run(tmp_path):
     assert "Self CPU" in (tmp_path / "profile" / "none_rank0.txt").read_text()
     report = json.loads(out.read_text())
     by_codec = {r["codec"]: r for r in report["results"]}
-    assert set(by_codec) == {"none", "ciera", "ciera/3", "delta", "delta/3", "sdp4bit"}
+    assert set(by_codec) == {"none", "ciera", "delta", "sdp4bit"}
     assert 3.0 < by_codec["sdp4bit"]["wire_ratio"] < 4.0  # 4-bit codes + an fp32 scale per 128 values: 3.76x
     assert 0 < by_codec["sdp4bit"]["rel_l2_error"] < 1e-2 and by_codec["sdp4bit"]["decode_GBps"] > 0
     assert by_codec["none"]["wire_ratio"] == 1.0

@@ -373,7 +373,7 @@ def _check_args(args) -> None:
 
 def build_gather(args, group):
     """The compressed gather of one bucket over ``group``, from ``--param-gather-compression`` and its
-    options (ciera and delta: one codec per ``--param-gather-chunks`` piece)."""
+    options."""
     world_size, rank = group.size(), group.rank()
     method = args.param_gather_compression
     if method == "sdp4bit":
@@ -385,11 +385,8 @@ def build_gather(args, group):
             change_detect=args.ciera_change_detect,
             exponent_coder=args.ciera_exponent_coder,
         )
-        codecs = [CieraCodec(config, world_size, rank) for _ in range(args.param_gather_chunks)]
-    else:
-        config = DeltaConfig(block_size=args.delta_block_size)
-        codecs = [DeltaCodec(config, world_size, rank) for _ in range(args.param_gather_chunks)]
-    return ShardGather(codecs, group)
+        return ShardGather(CieraCodec(config, world_size, rank), group)
+    return ShardGather(DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank), group)
 
 
 def _check_supported(ddp: DistributedDataParallel, args) -> None:

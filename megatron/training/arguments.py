@@ -217,9 +217,6 @@ class CompressionArgs:
                                                  "sender's exponent copy or block hashes, plus on GPUs the payload "
                                                  "buffer, of every compressed shard.")
     delta_block_size: int = arg(256, "Delta codec block size (power of two, 32..8192).")
-    param_gather_chunks: int = arg(1, "Pieces each bucket's shard is cut into for ciera/delta, each coded and "
-                                   "gathered on its own so that decoding one overlaps the next one's transfer "
-                                   "(1..64).")
     sdp4bit_group_size: int = arg(128, "SDP4Bit weight-difference quantization group (power of two, 16..4096).")
     sdp4bit_weight_bits: int = arg(4, "SDP4Bit weight-difference code bits.", choices=[4, 8])
     grad_reduce_compression: str = arg("none", "DP gradient reduce-scatter compression (lossy, SDP4Bit's Hadamard "
@@ -508,10 +505,6 @@ def _validate_compression(args) -> None:
     CieraConfig(block_size=args.ciera_block_size, change_detect=args.ciera_change_detect,
                 exponent_coder=args.ciera_exponent_coder)
     DeltaConfig(block_size=args.delta_block_size)
-    _check(1 <= args.param_gather_chunks <= 64 and (args.param_gather_chunks == 1 or
-                                                    args.param_gather_compression in ("ciera", "delta")),
-           f"--param-gather-chunks must be in 1..64 and applies to --param-gather-compression ciera or delta, got "
-           f"{args.param_gather_chunks} with --param-gather-compression {args.param_gather_compression}")
     Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
     HadamardQuantConfig(block_size=args.grad_reduce_block_size)
     TahQuantConfig.from_args(args)
