@@ -238,7 +238,8 @@ def _check_lookback_diagnostic():
 
     for n, lr in ((40_961, 1e-4), (50_000, 1e-5), (4096 * 3, 1e-6)):  # partial last tile; few changed blocks
         previous, new = simulated_step(n, lr, 5, device="cpu")
-        check_fused(previous, new, 512, "cpu")
+        for window in (1, 32):
+            check_fused(previous, new, 512, "cpu", window)
 
 
 def test_lookback_diagnostic_matches_production_interpreted():
