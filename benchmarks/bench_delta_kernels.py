@@ -47,7 +47,8 @@ def measure(previous, new, block_size: int, repeats: int) -> dict:
     enc = call_seconds(encode, cuda, repeats, setup=reset_sender)
     payload = result["payload"]
     header = payload[:receiver.header_nbytes].cpu().numpy().tobytes()  # the gather delivers it on the host
-    dec = call_seconds(lambda: receiver.decode(0, payload, out, header), cuda, repeats, setup=lambda: out.copy_(previous))
+    dec = call_seconds(lambda: receiver.decode(0, payload, out, header), cuda, repeats,
+                       setup=lambda: out.copy_(previous))
     if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
         raise AssertionError("decode is not bit-exact")
     blocks = call_seconds(lambda: kernels.encode_blocks(sender._prev, new.view(torch.int16), block_size), cuda,

@@ -10,9 +10,9 @@ torch reference. Bandwidth counts bytes read plus written; "vs copy" = codec ban
 bandwidth (goal >= 0.70 from 16 MiB). do_bench times each call between events, so a call whose host
 launch (~50 us for the encode's many arguments) outlasts its kernel is timed by its launch; the
 "device" columns time the kernels alone (PyTorch profiler, L2 flushed before each call), which is
-what the kernel goal is about and what a CUDA-graph replay (--tp-comm-cuda-graphs) pays. ``--launch`` times other kernel launch configurations
-(elements per program x warps) too, in a "launch_sweep" table; the main rows use the module's
-``kernels.taco.LAUNCH``. Exits non-zero if a check fails.
+what the kernel goal is about and what a CUDA-graph replay (--tp-comm-cuda-graphs) pays. ``--launch``
+times other kernel launch configurations (elements per program x warps) too, in a "launch_sweep" table;
+the main rows use the module's ``kernels.taco.LAUNCH``. Exits non-zero if a check fails.
 """
 
 import argparse
@@ -158,7 +158,8 @@ def main(argv=None):
           f"(per call), {met_device} (device time)")
     result = dict(config=dataclasses.asdict(codec.config), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   torch=torch.__version__, triton=getattr(K.triton, "__version__", None), dry_run=args.dry_run,
-                  launch={k: list(v) for k, v in K.LAUNCH.items()}, goal_met=met, goal_met_device=met_device, rows=rows, launch_sweep=sweep)
+                  launch={k: list(v) for k, v in K.LAUNCH.items()}, goal_met=met, goal_met_device=met_device,
+                  rows=rows, launch_sweep=sweep)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     failed = [r["mib"] for r in rows + sweep if r["problems"]]

@@ -160,8 +160,8 @@ class WeightDiffCodec(ShardCodec):
         return payload
 
     def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header: bytes = None) -> None:
-        # No header (header_nbytes 0): the payload says what it is: a keyframe holds the raw values, and a difference payload is
-        # always smaller (at most 8 bits per value plus a 4-byte scale per group of >= 16).
+        # No header (header_nbytes 0): the payload says what it is. A keyframe holds the raw values, and a
+        # difference payload is always smaller (at most 8 bits per value plus a 4-byte scale per group of >= 16).
         if payload.numel() == out.numel() * out.element_size():
             out.view(torch.uint8).copy_(payload)
         elif src_rank == self.rank:  # our slice holds w_t; w_hat_t was built at encode
