@@ -56,7 +56,7 @@ def measure(previous, new, keyframe: bool, config: CieraConfig, repeats: int) ->
 
     enc = call_seconds(encode, device, repeats, setup=restore_sender)
     payload = result["payload"].clone()  # the codec's buffer is reused by the next encode
-    header = payload[:receiver.header_nbytes].cpu().numpy().tobytes()  # the gather delivers it on the host
+    header = receiver.read_header(payload)  # the gather delivers it on the host
     dec = call_seconds(lambda: receiver.decode(0, payload, out, header), device, repeats,
                        setup=lambda: out.copy_(previous), check=check_decode)
     copy = call_seconds(lambda: out.copy_(new), device, repeats)

@@ -304,7 +304,7 @@ class CieraCodec(ShardCodec):
         if payload.numel() < HEADER_BYTES:
             raise RuntimeError(f"CIERA payload from rank {src_rank} has {payload.numel()} bytes, less than a header")
         if header is None:
-            header = payload[:HEADER_BYTES].cpu().numpy().tobytes()  # a host sync
+            header = self.read_header(payload)
         magic, version, flags, log2_block, dtype_code, numel, n_changed, exp_bytes = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION:
             raise RuntimeError(f"CIERA payload from rank {src_rank} has a bad magic/version {magic!r}/{version}")

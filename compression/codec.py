@@ -67,6 +67,10 @@ class ShardCodec(ABC):
         shard (from the last gather) unless the payload is a keyframe. ``header``: the payload's first
         ``header_nbytes`` bytes on the host, if the caller has them (else they are read from ``payload``)."""
 
+    def read_header(self, payload: torch.Tensor) -> bytes:
+        """The payload's first ``header_nbytes`` bytes on the host (a device-to-host read: a sync)."""
+        return payload[:self.header_nbytes].cpu().numpy().tobytes()
+
     @abstractmethod
     def reset(self) -> None:
         """Forget all state (after checkpoint load or anything that rewrites parameters)."""

@@ -203,7 +203,7 @@ class DeltaCodec(ShardCodec):
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < HEADER.size:
             raise ValueError("delta payload must be a 1-D uint8 tensor with a 24-byte header")
         if header is None:
-            header = payload[: HEADER.size].cpu().numpy().tobytes()
+            header = self.read_header(payload)
         magic, version, flags, _, block_size, n_changed, p_numel = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION:
             raise ValueError(f"not a delta payload of version {VERSION} (magic {magic!r}, version {version})")
