@@ -248,7 +248,9 @@ def main(argv=None, family=None):
     if unknown:
         parser.error(f"--variants: {sorted(unknown)} not in family {args.family}: {sorted(variants)}")
     if "baseline" not in chosen_variants:
-        parser.error("--variants must include baseline: every result is reported relative to it")
+        parser.error("--variants must include baseline: every result is reported relative to it (to reuse a "
+                     "baseline trained earlier with the same flags, put its metrics at <out-dir>/baseline.jsonl "
+                     "and add --reuse)")
     os.makedirs(args.out_dir, exist_ok=True)
     preset = presets[args.preset]
     seeds = args.seeds or [None]
