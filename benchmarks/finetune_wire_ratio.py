@@ -37,11 +37,12 @@ def model_flags(args) -> list:
             "--eval-interval", "1000000", "--eval-iters", "0", "--data-cache-path", os.path.join(args.out, "cache")]
 
 
-def gather_ratios(records) -> list:
-    """raw / sent bytes of the parameter gather, per iteration that gathered anything."""
+def gather_ratios(records, comm_class: str = "dp_param_gather") -> list:
+    """raw / sent bytes of the parameter gather (of ``comm_class``: dense or expert buckets), per
+    iteration that gathered anything."""
     out = []
     for r in records:
-        c = r.get("comm", {}).get("dp_param_gather", {})
+        c = r.get("comm", {}).get(comm_class, {})
         if c.get("sent_bytes"):
             out.append(c["raw_bytes"] / c["sent_bytes"])
     return out

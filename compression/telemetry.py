@@ -6,7 +6,9 @@ over all ranks once per iteration. Counting is host-side integer arithmetic: no 
 
 from collections import defaultdict
 
-COMM_CLASSES = ("tp", "dp_param_gather", "dp_grad_reduce", "pp", "ep")
+# dp_expert_param_gather: the parameter all-gather of expert (MoE) buckets, apart from the dense ones,
+# since their weights change differently between steps
+COMM_CLASSES = ("tp", "dp_param_gather", "dp_grad_reduce", "pp", "ep", "dp_expert_param_gather")
 
 
 class CommTelemetry:

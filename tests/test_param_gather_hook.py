@@ -342,11 +342,16 @@ def test_driver_moe_tp2_ep2(tmp_path, codec):
     compressed = launch_training(tmp_path, codec, "pretrain_moe.py", 4, f"{MOE} {COMPRESSED} {codec}")
     assert [r["iteration"] for r in compressed] == list(range(1, 51))
     _assert_same_iterations(reference, compressed)
-    gather = compressed[-1]["comm"]["dp_param_gather"]
-    if codec == "delta":
-        assert gather["sent_bytes"] < gather["raw_bytes"]
-    else:
-        # On this toy every CIERA block changes each step (nothing to reuse), so the wire carries the
-        # full values plus header, change bitmap, size exchange and padding to the largest payload:
-        # measured 0.6% over raw. Bound it at 1%.
-        assert gather["sent_bytes"] <= 1.01 * gather["raw_bytes"]
+    # On this toy every CIERA block changes each step (nothing to reuse), so the wire carries the full
+    # values plus each gather's fixed cost: the size message (8 bytes and the 32-byte header the decoders
+    # take on the host), the payload's header, the change bitmap and padding to 16 bytes. Measured over raw:
+    # experts 0.13%, dense 1.8% (~30 KB of dense shards per rank and iteration: the fixed cost weighs more).
+    ciera_bound = {"dp_expert_param_gather": 1.01, "dp_param_gather": 1.03}
+    for comm_class, bound in ciera_bound.items():  # dense and expert buckets are counted apart
+        gather = compressed[-1]["comm"][comm_class]
+        assert gather["raw_bytes"] > 0, comm_class
+        if codec == "delta":
+            assert gather["sent_bytes"] < gather["raw_bytes"], comm_class
+        else:
+            assert gather["sent_bytes"] <= bound * gather["raw_bytes"], comm_class
+    assert reference[-1]["comm"]["dp_expert_param_gather"]["raw_bytes"] == 0  # no hook, no count

@@ -79,13 +79,14 @@ _comm_models = {}  # process group -> all-gather latency/bandwidth model, profil
 class _PlainGather:
     """The uncompressed in-place all-gather of one bucket (what megatron-core itself does)."""
 
-    def __init__(self, group):
+    def __init__(self, group, comm_class: str):
         self.group = group
+        self.comm_class = comm_class
 
     def start(self, buffer: torch.Tensor, async_op: bool):
         shard = buffer.view(self.group.size(), -1)[self.group.rank()]
         nbytes = shard.numel() * shard.element_size()
-        TELEMETRY.record("dp_param_gather", nbytes, nbytes)
+        TELEMETRY.record(self.comm_class, nbytes, nbytes)
         return dist.all_gather_into_tensor(buffer, shard, group=self.group, async_op=async_op)
 
     def verify(self, buffer: torch.Tensor) -> None:
@@ -221,7 +222,8 @@ def _own_shard(bucket_group, bucket) -> torch.Tensor:
 class CompressedBucketGroup(_ParamAndGradBucketGroup):
     """A bucket group whose parameter all-gather goes through one gather object per bucket and whose
     gradient reduce-scatter through the Hadamard-quantized collective. Attributes added at install:
-    ``args``, ``shard_gathers`` (None: stock all-gather; a ``_PlainGather`` for an uncompressed bucket),
+    ``args``, ``comm_class`` (telemetry class of its parameter gathers: dense or expert buckets),
+    ``shard_gathers`` (None: stock all-gather; a ``_PlainGather`` for an uncompressed bucket),
     ``selection`` (None once decided), ``num_gathers``, ``grad_quant`` (None: stock reduce-scatter)."""
 
     def start_param_sync(self, force_sync: bool = False):
@@ -241,7 +243,8 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         if self.plain:  # a trial's uncompressed iteration: keep every codec's sender in step
             for gather, bucket in zip(self.shard_gathers, self.buckets):
                 gather.observe(bucket.param_data)
-            gathers = [_PlainGather(self.intra_distributed_optimizer_instance_group)] * len(self.buckets)
+            plain = _PlainGather(self.intra_distributed_optimizer_instance_group, self.comm_class)
+            gathers = [plain] * len(self.buckets)
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         handles = [
             gather.start(bucket.param_data, async_op)
@@ -314,14 +317,15 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
 
     def compress_bucket(self, index: int) -> None:
         """Send bucket ``index`` through the codec from the next gather on (a keyframe)."""
-        self.shard_gathers[index] = build_gather(self.args, self.intra_distributed_optimizer_instance_group)
+        self.shard_gathers[index] = build_gather(self.args, self.intra_distributed_optimizer_instance_group,
+                                                 self.comm_class)
 
     def set_compressing(self, compressing: bool, final: bool) -> None:
         """Trial switch: plain gathers while not ``compressing``; a final off drops the codecs."""
         self.plain = not compressing
         if final and not compressing:
             group = self.intra_distributed_optimizer_instance_group
-            self.shard_gathers = [_PlainGather(group) for _ in self.buckets]
+            self.shard_gathers = [_PlainGather(group, self.comm_class) for _ in self.buckets]
             self.plain = False
 
     def _post_param_sync_if_defined(self) -> None:
@@ -371,22 +375,23 @@ def _check_args(args) -> None:
             )
 
 
-def build_gather(args, group):
+def build_gather(args, group, comm_class: str):
     """The compressed gather of one bucket over ``group``, from ``--param-gather-compression`` and its
-    options."""
+    options; its bytes are counted as ``comm_class``."""
     world_size, rank = group.size(), group.rank()
     method = args.param_gather_compression
     if method == "sdp4bit":
         config = Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
-        return WeightDiffGather(WeightDiffCodec(config, world_size, rank), group)
+        return WeightDiffGather(WeightDiffCodec(config, world_size, rank), group, comm_class)
     if method == "ciera":
         config = CieraConfig(
             block_size=args.ciera_block_size,
             change_detect=args.ciera_change_detect,
             exponent_coder=args.ciera_exponent_coder,
         )
-        return ShardGather(CieraCodec(config, world_size, rank), group)
-    return ShardGather(DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank), group)
+        return ShardGather(CieraCodec(config, world_size, rank), group, comm_class)
+    return ShardGather(DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank), group,
+                       comm_class)
 
 
 def _check_supported(ddp: DistributedDataParallel, args) -> None:
@@ -423,11 +428,12 @@ def _check_param_gather_supported(ddp: DistributedDataParallel) -> None:
             raise RuntimeError("apply_dp_compression() must run while no parameter all-gather is in flight")
 
 
-def _install(bucket_group: _ParamAndGradBucketGroup, args, selection) -> None:
+def _install(bucket_group: _ParamAndGradBucketGroup, args, selection, comm_class: str) -> None:
     group = bucket_group.intra_distributed_optimizer_instance_group
     num_buckets = len(bucket_group.buckets)
     bucket_group.__class__ = CompressedBucketGroup
     bucket_group.args = args
+    bucket_group.comm_class = comm_class
     bucket_group.num_gathers = 0
     bucket_group.selection = selection
     bucket_group.plain = False
@@ -438,10 +444,10 @@ def _install(bucket_group: _ParamAndGradBucketGroup, args, selection) -> None:
     if args.param_gather_compression == "none":
         bucket_group.shard_gathers = None
     elif selection is not None:  # uncompressed until the selection decides
-        bucket_group.shard_gathers = [_PlainGather(group) for _ in range(num_buckets)]
+        bucket_group.shard_gathers = [_PlainGather(group, comm_class) for _ in range(num_buckets)]
     else:
         # A fresh codec starts with a keyframe, so the first gather after install needs no state.
-        bucket_group.shard_gathers = [build_gather(args, group) for _ in range(num_buckets)]
+        bucket_group.shard_gathers = [build_gather(args, group, comm_class) for _ in range(num_buckets)]
 
 
 def apply_dp_compression(ddp_chunks: list, args) -> None:
@@ -451,16 +457,18 @@ def apply_dp_compression(ddp_chunks: list, args) -> None:
     _check_args(args)
     for ddp in ddp_chunks:
         _check_supported(ddp, args)
-    bucket_groups = [
-        bucket_group
+    classes = {  # bucket group -> telemetry class of its parameter all-gather
+        bucket_group: comm_class
         for ddp in ddp_chunks
-        for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups
+        for groups, comm_class in ((ddp.bucket_groups, "dp_param_gather"),
+                                   (ddp.expert_parallel_bucket_groups, "dp_expert_param_gather"))
+        for bucket_group in groups
         if bucket_group.intra_distributed_optimizer_instance_size > 1
-    ]
+    }
     benefit = args.param_gather_compression in SELECTABLE_METHODS and args.param_gather_selection == "benefit"
-    selection = _BenefitSelection(bucket_groups, args) if benefit else None
-    for bucket_group in bucket_groups:
-        _install(bucket_group, args, selection)
+    selection = _BenefitSelection(list(classes), args) if benefit else None
+    for bucket_group, comm_class in classes.items():
+        _install(bucket_group, args, selection, comm_class)
 
 
 def _compressed_bucket_groups(ddp_chunks: list) -> list:
