@@ -3,9 +3,13 @@ real training driver; bytes are exact, so no GPU is needed).
 
 Issue 4 asks where each model lands against CIERA's 2x ceiling "by shard type": an MoE's expert weights
 each see only the tokens routed to them, so their exponents and bits may change less between steps than
-the dense ones. This trains `configs/tiny_cpu_moe.yaml` (4 experts, top-2) in bf16 with DP=2, EP=1 and the
-distributed optimizer (dense buckets gathered over DP, expert buckets over expert-DP = 2), at a constant
-learning rate after warm-up, once uncompressed and once per codec (`--param-gather-selection all`), checks
+the dense ones. This trains `configs/tiny_cpu_moe.yaml` (4 experts, top-2) in bf16 on 4 processes with EP=2
+and the distributed optimizer (dense buckets gathered over DP=4, expert buckets over expert-DP=2; at EP=1
+megatron-core 0.16.1 keeps the experts in the dense buffer, so the two cannot be told apart), at a constant
+learning rate after warm-up, with `--overlap-param-gather` (each bucket gathered once per iteration, in
+the forward pre-hook: without it megatron-core 0.16.1 gathers every bucket after each optimizer of its
+chain, dense then expert, i.e. twice per iteration, once with nothing changed), once uncompressed and
+once per codec (`--param-gather-selection all`), checks
 that every run's losses are bit-identical to the uncompressed one, and reads raw / sent bytes per
 iteration for `dp_param_gather` (dense) and `dp_expert_param_gather` (experts) from the metrics file.
 Steady state: median over the second half of the iterations.
@@ -35,8 +39,9 @@ def main():
     p.add_argument("--lrs", default="1e-3,1e-4,1e-5")
     args = p.parse_args()
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    model = ["--config", "configs/tiny_cpu_moe.yaml", "--bf16", "--use-distributed-optimizer",
-             "--expert-model-parallel-size", "1", "--train-iters", str(args.iters), "--eval-interval", "1000000",
+    model = ["--config", "configs/tiny_cpu_moe.yaml", "--bf16", "--use-distributed-optimizer", "--overlap-param-gather",
+             "--overlap-grad-reduce",
+             "--expert-model-parallel-size", "2", "--train-iters", str(args.iters), "--eval-interval", "1000000",
              "--eval-iters", "0", "--lr-decay-style", "constant", "--lr-warmup-iters", "10",
              "--data-cache-path", os.path.join(args.out, "cache")]
     results = {"command": " ".join(sys.argv), "runs": {}}
@@ -46,7 +51,7 @@ def main():
         for codec, codec_flags in {"none": [], **CODECS}.items():
             name = f"lr{lr}_{codec}"
             selection = [] if codec == "none" else ["--param-gather-selection", "all"]
-            _, wall, records = run_one(2, "pretrain_moe.py", flags + codec_flags + selection, CPU_ENV,
+            _, wall, records = run_one(4, "pretrain_moe.py", flags + codec_flags + selection, CPU_ENV,
                                        os.path.join(args.out, "logs", name + ".jsonl"),
                                        os.path.join(args.out, "logs", name + ".log"))
             print(f"{name}: {len(records)} iterations in {wall:.0f} s", flush=True)
