@@ -19,7 +19,8 @@ collectives send to rank r. Per block (fp32 arithmetic, H = Sylvester Walsh-Hada
     alpha = 2^floor(log2(tau / sqrt(sum(h^2) / B^2 + EPS)))  ("ash" with "single" scaling; else 1)
     h     = alpha * h                                    (exact: = H(alpha * x))
     m     = max|h| per block ("dual") or over the encode call ("single")
-    q     = cast(h * (Qmax / m))                         (round to nearest even on the format's grid)
+    q     = cast(h * (Qmax / m))                         (round to nearest even on the format's grid;
+                                                          INT8 rounds the exact product, FP8 its fp32)
     s     = (m / sqrt(B)) * (1 / Qmax)                   (the max scale of the normalized z = h / sqrt(B))
     decode: x' = H(t),  t = q * ((s / sqrt(B)) / alpha)
 
@@ -43,7 +44,8 @@ other blocks are unaffected. A block whose max|h| is below TINY = 2^-100 (~8e-31
 Determinism: the Hadamard rotation is log2(B) stages of pairwise a+b / a-b in a fixed order in both
 implementations; divisions and square roots are IEEE-rounded (``div_rn``/``sqrt_rn`` in Triton;
 tensor-by-tensor division in the reference, since torch divides by a Python scalar as a product
-with its reciprocal on CUDA); the kernels are compiled without multiply-add fusion. The cast is
+with its reciprocal on CUDA); the kernels are compiled without multiply-add fusion (INT8's one explicit
+fma rounds h * c exactly once; the reference computes that product in float64, where it is exact). The cast is
 exact everywhere: the GPU kernels use the hardware's round-to-nearest-even FP8 converters; the
 reference and Triton's interpreter (whose FP8 downcast does not round correctly) first round in
 fp32 arithmetic ((|y| + c) - c with c = 1.5 * 2^23 * ulp(y), sign restored), as INT8 does
@@ -188,9 +190,13 @@ def _quantize_reference(h: torch.Tensor, fmt: str, transform: str, scaling: str)
     if scaling == "single":
         amax = amax.amax().expand_as(amax)
     s, c = scale_pair(amax, qmax, _inv_sqrt_b(block_size, transform))
-    y = torch.where(ok[:, None], h * c[:, None], 0.0)
     wire = torch.empty(h.shape[0], block_size + SCALE_BYTES, dtype=torch.uint8, device=h.device)
-    wire[:, :block_size] = _round_to_grid(y, fmt).to(_TORCH_FORMAT[fmt]).view(torch.uint8)
+    if fmt == "int8":  # the product rounded once, as the kernels' fused multiply-add does (see _quantize)
+        y = torch.where(ok[:, None], h.double() * c.double()[:, None], 0.0)
+        wire[:, :block_size] = torch.round(y).to(torch.int8).view(torch.uint8)
+    else:
+        y = torch.where(ok[:, None], h * c[:, None], 0.0)
+        wire[:, :block_size] = _round_to_grid(y, fmt).to(_TORCH_FORMAT[fmt]).view(torch.uint8)
     scales = torch.stack([torch.where(ok, alpha, 1.0), torch.where(ok, s, float("nan"))], dim=1)
     wire[:, block_size:] = scales.view(torch.uint8)
     return wire.view(-1)
@@ -312,15 +318,19 @@ if triton is not None:
         return t
 
     @triton.jit
-    def _cast(y, FORMAT: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA_STEP: tl.constexpr,
-              MIN_ULP: tl.constexpr):
+    def _quantize(h, c, FORMAT: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA_STEP: tl.constexpr,
+                  MIN_ULP: tl.constexpr):
+        """Payload bytes of h * c on the format's grid (round to nearest even)."""
         if FORMAT == 2:
-            # INT8's grid is the integers wherever |y| <= Qmax = 127, so _round_to_grid's magic is one
-            # constant there and its sign handling is moot: y + 1.5 * 2**23 rounds y to an integer (ties
-            # to even) and holds it, two's complement, in its low mantissa bits, so the low byte of the
-            # sum's bits is the int8 byte (one add and a truncation; the general path below cost ~8 more
-            # instructions per value in this compute-limited kernel)
-            return (y + 12582912.0).to(tl.int32, bitcast=True).to(tl.uint8)
+            # INT8's grid is the integers (|h * c| <= Qmax = 127): the fused h * c + 1.5 * 2**23 rounds the
+            # exact product to an integer once (ties to even) and holds it, two's complement, in the low
+            # mantissa bits, so the low byte of its bits is the int8 byte: one instruction per value. The interpreter's fma rounds twice: there the product is exact in
+            # float64 and rounded by float64's magic constant instead (the reference rounds it the same way).
+            if SOFT_ROUND:
+                y = h.to(tl.float64) * c.to(tl.float64)
+                return ((y + 6755399441055744.0) - 6755399441055744.0).to(tl.int32).to(tl.uint8)
+            return tl.fma(h, c, 12582912.0).to(tl.int32, bitcast=True).to(tl.uint8)
+        y = h * c
         if SOFT_ROUND:  # see _round_to_grid; the hardware converters round the same way
             a = tl.abs(y)
             binade = (a.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
@@ -367,10 +377,12 @@ if triton is not None:
             else:
                 s = tl.full((ROWS,), 1.0, tl.float32) * tl.load(scale_ptr)
                 c = tl.full((ROWS,), 1.0, tl.float32) * tl.load(scale_ptr + 1)
-            y = tl.where(ok[:, None], h * c[:, None], 0.0)
-            q = _cast(y, FORMAT, SOFT_ROUND, MANTISSA_STEP, MIN_ULP)
+            q = _quantize(h, c[:, None], FORMAT, SOFT_ROUND, MANTISSA_STEP, MIN_ULP)
             record = blk.to(tl.int64) * (B + 8)
-            tl.store(wire_u8 + record[:, None] + tl.arange(0, B)[None, :], q, mask=valid[:, None])
+            payload = wire_u8 + record[:, None] + tl.arange(0, B)[None, :]
+            # blocks with a NaN or Inf get zeros: two stores masked per block instead of a select per value
+            tl.store(payload, q, mask=(valid & ok)[:, None])
+            tl.store(payload, tl.zeros_like(q), mask=(valid & ~ok)[:, None])
             scale_at = record // 4 + B // 4
             tl.store(wire_f32 + scale_at, tl.where(ok, alpha, 1.0), mask=valid)
             tl.store(wire_f32 + scale_at + 1, tl.where(ok, s, float("nan")), mask=valid)

@@ -60,6 +60,23 @@ def _compare(numel, device):
             if not _decoded_match(ref_out, fused_out, exact):
                 failures.append(f"decode {args} {dtype}->{out_dtype}: values differ")
         failures += _compare_reductions(x, i, args, device)
+    return failures + _compare_full_blocks(device)
+
+
+def _compare_full_blocks(device):
+    """bf16 inputs of whole programs' worth of full blocks: the unmasked (EVEN) launch, INT8 and E4M3."""
+    from kernels import taco as K
+
+    failures = []
+    x = _test_input(16_384, torch.bfloat16, device)
+    for args in ((256, "int8", "ash", "dual", 1), (256, "e4m3", "ash", "dual", 2), (128, "int8", "hadamard", "single", 2)):
+        if not _same_bits(K.taco_encode_reference(x, *args), K.taco_encode_triton(x, *args)):
+            failures.append(f"encode {args} bf16 full blocks: wires differ")
+    world, args = 2, (256, "int8", "ash", "dual")
+    recv = K.taco_encode_reference(x.flip(0), *args, world)
+    reference = K.taco_reduce_encode_reference(x, recv, 1, world, *args)
+    if not _same_bits(reference, K.taco_reduce_encode_triton(x, recv, 1, world, *args)):
+        failures.append(f"reduce_encode {args} bf16 full blocks: wires differ")
     return failures
 
 
@@ -136,17 +153,25 @@ def test_kernel_benchmark_dry_run(tmp_path):
     assert all(not row["problems"] and row["ratio_vs_bf16"] > 1.9 for row in result["rows"])
 
 
-def test_int8_cast_shortcut_rounds_like_the_reference():
-    """The fused encoder's INT8 byte is the low byte of the bits of y + 1.5 * 2**23 (fp32: the add rounds y
-    to an integer, ties to even, held in two's complement in the low mantissa bits); the reference rounds
-    with _round_to_grid and casts. They must agree on every |y| <= Qmax, ties (x.5) and signed zeros included."""
-    from kernels.taco import _round_to_grid
+def test_int8_reference_rounds_the_exact_product_once():
+    """The fused encoder's INT8 byte is the low byte of fma(h, c, 1.5 * 2**23): the exact product h * c rounded
+    once to an integer, ties to even. The reference rounds h * c in float64 (exact: 24 x 24 mantissa bits)
+    and must agree with exact rational arithmetic, also where the fp32 product alone would round onto a
+    tie (x.5) that the exact product is not (there rounding twice can go the other way)."""
+    from fractions import Fraction
 
-    quarters = torch.arange(-127 * 4, 127 * 4 + 1, dtype=torch.float32) / 4
-    ties = torch.arange(-127, 127, dtype=torch.float32) + 0.5
-    near_ties = torch.cat([torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
-    dense = torch.linspace(-127, 127, 200_001, dtype=torch.float32)
-    y = torch.cat([quarters, ties, near_ties, dense, torch.tensor([0.0, -0.0, 127.0, -127.0])])
-    magic = torch.tensor(12582912.0)
-    shortcut = ((y + magic).view(torch.int32) & 0xFF).to(torch.uint8)
-    assert torch.equal(shortcut, _round_to_grid(y, "int8").to(torch.int8).view(torch.uint8))
+    from kernels.taco import _quantize_reference
+
+    m = torch.tensor(100.3)  # each block's max|h|: c = 127 / m (fp32, IEEE-rounded), not a power of two
+    c = torch.tensor(127.0) / m
+    targets = (torch.arange(-126, 126, dtype=torch.float32)[:252] + 0.5) / c  # h * c within rounding of k + 1/2
+    rows = [targets, targets.nextafter(targets + 1), targets.nextafter(targets - 1),
+            torch.randn(252, generator=torch.Generator().manual_seed(0)).clamp(-3, 3) * 30]
+    h = torch.stack([torch.cat([m.view(1), r, torch.tensor([-0.0, 0.0, 1e-42])]) for r in rows])
+    wire = _quantize_reference(h, "int8", "hadamard", "dual").view(4, 264)
+    q = wire[:, :256].view(torch.int8)
+    exact_c = Fraction(c.item())
+    expected = [[round(Fraction(v) * exact_c) for v in row.tolist()] for row in h]
+    assert q.tolist() == expected
+    fp32_first = torch.round(h * c).to(torch.int8)  # the cases where rounding twice differs are in the input
+    assert (fp32_first != q).any()
