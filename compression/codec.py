@@ -11,6 +11,8 @@ values. Payload sizes vary. After ``reset()`` the next payload is a keyframe tha
 """
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 
@@ -43,6 +45,18 @@ class TensorCodec(ABC):
         """Inverse of ``encode``: a 1-D tensor of ``numel`` elements of ``dtype``."""
 
 
+@dataclass
+class EncodeStart:
+    """The first half of a ``ShardCodec`` encode (``begin_encode``)."""
+
+    nbytes: Union[int, torch.Tensor]
+    """Payload size: an int, or an int64 [1] tensor on the payload's device not yet read by the host."""
+    header: torch.Tensor
+    """uint8, on the payload's device: the payload's first ``min(header_nbytes, size)`` bytes."""
+    state: Any
+    """Whatever ``finish_encode`` needs."""
+
+
 class ShardCodec(ABC):
     """Variable-size, stateful codec of one bucket's parameter shards (one instance per bucket)."""
 
@@ -60,6 +74,18 @@ class ShardCodec(ABC):
     @abstractmethod
     def encode(self, shard: torch.Tensor) -> torch.Tensor:
         """Encode this rank's new shard; returns a 1-D uint8 payload (a keyframe after ``reset``)."""
+
+    def begin_encode(self, shard: torch.Tensor) -> EncodeStart:
+        """An encode in two halves, so that a gather can send the payload sizes before the host knows them
+        (one host sync for both instead of one each): this half may leave the size on the device, and
+        ``finish_encode`` then writes the payload into a buffer of that size. The default is the whole
+        ``encode`` here, the payload kept for ``finish_encode`` to copy."""
+        payload = self.encode(shard)
+        return EncodeStart(payload.numel(), payload[:self.header_nbytes], payload)
+
+    def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
+        """Write the payload begun by ``begin_encode`` into ``out`` (uint8, exactly its size)."""
+        out.copy_(start.state)
 
     @abstractmethod
     def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header: bytes = None) -> None:
