@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from compression import ans
-from compression.codec import EncodeStart, ShardCodec, check_block_size
+from compression.codec import EncodeStart, HostValues, ShardCodec, bytes_to_device, check_block_size
 from kernels import ciera as kernels
 from kernels.ciera import LAYOUTS, merge_blocks_reference, split_compare_reference
 
@@ -198,6 +198,7 @@ class _SplitBlocks:
     sec: "Sections"
     nblocks: int
     ranks: torch.Tensor  # int32 inclusive prefix sum of the changed-block flags
+    n_changed: HostValues  # ranks[-1], on its way to the host
     dtype: torch.dtype
     keyframe: bool
 
@@ -244,7 +245,7 @@ class CieraCodec(ShardCodec):
         start = self.begin_encode(shard)
         if not isinstance(start.state, _SplitBlocks):
             return start.state
-        return self._finish_fused(start.state, int(start.state.ranks[-1]))  # a host sync
+        return self._finish_fused(start.state, start.state.n_changed.get()[0])  # waits for the kernels
 
     def begin_encode(self, shard: torch.Tensor) -> EncodeStart:
         """On the fused path with raw exponents, the payload size and header stay on the device until
@@ -264,17 +265,18 @@ class CieraCodec(ShardCodec):
             if self.config.exponent_coder == "raw":
                 B = self.config.block_size
                 n_changed = split.ranks[-1:].to(torch.int64)
-                header = _header(FLAG_KEYFRAME if keyframe else 0, B, shard.dtype, n, 0, 0).to(bits.device)
+                header = bytes_to_device(_header(FLAG_KEYFRAME if keyframe else 0, B, shard.dtype, n, 0, 0).numpy()
+                                         .tobytes(), bits.device)
                 header[N_CHANGED_AT:N_CHANGED_AT + 16] = torch.cat([n_changed, n_changed * B]).view(torch.uint8)
                 return EncodeStart(split.sec.exp + n_changed * B, header, split)
-            payload = self._finish_fused(split, int(split.ranks[-1]))
+            payload = self._finish_fused(split, split.n_changed.get()[0])
         return EncodeStart(payload.numel(), payload[:HEADER_BYTES], payload)
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _SplitBlocks):
             return super().finish_encode(start, out)
-        # Queued before the size the caller has waited for: a copy, not a wait.
-        out.copy_(self._finish_fused(start.state, int(start.state.ranks[-1])))
+        # n_changed landed with the size the caller waited for: no wait here.
+        out.copy_(self._finish_fused(start.state, start.state.n_changed.get()[0]))
 
     def _encode_reference(self, bits, dtype, layout, keyframe: bool) -> torch.Tensor:
         """Plain PyTorch: the CPU path and the oracle of the fused one."""
@@ -326,7 +328,7 @@ class CieraCodec(ShardCodec):
             flags = flags if changed is None else changed.to(torch.int32)
         ranks = torch.cumsum(flags, 0, dtype=torch.int32)
         kernels.gather_exponents(flags, ranks, exp, payload[HEADER_BYTES:sec.sm], payload[sec.exp:], B)
-        return _SplitBlocks(payload, sec, flags.numel(), ranks, dtype, keyframe)
+        return _SplitBlocks(payload, sec, flags.numel(), ranks, HostValues(ranks[-1:]), dtype, keyframe)
 
     def _finish_fused(self, split: "_SplitBlocks", n_changed: int) -> torch.Tensor:
         """The exponent section (ANS-coded if asked) and the header of a ``_split_fused`` payload."""

@@ -45,6 +45,33 @@ class TensorCodec(ABC):
         """Inverse of ``encode``: a 1-D tensor of ``numel`` elements of ``dtype``."""
 
 
+def bytes_to_device(raw: bytes, device) -> torch.Tensor:
+    """uint8 tensor of ``raw`` on ``device``, without waiting for the device (a plain ``.to`` of pageable
+    memory synchronises the stream, i.e. waits for every kernel queued before it)."""
+    host = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostValues:
+    """Integers computed on the device, copied to the host without waiting: ``get()`` returns them once
+    the copy has landed, at no cost after any sync that followed (e.g. a gather's size exchange)."""
+
+    def __init__(self, values: torch.Tensor):
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+        self._host.copy_(values, non_blocking=True)
+        self._event = None
+        if values.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def get(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 @dataclass
 class EncodeStart:
     """The first half of a ``ShardCodec`` encode (``begin_encode``)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.codec import EncodeStart, ShardCodec, check_block_size
+from compression.codec import EncodeStart, HostValues, ShardCodec, bytes_to_device, check_block_size
 from kernels import delta as kernels
 from kernels.delta import (analyze_blocks_reference, pack_values_reference, stream_nbytes,
                            unpack_values_reference, use_triton)
@@ -90,6 +90,7 @@ class _CodedBlocks:
     blocks: kernels.EncodedBlocks
     rank_end: torch.Tensor  # inclusive prefix sum of changed blocks
     stream_end: torch.Tensor  # inclusive prefix sum of value stream bytes
+    totals: HostValues  # changed blocks, changed values, value stream bytes
     fp16_flag: int
     numel: int
 
@@ -146,15 +147,14 @@ class DeltaCodec(ShardCodec):
         nbytes = _Layout.of(numel, 0, b).values + n_changed * (3 + b // 8) + stream_end[-1:]
         header = self._header(fp16_flag, numel, 0, bits.device)
         header[N_CHANGED_AT:N_CHANGED_AT + 4] = n_changed.to(torch.int32).view(torch.uint8)
-        return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, fp16_flag, numel))
+        totals = HostValues(torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]]))
+        return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, totals, fp16_flag, numel))
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _CodedBlocks):
             return super().finish_encode(start, out)
         c, b = start.state, self.config.block_size
-        # Queued before the size the caller has waited for: a copy, not a wait.
-        n_changed, n_values, n_value_bytes = torch.stack(
-            [c.rank_end[-1], c.blocks.counts.sum(dtype=torch.int64), c.stream_end[-1]]).tolist()
+        n_changed, n_values, n_value_bytes = c.totals.get()  # landed with the size the caller waited for
         layout = _Layout.of(c.numel, n_changed, b)
         if out.numel() != layout.values + n_value_bytes:
             raise ValueError(f"finish_encode needs a buffer of the payload's {layout.values + n_value_bytes} bytes, "
@@ -198,8 +198,7 @@ class DeltaCodec(ShardCodec):
         return HEADER.pack(MAGIC, VERSION, flags, 0, self.config.block_size, n_changed, numel)
 
     def _header(self, flags: int, numel: int, n_changed: int, device) -> torch.Tensor:
-        raw = self._header_bytes(flags, numel, n_changed)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+        return bytes_to_device(self._header_bytes(flags, numel, n_changed), device)
 
     def _record(self, payload, numel, blocks_changed, values_changed, keyframe) -> None:
         self.last_stats = dict(
