@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from compression import ans
-from compression.codec import ShardCodec, check_block_size
+from compression.codec import EncodeStart, HostValues, ShardCodec, bytes_to_device, check_block_size
 from kernels import ciera as kernels
 from kernels.ciera import LAYOUTS, merge_blocks_reference, split_compare_reference
 
@@ -49,6 +49,7 @@ MAGIC = b"CE"
 VERSION = 2
 HEADER = struct.Struct("<2sBBBB2xqqq")  # magic, version, flags, log2(block), dtype, numel, changed, exp bytes
 HEADER_BYTES = HEADER.size
+N_CHANGED_AT = 16  # byte offsets of n_changed and exp bytes (int64 each) in the header
 ALIGN = 16  # every section starts 16-byte aligned
 FLAG_KEYFRAME, FLAG_ANS = 1, 2
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
@@ -188,6 +189,20 @@ def _header(flags: int, block_size: int, dtype, numel: int, n_changed: int, exp_
 
 # ---- the codec
 
+
+@dataclass
+class _SplitBlocks:
+    """A fused encode between its kernels and its header (``CieraCodec._split_fused``)."""
+
+    payload: torch.Tensor  # the codec's buffer: every section but the header written
+    sec: "Sections"
+    nblocks: int
+    ranks: torch.Tensor  # int32 inclusive prefix sum of the changed-block flags
+    n_changed: HostValues  # ranks[-1], on its way to the host
+    dtype: torch.dtype
+    keyframe: bool
+
+
 class CieraCodec(ShardCodec):
     """One instance per bucket on every rank; encodes this rank's shard, decodes every rank's payload.
     ``last_stats`` holds the block counts of the last ``encode`` (see compression/shard_gather.py).
@@ -227,6 +242,14 @@ class CieraCodec(ShardCodec):
         return raw, 0
 
     def encode(self, shard: torch.Tensor) -> torch.Tensor:
+        start = self.begin_encode(shard)
+        if not isinstance(start.state, _SplitBlocks):
+            return start.state
+        return self._finish_fused(start.state, start.state.n_changed.get()[0])  # waits for the kernels
+
+    def begin_encode(self, shard: torch.Tensor) -> EncodeStart:
+        """On the fused path with raw exponents, the payload size and header stay on the device until
+        ``finish_encode``; otherwise (the reference, ANS, which codes on the host) the whole encode."""
         layout = _layout(shard.dtype)
         n = shard.numel()
         if self._prev is not None and n != self._numel:
@@ -235,9 +258,25 @@ class CieraCodec(ShardCodec):
         self._numel = n
         bits = shard.reshape(-1).view(torch.int16)
         keyframe = self._prev is None
-        if kernels.use_triton(bits, self.config.block_size, layout):
-            return self._encode_fused(bits, shard.dtype, layout, keyframe)
-        return self._encode_reference(bits, shard.dtype, layout, keyframe)
+        if not kernels.use_triton(bits, self.config.block_size, layout):
+            payload = self._encode_reference(bits, shard.dtype, layout, keyframe)
+        else:
+            split = self._split_fused(bits, shard.dtype, layout, keyframe)
+            if self.config.exponent_coder == "raw":
+                B = self.config.block_size
+                n_changed = split.ranks[-1:].to(torch.int64)
+                header = bytes_to_device(_header(FLAG_KEYFRAME if keyframe else 0, B, shard.dtype, n, 0, 0).numpy()
+                                         .tobytes(), bits.device)
+                header[N_CHANGED_AT:N_CHANGED_AT + 16] = torch.cat([n_changed, n_changed * B]).view(torch.uint8)
+                return EncodeStart(split.sec.exp + n_changed * B, header, split)
+            payload = self._finish_fused(split, split.n_changed.get()[0])
+        return EncodeStart(payload.numel(), payload[:HEADER_BYTES], payload)
+
+    def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
+        if not isinstance(start.state, _SplitBlocks):
+            return super().finish_encode(start, out)
+        # n_changed landed with the size the caller waited for: no wait here.
+        out.copy_(self._finish_fused(start.state, start.state.n_changed.get()[0]))
 
     def _encode_reference(self, bits, dtype, layout, keyframe: bool) -> torch.Tensor:
         """Plain PyTorch: the CPU path and the oracle of the fused one."""
@@ -273,8 +312,8 @@ class CieraCodec(ShardCodec):
             self._payload = torch.zeros(capacity, dtype=torch.uint8, device=device)  # padding stays zero
         return self._payload
 
-    def _encode_fused(self, bits, dtype, layout, keyframe: bool) -> torch.Tensor:
-        """bf16 on CUDA: the kernels write the sections in place of the payload buffer."""
+    def _split_fused(self, bits, dtype, layout, keyframe: bool) -> "_SplitBlocks":
+        """bf16 on CUDA: the kernels write the sections in place of the payload buffer, all but the header."""
         B, n = self.config.block_size, bits.numel()
         sec = sections(n, B, layout)
         payload = self._payload_buffer(sec.capacity, bits.device)
@@ -289,13 +328,17 @@ class CieraCodec(ShardCodec):
             flags = flags if changed is None else changed.to(torch.int32)
         ranks = torch.cumsum(flags, 0, dtype=torch.int32)
         kernels.gather_exponents(flags, ranks, exp, payload[HEADER_BYTES:sec.sm], payload[sec.exp:], B)
-        n_changed = int(ranks[-1])  # the one host sync: it sizes the payload
+        return _SplitBlocks(payload, sec, flags.numel(), ranks, HostValues(ranks[-1:]), dtype, keyframe)
+
+    def _finish_fused(self, split: "_SplitBlocks", n_changed: int) -> torch.Tensor:
+        """The exponent section (ANS-coded if asked) and the header of a ``_split_fused`` payload."""
+        B, n, layout, payload, sec = self.config.block_size, self._numel, _layout(split.dtype), split.payload, split.sec
         raw = payload[sec.exp:sec.exp + n_changed * B]
         exp_section, coder_flag = self._exponent_section(raw, layout)
         if coder_flag:
             raw[:exp_section.numel()].copy_(exp_section)
-        self.last_stats = {"blocks_total": flags.numel(), "blocks_changed": n_changed}
-        header = _header(coder_flag | (FLAG_KEYFRAME if keyframe else 0), B, dtype, n, n_changed,
+        self.last_stats = {"blocks_total": split.nblocks, "blocks_changed": n_changed}
+        header = _header(coder_flag | (FLAG_KEYFRAME if split.keyframe else 0), B, split.dtype, n, n_changed,
                          exp_section.numel())
         payload[:HEADER_BYTES].copy_(header.pin_memory() if payload.is_cuda else header, non_blocking=True)
         return payload[:sec.exp + exp_section.numel()]

@@ -11,6 +11,8 @@ values. Payload sizes vary. After ``reset()`` the next payload is a keyframe tha
 """
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 
@@ -43,6 +45,45 @@ class TensorCodec(ABC):
         """Inverse of ``encode``: a 1-D tensor of ``numel`` elements of ``dtype``."""
 
 
+def bytes_to_device(raw: bytes, device) -> torch.Tensor:
+    """uint8 tensor of ``raw`` on ``device``, without waiting for the device (a plain ``.to`` of pageable
+    memory synchronises the stream, i.e. waits for every kernel queued before it)."""
+    host = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostValues:
+    """Integers computed on the device, copied to the host without waiting: ``get()`` returns them once
+    the copy has landed, at no cost after any sync that followed (e.g. a gather's size exchange)."""
+
+    def __init__(self, values: torch.Tensor):
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+        self._host.copy_(values, non_blocking=True)
+        self._event = None
+        if values.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def get(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+@dataclass
+class EncodeStart:
+    """The first half of a ``ShardCodec`` encode (``begin_encode``)."""
+
+    nbytes: Union[int, torch.Tensor]
+    """Payload size: an int, or an int64 [1] tensor on the payload's device not yet read by the host."""
+    header: torch.Tensor
+    """uint8, on the payload's device: the payload's first ``min(header_nbytes, size)`` bytes."""
+    state: Any
+    """Whatever ``finish_encode`` needs."""
+
+
 class ShardCodec(ABC):
     """Variable-size, stateful codec of one bucket's parameter shards (one instance per bucket)."""
 
@@ -60,6 +101,18 @@ class ShardCodec(ABC):
     @abstractmethod
     def encode(self, shard: torch.Tensor) -> torch.Tensor:
         """Encode this rank's new shard; returns a 1-D uint8 payload (a keyframe after ``reset``)."""
+
+    def begin_encode(self, shard: torch.Tensor) -> EncodeStart:
+        """An encode in two halves, so that a gather can send the payload sizes before the host knows them
+        (one host sync for both instead of one each): this half may leave the size on the device, and
+        ``finish_encode`` then writes the payload into a buffer of that size. The default is the whole
+        ``encode`` here, the payload kept for ``finish_encode`` to copy."""
+        payload = self.encode(shard)
+        return EncodeStart(payload.numel(), payload[:self.header_nbytes], payload)
+
+    def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
+        """Write the payload begun by ``begin_encode`` into ``out`` (uint8, exactly its size)."""
+        out.copy_(start.state)
 
     @abstractmethod
     def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header: bytes = None) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.codec import ShardCodec, check_block_size
+from compression.codec import EncodeStart, HostValues, ShardCodec, bytes_to_device, check_block_size
 from kernels import delta as kernels
 from kernels.delta import (analyze_blocks_reference, pack_values_reference, stream_nbytes,
                            unpack_values_reference, use_triton)
@@ -35,6 +35,7 @@ from kernels.delta import (analyze_blocks_reference, pack_values_reference, stre
 MAGIC = b"DLTA"
 VERSION = 2
 HEADER = struct.Struct("<4sBBHIIQ")
+N_CHANGED_AT = 12  # byte offset of n_changed in the header
 FLAG_KEYFRAME = 1
 FLAG_FP16 = 2
 DTYPES = (torch.bfloat16, torch.float16)
@@ -82,6 +83,18 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
+@dataclass
+class _CodedBlocks:
+    """Between ``begin_encode`` and ``finish_encode`` on the Triton path: every block coded, sizes on the device."""
+
+    blocks: kernels.EncodedBlocks
+    rank_end: torch.Tensor  # inclusive prefix sum of changed blocks
+    stream_end: torch.Tensor  # inclusive prefix sum of value stream bytes
+    totals: HostValues  # changed blocks, changed values, value stream bytes
+    fp16_flag: int
+    numel: int
+
+
 class DeltaCodec(ShardCodec):
     name = "delta"
     lossless = True
@@ -109,9 +122,53 @@ class DeltaCodec(ShardCodec):
     # --- encode --------------------------------------------------------------------------------
 
     def encode(self, shard: torch.Tensor) -> torch.Tensor:
+        start = self.begin_encode(shard)
+        if not isinstance(start.state, _CodedBlocks):
+            return start.state
+        payload = torch.empty(int(start.nbytes), dtype=torch.uint8, device=shard.device)  # a host sync
+        self.finish_encode(start, payload)
+        return payload
+
+    def begin_encode(self, shard: torch.Tensor) -> EncodeStart:
+        """On the Triton path every block is coded and the payload size (and n_changed in the header)
+        left on the device; otherwise (keyframe, the reference, an empty shard) the whole encode."""
         bits = _as_bits(shard, "shard")
         fp16_flag = FLAG_FP16 if shard.dtype == torch.float16 else 0
-        if self._prev is None or self._prev.numel() != bits.numel() or self._prev.device != bits.device:
+        if self._keyframe_due(bits) or not use_triton(bits, self.triton) or not bits.numel():
+            payload = self._encode_whole(bits, fp16_flag)
+            return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
+        b, numel = self.config.block_size, bits.numel()
+        e = kernels.encode_blocks(self._prev, bits, b)
+        rank_end = torch.cumsum(e.codes != 0, 0)
+        stream_end = torch.cumsum(e.nbytes, 0)
+        n_changed = rank_end[-1:]
+        # The layout of _Layout.of with n_changed on the device: sections after the codes grow by
+        # 2 + 1 + B / 8 bytes per changed block, then the value streams.
+        nbytes = _Layout.of(numel, 0, b).values + n_changed * (3 + b // 8) + stream_end[-1:]
+        header = self._header(fp16_flag, numel, 0, bits.device)
+        header[N_CHANGED_AT:N_CHANGED_AT + 4] = n_changed.to(torch.int32).view(torch.uint8)
+        totals = HostValues(torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]]))
+        return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, totals, fp16_flag, numel))
+
+    def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
+        if not isinstance(start.state, _CodedBlocks):
+            return super().finish_encode(start, out)
+        c, b = start.state, self.config.block_size
+        n_changed, n_values, n_value_bytes = c.totals.get()  # landed with the size the caller waited for
+        layout = _Layout.of(c.numel, n_changed, b)
+        if out.numel() != layout.values + n_value_bytes:
+            raise ValueError(f"finish_encode needs a buffer of the payload's {layout.values + n_value_bytes} bytes, "
+                             f"got {out.numel()}")
+        kernels.gather_records(c.blocks, c.rank_end, c.stream_end, out,
+                               self._header_bytes(c.fp16_flag, c.numel, n_changed),
+                               layout.n_esc, layout.exc_widths, layout.bitmaps, layout.values, b)
+        self._record(out, c.numel, n_changed, n_values, False)
+
+    def _keyframe_due(self, bits: torch.Tensor) -> bool:
+        return self._prev is None or self._prev.numel() != bits.numel() or self._prev.device != bits.device
+
+    def _encode_whole(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
+        if self._keyframe_due(bits):
             self._prev = bits.clone()
             payload = self._header(FLAG_KEYFRAME | fp16_flag, bits.numel(), 0, bits.device)
             payload = torch.cat([payload, bits.view(torch.uint8)])
@@ -120,8 +177,7 @@ class DeltaCodec(ShardCodec):
         return self._encode_delta(bits, fp16_flag)
 
     def _encode_delta(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
-        if use_triton(bits, self.triton):
-            return self._encode_delta_triton(bits, fp16_flag)
+        """The PyTorch reference (also for empty shards on CUDA)."""
         b = self.config.block_size
         a = analyze_blocks_reference(self._prev, bits, b)
         changed = torch.nonzero(a.codes).squeeze(1)
@@ -138,30 +194,11 @@ class DeltaCodec(ShardCodec):
         self._record(payload, bits.numel(), changed.numel(), n_values, False)
         return payload
 
-    def _encode_delta_triton(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
-        """Every block coded into its own row, then the changed rows gathered into the payload: the
-        sizes are read once (the only host sync) to allocate it."""
-        b = self.config.block_size
-        e = kernels.encode_blocks(self._prev, bits, b)
-        rank_end = torch.cumsum(e.codes != 0, 0)
-        stream_end = torch.cumsum(e.nbytes, 0)
-        totals = [0, 0, 0]  # changed blocks, value stream bytes, changed values
-        if e.codes.numel():
-            totals = torch.stack([rank_end[-1], stream_end[-1], e.counts.sum(dtype=torch.int64)]).tolist()
-        n_changed, n_value_bytes, n_values = totals
-        layout = _Layout.of(bits.numel(), n_changed, b)
-        payload = torch.empty(layout.values + n_value_bytes, dtype=torch.uint8, device=bits.device)
-        kernels.gather_records(e, rank_end, stream_end, payload, self._header_bytes(fp16_flag, bits.numel(), n_changed),
-                               layout.n_esc, layout.exc_widths, layout.bitmaps, layout.values, b)
-        self._record(payload, bits.numel(), n_changed, n_values, False)
-        return payload
-
     def _header_bytes(self, flags: int, numel: int, n_changed: int) -> bytes:
         return HEADER.pack(MAGIC, VERSION, flags, 0, self.config.block_size, n_changed, numel)
 
     def _header(self, flags: int, numel: int, n_changed: int, device) -> torch.Tensor:
-        raw = self._header_bytes(flags, numel, n_changed)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+        return bytes_to_device(self._header_bytes(flags, numel, n_changed), device)
 
     def _record(self, payload, numel, blocks_changed, values_changed, keyframe) -> None:
         self.last_stats = dict(

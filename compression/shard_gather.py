@@ -8,13 +8,15 @@ Wire scheme: (1) all_gather of a small message per rank: its payload size and th
 header (``codec.header_nbytes``); (2) all_gather_into_tensor of the payloads zero-padded to the largest
 size. Padding costs the imbalance between ranks but keeps one NCCL/gloo collective of equal-size chunks
 (variable-size all-gather is not a single NCCL call; a send/recv ring would cost W-1 latencies). The
-host must see the sizes, so ``start`` synchronises with the device once (``encode`` had to as well, to
-size its payload); the headers ride along so that no decode reads its own header back from the device,
-and the decodes' kernels are queued while the payload gather runs.
+host must see the sizes, so ``start`` synchronises with the device once; a codec whose ``begin_encode``
+leaves its payload size on the device (delta on GPUs) needs no sync of its own before that, and writes
+its payload straight into the send buffer (``finish_encode``). The headers ride along so that no
+decode reads its own header back from the device, and the decodes' kernels are queued while the
+payload gather runs.
 
 Telemetry (class ``comm_class``): raw = this rank's shard bytes; sent = its padded payload plus the
 size message, i.e. what it hands to the collectives. A codec may declare extra integer stats with
-``stat_names`` (a tuple) and fill ``last_stats`` (dict name -> int) on every ``encode``; they are
+``stat_names`` (a tuple) and fill ``last_stats`` (dict name -> int) on every encode; they are
 declared at construction and added as counters ``<comm_class>/<name>``.
 """
 
@@ -74,14 +76,16 @@ class ShardGather:
         """This rank's slice of ``buffer`` went out uncompressed: code the next gather against it."""
         self.codec.observe(self._own_slice(buffer, self.rank))
 
-    def _exchange_sizes(self, payload: torch.Tensor) -> tuple:
+    def _exchange_sizes(self, start, device) -> tuple:
         """Every rank's payload size and first ``codec.header_nbytes`` bytes, on the host (one sync)."""
         header_nbytes = self.codec.header_nbytes
-        message = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=payload.device)
-        message[:SIZE_BYTES].view(torch.int64).fill_(payload.numel())
-        head = min(header_nbytes, payload.numel())
-        message[SIZE_BYTES:SIZE_BYTES + head] = payload[:head]
-        table = torch.empty(self.world_size * self._message_nbytes, dtype=torch.uint8, device=payload.device)
+        message = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=device)
+        if isinstance(start.nbytes, int):
+            message[:SIZE_BYTES].view(torch.int64).fill_(start.nbytes)
+        else:
+            message[:SIZE_BYTES].view(torch.int64).copy_(start.nbytes.reshape(1))
+        message[SIZE_BYTES:SIZE_BYTES + start.header.numel()] = start.header
+        table = torch.empty(self.world_size * self._message_nbytes, dtype=torch.uint8, device=device)
         dist.all_gather_into_tensor(table, message, group=self.group)
         table = table.view(self.world_size, self._message_nbytes).cpu()
         sizes = table[:, :SIZE_BYTES].contiguous().view(torch.int64).view(-1).tolist()
@@ -99,12 +103,12 @@ class ShardGather:
         """Gather ``buffer`` in place; returns a handle with ``wait()`` if ``async_op``, else None."""
         self._check(buffer)
         shard = self._own_slice(buffer, self.rank)
-        payload = self.codec.encode(shard)
-        sizes, headers = self._exchange_sizes(payload)
-        width = _round_up(max(sizes), ALIGN)
+        start = self.codec.begin_encode(shard)
+        sizes, headers = self._exchange_sizes(start, buffer.device)
+        width, size = _round_up(max(sizes), ALIGN), sizes[self.rank]
         send = torch.empty(width, dtype=torch.uint8, device=buffer.device)
-        send[:payload.numel()] = payload
-        send[payload.numel():] = 0  # the padding (receivers ignore it) is not left uninitialized
+        self.codec.finish_encode(start, send[:size])
+        send[size:] = 0  # the padding (receivers ignore it) is not left uninitialized
         recv = torch.empty(width * self.world_size, dtype=torch.uint8, device=buffer.device)
         self._record(shard, width)
         work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=async_op)

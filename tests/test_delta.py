@@ -206,7 +206,15 @@ def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 10
         out_ref, out_tri = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype, device=device)
         for step, bits in enumerate(trajectory(n, seed=block_size + n)):
             payload = ref.encode(as_float(bits, dtype))
-            tri_payload = tri.encode(as_float(bits, dtype).to(device)).cpu()
+            if step % 2:
+                tri_payload = tri.encode(as_float(bits, dtype).to(device)).cpu()
+            else:  # the gather's two halves: size and header known on the device before the payload
+                start = tri.begin_encode(as_float(bits, dtype).to(device))
+                tri_payload = torch.empty(int(start.nbytes), dtype=torch.uint8, device=device)
+                tri.finish_encode(start, tri_payload)
+                tri_payload = tri_payload.cpu()
+                assert torch.equal(start.header.cpu(), tri_payload[:start.header.numel()]), (block_size, n, step)
+                assert start.header.numel() == min(24, tri_payload.numel())
             assert torch.equal(payload, tri_payload), (dtype, block_size, n, step,
                                                        _first_difference(payload, tri_payload))
             assert tri.last_stats == ref.last_stats, (block_size, n, step)
