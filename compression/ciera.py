@@ -29,8 +29,11 @@ CUDA path (bf16, block_size <= 8192): the codec keeps one payload buffer of the 
 block changed) per shard size and returns a view of it, so a payload is valid only until the next
 ``encode`` of the same codec (compression/shard_gather.py copies it into its send buffer at once).
 Encode: split kernel (sign+mantissa into the payload, exponents compared with and written over the
-sender state, changed flags), prefix sum, gather kernel (bitmap, changed exponents), then ONE host
-sync to read the changed-block count (the payload size) and a 32-byte pinned copy of the header.
+sender state, changed flags), prefix sum, gather kernel (bitmap, changed exponents); the changed-block
+count (the payload size) reaches the host with the gather's size exchange (``begin_encode``). Dense
+encodes (raw exponents, keyframes and encodes after one where >= DENSE_MIN_CHANGED of the blocks
+changed) mark every block changed: the split kernel writes the exponents straight into the payload's
+exponent section, which in compare mode is the sender state itself, and the size is known on the host.
 Decode: one sync to read the header, then unpack + prefix sum + merge kernels reading the payload in
 place. Elsewhere (CPU, fp16, larger blocks) the same bytes come from plain PyTorch.
 """
@@ -52,6 +55,12 @@ HEADER_BYTES = HEADER.size
 N_CHANGED_AT = 16  # byte offsets of n_changed and exp bytes (int64 each) in the header
 ALIGN = 16  # every section starts 16-byte aligned
 FLAG_KEYFRAME, FLAG_ANS = 1, 2
+# Encodes with raw exponents after one in which at least this fraction of the blocks changed send every
+# block's exponents ("dense"): the payload's exponent section is then the sender's compare state, written
+# in place by the split kernel, with no gather pass (~40 us per 62.5M values, results/gpu/README.md
+# session 7) and no host sync for the size. It costs at most 1% of the exponent bytes, less than that
+# pass's time on the wire at ~25 GB/s (1.6% of them).
+DENSE_MIN_CHANGED = 0.99
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 
 
@@ -197,10 +206,10 @@ class _SplitBlocks:
     payload: torch.Tensor  # the codec's buffer: every section but the header written
     sec: "Sections"
     nblocks: int
-    ranks: torch.Tensor  # int32 inclusive prefix sum of the changed-block flags
-    n_changed: HostValues  # ranks[-1], on its way to the host
+    n_changed: HostValues  # blocks whose exponents changed (or were hashed as changed), on the way to the host
     dtype: torch.dtype
     keyframe: bool
+    dense: bool  # every block's exponents sent, in place (no gather)
 
 
 class CieraCodec(ShardCodec):
@@ -219,11 +228,13 @@ class CieraCodec(ShardCodec):
         self.rank = rank
         self.last_stats = {}
         self._payload = None  # CUDA path's payload buffer: scratch, kept across reset()
+        self._ones_bitmap = None  # CUDA path's bitmap section of a dense payload
         self.reset()
 
     def reset(self) -> None:
         self._prev = None  # previous exponents ("compare") or block hashes ("hash")
         self._numel = None
+        self._dense_next = False  # the next encode sends every block's exponents (DENSE_MIN_CHANGED)
         self._synced = set()  # source ranks whose keyframe this rank has decoded
 
     def _hash_changed(self, exp, keyframe: bool):
@@ -245,7 +256,7 @@ class CieraCodec(ShardCodec):
         start = self.begin_encode(shard)
         if not isinstance(start.state, _SplitBlocks):
             return start.state
-        return self._finish_fused(start.state, start.state.n_changed.get()[0])  # waits for the kernels
+        return self._finish_fused(start.state)  # waits for the kernels
 
     def begin_encode(self, shard: torch.Tensor) -> EncodeStart:
         """On the fused path with raw exponents, the payload size and header stay on the device until
@@ -258,27 +269,32 @@ class CieraCodec(ShardCodec):
         self._numel = n
         bits = shard.reshape(-1).view(torch.int16)
         keyframe = self._prev is None
+        dense = self._dense_next and not keyframe
         if not kernels.use_triton(bits, self.config.block_size, layout):
-            payload = self._encode_reference(bits, shard.dtype, layout, keyframe)
+            payload = self._encode_reference(bits, shard.dtype, layout, keyframe, dense)
         else:
-            split = self._split_fused(bits, shard.dtype, layout, keyframe)
-            if self.config.exponent_coder == "raw":
-                B = self.config.block_size
-                n_changed = split.ranks[-1:].to(torch.int64)
-                header = bytes_to_device(_header(FLAG_KEYFRAME if keyframe else 0, B, shard.dtype, n, 0, 0).numpy()
-                                         .tobytes(), bits.device)
+            raw = self.config.exponent_coder == "raw"
+            split = self._split_fused(bits, shard.dtype, layout, keyframe, dense or (keyframe and raw))
+            if raw:
+                B, flags = self.config.block_size, FLAG_KEYFRAME if keyframe else 0
+                if split.dense:  # the size is known: every block's exponents
+                    header = bytes_to_device(_header(flags, B, shard.dtype, n, split.nblocks, split.nblocks * B)
+                                             .numpy().tobytes(), bits.device)
+                    return EncodeStart(split.sec.capacity, header, split)
+                n_changed = split.n_changed.device_values.to(torch.int64)
+                header = bytes_to_device(_header(flags, B, shard.dtype, n, 0, 0).numpy().tobytes(), bits.device)
                 header[N_CHANGED_AT:N_CHANGED_AT + 16] = torch.cat([n_changed, n_changed * B]).view(torch.uint8)
                 return EncodeStart(split.sec.exp + n_changed * B, header, split)
-            payload = self._finish_fused(split, split.n_changed.get()[0])
+            payload = self._finish_fused(split)
         return EncodeStart(payload.numel(), payload[:HEADER_BYTES], payload)
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _SplitBlocks):
             return super().finish_encode(start, out)
         # n_changed landed with the size the caller waited for: no wait here.
-        out.copy_(self._finish_fused(start.state, start.state.n_changed.get()[0]))
+        out.copy_(self._finish_fused(start.state))
 
-    def _encode_reference(self, bits, dtype, layout, keyframe: bool) -> torch.Tensor:
+    def _encode_reference(self, bits, dtype, layout, keyframe: bool, dense: bool) -> torch.Tensor:
         """Plain PyTorch: the CPU path and the oracle of the fused one."""
         B, n = self.config.block_size, bits.numel()
         compare = self.config.change_detect == "compare"
@@ -289,14 +305,23 @@ class CieraCodec(ShardCodec):
             changed = self._hash_changed(exp, keyframe)
         if keyframe:
             changed = torch.ones(exp.numel() // B, dtype=torch.bool, device=bits.device)
+        self._count_changed(keyframe, int(changed.sum()), changed.numel())
+        if dense:
+            changed = torch.ones_like(changed)
         exp_changed = exp.view(-1, B)[changed].view(-1)
         n_changed = exp_changed.numel() // B
         exp_section, coder_flag = self._exponent_section(exp_changed, layout)
-        self.last_stats = {"blocks_total": changed.numel(), "blocks_changed": n_changed}
         header = _header(coder_flag | (FLAG_KEYFRAME if keyframe else 0), B, dtype, n, n_changed,
                          exp_section.numel())
         return torch.cat([header.to(bits.device), _pad(pack_field(changed, 1)),
                           _pad(pack_field(sm[:n], layout.sm_bits)), exp_section])
+
+    def _count_changed(self, keyframe: bool, changed: int, total: int) -> None:
+        """Statistics of an encode (blocks whose exponents changed, even where all were sent) and the
+        dense choice of the next one."""
+        self.last_stats = {"blocks_total": total, "blocks_changed": changed}
+        self._dense_next = (self.config.exponent_coder == "raw" and not keyframe
+                            and changed >= DENSE_MIN_CHANGED * total)
 
     @staticmethod
     def payload_buffer_bytes(shard: torch.Tensor, block_size: int) -> int:
@@ -312,33 +337,58 @@ class CieraCodec(ShardCodec):
             self._payload = torch.zeros(capacity, dtype=torch.uint8, device=device)  # padding stays zero
         return self._payload
 
-    def _split_fused(self, bits, dtype, layout, keyframe: bool) -> "_SplitBlocks":
-        """bf16 on CUDA: the kernels write the sections in place of the payload buffer, all but the header."""
+    def _split_fused(self, bits, dtype, layout, keyframe: bool, dense: bool) -> "_SplitBlocks":
+        """bf16 on CUDA: the kernels write the sections in place of the payload buffer, all but the header.
+        ``dense``: every block's exponents go straight into the payload's exponent section, which in
+        compare mode is then the sender state itself (compared and rewritten in place)."""
         B, n = self.config.block_size, bits.numel()
         sec = sections(n, B, layout)
         payload = self._payload_buffer(sec.capacity, bits.device)
         npad = -(-n // B) * B
+        in_payload = payload[sec.exp:sec.exp + npad]
         compare = self.config.change_detect == "compare"
-        if compare and keyframe:
-            self._prev = torch.empty(npad, dtype=torch.uint8, device=bits.device)
-        exp = self._prev if compare else torch.empty(npad, dtype=torch.uint8, device=bits.device)
+        if compare:
+            if dense and not keyframe and self._prev.data_ptr() != in_payload.data_ptr():
+                in_payload.copy_(self._prev)
+            elif not dense and (keyframe or self._prev.data_ptr() == in_payload.data_ptr()):
+                # its own buffer: the gather below compacts the changed blocks into the payload
+                self._prev = torch.empty(npad, dtype=torch.uint8, device=bits.device) if keyframe else self._prev.clone()
+            self._prev = in_payload if dense else self._prev
+            exp = self._prev
+        else:
+            exp = in_payload if dense else torch.empty(npad, dtype=torch.uint8, device=bits.device)
         flags = kernels.split_blocks(bits, exp, compare and not keyframe, payload[sec.sm:], B)
         if not compare:
             changed = self._hash_changed(exp, keyframe)
             flags = flags if changed is None else changed.to(torch.int32)
+        nblocks = flags.numel()
+        if dense:
+            payload[HEADER_BYTES:sec.sm].copy_(self._all_blocks_bitmap(nblocks, sec.sm - HEADER_BYTES, bits.device))
+            return _SplitBlocks(payload, sec, nblocks, HostValues(flags.sum(dtype=torch.int32).view(1)), dtype,
+                                keyframe, True)
         ranks = torch.cumsum(flags, 0, dtype=torch.int32)
         kernels.gather_exponents(flags, ranks, exp, payload[HEADER_BYTES:sec.sm], payload[sec.exp:], B)
-        return _SplitBlocks(payload, sec, flags.numel(), ranks, HostValues(ranks[-1:]), dtype, keyframe)
+        return _SplitBlocks(payload, sec, nblocks, HostValues(ranks[-1:]), dtype, keyframe, False)
 
-    def _finish_fused(self, split: "_SplitBlocks", n_changed: int) -> torch.Tensor:
+    def _all_blocks_bitmap(self, nblocks: int, nbytes: int, device) -> torch.Tensor:
+        """The bitmap section with every block set (kept: it is the same for every dense payload)."""
+        cached = self._ones_bitmap
+        if cached is None or cached.numel() != nbytes or cached.device != device:
+            bitmap = _pad(pack_field(torch.ones(nblocks, dtype=torch.int32), 1))
+            self._ones_bitmap = cached = bitmap.to(device)
+        return cached
+
+    def _finish_fused(self, split: "_SplitBlocks") -> torch.Tensor:
         """The exponent section (ANS-coded if asked) and the header of a ``_split_fused`` payload."""
         B, n, layout, payload, sec = self.config.block_size, self._numel, _layout(split.dtype), split.payload, split.sec
-        raw = payload[sec.exp:sec.exp + n_changed * B]
+        changed = split.n_changed.get()[0]
+        n_sent = split.nblocks if split.dense else changed
+        raw = payload[sec.exp:sec.exp + n_sent * B]
         exp_section, coder_flag = self._exponent_section(raw, layout)
         if coder_flag:
             raw[:exp_section.numel()].copy_(exp_section)
-        self.last_stats = {"blocks_total": split.nblocks, "blocks_changed": n_changed}
-        header = _header(coder_flag | (FLAG_KEYFRAME if split.keyframe else 0), B, split.dtype, n, n_changed,
+        self._count_changed(split.keyframe, changed, split.nblocks)
+        header = _header(coder_flag | (FLAG_KEYFRAME if split.keyframe else 0), B, split.dtype, n, n_sent,
                          exp_section.numel())
         payload[:HEADER_BYTES].copy_(header.pin_memory() if payload.is_cuda else header, non_blocking=True)
         return payload[:sec.exp + exp_section.numel()]

@@ -59,6 +59,7 @@ class HostValues:
     the copy has landed, at no cost after any sync that followed (e.g. a gather's size exchange)."""
 
     def __init__(self, values: torch.Tensor):
+        self.device_values = values
         self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
         self._host.copy_(values, non_blocking=True)
         self._event = None

@@ -36,7 +36,9 @@ def _patterns(n, g):
 
 
 def _sequence(dtype, n=N):
-    """Shards of one codec's life: keyframe, unchanged, small updates, every exponent changed."""
+    """Shards of one codec's life: keyframe, unchanged, small updates, every exponent changed (twice: the
+    second payload is dense, every block sent in place), unchanged (still dense, after a step where every
+    block changed), unchanged (sparse again)."""
     g = torch.Generator().manual_seed(0)
     first = _patterns(n, g).view(dtype)
     yield first
@@ -45,7 +47,11 @@ def _sequence(dtype, n=N):
     for _ in range(3):
         master += torch.randn(n, generator=g) * 2e-4
         yield master.to(dtype)
-    yield (_bits(master.to(dtype)) ^ (1 << EXP_SHIFT[dtype])).view(dtype)  # flip an exponent bit
+    flipped = (_bits(master.to(dtype)) ^ (1 << EXP_SHIFT[dtype])).view(dtype)  # flip an exponent bit
+    yield flipped
+    yield master.to(dtype)
+    yield master.to(dtype)
+    yield master.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -56,8 +62,9 @@ def test_round_trip_hash_and_compare_agree(dtype, coder):
     out = {mode: torch.zeros(N, dtype=dtype) for mode in codecs}
     changed_counts = []
     shards = list(_sequence(dtype))
+    sizes = []
     for step, shard in enumerate(shards + shards[:2]):
-        if step == 6:  # all ranks reset together: the next payload is a keyframe
+        if step == len(shards):  # all ranks reset together: the next payload is a keyframe
             for c in [*codecs.values(), *receivers.values()]:
                 c.reset()
         payloads = {mode: codecs[mode].encode(shard) for mode in codecs}
@@ -66,11 +73,19 @@ def test_round_trip_hash_and_compare_agree(dtype, coder):
             receivers[mode].decode(0, payloads[mode], out[mode])
             assert torch.equal(_bits(out[mode]), _bits(shard)), (mode, step)
         changed_counts.append(codecs["hash"].last_stats["blocks_changed"])
-    nblocks = -(-N // BLOCK)
-    assert changed_counts[0] == changed_counts[6] == nblocks  # keyframes
-    assert changed_counts[7] == 0
-    assert changed_counts[1] == 0 and changed_counts[5] == nblocks
+        sizes.append(payloads["compare"].numel())
+    nblocks, last = -(-N // BLOCK), len(shards) - 1
+    assert changed_counts[0] == changed_counts[last + 1] == nblocks  # keyframes
+    assert changed_counts[last + 2] == 0
+    assert changed_counts[1] == 0 and changed_counts[5] == changed_counts[6] == nblocks
     assert 0 < changed_counts[3] < nblocks
+    # after step 5 (every block changed) the payloads are dense: every block's exponents sent, though at
+    # step 7 none changed; step 8 follows a step without changes, so it sends none
+    assert changed_counts[7] == changed_counts[8] == 0
+    if coder == "raw":
+        assert sizes[6] == sizes[7] == sizes[0] > sizes[8]
+    else:  # ANS-coded exponents are never dense
+        assert sizes[7] == sizes[8]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
