@@ -348,12 +348,14 @@ class CieraCodec(ShardCodec):
         in_payload = payload[sec.exp:sec.exp + npad]
         compare = self.config.change_detect == "compare"
         if compare:
-            if dense and not keyframe and self._prev.data_ptr() != in_payload.data_ptr():
-                in_payload.copy_(self._prev)
-            elif not dense and (keyframe or self._prev.data_ptr() == in_payload.data_ptr()):
-                # its own buffer: the gather below compacts the changed blocks into the payload
-                self._prev = torch.empty(npad, dtype=torch.uint8, device=bits.device) if keyframe else self._prev.clone()
-            self._prev = in_payload if dense else self._prev
+            if keyframe and not dense:
+                self._prev = torch.empty(npad, dtype=torch.uint8, device=bits.device)
+            elif dense and not keyframe and self._prev.data_ptr() != in_payload.data_ptr():
+                in_payload.copy_(self._prev)  # the state moves into the payload...
+            elif not dense and self._prev.data_ptr() == in_payload.data_ptr():
+                self._prev = self._prev.clone()  # ...and out of it: the gather below compacts there
+            if dense:
+                self._prev = in_payload
             exp = self._prev
         else:
             exp = in_payload if dense else torch.empty(npad, dtype=torch.uint8, device=bits.device)
