@@ -41,6 +41,7 @@ from compression.bitpack import pack_bits, unpack_bits
 from compression.codec import ShardCodec, check_block_size
 from compression.shard_gather import PendingGather
 from compression.telemetry import TELEMETRY
+from compression.transport import all_to_all_rows
 from kernels.taco import fwht_reference
 
 WEIGHT_BITS = (4, 8)
@@ -291,7 +292,7 @@ def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: Ha
     send = encode_rows(rows, config)
     recv = torch.empty_like(send)
     TELEMETRY.record("dp_grad_reduce", full.numel() * full.element_size(), send.numel())
-    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    work = all_to_all_rows(recv, send, group=group, async_op=async_op)
 
     def finish():
         total = decode_sum(recv, rank, rows.shape[1], config) + rows[rank].float()

@@ -3,7 +3,8 @@ AUTO policy that picks, per collective, the tensor size from which compression i
 
 Wire buffers are 1-D uint8 tensors from a row-capable codec (``TacoCodec``: ``encode(x, rows)``
 puts row r of the flattened input in bytes ``[r * w, (r + 1) * w)`` with ``w = wire_nbytes(ceil(n /
-rows))``), exchanged with ``all_to_all_single`` and ``all_gather_into_tensor``. Any tensor size works:
+rows))``), exchanged with ``all_to_all_rows`` (an all-gather of the peer's row between two ranks)
+and ``all_gather_into_tensor``. Any tensor size works:
 rows are zero-padded inside the codec, never copied here. Each collective is three kernel launches
 and two NCCL calls at most, with no host synchronization:
 
@@ -52,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from compression.telemetry import TELEMETRY
+from compression.transport import all_to_all_rows
 from compression.timing import call_seconds, default_device, queued_seconds
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -80,10 +82,11 @@ def _done(result: torch.Tensor, async_op: bool):
 
 
 def _exchange_rows(x: torch.Tensor, codec, group):
-    """Phase 1: encode x as ``world`` rows and all-to-all them; (received row wires, async work)."""
+    """Phase 1: encode x as ``world`` rows and all-to-all them; (received row wires, async work). Chunk j
+    of the result is rank j's row ``rank``; callers skip their own chunk."""
     send = codec.encode(x, rows=dist.get_world_size(group))
     recv = torch.empty_like(send)
-    return recv, dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return recv, all_to_all_rows(recv, send, group=group, async_op=True)
 
 
 def _sum_rows(codec, x: torch.Tensor, recv: torch.Tensor, rank: int, world: int) -> torch.Tensor:
