@@ -91,17 +91,25 @@ def bench_size(codec, mib, device, reference_max_mib):
     row["encode_vs_copy"] = row["encode_gbps"] / row["copy_gbps"]
     row["decode_vs_copy"] = row["decode_gbps"] / row["copy_gbps"]
     if torch.device(device).type == "cuda":
-        flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # larger than the L2
-        for name, fn in (("copy", lambda: x.clone()), ("encode", lambda: codec.encode(x)),
-                         ("decode", lambda: codec.decode(wire, numel, torch.bfloat16))):
-            row[f"{name}_device_ms"] = 1e3 * sum(device_op_seconds(fn, 5, setup=flush.zero_).values())
-        for name in ("encode", "decode"):
-            row[f"{name}_vs_copy_device"] = ((in_bytes + wire_bytes) / row[f"{name}_device_ms"]
-                                             / (2 * in_bytes / row["copy_device_ms"]))
+        row.update(device_ratios(codec, x, wire))
     if mib <= reference_max_mib:
         args = (c.block_size, c.format, c.transform)
         row["reference_encode_ms"] = kernel_ms(lambda: K.taco_encode_reference(x, *args, c.scaling), device)
         row["reference_decode_ms"] = kernel_ms(lambda: K.taco_decode_reference(wire, numel, torch.bfloat16, *args), device)
+    return row
+
+
+def device_ratios(codec, x, wire) -> dict:
+    """Device time (profiler, L2 flushed before each call) of a copy, the encode and the decode of ``x``, and
+    the codec's traffic per second against the copy's."""
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=x.device)  # larger than the L2
+    in_bytes, row = 2 * x.numel(), {}
+    for name, fn in (("copy", lambda: x.clone()), ("encode", lambda: codec.encode(x)),
+                     ("decode", lambda: codec.decode(wire, x.numel(), torch.bfloat16))):
+        row[f"{name}_device_ms"] = 1e3 * sum(device_op_seconds(fn, 5, setup=flush.zero_).values())
+    for name in ("encode", "decode"):
+        row[f"{name}_vs_copy_device"] = ((in_bytes + wire.numel()) / row[f"{name}_device_ms"]
+                                         / (2 * in_bytes / row["copy_device_ms"]))
     return row
 
 
@@ -119,8 +127,12 @@ def launch_sweep(codec, sizes, configs, device):
                 table.append(dict(launch=config, mib=mib, problems=verify(codec, x),
                                   encode_ms=kernel_ms(lambda: codec.encode(x), device),
                                   decode_ms=kernel_ms(lambda: codec.decode(wire, numel, torch.bfloat16), device)))
+                if torch.device(device).type == "cuda":
+                    table[-1].update(device_ratios(codec, x, wire))
                 print(f"launch {config:>8} {mib:>6g} MiB: encode {table[-1]['encode_ms']:.4f} ms, "
-                      f"decode {table[-1]['decode_ms']:.4f} ms {table[-1]['problems'] or ''}")
+                      f"decode {table[-1]['decode_ms']:.4f} ms, vs copy (device) encode "
+                      f"{table[-1].get('encode_vs_copy_device', 0):.2f} decode {table[-1].get('decode_vs_copy_device', 0):.2f} "
+                      f"{table[-1]['problems'] or ''}")
     finally:
         K.LAUNCH.update(default)
     return table
