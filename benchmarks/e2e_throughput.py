@@ -91,8 +91,12 @@ def summarize(records, warmup):
     steps = [r for r in records if "iter_time_s" in r and "loss" in r][warmup:]
     if not steps:
         raise RuntimeError("no timed iterations after warm-up: raise --train-iters")
-    t = statistics.median(r["iter_time_s"] for r in steps)
-    out = {"median_iter_time_s": t, "iters_timed": len(steps)}
+    times = [r["iter_time_s"] for r in steps]
+    t = statistics.median(times)
+    # the spread of one run's own iterations: a speedup inside it is not a measured difference
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (t, t, t)
+    out = {"median_iter_time_s": t, "iters_timed": len(steps),
+           "iter_time_s_quartiles": [min(times), q1, t, q3, max(times)], "relative_iqr": (q3 - q1) / t}
     for key in ("tokens_per_s", "tflops_per_gpu"):
         vals = [r[key] for r in steps if key in r]
         if vals:
@@ -146,7 +150,7 @@ def main():
             results["runs"].append(res)
             print(f"{link:16s} {name:10s} {res['median_iter_time_s'] * 1e3:9.1f} ms/iter "
                   f"{res.get('tokens_per_s', 0):10.0f} tok/s  MFU {res.get('mfu', 0) * 100:5.1f}%  "
-                  f"speedup {res['speedup_vs_baseline']:.3f}x", flush=True)
+                  f"speedup {res['speedup_vs_baseline']:.3f}x  (iteration IQR {res['relative_iqr']:.1%})", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

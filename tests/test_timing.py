@@ -34,3 +34,16 @@ def test_device_op_seconds_counts_the_call_not_its_setup():
     ops = device_op_seconds(lambda: y.copy_(x), 3, setup=lambda: torch.mul(x, 2))
     assert len(ops) == 1 and 0 < next(iter(ops.values())) < 1e-2, ops  # the copy only, not the mul
     assert torch.equal(x, y)
+
+
+def test_e2e_summary_reports_the_runs_own_spread():
+    """benchmarks/e2e_throughput.py: the median of the timed iterations after the warm-up, and their
+    quartiles, so that a speedup can be read against the run's own iteration-to-iteration spread."""
+    from benchmarks.e2e_throughput import summarize
+
+    records = [{"iteration": i, "loss": 1.0, "iter_time_s": t} for i, t in enumerate([9.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0])]
+    records.insert(3, {"iteration": 99, "validation_loss": 1.0})  # rows without a training loss are skipped
+    out = summarize(records, warmup=2)
+    assert out["iters_timed"] == 5 and out["median_iter_time_s"] == 3.0
+    assert out["iter_time_s_quartiles"] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert out["relative_iqr"] == pytest.approx(2.0 / 3.0)
