@@ -276,13 +276,13 @@ class CieraCodec(ShardCodec):
             raw = self.config.exponent_coder == "raw"
             split = self._split_fused(bits, shard.dtype, layout, keyframe, dense or (keyframe and raw))
             if raw:
-                B, flags = self.config.block_size, FLAG_KEYFRAME if keyframe else 0
-                if split.dense:  # the size is known: every block's exponents
-                    header = bytes_to_device(_header(flags, B, shard.dtype, n, split.nblocks, split.nblocks * B)
-                                             .numpy().tobytes(), bits.device)
+                B = self.config.block_size
+                sent = split.nblocks if split.dense else 0  # dense: every block, a size the host knows
+                header = bytes_to_device(_header(FLAG_KEYFRAME if keyframe else 0, B, shard.dtype, n, sent, sent * B)
+                                         .numpy().tobytes(), bits.device)
+                if split.dense:
                     return EncodeStart(split.sec.capacity, header, split)
                 n_changed = split.n_changed.device_values.to(torch.int64)
-                header = bytes_to_device(_header(flags, B, shard.dtype, n, 0, 0).numpy().tobytes(), bits.device)
                 header[N_CHANGED_AT:N_CHANGED_AT + 16] = torch.cat([n_changed, n_changed * B]).view(torch.uint8)
                 return EncodeStart(split.sec.exp + n_changed * B, header, split)
             payload = self._finish_fused(split)
@@ -291,7 +291,8 @@ class CieraCodec(ShardCodec):
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _SplitBlocks):
             return super().finish_encode(start, out)
-        # n_changed landed with the size the caller waited for: no wait here.
+        # n_changed landed with the size the caller waited for (a dense payload's size needed no wait:
+        # there _finish_fused waits for the split kernel's count)
         out.copy_(self._finish_fused(start.state))
 
     def _encode_reference(self, bits, dtype, layout, keyframe: bool, dense: bool) -> torch.Tensor:

@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 
 from compression.telemetry import TELEMETRY
-from compression.transport import all_to_all_rows
 from compression.timing import call_seconds, default_device, queued_seconds
+from compression.transport import all_to_all_rows
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 ALL_REDUCE_ALGORITHMS = ("auto", "one-shot", "two-shot")
