@@ -46,7 +46,7 @@ import torch
 from compression import ans
 from compression.codec import EncodeStart, HostValues, ShardCodec, bytes_to_device, check_block_size
 from kernels import ciera as kernels
-from kernels.ciera import LAYOUTS, merge_blocks_reference, split_compare_reference
+from kernels.ciera import LAYOUTS, block_hashes, merge_blocks_reference, split_compare_reference
 
 MAGIC = b"CE"
 VERSION = 2
@@ -120,38 +120,6 @@ def unpack_field(buf: torch.Tensor, n: int, nbits: int) -> torch.Tensor:
     if nbits == 8:
         return buf[:n]
     return buf[:n].to(torch.int32) | (_unpack_planes(buf[n:], n, nbits - 8) << 8)
-
-
-# ---- 128-bit block hash: two SplitMix64-style hashes with independent seeds (int64 arithmetic wraps).
-
-def _i64(u: int) -> int:
-    return u - (1 << 64) if u >= 1 << 63 else u
-
-
-GAMMA = _i64(0x9E3779B97F4A7C15)
-MIX1, MIX2 = _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
-HASH_SEEDS = (_i64(0x243F6A8885A308D3), _i64(0x13198A2E03707344))
-
-
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch shifts int64 arithmetically)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def mix64(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64 finaliser."""
-    z = (z ^ _shr(z, 30)) * MIX1
-    z = (z ^ _shr(z, 27)) * MIX2
-    return z ^ _shr(z, 31)
-
-
-def block_hashes(exp: torch.Tensor, block_size: int) -> torch.Tensor:
-    """int64 [nblocks, 2]: for each seed, mix64(seed ^ sum_j mix64(word_j ^ (seed + (j+1)*GAMMA))) over
-    the block's exponent bytes read as 64-bit words (position-keyed, so moved bytes change the hash)."""
-    words = exp.view(torch.int64).view(-1, block_size // 8)
-    pos = torch.arange(1, block_size // 8 + 1, device=exp.device, dtype=torch.int64) * GAMMA
-    out = [mix64(mix64(words ^ (pos + seed)).sum(1) ^ seed) for seed in HASH_SEEDS]
-    return torch.stack(out, dim=1)
 
 
 # ---- payload sections
@@ -237,9 +205,8 @@ class CieraCodec(ShardCodec):
         self._dense_next = False  # the next encode sends every block's exponents (DENSE_MIN_CHANGED)
         self._synced = set()  # source ranks whose keyframe this rank has decoded
 
-    def _hash_changed(self, exp, keyframe: bool):
+    def _hash_changed(self, hashes, keyframe: bool):
         """Hash mode: the blocks whose hash differs from the previous one (None on a keyframe)."""
-        hashes = block_hashes(exp, self.config.block_size)
         changed = None if keyframe else (hashes != self._prev).any(dim=1)
         self._prev = hashes
         return changed
@@ -303,7 +270,7 @@ class CieraCodec(ShardCodec):
         if compare:
             self._prev = exp
         else:
-            changed = self._hash_changed(exp, keyframe)
+            changed = self._hash_changed(block_hashes(exp, B), keyframe)
         if keyframe:
             changed = torch.ones(exp.numel() // B, dtype=torch.bool, device=bits.device)
         self._count_changed(keyframe, int(changed.sum()), changed.numel())
@@ -360,9 +327,10 @@ class CieraCodec(ShardCodec):
             exp = self._prev
         else:
             exp = in_payload if dense else torch.empty(npad, dtype=torch.uint8, device=bits.device)
-        flags = kernels.split_blocks(bits, exp, compare and not keyframe, payload[sec.sm:], B)
+        hashes = None if compare else torch.empty(npad // B, 2, dtype=torch.int64, device=bits.device)
+        flags = kernels.split_blocks(bits, exp, compare and not keyframe, payload[sec.sm:], B, hashes)
         if not compare:
-            changed = self._hash_changed(exp, keyframe)
+            changed = self._hash_changed(hashes, keyframe)
             flags = flags if changed is None else changed.to(torch.int32)
         nblocks = flags.numel()
         ranks = torch.cumsum(flags, 0, dtype=torch.int32)  # 4 us here; a torch sum took 23 (session 7)

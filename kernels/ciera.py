@@ -72,6 +72,38 @@ def split_compare_reference(bits, prev_exp, block_size: int, layout: FloatLayout
     return exp, sm, changed
 
 
+# 128-bit block hash: two SplitMix64-style hashes with independent seeds (int64 arithmetic wraps).
+
+def _i64(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+GAMMA = _i64(0x9E3779B97F4A7C15)
+MIX1, MIX2 = _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+HASH_SEEDS = (_i64(0x243F6A8885A308D3), _i64(0x13198A2E03707344))
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts int64 arithmetically)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finaliser."""
+    z = (z ^ _shr(z, 30)) * MIX1
+    z = (z ^ _shr(z, 27)) * MIX2
+    return z ^ _shr(z, 31)
+
+
+def block_hashes(exp: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 [nblocks, 2]: for each seed, mix64(seed ^ sum_j mix64(word_j ^ (seed + (j+1)*GAMMA))) over
+    the block's exponent bytes read as 64-bit words (position-keyed, so moved bytes change the hash)."""
+    words = exp.view(torch.int64).view(-1, block_size // 8)
+    pos = torch.arange(1, block_size // 8 + 1, device=exp.device, dtype=torch.int64) * GAMMA
+    out = [mix64(mix64(words ^ (pos + seed)).sum(1) ^ seed) for seed in HASH_SEEDS]
+    return torch.stack(out, dim=1)
+
+
 def merge_blocks_reference(out_bits, changed, new_exp, sm, block_size: int, layout: FloatLayout):
     """New bit patterns for ``out_bits`` (int16, n values holding the previous values): exponents of
     changed blocks come from ``new_exp`` (uint8, the changed blocks in order, last one padded), the
@@ -99,11 +131,42 @@ if triton is not None:
         tl.store(sm_ptr + offs, (((w >> 8) & 0x80) | (w & 0x7F)).to(tl.uint8), mask=in_shard)
         return offs, (w >> 7) & 0xFF
 
+    _GAMMA, _MIX1, _MIX2 = tl.constexpr(GAMMA), tl.constexpr(MIX1), tl.constexpr(MIX2)
+    _SEED0, _SEED1 = tl.constexpr(HASH_SEEDS[0]), tl.constexpr(HASH_SEEDS[1])
+
     @triton.jit
-    def _split_blocks_kernel(bits_ptr, exp_ptr, sm_ptr, flags_ptr, n, npad, nblocks,
-                             B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr):
+    def _shr64(z, k: tl.constexpr):
+        return (z.to(tl.uint64, bitcast=True) >> k).to(tl.int64, bitcast=True)
+
+    @triton.jit
+    def _mix64(z):
+        z = (z ^ _shr64(z, 30)) * _MIX1
+        z = (z ^ _shr64(z, 27)) * _MIX2
+        return z ^ _shr64(z, 31)
+
+    @triton.jit
+    def _block_hash(words, pos, seed):
+        """block_hashes for one seed: words [BPP, B / 8] int64, pos [B / 8] = (j + 1) * GAMMA."""
+        return _mix64(tl.sum(_mix64(words ^ (pos + seed)[None, :]), axis=1) ^ seed)
+
+    @triton.jit
+    def _store_hashes(hashes_ptr, rows, nblocks, exp, B: tl.constexpr, BPP: tl.constexpr):
+        """block_hashes of the tile's exponents (int32 [BPP, B]) into hashes_ptr [nblocks, 2]: the bytes
+        of 8 consecutive exponents make a little-endian word (a sum of disjoint bytes)."""
+        bytes8 = tl.reshape(exp, (BPP, B // 8, 8)).to(tl.int64)
+        words = tl.sum(bytes8 << (8 * tl.arange(0, 8)).to(tl.int64)[None, None, :], axis=2)
+        pos = (tl.arange(0, B // 8) + 1).to(tl.int64) * _GAMMA
+        ok = rows < nblocks
+        tl.store(hashes_ptr + 2 * rows, _block_hash(words, pos, _SEED0), mask=ok)
+        tl.store(hashes_ptr + 2 * rows + 1, _block_hash(words, pos, _SEED1), mask=ok)
+
+    @triton.jit
+    def _split_blocks_kernel(bits_ptr, exp_ptr, sm_ptr, flags_ptr, hashes_ptr, n, npad, nblocks,
+                             B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr, HASH: tl.constexpr):
         rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
         offs, exp = _split_tile(bits_ptr, sm_ptr, rows, n, B)
+        if HASH:
+            _store_hashes(hashes_ptr, rows, nblocks, exp, B, BPP)
         store = offs < npad
         if COMPARE:
             prev = tl.load(exp_ptr + offs, mask=store, other=0).to(tl.int32)
@@ -176,16 +239,18 @@ def _grid(nblocks: int, block_size: int) -> tuple:
     return (triton.cdiv(nblocks, _blocks_per_program(block_size)),)
 
 
-def split_blocks(bits, exp, compare: bool, sm_out, block_size: int) -> torch.Tensor:
+def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None) -> torch.Tensor:
     """bf16 ``bits`` (int16 [n]): sign+mantissa bytes into ``sm_out[:n]``, exponents into ``exp``
     (uint8 [nblocks * block_size], zero-padded) after comparing them with the previous exponents that
-    ``exp`` holds if ``compare``. Returns int32 [nblocks] flags: 1 where a block changed (all if not
-    ``compare``). Equals ``split_compare_reference``."""
+    ``exp`` holds if ``compare``; ``hashes`` (int64 [nblocks, 2]), if given, gets ``block_hashes`` of the
+    new exponents. Returns int32 [nblocks] flags: 1 where a block changed (all if not ``compare``).
+    Equals ``split_compare_reference``."""
     nblocks = exp.numel() // block_size
     flags = torch.empty(nblocks, dtype=torch.int32, device=bits.device)
     _split_blocks_kernel[_grid(nblocks, block_size)](
-        bits, exp, sm_out, flags, bits.numel(), exp.numel(), nblocks, B=block_size,
-        BPP=_blocks_per_program(block_size), COMPARE=compare, num_warps=NUM_WARPS)
+        bits, exp, sm_out, flags, flags if hashes is None else hashes, bits.numel(), exp.numel(), nblocks,
+        B=block_size, BPP=_blocks_per_program(block_size), COMPARE=compare, HASH=hashes is not None,
+        num_warps=NUM_WARPS)
     return flags
 
 

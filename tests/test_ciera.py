@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from compression import ans
-from compression.ciera import HEADER_BYTES, VERSION, CieraCodec, CieraConfig, block_hashes, field_nbytes, sections
-from kernels.ciera import LAYOUTS
+from compression.ciera import HEADER_BYTES, VERSION, CieraCodec, CieraConfig, field_nbytes, sections
+from kernels.ciera import LAYOUTS, block_hashes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 64
@@ -220,7 +220,7 @@ def _check_fused_matches_reference():
     reference_path = k.use_triton
     n = 9000 + 37
     for block, mode, coder in [(64, "compare", "raw"), (1024, "compare", "raw"), (8192, "compare", "raw"),
-                               (64, "hash", "ans")]:
+                               (64, "hash", "ans"), (512, "hash", "raw")]:
         config = CieraConfig(block, mode, coder)
         fused, reference, receiver = (CieraCodec(config, 2, r) for r in (0, 0, 1))
         outs = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
@@ -245,10 +245,25 @@ def _check_fused_matches_reference():
         k.use_triton = reference_path
 
 
+def _check_fused_hashes_match_reference():
+    """The split kernel's block hashes equal ``block_hashes`` of the exponents it writes (several programs,
+    a partial last block, every exponent byte value)."""
+    from kernels import ciera as k
+
+    g = torch.Generator().manual_seed(3)
+    for block, n in ((64, 9000 + 37), (512, 3 * 4096 + 5), (8192, 8192 + 100)):
+        bits = _patterns(n, g)
+        nblocks = -(-n // block)
+        exp = torch.empty(nblocks * block, dtype=torch.uint8)
+        hashes = torch.empty(nblocks, 2, dtype=torch.int64)
+        k.split_blocks(bits, exp, False, torch.empty(n, dtype=torch.uint8), block, hashes)
+        assert torch.equal(hashes, block_hashes(exp, block)), block
+
+
 def test_fused_path_matches_reference_interpreted():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    code = "import test_ciera; test_ciera._check_fused_matches_reference()"
+    code = "import test_ciera; test_ciera._check_fused_matches_reference(); test_ciera._check_fused_hashes_match_reference()"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
