@@ -94,6 +94,9 @@ class ShardCodec(ABC):
     """Names of the integer statistics of the last ``encode`` in ``last_stats`` (e.g. blocks_changed),
     which the gather adds to the byte telemetry as ``dp_param_gather/<name>``."""
     last_stats: dict = {}
+    read_slack_bytes: int = 0
+    """Bytes past a payload's end that ``decode`` may read (and never uses): the gather leaves that much
+    room after its receive buffer, and a payload without it is copied into one that has it."""
     header_nbytes: int = 0
     """Length of the fixed header every payload starts with (0: none). The gather sends these bytes
     with the payload sizes, which the host reads anyway, and hands them to ``decode`` as ``header``:

@@ -79,6 +79,12 @@ def _as_bits(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.view(-1).view(torch.int16)
 
 
+def _bytes_after(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storage after its last element."""
+    storage = t.untyped_storage()
+    return storage.data_ptr() + storage.nbytes() - (t.data_ptr() + t.numel() * t.element_size())
+
+
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
@@ -100,6 +106,7 @@ class DeltaCodec(ShardCodec):
     lossless = True
     stat_names = ("blocks_total", "blocks_changed", "values_changed")  # telemetry counters
     header_nbytes = HEADER.size
+    read_slack_bytes = kernels.WORD_READ_SLACK
 
     def __init__(self, config: DeltaConfig, world_size: int, rank: int, *, triton=None):
         self.config = config
@@ -218,12 +225,11 @@ class DeltaCodec(ShardCodec):
             return
         b = self.config.block_size
         layout = _Layout.of(bits.numel(), n_changed, b)
-        codes = payload[HEADER.size : HEADER.size + layout.n_blocks]
-        n_esc = payload[layout.n_esc : layout.exc_widths]
-        exc_widths = payload[layout.exc_widths : layout.bitmaps]
-        bitmaps = payload[layout.bitmaps : layout.values]
-        values = payload[layout.values :]
-        if use_triton(bits, self.triton):  # every section read as bytes: any payload offset works
+        codes, n_esc, exc_widths, bitmaps, values = self._sections(payload, layout)
+        if use_triton(bits, self.triton):  # sections read as 32-bit words from any payload offset
+            if _bytes_after(payload) < self.read_slack_bytes:
+                payload = torch.cat([payload, payload.new_zeros(self.read_slack_bytes)])[:payload.numel()]
+                codes, n_esc, exc_widths, bitmaps, values = self._sections(payload, layout)
             rank_end = torch.cumsum(codes != 0, 0)
             nbytes = kernels.stream_sizes(codes, rank_end, n_esc, exc_widths, bitmaps, b)
             kernels.decode_blocks(bits, codes, rank_end, torch.cumsum(nbytes, 0), nbytes, exc_widths, bitmaps,
@@ -235,6 +241,13 @@ class DeltaCodec(ShardCodec):
         counts = _POPCOUNT.to(payload.device)[bitmaps.to(torch.int64)].sum(1)
         value_bytes = stream_nbytes(counts, codes[changed], n_esc, exc_widths)
         unpack_values_reference(bits, changed, codes, exc_widths, bitmaps, _exclusive_cumsum(value_bytes), values, b)
+
+    @staticmethod
+    def _sections(payload: torch.Tensor, layout: "_Layout") -> tuple:
+        """codes, n_esc, exc_widths, bitmaps and value streams of a delta payload (views)."""
+        return (payload[HEADER.size : HEADER.size + layout.n_blocks], payload[layout.n_esc : layout.exc_widths],
+                payload[layout.exc_widths : layout.bitmaps], payload[layout.bitmaps : layout.values],
+                payload[layout.values :])
 
     def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int, header) -> tuple:
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < HEADER.size:

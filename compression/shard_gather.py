@@ -109,7 +109,8 @@ class ShardGather:
         send = torch.empty(width, dtype=torch.uint8, device=buffer.device)
         self.codec.finish_encode(start, send[:size])
         send[size:] = 0  # the padding (receivers ignore it) is not left uninitialized
-        recv = torch.empty(width * self.world_size, dtype=torch.uint8, device=buffer.device)
+        recv = torch.empty(width * self.world_size + self.codec.read_slack_bytes, dtype=torch.uint8,
+                           device=buffer.device)[:width * self.world_size]
         self._record(shard, width)
         work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=async_op)
 

@@ -46,6 +46,7 @@ except ImportError:  # CPU-only installs: the references run everywhere
     triton = None
 
 MAX_WIDTH = 17  # bits of v = z - 1 < 2**17; also the width of an exception entry
+WORD_READ_SLACK = 3  # decode_blocks reads the value streams as 32-bit words: up to 3 bytes past their end
 
 
 @dataclass
@@ -330,12 +331,6 @@ if triton is not None:
             chunk += 1
 
     @triton.jit
-    def _changed_lanes(bitmaps_ptr, rank, changed, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        byte = tl.load(bitmaps_ptr + rank * (BLOCK // 8) + i // 8, mask=(i < BLOCK) & changed, other=0)
-        return ((byte.to(tl.int32) >> (i % 8)) & 1) == 1
-
-    @triton.jit
     def _read_n_esc(n_esc_ptr, rank, changed):
         lo = tl.load(n_esc_ptr + 2 * rank, mask=changed, other=0).to(tl.int32)
         return lo | (tl.load(n_esc_ptr + 2 * rank + 1, mask=changed, other=0).to(tl.int32) << 8)
@@ -366,30 +361,43 @@ if triton is not None:
         tl.store(nbytes_ptr + b, (nbits + 7) // 8, mask=inside)
 
     @triton.jit
-    def _load_bits(values_ptr, values_nbytes, bitpos, width, mask):
-        pos = bitpos >> 3
-        word = tl.zeros(bitpos.shape, dtype=tl.int32)
-        for t in tl.static_range(3):  # a shift <= 7 plus 17 bits spans at most 3 bytes
-            m = mask & (pos + t < values_nbytes)
-            word = word | (tl.load(values_ptr + pos + t, mask=m, other=0).to(tl.int32) << (8 * t))
-        return (word >> (bitpos & 7)) & ((1 << width) - 1)
+    def _load_bits(words_ptr, bitpos, width, mask):
+        """``width`` (<= 17) bits at ``bitpos`` of the 32-bit little-endian words at ``words_ptr`` (one
+        load, or two where they straddle a word: one or two 32-bit loads where bytes took three). The
+        second word may extend up to 3 bytes past the section's last byte; those bits are never used."""
+        wi = bitpos >> 5
+        sh = bitpos & 31
+        lo = tl.load(words_ptr + wi, mask=mask, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        hi = tl.load(words_ptr + wi + 1, mask=mask & (sh + width > 32), other=0).to(tl.uint32, bitcast=True)
+        window = lo | (hi.to(tl.uint64) << 32)
+        return (window >> sh.to(tl.uint64)).to(tl.int32) & ((1 << width) - 1)
 
-    @triton.jit(do_not_specialize=["values_nbytes"])
+    @triton.jit(do_not_specialize=["bitmaps_lead", "values_lead"])
     def _decode_kernel(out_ptr, numel, codes_ptr, rank_end_ptr, stream_end_ptr, nbytes_ptr, exc_widths_ptr,
-                       bitmaps_ptr, values_ptr, values_nbytes, BLOCK: tl.constexpr):
+                       bitmaps_ptr, bitmaps_lead, values_ptr, values_lead, BLOCK: tl.constexpr):
+        # the bitmaps and value streams are read as 32-bit words from the 4-byte boundary at or before
+        # their first byte, ``*_lead`` bytes earlier (the payload's previous section)
+        bitmap_words = (bitmaps_ptr - bitmaps_lead).to(tl.pointer_type(tl.int32))
+        value_words = (values_ptr - values_lead).to(tl.pointer_type(tl.int32))
         b = tl.program_id(0).to(tl.int64)
         code = tl.load(codes_ptr + b).to(tl.int32)
         width = tl.maximum(code - 1, 0)
         rank = tl.load(rank_end_ptr + b) - 1
-        changed = _changed_lanes(bitmaps_ptr, rank, code != 0, BLOCK)
+        i = tl.arange(0, BLOCK)
+        # per block: a 64-bit word address once, 32-bit bit offsets from it per value
+        bitmap_at = bitmaps_lead + rank * (BLOCK // 8)
+        changed = _load_bits(bitmap_words + (bitmap_at >> 2), (bitmap_at & 3).to(tl.int32) * 8 + i, 1,
+                             (code != 0) & (i < BLOCK)) != 0
         exc_width = tl.load(exc_widths_ptr + rank, mask=code != 0, other=0).to(tl.int32)
-        base = (tl.load(stream_end_ptr + b) - tl.load(nbytes_ptr + b)) * 8
+        stream_at = tl.load(stream_end_ptr + b) - tl.load(nbytes_ptr + b) + values_lead
+        stream_words = value_words + (stream_at >> 2)
+        base = (stream_at & 3).to(tl.int32) * 8
         ranks = tl.cumsum(changed.to(tl.int32), axis=0) - 1
-        slot = _load_bits(values_ptr, values_nbytes, base + tl.maximum(ranks, 0) * width, width, changed)
+        slot = _load_bits(stream_words, base + tl.maximum(ranks, 0) * width, width, changed)
         escaped = changed & (width > 0) & (slot == (1 << width) - 1)
         esc_rank = tl.cumsum(escaped.to(tl.int32), axis=0) - 1
         exc_pos = base + tl.sum(changed.to(tl.int32), axis=0) * width + tl.maximum(esc_rank, 0) * exc_width
-        z = tl.where(escaped, _load_bits(values_ptr, values_nbytes, exc_pos, exc_width, escaped), slot) + 1
+        z = tl.where(escaped, _load_bits(stream_words, exc_pos, exc_width, escaped), slot) + 1
         d = (z >> 1) ^ -(z & 1)
         idx = b * BLOCK + tl.arange(0, BLOCK)
         keep = changed & (idx < numel)
@@ -473,8 +481,10 @@ def stream_sizes(codes, rank_end, n_esc_bytes, exc_widths, bitmaps, block_size: 
 
 
 def decode_blocks(out, codes, rank_end, stream_end, nbytes, exc_widths, bitmaps, values, block_size: int) -> None:
-    """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values)."""
+    """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values). ``bitmaps``
+    and ``values`` are sections of one payload after its header, so the 4-byte boundary before each is
+    inside the payload; ``values`` ends the payload and needs WORD_READ_SLACK readable bytes after it."""
     if codes.numel():
         _decode_kernel[(codes.numel(),)](out, out.numel(), codes, rank_end, stream_end, nbytes, exc_widths,
-                                         bitmaps, values, values.numel(), BLOCK=block_size,
-                                         num_warps=_num_warps(block_size))
+                                         bitmaps, bitmaps.data_ptr() % 4, values, values.data_ptr() % 4,
+                                         BLOCK=block_size, num_warps=_num_warps(block_size))

@@ -220,9 +220,15 @@ def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 10
             assert tri.last_stats == ref.last_stats, (block_size, n, step)
             assert torch.equal(ref._prev, tri._prev.cpu()), (block_size, n, step)
             ref.decode(0, payload, out_ref)
-            tri.decode(0, payload.to(device), out_tri)
             assert_same_bits(out_ref, bits)
-            assert_same_bits(out_tri.cpu(), bits)
+            # the word-reading decoder from every byte alignment, with and without room after the payload
+            for lead, slack in ((0, 0), (1, 3), (2, 0), (3, 16)):
+                moved = torch.cat([payload.new_zeros(lead), payload, payload.new_zeros(slack)]).to(device)
+                if step > 0:
+                    out_tri.copy_(as_float(previous, dtype).to(device))
+                tri.decode(0, moved[lead:lead + payload.numel()], out_tri)
+                assert_same_bits(out_tri.cpu(), bits)
+            previous = bits
 
 
 def _reference_records(prev: torch.Tensor, bits: torch.Tensor, block_size: int, device) -> "kernels.EncodedBlocks":
