@@ -7,7 +7,7 @@ previous values every repeat (untimed), and every decode is checked bit for bit.
 clock with a device sync on both sides (the codec's own host syncs included); GB/s are shard bytes
 (2 per value) per second; ``*_device_GBps`` count only the device's time in the call's kernels and
 copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps``
-sweeps the warps per block program of the codec kernels.
+sweeps the warps per block program of the codec kernels, ``--max-registers`` their register caps.
 
     python benchmarks/bench_delta_kernels.py --out results/gpu/delta_kernels.json
 """
@@ -77,24 +77,32 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="AdamW steps before the timed one")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--warps", default="", help="comma list of warps per block program to sweep (default: built-in)")
+    p.add_argument("--max-registers", default="", help="comma list of encode:decode register caps to sweep, "
+                   "e.g. 96:64,80:64 (0: the compiler's choice)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = []
-    default_warps = kernels._num_warps
+    default_warps, default_caps = kernels._num_warps, dict(kernels.MAX_REGISTERS)
+    caps = [[int(c) or None for c in pair.split(":")] for pair in args.max_registers.split(",") if pair]
+    configs = ([(None, None)] + [(int(w), None) for w in args.warps.split(",") if w]
+               + [(None, dict(encode=e, decode=d)) for e, d in caps])
     for lr in (float(x) for x in args.lrs.split(",")):
         previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
-        for warps in [None] + [int(w) for w in args.warps.split(",") if w]:
+        for warps, cap in configs:
             kernels._num_warps = default_warps if warps is None else (lambda block_size, w=warps: w)
-            row = dict(lr=lr, warps=warps or default_warps(args.block_size), block_size=args.block_size,
-                       numel=args.numel, **measure(previous, new, args.block_size, args.repeats))
+            kernels.MAX_REGISTERS.update(cap or default_caps)
+            row = dict(lr=lr, warps=warps or default_warps(args.block_size), max_registers=dict(kernels.MAX_REGISTERS),
+                       block_size=args.block_size, numel=args.numel,
+                       **measure(previous, new, args.block_size, args.repeats))
             rows.append(row)
-            print(f"lr {lr:g} warps {row['warps']}: encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
+            print(f"lr {lr:g} warps {row['warps']} registers {row['max_registers']}: encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
                   f"blocks kernel {row['encode_blocks_ms']:.3f} ms), decode {row['decode_GBps']:.0f} GB/s "
                   f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x; "
                   f"device time only: encode {row['encode_device_GBps']:.0f}, decode {row['decode_device_GBps']:.0f}, "
                   f"copy {row['copy_device_GBps']:.0f} GB/s", flush=True)
         kernels._num_warps = default_warps
+        kernels.MAX_REGISTERS.update(default_caps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(0), torch=torch.__version__,

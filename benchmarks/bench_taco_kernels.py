@@ -11,7 +11,7 @@ bandwidth (goal >= 0.70 from 16 MiB). do_bench times each call between events, s
 launch (~50 us for the encode's many arguments) outlasts its kernel is timed by its launch; the
 "device" columns time the kernels alone (PyTorch profiler, L2 flushed before each call), which is
 what the kernel goal is about and what a CUDA-graph replay (--tp-comm-cuda-graphs) pays. ``--launch``
-times other kernel launch configurations (elements per program x warps) too, in a "launch_sweep" table;
+times other kernel launch configurations (elements per program x warps, a register cap) too, in a "launch_sweep" table;
 the main rows use the module's ``kernels.taco.LAUNCH``. Exits non-zero if a check fails.
 """
 
@@ -39,7 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--transform", default="ash")
     p.add_argument("--scaling", default="dual")
     p.add_argument("--reference-max-mib", type=float, default=64, help="time the torch reference up to this size")
-    p.add_argument("--launch", default="", help="extra launch configs to time, e.g. 4096x8,1024x1 (elements x warps)")
+    p.add_argument("--launch", default="", help="extra launch configs to time, e.g. 4096x8,1024x1,1024x1r64 "
+                   "(elements x warps, optionally r and a register cap)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, torch reference path, wall-clock timing")
     return p.parse_args(argv)
 
@@ -118,8 +119,10 @@ def launch_sweep(codec, sizes, configs, device):
     default, table = dict(K.LAUNCH), []
     try:
         for config in configs:
-            elems, warps = (int(v) for v in config.split("x"))
-            K.LAUNCH.update(encode=(elems, warps), decode=(elems, warps))
+            elems, _, rest = config.partition("x")
+            warps, _, cap = rest.partition("r")
+            launch = (int(elems), int(warps), int(cap) if cap else None)
+            K.LAUNCH.update(encode=launch, decode=launch)
             for mib in sizes:
                 numel = int(mib * 2**20) // 2
                 x = _input(numel, device)

@@ -41,12 +41,14 @@ SPECIALIZED_INTS = ("numel", "x_start", "row_len", "blocks_per_row", "n_blocks")
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4}\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def sass_opcodes(kernel, signature: dict, constexprs: dict, num_warps: int,
-                 specialize: bool = False) -> collections.Counter:
-    """Opcode -> count in the SASS of ``kernel`` compiled for sm_90 (Hopper), with the launch options
-    the codecs use (TACO disables FP contraction for bit-identity with its reference); ``specialize``:
-    pointers and ``SPECIALIZED_INTS`` marked divisible by 16, as a launch with such values compiles."""
-    options = {"num_warps": num_warps, "enable_fp_fusion": kernel is not taco._taco_encode_kernel}
+def sass_opcodes(kernel, signature: dict, constexprs: dict, num_warps: int, specialize: bool = False,
+                 max_registers=None):
+    """(opcode -> count in the SASS, registers per thread) of ``kernel`` compiled for sm_90 (Hopper), with
+    the launch options the codecs use (TACO disables FP contraction for bit-identity with its reference);
+    ``specialize``: pointers and ``SPECIALIZED_INTS`` marked divisible by 16, as a launch with such values
+    compiles."""
+    options = {"num_warps": num_warps, "enable_fp_fusion": kernel is not taco._taco_encode_kernel,
+               "maxnreg": max_registers}
     names = list(signature)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
              if specialize and (kind.startswith("*") or name in SPECIALIZED_INTS)}
@@ -56,9 +58,13 @@ def sass_opcodes(kernel, signature: dict, constexprs: dict, num_warps: int,
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    return collections.Counter(m.group(1) for m in map(_INSTRUCTION.match, text.splitlines()) if m)
+        tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        text = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    return collections.Counter(m.group(1) for m in map(_INSTRUCTION.match, text.splitlines()) if m), registers
 
 
 def _sig(names: str, types: dict) -> dict:
@@ -68,20 +74,22 @@ def _sig(names: str, types: dict) -> dict:
 B = 256
 STREAM = _sig("prev_ptr new_ptr numel out_ptr scratch_ptr BLOCK STAGE",
               dict(prev_ptr="*i16", new_ptr="*i16", out_ptr="*i32", scratch_ptr="*i32"))
-KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program)
+KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     "delta encode": (delta._encode_kernel, _sig(
         "prev_ptr new_ptr numel codes_ptr counts_ptr n_esc_ptr exc_widths_ptr nbytes_ptr records_ptr BLOCK RECORD_WORDS",
         dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", counts_ptr="*i32", n_esc_ptr="*i32",
              exc_widths_ptr="*u8", nbytes_ptr="*i32", records_ptr="*i32")),
-        dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B)), delta._num_warps(B), B),
+        dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B)), delta._num_warps(B), B,
+        delta.MAX_REGISTERS["encode"]),
     "delta decode": (delta._decode_kernel, _sig(
         "out_ptr numel codes_ptr rank_end_ptr stream_end_ptr nbytes_ptr exc_widths_ptr bitmaps_ptr bitmaps_lead "
         "values_ptr values_lead BLOCK",
         dict(out_ptr="*i16", codes_ptr="*u8", rank_end_ptr="*i64", stream_end_ptr="*i64", nbytes_ptr="*i32",
              exc_widths_ptr="*u8", bitmaps_ptr="*u8", values_ptr="*u8")),
-        dict(BLOCK=B), delta._num_warps(B), B),
-    **{f"encoder prefix, stage {s}": (diag.k_stage, STREAM, dict(BLOCK=B, STAGE=s), 1, B) for s in range(4)},
-    "encoder prefix, stage 4 (stage 3 with row-local packing)": (diag.k_stage, STREAM, dict(BLOCK=B, STAGE=4), 1, B),
+        dict(BLOCK=B), delta._num_warps(B), B, delta.MAX_REGISTERS["decode"]),
+    **{f"encoder prefix, stage {s}": (diag.k_stage, STREAM, dict(BLOCK=B, STAGE=s), 1, B, None) for s in range(4)},
+    "encoder prefix, stage 4 (stage 3 with row-local packing)": (diag.k_stage, STREAM, dict(BLOCK=B, STAGE=4), 1, B,
+                                                                 None),
     # TACO INT8 encode at its launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual scaling
     "TACO encode, INT8": (taco._taco_encode_kernel, _sig(
         "x_ptr wire_u8 wire_f32 amax_ptr scale_ptr src_u8 src_f32 src_stride skip x_start numel row_len "
@@ -90,7 +98,8 @@ KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per pro
              src_f32="*fp32", tau="fp32", qmax="fp32", inv_qmax="fp32", inv_sqrt_b="fp32", eps="fp32")),
         dict(B=B, LOG_B=8, ROWS=taco.LAUNCH["encode"][0] // B, FORMAT=taco._FORMAT_ID["int8"], HADAMARD=True,
              GAIN=taco._gain(B, "ash"), SOURCES=0, RESCALE=taco._rescales("ash", "dual"), SCALE_MODE=taco._DUAL, EVEN=True, SOFT_ROUND=False,
-             MANTISSA_STEP=2.0**-7, MIN_ULP=1.0), taco.LAUNCH["encode"][1], taco.LAUNCH["encode"][0]),
+             MANTISSA_STEP=2.0**-7, MIN_ULP=1.0),
+        taco.LAUNCH["encode"][1], taco.LAUNCH["encode"][0], taco.LAUNCH["encode"][2]),
 }
 
 
@@ -98,13 +107,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--specialize", action="store_true", help="aligned pointers, sizes divisible by 16")
     args = p.parse_args()
-    print(f"| kernel (B={B}) | SASS instructions per program | per value | top opcodes |")
-    print("|---|---|---|---|")
-    for name, (kernel, signature, constexprs, warps, values) in KERNELS.items():
-        ops = sass_opcodes(kernel, signature, constexprs, warps, args.specialize)
+    print(f"| kernel (B={B}) | SASS instructions per program | per value | registers | top opcodes |")
+    print("|---|---|---|---|---|")
+    for name, (kernel, signature, constexprs, warps, values, cap) in KERNELS.items():
+        ops, registers = sass_opcodes(kernel, signature, constexprs, warps, args.specialize, cap)
         total = sum(ops.values())
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
-        print(f"| {name} | {total} | {total * 32 * warps / values:.0f} | {top} |", flush=True)
+        print(f"| {name} | {total} | {total * 32 * warps / values:.0f} | {registers} | {top} |", flush=True)
 
 
 if __name__ == "__main__":

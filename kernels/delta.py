@@ -407,6 +407,13 @@ if triton is not None:
         tl.store(out_ptr + idx, tl.where(u >= 0x8000, u - 0x10000, u).to(tl.int16), mask=keep)
 
 
+# Register caps (PTX .maxnreg) of the block kernels, None: the compiler's choice. A one-warp program
+# runs at most 32 per SM, at most 65536 / (32 * registers) with more than 64 registers: the encoder's 122
+# allowed 16, 80 allow 25 (+10-12% device throughput, a few spilled registers), the decoder's 70 28, 64 32
+# (+2-6%) on the H200 (session 8, benchmarks/bench_delta_kernels.py --max-registers).
+MAX_REGISTERS = {"encode": 80, "decode": 64}
+
+
 def _num_warps(block_size: int) -> int:
     return max(1, min(8, block_size // 256))  # B >= 32 * num_warps: no value held by two threads
 
@@ -449,7 +456,8 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int) -> Enc
     if n_blocks:
         _encode_kernel[(n_blocks,)](prev, new, new.numel(), e.codes, e.counts, e.n_esc, e.exc_widths, e.nbytes,
                                     e.records,
-                                    BLOCK=block_size, RECORD_WORDS=record_words, num_warps=_num_warps(block_size))
+                                    BLOCK=block_size, RECORD_WORDS=record_words, num_warps=_num_warps(block_size),
+                                    maxnreg=MAX_REGISTERS["encode"])
     return e
 
 
@@ -487,4 +495,5 @@ def decode_blocks(out, codes, rank_end, stream_end, nbytes, exc_widths, bitmaps,
     if codes.numel():
         _decode_kernel[(codes.numel(),)](out, out.numel(), codes, rank_end, stream_end, nbytes, exc_widths,
                                          bitmaps, bitmaps.data_ptr() % 4, values, values.data_ptr() % 4,
-                                         BLOCK=block_size, num_warps=_num_warps(block_size))
+                                         BLOCK=block_size, num_warps=_num_warps(block_size),
+                                         maxnreg=MAX_REGISTERS["decode"])

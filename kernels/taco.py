@@ -255,9 +255,11 @@ def taco_reduce_decode_reference(x, recv, rank, world, block_size, fmt, transfor
 # Fused Triton kernels
 # ----------------------------------------------------------------------------------------------
 
-# Per kernel: (elements per program, warps). One warp with a few blocks keeps every Hadamard stage
-# inside the warp (no block-wide barriers); benchmarks/bench_taco_kernels.py --launch sweeps it.
-LAUNCH = {"encode": (1024, 1), "decode": (1024, 1)}
+# Per kernel: (elements per program, warps, register cap or None). One warp with a few blocks keeps every
+# Hadamard stage inside the warp (no block-wide barriers); benchmarks/bench_taco_kernels.py --launch sweeps
+# it. A one-warp program runs at most 32 per SM, which needs <= 64 registers per thread (uncapped: 71, 28
+# per SM); the caps gained 1-2% (encode) and 3-5% (decode) of copy bandwidth on the H200 (session 8).
+LAUNCH = {"encode": (1024, 1, 64), "decode": (1024, 1, 56)}
 _FORMAT_ID = {"e4m3": 0, "e5m2": 1, "int8": 2}
 _DUAL, _SINGLE_AMAX, _SINGLE_QUANT = 0, 1, 2  # SCALE_MODE: "single" runs an amax pass first
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -413,13 +415,14 @@ def _launch(kernel, x_start, numel, row_len, rows, block_size, fmt, transform):
     read as zeros)."""
     blocks_per_row = -(-row_len // block_size)
     n_blocks = rows * blocks_per_row
-    elems_per_program, num_warps = LAUNCH[kernel]
+    elems_per_program, num_warps, max_registers = LAUNCH[kernel]
     n_rows = max(1, elems_per_program // block_size)
     even = row_len % block_size == 0 and x_start + rows * row_len <= numel and n_blocks % n_rows == 0
     # enable_fp_fusion=False: a product fused into the following add would skip a rounding the
     # reference performs (e.g. q * f in the decode sum), breaking bit-identity.
     meta = dict(B=block_size, LOG_B=int(math.log2(block_size)), ROWS=n_rows, FORMAT=_FORMAT_ID[fmt],
-                HADAMARD=transform != "none", EVEN=even, num_warps=num_warps, enable_fp_fusion=False)
+                HADAMARD=transform != "none", EVEN=even, num_warps=num_warps, maxnreg=max_registers,
+                enable_fp_fusion=False)
     return (triton.cdiv(n_blocks, n_rows),), (x_start, numel, row_len, blocks_per_row, n_blocks), meta
 
 
