@@ -162,13 +162,19 @@ if triton is not None:
 
     @triton.jit
     def _split_blocks_kernel(bits_ptr, exp_ptr, sm_ptr, flags_ptr, hashes_ptr, n, npad, nblocks,
-                             B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr, HASH: tl.constexpr):
+                             B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr, HASH: tl.constexpr,
+                             SAMPLE: tl.constexpr):
         rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
         offs, exp = _split_tile(bits_ptr, sm_ptr, rows, n, B)
         if HASH:
             _store_hashes(hashes_ptr, rows, nblocks, exp, B, BPP)
         store = offs < npad
-        if COMPARE:
+        if COMPARE and SAMPLE > 1:  # only every SAMPLE-th block is compared (flag 0 elsewhere) ...
+            sampled = (rows % SAMPLE) == 0
+            prev = tl.load(exp_ptr + offs, mask=store & sampled[:, None], other=0).to(tl.int32)
+            changed = tl.max(((exp != prev) & sampled[:, None]).to(tl.int32), axis=1)
+            store = store & ((changed != 0) | ~sampled)[:, None]  # ... and every other block stored
+        elif COMPARE:
             prev = tl.load(exp_ptr + offs, mask=store, other=0).to(tl.int32)
             changed = tl.max((exp != prev).to(tl.int32), axis=1)
             # Only changed blocks are rewritten (the others' exponents are already stored): the store
@@ -239,18 +245,19 @@ def _grid(nblocks: int, block_size: int) -> tuple:
     return (triton.cdiv(nblocks, _blocks_per_program(block_size)),)
 
 
-def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None) -> torch.Tensor:
+def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None, sample: int = 1) -> torch.Tensor:
     """bf16 ``bits`` (int16 [n]): sign+mantissa bytes into ``sm_out[:n]``, exponents into ``exp``
     (uint8 [nblocks * block_size], zero-padded) after comparing them with the previous exponents that
     ``exp`` holds if ``compare``; ``hashes`` (int64 [nblocks, 2]), if given, gets ``block_hashes`` of the
     new exponents. Returns int32 [nblocks] flags: 1 where a block changed (all if not ``compare``).
-    Equals ``split_compare_reference``."""
+    Equals ``split_compare_reference``. ``sample`` > 1 compares only the blocks ``b % sample == 0`` (the
+    others' flags are 0), which saves reading the others' previous exponents."""
     nblocks = exp.numel() // block_size
     flags = torch.empty(nblocks, dtype=torch.int32, device=bits.device)
     _split_blocks_kernel[_grid(nblocks, block_size)](
         bits, exp, sm_out, flags, flags if hashes is None else hashes, bits.numel(), exp.numel(), nblocks,
         B=block_size, BPP=_blocks_per_program(block_size), COMPARE=compare, HASH=hashes is not None,
-        num_warps=NUM_WARPS)
+        SAMPLE=sample, num_warps=NUM_WARPS)
     return flags
 
 
