@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from compression import ans
-from compression.ciera import HEADER_BYTES, VERSION, CieraCodec, CieraConfig, field_nbytes, sections
+from compression.ciera import (DENSE_SAMPLE_STRIDE, HEADER_BYTES, VERSION, CieraCodec, CieraConfig, field_nbytes,
+                               sections)
 from kernels.ciera import LAYOUTS, block_hashes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +53,53 @@ def _sequence(dtype, n=N):
     yield master.to(dtype)
     yield master.to(dtype)
     yield master.to(dtype)
+
+
+def _sample_steps(x, block):
+    """Shards after ``x`` that tell the blocks a dense encode counts (every DENSE_SAMPLE_STRIDE-th) from the
+    others, by the payload sizes they lead to: every exponent block changed (the next encode is dense);
+    the uncounted blocks changed (dense, count 0: the next is sparse); the same again (sparse: the counted
+    blocks' exponents stay home, and the next is sparse); every block (sparse; the next dense); the
+    counted blocks only (dense, all counted changed: the next dense); none twice (dense, then sparse)."""
+    n = x.numel()
+    counted = (torch.arange(-(-n // block)) % DENSE_SAMPLE_STRIDE == 0).repeat_interleave(block)[:n]
+    shift = EXP_SHIFT[x.dtype]
+    for flip in (torch.ones_like(counted), ~counted, ~counted, torch.ones_like(counted), counted, None, None):
+        if flip is not None:
+            x = (_bits(x) ^ (flip.to(torch.int16) << shift)).view(x.dtype)
+        yield x
+
+
+def _sequence_with_samples(dtype, n=N, block=BLOCK):
+    shards = list(_sequence(dtype, n))
+    return shards + list(_sample_steps(shards[-1], block))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["compare", "hash"])
+def test_dense_encodes_count_a_sample(dtype, mode):
+    """A dense encode's changed-block count (its statistics and the next encode's choice) comes from every
+    DENSE_SAMPLE_STRIDE-th block, the same in both modes; every payload decodes bit-exactly."""
+    codec, receiver = CieraCodec(CieraConfig(BLOCK, mode), 2, 0), CieraCodec(CieraConfig(BLOCK, mode), 2, 1)
+    out = torch.zeros(N, dtype=dtype)
+    first = _sequence(dtype)
+    x = next(first)
+    keyframe = codec.encode(x)
+    receiver.decode(0, keyframe, out)
+    sizes, stats = [], []
+    for shard in _sample_steps(x, BLOCK):
+        payload = codec.encode(shard)
+        receiver.decode(0, payload, out)
+        assert torch.equal(_bits(out), _bits(shard))
+        sizes.append(payload.numel())
+        stats.append(codec.last_stats["blocks_changed"])
+    nblocks = -(-N // BLOCK)
+    n_counted = -(-nblocks // DENSE_SAMPLE_STRIDE)
+    exp_bytes = field_nbytes(BLOCK, LAYOUTS[dtype].exp_bits)  # one block's exponents (BLOCK * bits / 8)
+    full = keyframe.numel()
+    assert sizes[:3] == [full, full, full - n_counted * exp_bytes]
+    assert sizes[3:6] == [full, full, full] and sizes[6] < full - (nblocks - 1) * exp_bytes
+    assert stats == [nblocks, 0, nblocks - n_counted, nblocks, nblocks, 0, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -224,7 +272,7 @@ def _check_fused_matches_reference():
         config = CieraConfig(block, mode, coder)
         fused, reference, receiver = (CieraCodec(config, 2, r) for r in (0, 0, 1))
         outs = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
-        for step, shard in enumerate(_sequence(torch.bfloat16, n)):
+        for step, shard in enumerate(_sequence_with_samples(torch.bfloat16, n, block)):
             k.use_triton = reference_path
             want = reference.encode(shard).clone()
             receiver.decode(0, want, outs[0])
@@ -315,7 +363,7 @@ def test_cuda_payloads_equal_cpu_payloads(dtype, mode, coder):
     cpu, gpu = CieraCodec(config, 2, 0), CieraCodec(config, 2, 0)
     receiver = CieraCodec(config, 2, 1)
     out = torch.zeros(N, dtype=dtype, device="cuda")
-    for step, shard in enumerate(_sequence(dtype)):
+    for step, shard in enumerate(_sequence_with_samples(dtype, N, 512)):
         payload = gpu.encode(shard.cuda())
         assert torch.equal(payload.cpu(), cpu.encode(shard)), step
         assert gpu.last_stats == cpu.last_stats, step
