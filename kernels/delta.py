@@ -410,8 +410,14 @@ if triton is not None:
 # Register caps (PTX .maxnreg) of the block kernels, None: the compiler's choice. A one-warp program
 # runs at most 32 per SM, at most 65536 / (32 * registers) with more than 64 registers: the encoder's 122
 # allowed 16, 80 allow 25 (+10-12% device throughput, a few spilled registers), the decoder's 70 28, 64 32
-# (+2-6%) on the H200 (session 8, benchmarks/bench_delta_kernels.py --max-registers).
+# (+2-6%) on the H200 (session 8, benchmarks/bench_delta_kernels.py --max-registers). Applied up to
+# CAPPED_MAX_BLOCK values per block: larger blocks spill heavily under them (benchmarks/sass_count.py).
 MAX_REGISTERS = {"encode": 80, "decode": 64}
+CAPPED_MAX_BLOCK = 1024
+
+
+def _max_registers(kernel: str, block_size: int):
+    return MAX_REGISTERS[kernel] if block_size <= CAPPED_MAX_BLOCK else None
 
 
 def _num_warps(block_size: int) -> int:
@@ -457,7 +463,7 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int) -> Enc
         _encode_kernel[(n_blocks,)](prev, new, new.numel(), e.codes, e.counts, e.n_esc, e.exc_widths, e.nbytes,
                                     e.records,
                                     BLOCK=block_size, RECORD_WORDS=record_words, num_warps=_num_warps(block_size),
-                                    maxnreg=MAX_REGISTERS["encode"])
+                                    maxnreg=_max_registers("encode", block_size))
     return e
 
 
@@ -496,4 +502,4 @@ def decode_blocks(out, codes, rank_end, stream_end, nbytes, exc_widths, bitmaps,
         _decode_kernel[(codes.numel(),)](out, out.numel(), codes, rank_end, stream_end, nbytes, exc_widths,
                                          bitmaps, bitmaps.data_ptr() % 4, values, values.data_ptr() % 4,
                                          BLOCK=block_size, num_warps=_num_warps(block_size),
-                                         maxnreg=MAX_REGISTERS["decode"])
+                                         maxnreg=_max_registers("decode", block_size))

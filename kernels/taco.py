@@ -257,9 +257,12 @@ def taco_reduce_decode_reference(x, recv, rank, world, block_size, fmt, transfor
 
 # Per kernel: (elements per program, warps, register cap or None). One warp with a few blocks keeps every
 # Hadamard stage inside the warp (no block-wide barriers); benchmarks/bench_taco_kernels.py --launch sweeps
-# it. A one-warp program runs at most 32 per SM, which needs <= 64 registers per thread (uncapped: 71, 28
-# per SM); the caps gained 1-2% (encode) and 3-5% (decode) of copy bandwidth on the H200 (session 8).
-LAUNCH = {"encode": (1024, 1, 64), "decode": (1024, 1, 56)}
+# it. A one-warp program runs at most 32 per SM, which needs <= 64 registers per thread (uncapped: ~70, 28
+# per SM); the caps gained 1-2% (encode) and 2-4% (decode) of copy bandwidth on the H200 (session 8). They
+# apply to the plain encode and decode at CAPPED_BLOCK_SIZES only: the fused steps that add received rows
+# and other block sizes spill under them (benchmarks/sass_count.py compiles for sm_90 on the CPU).
+LAUNCH = {"encode": (1024, 1, 64), "decode": (1024, 1, 64)}
+CAPPED_BLOCK_SIZES = (128, 256, 512)
 _FORMAT_ID = {"e4m3": 0, "e5m2": 1, "int8": 2}
 _DUAL, _SINGLE_AMAX, _SINGLE_QUANT = 0, 1, 2  # SCALE_MODE: "single" runs an amax pass first
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -409,13 +412,15 @@ if triton is not None:
             tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(kernel, x_start, numel, row_len, rows, block_size, fmt, transform):
+def _launch(kernel, x_start, numel, row_len, rows, block_size, fmt, transform, sources):
     """(grid, geometry arguments, constexpr/launch options) of ``kernel`` ("encode" | "decode") over
     ``rows`` rows of ``row_len`` elements from element ``x_start`` (elements at ``numel`` and beyond
-    read as zeros)."""
+    read as zeros), folding ``sources`` received rows."""
     blocks_per_row = -(-row_len // block_size)
     n_blocks = rows * blocks_per_row
     elems_per_program, num_warps, max_registers = LAUNCH[kernel]
+    if sources > 1 or block_size not in CAPPED_BLOCK_SIZES:
+        max_registers = None
     n_rows = max(1, elems_per_program // block_size)
     even = row_len % block_size == 0 and x_start + rows * row_len <= numel and n_blocks % n_rows == 0
     # enable_fp_fusion=False: a product fused into the following add would skip a rounding the
@@ -431,7 +436,8 @@ def _encode_triton(flat, x_start, row_len, rows, sources, skip, block_size, fmt,
     wire = torch.empty(wire_nbytes(rows * row_len, block_size, rows), dtype=torch.uint8, device=flat.device)
     if wire.numel() == 0:
         return wire
-    grid, geometry, meta = _launch("encode", x_start, flat.numel(), row_len, rows, block_size, fmt, transform)
+    grid, geometry, meta = _launch("encode", x_start, flat.numel(), row_len, rows, block_size, fmt, transform,
+                                   0 if sources is None else sources.shape[0])
     qmax, inv_sqrt_b = QMAX[fmt], _inv_sqrt_b(block_size, transform)
     mantissa_bits, min_ulp = _GRID[fmt]
     meta.update(GAIN=_gain(block_size, transform), SOURCES=0 if sources is None else sources.shape[0],
@@ -455,7 +461,8 @@ def _decode_triton(sources, skip, out, own, x_start, row_len, rows, block_size, 
     """``out`` = H(fold of ``sources`` but ``skip``), plus ``own`` from ``x_start`` if given."""
     if out.numel() == 0:
         return out
-    grid, geometry, meta = _launch("decode", 0, out.numel(), row_len, rows, block_size, fmt, transform)
+    grid, geometry, meta = _launch("decode", 0, out.numel(), row_len, rows, block_size, fmt, transform,
+                                   sources.shape[0])
     meta.update(SOURCES=sources.shape[0], ADD_OWN=own is not None)
     own = out if own is None else own
     _taco_decode_kernel[grid](sources, sources.view(torch.float32), sources.shape[-1], skip, out, own, x_start,
