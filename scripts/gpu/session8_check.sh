@@ -4,7 +4,7 @@
 # Usage (device machine, repo root): bash scripts/gpu/session8_check.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
-timeout 200 python3 -m pytest -q -m gpu tests/ 2>&1 | tail -2
+timeout 200 python3 -m pytest -q -m gpu tests/ -p no:warnings 2>&1 | tail -2
 timeout 100 python3 -m benchmarks.bench_taco_kernels --format int8 --sizes-mib 16,64,256 --reference-max-mib 0 \
   --out $RES/taco_kernels_int8_s8.json 2>&1 | tail -6
 NCCL_P2P_DISABLE=1 timeout 100 torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_tp_collectives --format int8 \
