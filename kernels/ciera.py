@@ -150,15 +150,23 @@ if triton is not None:
         return _mix64(tl.sum(_mix64(words ^ (pos + seed)[None, :]), axis=1) ^ seed)
 
     @triton.jit
-    def _store_hashes(hashes_ptr, rows, nblocks, exp, B: tl.constexpr, BPP: tl.constexpr):
-        """block_hashes of the tile's exponents (int32 [BPP, B]) into hashes_ptr [nblocks, 2]: the bytes
-        of 8 consecutive exponents make a little-endian word (a sum of disjoint bytes)."""
+    def _hash_blocks(hashes_ptr, rows, nblocks, exp, B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr):
+        """block_hashes of the tile's exponents (int32 [BPP, B]) into hashes_ptr [nblocks, 2] (the bytes of 8
+        consecutive exponents make a little-endian word: a sum of disjoint bytes); if COMPARE, over the
+        previous hashes there, returning 1 where a block's hash changed (else 1 everywhere)."""
         bytes8 = tl.reshape(exp, (BPP, B // 8, 8)).to(tl.int64)
         words = tl.sum(bytes8 << (8 * tl.arange(0, 8)).to(tl.int64)[None, None, :], axis=2)
         pos = (tl.arange(0, B // 8) + 1).to(tl.int64) * _GAMMA
         ok = rows < nblocks
-        tl.store(hashes_ptr + 2 * rows, _block_hash(words, pos, _SEED0), mask=ok)
-        tl.store(hashes_ptr + 2 * rows + 1, _block_hash(words, pos, _SEED1), mask=ok)
+        h0, h1 = _block_hash(words, pos, _SEED0), _block_hash(words, pos, _SEED1)
+        changed = tl.full([BPP], 1, tl.int32)
+        if COMPARE:  # each row's two words are loaded and stored by the same threads
+            p0 = tl.load(hashes_ptr + 2 * rows, mask=ok, other=0)
+            p1 = tl.load(hashes_ptr + 2 * rows + 1, mask=ok, other=0)
+            changed = ((h0 != p0) | (h1 != p1)).to(tl.int32)
+        tl.store(hashes_ptr + 2 * rows, h0, mask=ok)
+        tl.store(hashes_ptr + 2 * rows + 1, h1, mask=ok)
+        return changed
 
     @triton.jit
     def _split_blocks_kernel(bits_ptr, exp_ptr, sm_ptr, flags_ptr, hashes_ptr, n, npad, nblocks,
@@ -166,10 +174,11 @@ if triton is not None:
                              SAMPLE: tl.constexpr):
         rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
         offs, exp = _split_tile(bits_ptr, sm_ptr, rows, n, B)
-        if HASH:
-            _store_hashes(hashes_ptr, rows, nblocks, exp, B, BPP)
         store = offs < npad
-        if COMPARE and SAMPLE > 1:
+        if HASH:
+            changed = _hash_blocks(hashes_ptr, rows, nblocks, exp, B, BPP, COMPARE)
+            tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store)
+        elif COMPARE and SAMPLE > 1:
             # Only every SAMPLE-th block is compared (the others' flags are 0); the others are stored at
             # once, and only tiles holding a compared block wait for its comparison.
             sampled = (rows % SAMPLE) == 0
@@ -253,11 +262,12 @@ def _grid(nblocks: int, block_size: int) -> tuple:
 
 def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None, sample: int = 1) -> torch.Tensor:
     """bf16 ``bits`` (int16 [n]): sign+mantissa bytes into ``sm_out[:n]``, exponents into ``exp``
-    (uint8 [nblocks * block_size], zero-padded) after comparing them with the previous exponents that
-    ``exp`` holds if ``compare``; ``hashes`` (int64 [nblocks, 2]), if given, gets ``block_hashes`` of the
-    new exponents. Returns int32 [nblocks] flags: 1 where a block changed (all if not ``compare``).
-    Equals ``split_compare_reference``. ``sample`` > 1 compares only the blocks ``b % sample == 0`` (the
-    others' flags are 0), which saves reading the others' previous exponents."""
+    (uint8 [nblocks * block_size], zero-padded). Without ``hashes``: after comparing them with the previous
+    exponents that ``exp`` holds if ``compare`` (``split_compare_reference``); ``sample`` > 1 compares only
+    the blocks ``b % sample == 0`` (the others' flags are 0), which saves reading the others' previous
+    exponents. With ``hashes`` (int64 [nblocks, 2]): ``block_hashes`` of the new exponents go there, after
+    comparing them with the previous ones it holds if ``compare``. Returns int32 [nblocks] flags: 1 where a
+    block changed (all if not ``compare``)."""
     nblocks = exp.numel() // block_size
     flags = torch.empty(nblocks, dtype=torch.int32, device=bits.device)
     _split_blocks_kernel[_grid(nblocks, block_size)](
