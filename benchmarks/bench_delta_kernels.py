@@ -96,7 +96,8 @@ def main():
                        block_size=args.block_size, numel=args.numel,
                        **measure(previous, new, args.block_size, args.repeats))
             rows.append(row)
-            print(f"lr {lr:g} warps {row['warps']} registers {row['max_registers']}: encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
+            print(f"lr {lr:g} warps {row['warps']} registers {row['max_registers']}: "
+                  f"encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
                   f"blocks kernel {row['encode_blocks_ms']:.3f} ms), decode {row['decode_GBps']:.0f} GB/s "
                   f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x; "
                   f"device time only: encode {row['encode_device_GBps']:.0f}, decode {row['decode_device_GBps']:.0f}, "
