@@ -82,8 +82,8 @@ KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per pro
         dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B)), delta._num_warps(B), B,
         delta.MAX_REGISTERS["encode"]),
     "delta decode": (delta._decode_kernel, _sig(
-        "out_ptr numel codes_ptr rank_end_ptr stream_end_ptr nbytes_ptr exc_widths_ptr bitmaps_ptr bitmaps_lead "
-        "values_ptr values_lead BLOCK",
+        "out_ptr numel codes_ptr rank_end_ptr stream_end_ptr nbytes_ptr exc_widths_ptr bitmaps_ptr values_ptr "
+        "values_lead BLOCK",
         dict(out_ptr="*i16", codes_ptr="*u8", rank_end_ptr="*i64", stream_end_ptr="*i64", nbytes_ptr="*i32",
              exc_widths_ptr="*u8", bitmaps_ptr="*u8", values_ptr="*u8")),
         dict(BLOCK=B), delta._num_warps(B), B, delta.MAX_REGISTERS["decode"]),
