@@ -220,8 +220,14 @@ if triton is not None:
     _MAX_WIDTH = tl.constexpr(MAX_WIDTH)
 
     @triton.jit
-    def _ordered(u):
-        return tl.where(u >= 0x8000, 0xFFFF - u, u + 0x8000)
+    def _ordered(s):
+        """``to_ordered`` of int16 patterns sign-extended to int32: s + 0x8000 for s >= 0, ~s (0xFFFF - u) below."""
+        return s ^ ((s >> 15) | 0x8000)
+
+    @triton.jit
+    def _from_ordered(o):
+        """Inverse of ``_ordered`` (0 <= o < 2**16), as int16."""
+        return (o ^ (((o >> 15) - 1) | 0x8000)).to(tl.int16)
 
     @triton.jit
     def _bit_lengths(x):
@@ -235,7 +241,7 @@ if triton is not None:
         value sets nibble w of a word for w < min(bit length, 8); a row's sum holds its 8 counts (<= 8 each),
         spread to 16-bit fields for the sum over rows: four block reductions give n_esc(0..7), n_esc(0)
         being the count of changed values."""
-        exc_width = _bit_lengths(tl.max(tl.max(tl.maximum(z - 1, 0), axis=1), axis=0))
+        exc_width = _bit_lengths(tl.maximum(tl.max(tl.max(z, axis=1), axis=0) - 1, 0))
         length = _bit_lengths(z)
         nibbles = tl.sum(tl.where(length > 0, 0x11111111 >> (32 - 4 * tl.minimum(length, 8)), 0), axis=1)
         pairs = (tl.sum(nibbles & 0x000F000F, axis=0), tl.sum((nibbles >> 4) & 0x000F000F, axis=0),
@@ -294,7 +300,7 @@ if triton is not None:
         inside = idx < numel
         new16 = tl.load(new_ptr + idx, mask=inside, other=0)
         old = tl.load(prev_ptr + idx, mask=inside, other=0)
-        d = _ordered(new16.to(tl.int32) & 0xFFFF) - _ordered(old.to(tl.int32) & 0xFFFF)
+        d = _ordered(new16.to(tl.int32)) - _ordered(old.to(tl.int32))
         z = (d << 1) ^ (d >> 31)
         changed = z != 0
         v = z - 1
@@ -311,7 +317,8 @@ if triton is not None:
         tl.store(record.to(tl.pointer_type(tl.uint8)) + r, tl.sum(changed.to(tl.int32) << j, axis=1).to(tl.uint8))
         # the stream's live words are zeroed here and the values OR their bits in after the barrier
         stream = record + BLOCK // 32
-        tl.store(stream + i, tl.zeros([ROWS, 8], dtype=tl.int32), mask=i < (nbits + 31) // 32)  # ceil(17 B / 32) < B
+        # whole rows (a mask constant along a row keeps the 16-byte stores), within _stream_words(B) <= B
+        tl.store(stream + i, tl.zeros([ROWS, 8], dtype=tl.int32), mask=(r[:, None] * 256 < nbits) & (j < 8))
         tl.debug_barrier()  # every thread has read prev before it is overwritten, and the zeros are stored
         tl.store(prev_ptr + idx, new16, mask=inside)
         slot = tl.where(changed, tl.minimum(v, escape), 0)
@@ -478,10 +485,9 @@ if triton is not None:
                 exception = _load_bits(stream_words, exc_at[:, None] + in_esc * exc_width, exc_width, escaped)
             z = tl.where(escaped, exception, slot) + 1
             d = tl.where(changed, (z >> 1) ^ -(z & 1), 0)
-            o = _ordered(old.to(tl.int32) & 0xFFFF) + d
-            u = tl.where(o >= 0x8000, o - 0x8000, 0xFFFF - o)
+            new = _from_ordered(_ordered(old.to(tl.int32)) + d)
             tl.debug_barrier()  # every thread has read out before it is overwritten
-            tl.store(out_ptr + idx, tl.where(u >= 0x8000, u - 0x10000, u).to(tl.int16), mask=inside)
+            tl.store(out_ptr + idx, new, mask=inside)
 
 
 # Register caps (PTX .maxnreg) of the block kernels, None: the compiler's choice. A one-warp program
@@ -510,7 +516,8 @@ def _tile_blocks(block_size: int) -> int:
 
 
 def _stream_words(block_size: int) -> int:
-    return -(-block_size * MAX_WIDTH // 32)
+    """32-bit words of a record's value stream: ceil(17 B / 32) rounded up to whole rows of 8 (zeroed by row)."""
+    return -(-block_size * MAX_WIDTH // 256) * 8
 
 
 @dataclass
