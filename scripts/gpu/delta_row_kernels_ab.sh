@@ -5,8 +5,9 @@
 # (register caps swept) and the parameter gather at ~25 GB/s and NVLink on this tree, then the same with
 # main's kernels (MAIN_PATCH: `git diff delta-row-encoder main -- kernels/delta.py`).
 # Merge the branch if its kernels and gathers are faster. CAPS: the caps swept on the branch; PROFILE=1 adds a
-# PyTorch profile of the branch's gather at ~25 GB/s.
-# Usage (device machine, repo root): [CAPS=0:0] [PROFILE=1] MAIN_PATCH=main.patch bash scripts/gpu/delta_row_kernels_ab.sh
+# PyTorch profile of the branch's gather at ~25 GB/s; REPEAT=1 measures the branch
+# again after main (order effects; the gathers are host-bound and vary by ~20% between calls).
+# Usage (device machine, repo root): [CAPS=0:0] [PROFILE=1] [REPEAT=1] MAIN_PATCH=main.patch bash scripts/gpu/delta_row_kernels_ab.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
 timeout 120 python3 -m pytest -q -p no:warnings -m gpu tests/test_delta.py 2>&1 | tail -2
@@ -24,3 +25,4 @@ echo "== rows"; both rows "${CAPS:-80:64,0:0}"
   2>&1 | grep -v -i warn | tail -2
 patch -p1 -s < ${MAIN_PATCH:?} || exit 1
 echo "== per-value (main)"; both per_value ""
+[ -z "${REPEAT:-}" ] || { patch -R -p1 -s < $MAIN_PATCH && echo "== rows again"; both rows_again ""; }
