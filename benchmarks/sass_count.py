@@ -8,7 +8,7 @@ kernel change be judged on a machine without a GPU before a GPU session times it
 not show (the atomic-OR packing cut the encoder's count 46% but its time 20%). Compiles with
 Triton's bundled ptxas and disassembles with its nvdisasm; prints the count and the top opcodes.
 
-    python benchmarks/sass_count.py            # the codec kernels and the encoder's diagnostic stages
+    python benchmarks/sass_count.py            # the codec kernels
     python benchmarks/sass_count.py --specialize
 
 By default every argument is compiled unspecialized (so the counts compare across sessions); a real
@@ -33,7 +33,6 @@ from triton.compiler import ASTSource
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import benchmarks.diag_delta_primitives as diag  # noqa: E402
 import kernels.delta as delta  # noqa: E402
 import kernels.taco as taco  # noqa: E402
 
@@ -72,8 +71,6 @@ def _sig(names: str, types: dict) -> dict:
 
 
 B = 256
-STREAM = _sig("prev_ptr new_ptr numel out_ptr scratch_ptr BLOCK STAGE",
-              dict(prev_ptr="*i16", new_ptr="*i16", out_ptr="*i32", scratch_ptr="*i32"))
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     "delta encode": (delta._encode_kernel, _sig(
         "prev_ptr new_ptr numel codes_ptr counts_ptr n_esc_ptr exc_widths_ptr nbytes_ptr records_ptr BLOCK RECORD_WORDS",
@@ -82,14 +79,11 @@ KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per pro
         dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B)), delta._num_warps(B), B,
         delta.MAX_REGISTERS["encode"]),
     "delta decode": (delta._decode_kernel, _sig(
-        "out_ptr numel codes_ptr rank_end_ptr stream_end_ptr nbytes_ptr exc_widths_ptr bitmaps_ptr bitmaps_lead "
-        "values_ptr values_lead BLOCK",
+        "out_ptr numel codes_ptr rank_end_ptr stream_end_ptr nbytes_ptr exc_widths_ptr bitmaps_ptr values_ptr "
+        "values_lead BLOCK",
         dict(out_ptr="*i16", codes_ptr="*u8", rank_end_ptr="*i64", stream_end_ptr="*i64", nbytes_ptr="*i32",
              exc_widths_ptr="*u8", bitmaps_ptr="*u8", values_ptr="*u8")),
         dict(BLOCK=B), delta._num_warps(B), B, delta.MAX_REGISTERS["decode"]),
-    **{f"encoder prefix, stage {s}": (diag.k_stage, STREAM, dict(BLOCK=B, STAGE=s), 1, B, None) for s in range(4)},
-    "encoder prefix, stage 4 (stage 3 with row-local packing)": (diag.k_stage, STREAM, dict(BLOCK=B, STAGE=4), 1, B,
-                                                                 None),
     # TACO INT8 encode at its launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual scaling
     "TACO encode, INT8": (taco._taco_encode_kernel, _sig(
         "x_ptr wire_u8 wire_f32 amax_ptr scale_ptr src_u8 src_f32 src_stride skip x_start numel row_len "

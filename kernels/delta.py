@@ -15,8 +15,12 @@ Per block of ``B`` values:
   ``exc_width``-bit entries (escapes in order). So ``count * width + exc_width * n_esc`` bits,
   little-endian (bit ``k`` of the stream is bit ``k % 8`` of byte ``k // 8``), padded to whole bytes.
 
-``width`` minimizes ``count * width + exc_width * n_esc(width)`` over 1..17 (the smallest on ties;
-17 never escapes since ``v <= 131069``), and is 0 when every changed value has ``v = 0``. Deltas
+``width`` minimizes ``count * width + exc_width * n_esc(width)`` over 1..7 and 17 (the smallest on
+ties; 17 never escapes since ``v <= 131069``), and is 0 when every changed value has ``v = 0``. Width 1
+spends ``exc_width + 1`` bits on an escaped value, what an escape-free width would, so widths 8..16 win
+only in blocks whose values mostly need 8 bits or more but fewer than their largest: never in the
+AdamW steps measured (optimal widths 1-5, ``docs/delta.md``), and leaving them out lets the kernel count
+the 8 candidates' escapes in one packed word per row. Deltas
 are heavy-tailed (mostly +-1 ulp, but a weight crossing zero moves ~2**15), so a per-block maximum
 width would let one outlier set the cost of the whole block; escapes cap that at ``exc_width``
 bits, which is 17 only in the few blocks that hold such an outlier (version 1 of the format spent
@@ -46,6 +50,7 @@ except ImportError:  # CPU-only installs: the references run everywhere
     triton = None
 
 MAX_WIDTH = 17  # bits of v = z - 1 < 2**17; also the width of an exception entry
+NARROW_WIDTHS = 7  # the widths 1..7 and 17 are the candidates (module docstring)
 WORD_READ_SLACK = 3  # decode_blocks reads the value streams as 32-bit words: up to 3 bytes past their end
 
 
@@ -112,11 +117,11 @@ def _bit_length(x: torch.Tensor) -> torch.Tensor:
 
 
 def _choose_width(v, changed, counts):
-    """Per block: the width of least ``count * width + exc_width * n_esc`` (0 if all v are 0), n_esc
-    and ``exc_width``."""
-    widths = torch.arange(1, MAX_WIDTH + 1, device=v.device)
+    """Per block: the width of least ``count * width + exc_width * n_esc`` among 1..NARROW_WIDTHS and 17 (which
+    never escapes), the smallest on ties (0 if all v are 0), its n_esc and ``exc_width``."""
     exc_width = _bit_length(torch.where(changed, v, 0).amax(1))
-    n_esc = torch.stack([(changed & (v >= (1 << w) - 1)).sum(1) for w in range(1, MAX_WIDTH + 1)], 1)
+    widths = torch.tensor([*range(1, NARROW_WIDTHS + 1), MAX_WIDTH], device=v.device)
+    n_esc = torch.stack([(changed & (v >= (1 << w) - 1)).sum(1) for w in widths.tolist()], 1)
     best = (counts.unsqueeze(1).to(torch.int64) * widths + exc_width.unsqueeze(1) * n_esc).argmin(1)
     trivial = exc_width == 0
     width = torch.where(trivial, 0, widths[best])
@@ -211,10 +216,18 @@ def unpack_values_reference(out, changed_blocks, codes, exc_widths, bitmaps, val
 # an updated buffer from the write to it.
 
 if triton is not None:
+    _NARROW_WIDTHS = tl.constexpr(NARROW_WIDTHS)
+    _MAX_WIDTH = tl.constexpr(MAX_WIDTH)
 
     @triton.jit
-    def _ordered(u):
-        return tl.where(u >= 0x8000, 0xFFFF - u, u + 0x8000)
+    def _ordered(s):
+        """``to_ordered`` of int16 patterns sign-extended to int32: s + 0x8000 for s >= 0, ~s (0xFFFF - u) below."""
+        return s ^ ((s >> 15) | 0x8000)
+
+    @triton.jit
+    def _from_ordered(o):
+        """Inverse of ``_ordered`` (0 <= o < 2**16), as int16."""
+        return (o ^ (((o >> 15) - 1) | 0x8000)).to(tl.int16)
 
     @triton.jit
     def _bit_lengths(x):
@@ -223,27 +236,33 @@ if triton is not None:
 
     @triton.jit
     def _best_width(z):
-        """Width of least ``count * width + exc_width * n_esc(width)`` over 1..17, the smallest on ties (0
-        if every z <= 1), its n_esc, count and exc_width (bits of the largest v). ``n_esc(w)`` counts the
-        values with ``v >= 2**w - 1``, i.e. ``z >= 2**w``, i.e. bit length > w: all of them come from one
-        histogram of bit lengths (warp ballots), not a block reduction per candidate width."""
-        exc_width = _bit_lengths(tl.max(tl.maximum(z - 1, 0), axis=0))
-        hist = tl.histogram(_bit_lengths(z), 32)
-        w = tl.arange(0, 32)
-        n_esc = z.shape[0] - tl.cumsum(hist, axis=0)  # [w]: values with bit length > w
-        count = tl.sum(tl.where(w == 0, n_esc, 0), axis=0)
-        cost = tl.where((w >= 1) & (w <= 17), count * w + exc_width * n_esc, 1 << 30)
-        width = tl.argmin(cost, axis=0, tie_break_left=True)
-        best_esc = tl.sum(tl.where(w == width, n_esc, 0), axis=0)
-        trivial = tl.sum(tl.where(w == 1, n_esc, 0), axis=0) == 0
-        return tl.where(trivial, 0, width), tl.where(trivial, 0, best_esc), count, exc_width
+        """``_choose_width`` of the block ``z`` [rows, 8] (a row per thread): width, n_esc, count and exc_width.
+        ``n_esc(w)`` counts the values with ``v >= 2**w - 1``, i.e. ``z >= 2**w``, i.e. bit length > w. Each
+        value sets nibble w of a word for w < min(bit length, 8); a row's sum holds its 8 counts (<= 8 each),
+        spread to 16-bit fields for the sum over rows: four block reductions give n_esc(0..7), n_esc(0)
+        being the count of changed values."""
+        exc_width = _bit_lengths(tl.maximum(tl.max(tl.max(z, axis=1), axis=0) - 1, 0))
+        length = _bit_lengths(z)
+        nibbles = tl.sum(tl.where(length > 0, 0x11111111 >> (32 - 4 * tl.minimum(length, 8)), 0), axis=1)
+        pairs = (tl.sum(nibbles & 0x000F000F, axis=0), tl.sum((nibbles >> 4) & 0x000F000F, axis=0),
+                 tl.sum((nibbles >> 8) & 0x000F000F, axis=0), tl.sum((nibbles >> 12) & 0x000F000F, axis=0))
+        count = pairs[0] & 0xFFFF  # pairs[k]: n_esc(k) | n_esc(k + 4) << 16
+        width, n_esc = count * 0 + 1, pairs[1] & 0xFFFF
+        best = count + exc_width * n_esc
+        for w in tl.static_range(2, _NARROW_WIDTHS + 1):
+            n = (pairs[w % 4] >> (16 * (w // 4))) & 0xFFFF
+            cost = count * w + exc_width * n
+            better = cost < best
+            width, best, n_esc = tl.where(better, w, width), tl.where(better, cost, best), tl.where(better, n, n_esc)
+        better = count * _MAX_WIDTH < best  # 17 bits never escape
+        width, n_esc = tl.where(better, _MAX_WIDTH, width), tl.where(better, 0, n_esc)
+        trivial = exc_width == 0
+        return tl.where(trivial, 0, width), tl.where(trivial, 0, n_esc), count, exc_width
 
     @triton.jit
     def _or_bits(stream_ptr, value, bitpos, present):
         """OR each present value (< 2**17) into the 32-bit stream words at bit ``bitpos``: its shifted 64-bit
-        window spans word ``bitpos >> 5`` and possibly the next. Relaxed atomics (the L2 combines them): no
-        scan to give each word one writer, and lanes whose bits are all zero (v = 0: a third of the changed
-        values) issue nothing."""
+        window spans word ``bitpos >> 5`` and possibly the next. Relaxed atomics (the L2 combines them)."""
         word = stream_ptr + (bitpos >> 5)
         placed = value.to(tl.int64) << (bitpos & 31)
         lo, hi = placed.to(tl.int32), (placed >> 32).to(tl.int32)
@@ -251,35 +270,67 @@ if triton is not None:
         tl.atomic_or(word + 1, hi, mask=present & (hi != 0), sem="relaxed")
 
     @triton.jit
+    def _or_rows(stream_ptr, values, slots, width, first_bit):
+        """OR each row of ``values`` [rows, 8] (< 2**width each; 0 where absent) into the 32-bit stream words,
+        value k of row r at bit ``first_bit[r] + slots[r, k] * width``, where each row's bits span at most 64:
+        they are summed into one 64-bit word in the row's thread (disjoint bits, so the sum is an OR) and go
+        out as three atomic ORs (its 96-bit window): three per row instead of one or two per value, and few
+        lanes on one word."""
+        shift = tl.minimum(slots * width, 63).to(tl.uint64)  # absent values (0) may sit at bit 64
+        row = tl.sum(values.to(tl.uint64) << shift, axis=1)
+        word = stream_ptr + (first_bit >> 5)
+        offset = (first_bit & 31).to(tl.uint64)
+        low = row << offset
+        top = tl.where(offset > 0, row >> (64 - offset), 0)
+        parts = (low.to(tl.int32), (low >> 32).to(tl.int32), top.to(tl.int32))
+        for k in tl.static_range(3):
+            tl.atomic_or(word + k, parts[k], mask=parts[k] != 0, sem="relaxed")
+
+    @triton.jit
     def _encode_kernel(prev_ptr, new_ptr, numel, codes_ptr, counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr,
                        records_ptr, BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr):
+        # the block as rows of 8 values, a row per thread (16-byte loads; ranks, bitmap bytes and the
+        # packing of a row stay in its thread, only per-row totals cross threads)
+        ROWS: tl.constexpr = BLOCK // 8
         b = tl.program_id(0).to(tl.int64)
-        i = tl.arange(0, BLOCK)
+        r = tl.arange(0, ROWS)
+        j = tl.arange(0, 8)[None, :]
+        i = r[:, None] * 8 + j
         idx = b * BLOCK + i
         inside = idx < numel
         new16 = tl.load(new_ptr + idx, mask=inside, other=0)
         old = tl.load(prev_ptr + idx, mask=inside, other=0)
-        d = _ordered(new16.to(tl.int32) & 0xFFFF) - _ordered(old.to(tl.int32) & 0xFFFF)
+        d = _ordered(new16.to(tl.int32)) - _ordered(old.to(tl.int32))
         z = (d << 1) ^ (d >> 31)
         changed = z != 0
         v = z - 1
         width, n_esc, count, exc_width = _best_width(z)
         escape = (1 << width) - 1
         escaped = changed & (width > 0) & (v >= escape)
-        ranks = tl.cumsum(changed.to(tl.int32) | (escaped.to(tl.int32) << 16), axis=0)  # both < 2**14
+        both = changed.to(tl.int32) | (escaped.to(tl.int32) << 16)  # changed and escaped counts, both < 2**14
+        in_row = tl.cumsum(both, axis=1) - both  # exclusive ranks within the row
+        row_both = tl.sum(both, axis=1)
+        row_start = tl.cumsum(row_both, axis=0) - row_both  # exclusive ranks of the rows' first values
         exc_start = count * width
         nbits = exc_start + exc_width * n_esc
         record = records_ptr + b * RECORD_WORDS
-        bitmap = tl.sum(tl.reshape(changed.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :], axis=1)
-        tl.store(record + tl.arange(0, BLOCK // 32), bitmap)
-        # the stream's live words are zeroed here and every value ORs its bits in after the barrier
+        tl.store(record.to(tl.pointer_type(tl.uint8)) + r, tl.sum(changed.to(tl.int32) << j, axis=1).to(tl.uint8))
+        # the stream's live words are zeroed here and the values OR their bits in after the barrier
         stream = record + BLOCK // 32
-        tl.store(stream + i, tl.zeros([BLOCK], dtype=tl.int32), mask=i < (nbits + 31) // 32)  # ceil(17 B / 32) < B
+        # whole rows (a mask constant along a row keeps the 16-byte stores), within _stream_words(B) <= B
+        tl.store(stream + i, tl.zeros([ROWS, 8], dtype=tl.int32), mask=(r[:, None] * 256 < nbits) & (j < 8))
         tl.debug_barrier()  # every thread has read prev before it is overwritten, and the zeros are stored
         tl.store(prev_ptr + idx, new16, mask=inside)
-        slot_at = ((ranks & 0xFFFF) - 1) * width  # inclusive ranks
-        _or_bits(stream, tl.minimum(v, escape), slot_at, changed)
-        _or_bits(stream, v, exc_start + ((ranks >> 16) - 1) * exc_width, escaped)
+        slot = tl.where(changed, tl.minimum(v, escape), 0)
+        exception = tl.where(escaped, v, 0)
+        row_bits = tl.maximum((row_both & 0xFFFF) * width, (row_both >> 16) * exc_width)
+        if tl.max(row_bits, axis=0) <= 64:  # narrow widths: every block of the steady state
+            _or_rows(stream, slot, in_row & 0xFFFF, width, (row_start & 0xFFFF) * width)
+            _or_rows(stream, exception, in_row >> 16, exc_width, exc_start + (row_start >> 16) * exc_width)
+        else:
+            ranks = row_start[:, None] + in_row
+            _or_bits(stream, slot, (ranks & 0xFFFF) * width, changed)
+            _or_bits(stream, exception, exc_start + (ranks >> 16) * exc_width, escaped)
         tl.store(codes_ptr + b, tl.where(count > 0, width + 1, 0).to(tl.uint8))
         tl.store(counts_ptr + b, count)
         tl.store(n_esc_ptr + b, n_esc)
@@ -372,47 +423,81 @@ if triton is not None:
         window = lo | (hi.to(tl.uint64) << 32)
         return (window >> sh.to(tl.uint64)).to(tl.int32) & ((1 << width) - 1)
 
-    @triton.jit(do_not_specialize=["bitmaps_lead", "values_lead"])
+    @triton.jit
+    def _read_rows(words_ptr, first_bit, slots, width, row_bits):
+        """Inverse of ``_or_rows``: value k of row r (< 2**width) from bit ``first_bit[r] + slots[r, k] * width``
+        of the 32-bit little-endian words at ``words_ptr``, where each row's ``row_bits`` span at most 64:
+        the row's bits come from at most three word loads (the last one holds a live bit, so reads end at
+        most 3 bytes past the section) and every value is shifted out of them in the row's thread."""
+        at = words_ptr + (first_bit >> 5)
+        offset = first_bit & 31
+        w0 = tl.load(at, mask=row_bits > 0, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        w1 = tl.load(at + 1, mask=offset + row_bits > 32, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        w2 = tl.load(at + 2, mask=offset + row_bits > 64, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        shift = offset.to(tl.uint64)
+        row = ((w0 | (w1 << 32)) >> shift) | tl.where(shift > 0, w2 << (64 - shift), 0)
+        values = row[:, None] >> tl.minimum(slots * width, 63).to(tl.uint64)  # absent values may sit at bit 64
+        return values.to(tl.int32) & ((1 << width) - 1)
+
+    @triton.jit(do_not_specialize=["values_lead"])
     def _decode_kernel(out_ptr, numel, codes_ptr, rank_end_ptr, stream_end_ptr, nbytes_ptr, exc_widths_ptr,
-                       bitmaps_ptr, bitmaps_lead, values_ptr, values_lead, BLOCK: tl.constexpr):
-        # the bitmaps and value streams are read as 32-bit words from the 4-byte boundary at or before
-        # their first byte, ``*_lead`` bytes earlier (the payload's previous section)
-        bitmap_words = (bitmaps_ptr - bitmaps_lead).to(tl.pointer_type(tl.int32))
-        value_words = (values_ptr - values_lead).to(tl.pointer_type(tl.int32))
+                       bitmaps_ptr, values_ptr, values_lead, BLOCK: tl.constexpr):
+        # rows of 8 values, a row per thread, as in _encode_kernel. The value streams are read as 32-bit
+        # words from the 4-byte boundary at or before their first byte, ``values_lead`` bytes earlier (the
+        # payload's previous section)
+        ROWS: tl.constexpr = BLOCK // 8
         b = tl.program_id(0).to(tl.int64)
         code = tl.load(codes_ptr + b).to(tl.int32)
-        width = tl.maximum(code - 1, 0)
-        rank = tl.load(rank_end_ptr + b) - 1
-        i = tl.arange(0, BLOCK)
-        # per block: a 64-bit word address once, 32-bit bit offsets from it per value
-        bitmap_at = bitmaps_lead + rank * (BLOCK // 8)
-        changed = _load_bits(bitmap_words + (bitmap_at >> 2), (bitmap_at & 3).to(tl.int32) * 8 + i, 1,
-                             (code != 0) & (i < BLOCK)) != 0
-        exc_width = tl.load(exc_widths_ptr + rank, mask=code != 0, other=0).to(tl.int32)
-        stream_at = tl.load(stream_end_ptr + b) - tl.load(nbytes_ptr + b) + values_lead
-        stream_words = value_words + (stream_at >> 2)
-        base = (stream_at & 3).to(tl.int32) * 8
-        ranks = tl.cumsum(changed.to(tl.int32), axis=0) - 1
-        slot = _load_bits(stream_words, base + tl.maximum(ranks, 0) * width, width, changed)
-        escaped = changed & (width > 0) & (slot == (1 << width) - 1)
-        esc_rank = tl.cumsum(escaped.to(tl.int32), axis=0) - 1
-        exc_pos = base + tl.sum(changed.to(tl.int32), axis=0) * width + tl.maximum(esc_rank, 0) * exc_width
-        z = tl.where(escaped, _load_bits(stream_words, exc_pos, exc_width, escaped), slot) + 1
-        d = (z >> 1) ^ -(z & 1)
-        idx = b * BLOCK + tl.arange(0, BLOCK)
-        keep = changed & (idx < numel)
-        o = _ordered(tl.load(out_ptr + idx, mask=keep, other=0).to(tl.int32) & 0xFFFF) + d
-        u = tl.where(o >= 0x8000, o - 0x8000, 0xFFFF - o)
-        tl.debug_barrier()  # every thread has read out before it is overwritten
-        tl.store(out_ptr + idx, tl.where(u >= 0x8000, u - 0x10000, u).to(tl.int16), mask=keep)
+        if code != 0:
+            width = code - 1
+            rank = tl.load(rank_end_ptr + b) - 1
+            r = tl.arange(0, ROWS)
+            j = tl.arange(0, 8)[None, :]
+            idx = b * BLOCK + r[:, None] * 8 + j
+            inside = idx < numel
+            old = tl.load(out_ptr + idx, mask=inside, other=0)
+            # a zero computed from out (LLVM folds it after Triton has chosen layouts) gives every [rows, 8]
+            # tensor the row-per-thread layout of out's 16-byte loads; from the bitmap bytes alone Triton
+            # spreads a row over 8 threads and its in-row scans shuffle
+            zero = (old.to(tl.int32) & 0xFFFF) >> 16
+            bitmap = tl.load(bitmaps_ptr + rank * (BLOCK // 8) + r).to(tl.int32)
+            changed = ((bitmap[:, None] >> (j + zero)) & 1) != 0
+            c = changed.to(tl.int32)
+            in_row = tl.cumsum(c, axis=1) - c
+            row_count = tl.sum(c, axis=1)
+            row_start = tl.cumsum(row_count, axis=0) - row_count
+            exc_width = tl.load(exc_widths_ptr + rank).to(tl.int32)
+            stream_at = tl.load(stream_end_ptr + b) - tl.load(nbytes_ptr + b) + values_lead
+            stream_words = (values_ptr - values_lead).to(tl.pointer_type(tl.int32)) + (stream_at >> 2)
+            base = (stream_at & 3).to(tl.int32) * 8
+            if tl.max(row_count, axis=0) * width <= 64:
+                slot = _read_rows(stream_words, base + row_start * width, in_row, width, row_count * width)
+            else:
+                slot = _load_bits(stream_words, base + (row_start[:, None] + in_row) * width, width, changed)
+            escaped = changed & (width > 0) & (slot == (1 << width) - 1)
+            e = escaped.to(tl.int32)
+            in_esc = tl.cumsum(e, axis=1) - e
+            row_esc = tl.sum(e, axis=1)
+            exc_at = base + tl.sum(row_count, axis=0) * width + (tl.cumsum(row_esc, axis=0) - row_esc) * exc_width
+            if tl.max(row_esc, axis=0) * exc_width <= 64:
+                exception = _read_rows(stream_words, exc_at, in_esc, exc_width, row_esc * exc_width)
+            else:
+                exception = _load_bits(stream_words, exc_at[:, None] + in_esc * exc_width, exc_width, escaped)
+            z = tl.where(escaped, exception, slot) + 1
+            d = tl.where(changed, (z >> 1) ^ -(z & 1), 0)
+            new = _from_ordered(_ordered(old.to(tl.int32)) + d)
+            tl.debug_barrier()  # every thread has read out before it is overwritten
+            tl.store(out_ptr + idx, new, mask=inside)
 
 
 # Register caps (PTX .maxnreg) of the block kernels, None: the compiler's choice. A one-warp program
-# runs at most 32 per SM, at most 65536 / (32 * registers) with more than 64 registers: the encoder's 122
-# allowed 16, 80 allow 25 (+10-12% device throughput, a few spilled registers), the decoder's 70 28, 64 32
-# (+2-6%) on the H200 (session 8, benchmarks/bench_delta_kernels.py --max-registers). Applied up to
-# CAPPED_MAX_BLOCK values per block: larger blocks spill heavily under them (benchmarks/sass_count.py).
-MAX_REGISTERS = {"encode": 80, "decode": 64}
+# runs at most 32 per SM, at most 65536 / (32 * registers) with more than 64 registers. Session 8 (per-value
+# packing): the encoder's 122 registers allowed 16 programs per SM, a cap of 80 25 (+10-12% device
+# throughput), the decoder's 70 28, 64 32 (+2-6%; benchmarks/bench_delta_kernels.py --max-registers). The
+# row kernels need 57 (encode, narrow path) and 44 (decode) registers, their per-value paths ~90 and ~62:
+# 64 keeps 32 programs per SM without spills. Applied up to CAPPED_MAX_BLOCK values per block: larger
+# blocks spill heavily under them (benchmarks/sass_count.py, tests/test_register_caps.py).
+MAX_REGISTERS = {"encode": 64, "decode": 64}
 CAPPED_MAX_BLOCK = 1024
 
 
@@ -431,7 +516,8 @@ def _tile_blocks(block_size: int) -> int:
 
 
 def _stream_words(block_size: int) -> int:
-    return -(-block_size * MAX_WIDTH // 32)
+    """32-bit words of a record's value stream: ceil(17 B / 32) rounded up to whole rows of 8 (zeroed by row)."""
+    return -(-block_size * MAX_WIDTH // 256) * 8
 
 
 @dataclass
@@ -495,11 +581,11 @@ def stream_sizes(codes, rank_end, n_esc_bytes, exc_widths, bitmaps, block_size: 
 
 
 def decode_blocks(out, codes, rank_end, stream_end, nbytes, exc_widths, bitmaps, values, block_size: int) -> None:
-    """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values). ``bitmaps``
-    and ``values`` are sections of one payload after its header, so the 4-byte boundary before each is
-    inside the payload; ``values`` ends the payload and needs WORD_READ_SLACK readable bytes after it."""
+    """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values). ``values`` is
+    the last section of a payload after its header, so the 4-byte boundary before it is inside the
+    payload, and needs WORD_READ_SLACK readable bytes after it."""
     if codes.numel():
         _decode_kernel[(codes.numel(),)](out, out.numel(), codes, rank_end, stream_end, nbytes, exc_widths,
-                                         bitmaps, bitmaps.data_ptr() % 4, values, values.data_ptr() % 4,
+                                         bitmaps, values, values.data_ptr() % 4,
                                          BLOCK=block_size, num_warps=_num_warps(block_size),
                                          maxnreg=_max_registers("decode", block_size))

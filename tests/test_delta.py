@@ -53,10 +53,18 @@ def heavy_tail(bits: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return torch.where(moved, moved_bits, bits.to(torch.int32)).to(torch.int16)
 
 
+def crowded_escapes(bits: torch.Tensor) -> torch.Tensor:
+    """Every pattern moves by one unit except runs of 5 in every 32 that cross zero (sign flip): blocks of a
+    narrow width whose 8-value rows hold up to 5 17-bit exceptions (85 bits: the kernels' per-value path)."""
+    moved = bits.to(torch.int32) + 1
+    flip = (torch.arange(bits.numel()) % 32) >= 27
+    return torch.where(flip, bits.to(torch.int32) ^ -32768, moved).clamp(-32768, 32767).to(torch.int16)
+
+
 def trajectory(n: int, seed: int) -> list:
     """Successive shards covering every case: keyframe of random and special patterns, all unchanged,
     small moves, huge jumps between specials (-Inf -> NaN, +0 -> -0, subnormal -> NaN), all changed,
-    sparse moves, heavy-tailed moves (narrow exception lists)."""
+    sparse moves, heavy-tailed moves (narrow exception lists), rows crowded with 17-bit exceptions."""
     g = torch.Generator().manual_seed(seed)
     first = random_bits(n, g)
     first[: min(n, len(SPECIAL))] = patterns(SPECIAL)[: min(n, len(SPECIAL))]
@@ -68,6 +76,7 @@ def trajectory(n: int, seed: int) -> list:
     steps.append(random_bits(n, g))
     steps.append(nudge(steps[-1], 0.05, 1, g))
     steps.append(heavy_tail(steps[-1], g))
+    steps.append(crowded_escapes(steps[-1]))
     return steps
 
 
@@ -283,22 +292,29 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
 def _check_width_choice(device="cpu", block_size=64, n_blocks=150):
     """The encode kernel's per-block width, escape count and exception width equal the reference's on
     blocks whose deltas span every bit length 1..17 at every density, where equal costs (ties between
-    widths) are common."""
+    widths) are common, and bit lengths spread below the block's largest or packed near it."""
     g = torch.Generator().manual_seed(17)
     m = torch.randint(1, 18, (n_blocks, 1), generator=g)  # the block's largest bit length
-    bits = (torch.rand(n_blocks, block_size, generator=g) * m).long()  # bit length of each |delta|
+    spread = torch.rand(n_blocks, 1, generator=g) < 0.5
+    low = torch.where(spread, 0.0, 0.8)  # the smallest bit length, as a fraction of m
+    bits = ((low + torch.rand(n_blocks, block_size, generator=g) * (1 - low)) * m).long()  # of each |delta|
     magnitude = (1 << bits) + (torch.rand(n_blocks, block_size, generator=g) * (1 << bits)).long() // 2
     density = torch.rand(n_blocks, 1, generator=g)
     moved = torch.rand(n_blocks, block_size, generator=g) < density
     sign = torch.where(torch.rand(n_blocks, block_size, generator=g) < 0.5, -1, 1)
-    prev = torch.randint(-20000, 20000, (n_blocks, block_size), generator=g)
+    # patterns on one side of 0 (ordered distance = integer distance) or anywhere (crossing 0: ~2**16)
+    one_side = torch.randint(13000, 20000, (n_blocks, block_size), generator=g) * torch.where(
+        torch.rand(n_blocks, 1, generator=g) < 0.5, -1, 1)
+    prev = torch.where(torch.rand(n_blocks, 1, generator=g) < 0.7, one_side,
+                       torch.randint(-20000, 20000, (n_blocks, block_size), generator=g))
     new = torch.where(moved, prev + sign * torch.minimum(magnitude, torch.full_like(magnitude, 12000)), prev)
     prev16, new16 = prev.to(torch.int16).view(-1), new.to(torch.int16).view(-1)
     ref = kernels.analyze_blocks_reference(prev16.clone(), new16, block_size)
     tri = kernels.encode_blocks(prev16.clone().to(device), new16.to(device), block_size)
     for name in ("codes", "counts", "n_esc", "exc_widths"):
         assert torch.equal(getattr(ref, name).cpu().long(), getattr(tri, name).cpu().long()), name
-    assert len(set(ref.codes.tolist())) > 10  # many widths were chosen
+    codes = set(ref.codes.tolist())  # code = width + 1
+    assert len(codes & set(range(2, kernels.NARROW_WIDTHS + 2))) >= 5 and kernels.MAX_WIDTH + 1 in codes
 
 
 def test_triton_matches_reference_interpreted():

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 3 of 2026-11-30 (2x H200, ~2 min): device time of the delta encoder's building blocks, and a PyTorch
 # profile (iterations 10-11) of GPT-350M TP=2 at ~25 GB/s, baseline vs TACO INT8 with every TP tensor compressed.
+# (benchmarks/diag_delta_primitives.py timed the per-value encoder; removed with the row kernels, see git history.)
 # Usage (device machine, repo root): bash scripts/gpu/diagnose_delta_and_taco_host.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
