@@ -115,6 +115,7 @@ class DeltaCodec(ShardCodec):
         self.triton = triton  # None: Triton on CUDA, the PyTorch reference elsewhere
         self.last_stats: dict = {}
         self._prev = None  # int16 copy of what this rank encoded last
+        self._header_cache = None  # (key, device header) of _delta_header
 
     def reset(self) -> None:
         self._prev = None
@@ -146,14 +147,16 @@ class DeltaCodec(ShardCodec):
             return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
         b, numel = self.config.block_size, bits.numel()
         e = kernels.encode_blocks(self._prev, bits, b)
-        rank_end = torch.cumsum(e.codes != 0, 0)
+        # few, fused torch ops from here to the gather's size exchange: the host launching them is what
+        # the device waits for after the encode kernel (results/gpu/README.md, session 9)
+        rank_end = torch.cumsum(e.changed, 0)
         stream_end = torch.cumsum(e.nbytes, 0)
         n_changed = rank_end[-1:]
         # The layout of _Layout.of with n_changed on the device: sections after the codes grow by
         # 2 + 1 + B / 8 bytes per changed block, then the value streams.
-        nbytes = _Layout.of(numel, 0, b).values + n_changed * (3 + b // 8) + stream_end[-1:]
-        header = self._header(fp16_flag, numel, 0, bits.device)
-        header[N_CHANGED_AT:N_CHANGED_AT + 4] = n_changed.to(torch.int32).view(torch.uint8)
+        nbytes = torch.add(stream_end[-1:], n_changed, alpha=3 + b // 8).add_(_Layout.of(numel, 0, b).values)
+        header = self._delta_header(fp16_flag, numel, bits.device)
+        header[N_CHANGED_AT:N_CHANGED_AT + 4].view(torch.int32).copy_(n_changed)
         totals = HostValues(torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]]))
         return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, totals, fp16_flag, numel))
 
@@ -206,6 +209,14 @@ class DeltaCodec(ShardCodec):
 
     def _header(self, flags: int, numel: int, n_changed: int, device) -> torch.Tensor:
         return bytes_to_device(self._header_bytes(flags, numel, n_changed), device)
+
+    def _delta_header(self, fp16_flag: int, numel: int, device) -> torch.Tensor:
+        """The device header of this codec's delta payloads, made once per shape: ``begin_encode`` writes its
+        n_changed (stream-ordered after the previous encode's readers, which copy it at once)."""
+        key = (fp16_flag, numel, str(device))
+        if self._header_cache is None or self._header_cache[0] != key:
+            self._header_cache = (key, self._header(fp16_flag, numel, 0, device))
+        return self._header_cache[1]
 
     def _record(self, payload, numel, blocks_changed, values_changed, keyframe) -> None:
         self.last_stats = dict(

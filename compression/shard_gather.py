@@ -56,6 +56,7 @@ class ShardGather:
         self.rank = dist.get_rank(group)
         self._message_nbytes = SIZE_BYTES + _round_up(codec.header_nbytes, SIZE_BYTES)
         self._stat_names = tuple(getattr(codec, "stat_names", ()))
+        self._message = None  # the size exchange's send buffer
         for name in self._stat_names:
             TELEMETRY.declare_counter(f"{comm_class}/{name}")
 
@@ -79,7 +80,9 @@ class ShardGather:
     def _exchange_sizes(self, start, device) -> tuple:
         """Every rank's payload size and first ``codec.header_nbytes`` bytes, on the host (one sync)."""
         header_nbytes = self.codec.header_nbytes
-        message = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=device)
+        if self._message is None or self._message.device != torch.device(device):
+            self._message = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=device)
+        message = self._message  # reused: the size exchange below finishes before the next one writes it
         if isinstance(start.nbytes, int):
             message[:SIZE_BYTES].view(torch.int64).fill_(start.nbytes)
         else:
