@@ -23,7 +23,7 @@ Version 2 (version 1 had no ``exc_widths``: every exception entry took 17 bits).
 """
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -115,7 +115,10 @@ class DeltaCodec(ShardCodec):
         self.triton = triton  # None: Triton on CUDA, the PyTorch reference elsewhere
         self.last_stats: dict = {}
         self._prev = None  # int16 copy of what this rank encoded last
+        # reused by every encode of the Triton path (one encode in flight: begin_encode, then finish_encode)
         self._header_cache = None  # (key, device header) of _delta_header
+        self._blocks = None  # kernels.EncodedBlocks of the last encode (its per-block fields are reused)
+        self._totals = None  # HostValues of the totals
 
     def reset(self) -> None:
         self._prev = None
@@ -146,7 +149,8 @@ class DeltaCodec(ShardCodec):
             payload = self._encode_whole(bits, fp16_flag)
             return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
         b, numel = self.config.block_size, bits.numel()
-        e = kernels.encode_blocks(self._prev, bits, b)
+        self._blocks = kernels.empty_blocks(numel, b, bits.device, reuse=self._blocks)
+        e = kernels.encode_blocks(self._prev, bits, b, out=self._blocks)
         # few, fused torch ops from here to the gather's size exchange: the host launching them is what
         # the device waits for after the encode kernel (results/gpu/README.md, session 9)
         rank_end = torch.cumsum(e.changed, 0)
@@ -157,8 +161,9 @@ class DeltaCodec(ShardCodec):
         nbytes = torch.add(stream_end[-1:], n_changed, alpha=3 + b // 8).add_(_Layout.of(numel, 0, b).values)
         header = self._delta_header(fp16_flag, numel, bits.device)
         header[N_CHANGED_AT:N_CHANGED_AT + 4].view(torch.int32).copy_(n_changed)
-        totals = HostValues(torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]]))
-        return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, totals, fp16_flag, numel))
+        totals = torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]])
+        self._totals = HostValues(totals) if self._totals is None else self._totals.update(totals)
+        return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, self._totals, fp16_flag, numel))
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _CodedBlocks):
@@ -172,6 +177,8 @@ class DeltaCodec(ShardCodec):
         kernels.gather_records(c.blocks, c.rank_end, c.stream_end, out,
                                self._header_bytes(c.fp16_flag, c.numel, n_changed),
                                layout.n_esc, layout.exc_widths, layout.bitmaps, layout.values, b)
+        if self._blocks is c.blocks:  # the records go back to the allocator (stream-ordered after the gather)
+            self._blocks = replace(c.blocks, records=None)
         self._record(out, c.numel, n_changed, n_values, False)
 
     def _keyframe_due(self, bits: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ Two implementations give identical bytes (``tests/test_delta.py`` checks it):
 """
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -534,20 +534,23 @@ class EncodedBlocks:
     records: torch.Tensor  # int32 [n_blocks, B / 32 + 8 * ceil(17 B / 256)]
 
 
-def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int) -> EncodedBlocks:
-    """Triton: code every block of ``new`` (int16) against ``prev``, which is overwritten with ``new``."""
-    n_blocks = -(-new.numel() // block_size)
-    dev = new.device
+def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = None) -> EncodedBlocks:
+    """Uninitialized ``encode_blocks`` outputs for a shard of ``numel`` values: the per-block fields of
+    ``reuse`` if it has this shape (no allocations), the records (1.13x the shard at B=256) always new."""
+    n_blocks = -(-numel // block_size)
     record_words = block_size // 32 + _stream_words(block_size)
-    e = EncodedBlocks(
-        codes=torch.empty(n_blocks, dtype=torch.uint8, device=dev),
-        changed=torch.empty(n_blocks, dtype=torch.int64, device=dev),
-        counts=torch.empty(n_blocks, dtype=torch.int32, device=dev),
-        n_esc=torch.empty(n_blocks, dtype=torch.int32, device=dev),
-        exc_widths=torch.empty(n_blocks, dtype=torch.uint8, device=dev),
-        nbytes=torch.empty(n_blocks, dtype=torch.int64, device=dev),
-        records=torch.empty(n_blocks, record_words, dtype=torch.int32, device=dev),
-    )
+    records = torch.empty(n_blocks, record_words, dtype=torch.int32, device=device)
+    if reuse is not None and reuse.codes.numel() == n_blocks and reuse.codes.device == records.device:
+        return replace(reuse, records=records)
+    return EncodedBlocks(*(torch.empty(n_blocks, dtype=dtype, device=device) for dtype in (
+        torch.uint8, torch.int64, torch.int32, torch.int32, torch.uint8, torch.int64)), records=records)
+
+
+def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: EncodedBlocks = None) -> EncodedBlocks:
+    """Triton: code every block of ``new`` (int16) against ``prev``, which is overwritten with ``new``; into
+    ``out`` (from ``empty_blocks`` for this shape) if given."""
+    e = out if out is not None else empty_blocks(new.numel(), block_size, new.device)
+    n_blocks, record_words = e.records.shape
     if n_blocks:
         _encode_kernel[(n_blocks,)](prev, new, new.numel(), e.codes, e.changed, e.counts, e.n_esc, e.exc_widths,
                                     e.nbytes, e.records,
