@@ -90,10 +90,9 @@ class ShardGather:
         message[SIZE_BYTES:SIZE_BYTES + start.header.numel()] = start.header
         table = torch.empty(self.world_size * self._message_nbytes, dtype=torch.uint8, device=device)
         dist.all_gather_into_tensor(table, message, group=self.group)
-        table = table.view(self.world_size, self._message_nbytes).cpu()
-        sizes = table[:, :SIZE_BYTES].contiguous().view(torch.int64).view(-1).tolist()
-        headers = [table[r, SIZE_BYTES:SIZE_BYTES + min(header_nbytes, sizes[r])].numpy().tobytes()
-                   for r in range(self.world_size)]
+        table = table.view(self.world_size, self._message_nbytes).cpu().numpy()  # parsed in numpy: no torch ops
+        sizes = [int.from_bytes(row[:SIZE_BYTES].tobytes(), "little", signed=True) for row in table]
+        headers = [row[SIZE_BYTES:SIZE_BYTES + min(header_nbytes, size)].tobytes() for row, size in zip(table, sizes)]
         return sizes, headers
 
     def _record(self, shard: torch.Tensor, padded_bytes: int) -> None:
