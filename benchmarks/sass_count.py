@@ -73,15 +73,16 @@ def _sig(names: str, types: dict) -> dict:
 B = 256
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     "delta encode": (delta._encode_kernel, _sig(
-        "prev_ptr new_ptr numel codes_ptr counts_ptr n_esc_ptr exc_widths_ptr nbytes_ptr records_ptr BLOCK RECORD_WORDS",
-        dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", counts_ptr="*i32", n_esc_ptr="*i32",
-             exc_widths_ptr="*u8", nbytes_ptr="*i32", records_ptr="*i32")),
+        "prev_ptr new_ptr numel codes_ptr changed_ptr counts_ptr n_esc_ptr exc_widths_ptr nbytes_ptr records_ptr BLOCK "
+        "RECORD_WORDS",
+        dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", changed_ptr="*i64", counts_ptr="*i32", n_esc_ptr="*i32",
+             exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32")),
         dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B)), delta._num_warps(B), B,
         delta.MAX_REGISTERS["encode"]),
     "delta decode": (delta._decode_kernel, _sig(
         "out_ptr numel codes_ptr rank_end_ptr stream_end_ptr nbytes_ptr exc_widths_ptr bitmaps_ptr values_ptr "
         "values_lead BLOCK",
-        dict(out_ptr="*i16", codes_ptr="*u8", rank_end_ptr="*i64", stream_end_ptr="*i64", nbytes_ptr="*i32",
+        dict(out_ptr="*i16", codes_ptr="*u8", rank_end_ptr="*i64", stream_end_ptr="*i64", nbytes_ptr="*i64",
              exc_widths_ptr="*u8", bitmaps_ptr="*u8", values_ptr="*u8")),
         dict(BLOCK=B), delta._num_warps(B), B, delta.MAX_REGISTERS["decode"]),
     # TACO INT8 encode at its launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual scaling

@@ -56,16 +56,20 @@ def bytes_to_device(raw: bytes, device) -> torch.Tensor:
 
 class HostValues:
     """Integers computed on the device, copied to the host without waiting: ``get()`` returns them once
-    the copy has landed, at no cost after any sync that followed (e.g. a gather's size exchange)."""
+    the copy has landed, at no cost after any sync that followed (e.g. a gather's size exchange).
+    ``update`` reuses the pinned buffer and event for new values of the same shape (after ``get``)."""
 
     def __init__(self, values: torch.Tensor):
-        self.device_values = values
         self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+        self._event = torch.cuda.Event() if values.is_cuda else None
+        self.update(values)
+
+    def update(self, values: torch.Tensor) -> "HostValues":
+        self.device_values = values
         self._host.copy_(values, non_blocking=True)
-        self._event = None
-        if values.is_cuda:
-            self._event = torch.cuda.Event()
+        if self._event is not None:
             self._event.record()
+        return self
 
     def get(self) -> list:
         if self._event is not None:

@@ -23,7 +23,7 @@ Version 2 (version 1 had no ``exc_widths``: every exception entry took 17 bits).
 """
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -115,6 +115,10 @@ class DeltaCodec(ShardCodec):
         self.triton = triton  # None: Triton on CUDA, the PyTorch reference elsewhere
         self.last_stats: dict = {}
         self._prev = None  # int16 copy of what this rank encoded last
+        # reused by every encode of the Triton path (one encode in flight: begin_encode, then finish_encode)
+        self._header_cache = None  # (key, device header) of _delta_header
+        self._blocks = None  # kernels.EncodedBlocks of the last encode (its per-block fields are reused)
+        self._totals = None  # HostValues of the totals
 
     def reset(self) -> None:
         self._prev = None
@@ -145,17 +149,21 @@ class DeltaCodec(ShardCodec):
             payload = self._encode_whole(bits, fp16_flag)
             return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
         b, numel = self.config.block_size, bits.numel()
-        e = kernels.encode_blocks(self._prev, bits, b)
-        rank_end = torch.cumsum(e.codes != 0, 0)
+        self._blocks = kernels.empty_blocks(numel, b, bits.device, reuse=self._blocks)
+        e = kernels.encode_blocks(self._prev, bits, b, out=self._blocks)
+        # few, fused torch ops from here to the gather's size exchange: the host launching them is what
+        # the device waits for after the encode kernel (results/gpu/README.md, session 9)
+        rank_end = torch.cumsum(e.changed, 0)
         stream_end = torch.cumsum(e.nbytes, 0)
         n_changed = rank_end[-1:]
         # The layout of _Layout.of with n_changed on the device: sections after the codes grow by
         # 2 + 1 + B / 8 bytes per changed block, then the value streams.
-        nbytes = _Layout.of(numel, 0, b).values + n_changed * (3 + b // 8) + stream_end[-1:]
-        header = self._header(fp16_flag, numel, 0, bits.device)
-        header[N_CHANGED_AT:N_CHANGED_AT + 4] = n_changed.to(torch.int32).view(torch.uint8)
-        totals = HostValues(torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]]))
-        return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, totals, fp16_flag, numel))
+        nbytes = torch.add(stream_end[-1:], n_changed, alpha=3 + b // 8).add_(_Layout.of(numel, 0, b).values)
+        header = self._delta_header(fp16_flag, numel, bits.device)
+        header[N_CHANGED_AT:N_CHANGED_AT + 4].view(torch.int32).copy_(n_changed)
+        totals = torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]])
+        self._totals = HostValues(totals) if self._totals is None else self._totals.update(totals)
+        return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, self._totals, fp16_flag, numel))
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _CodedBlocks):
@@ -169,6 +177,8 @@ class DeltaCodec(ShardCodec):
         kernels.gather_records(c.blocks, c.rank_end, c.stream_end, out,
                                self._header_bytes(c.fp16_flag, c.numel, n_changed),
                                layout.n_esc, layout.exc_widths, layout.bitmaps, layout.values, b)
+        if self._blocks is c.blocks:  # the records go back to the allocator (stream-ordered after the gather)
+            self._blocks = replace(c.blocks, records=None)
         self._record(out, c.numel, n_changed, n_values, False)
 
     def _keyframe_due(self, bits: torch.Tensor) -> bool:
@@ -206,6 +216,14 @@ class DeltaCodec(ShardCodec):
 
     def _header(self, flags: int, numel: int, n_changed: int, device) -> torch.Tensor:
         return bytes_to_device(self._header_bytes(flags, numel, n_changed), device)
+
+    def _delta_header(self, fp16_flag: int, numel: int, device) -> torch.Tensor:
+        """The device header of this codec's delta payloads, made once per shape: ``begin_encode`` writes its
+        n_changed (stream-ordered after the previous encode's readers, which copy it at once)."""
+        key = (fp16_flag, numel, str(device))
+        if self._header_cache is None or self._header_cache[0] != key:
+            self._header_cache = (key, self._header(fp16_flag, numel, 0, device))
+        return self._header_cache[1]
 
     def _record(self, payload, numel, blocks_changed, values_changed, keyframe) -> None:
         self.last_stats = dict(

@@ -56,6 +56,7 @@ class ShardGather:
         self.rank = dist.get_rank(group)
         self._message_nbytes = SIZE_BYTES + _round_up(codec.header_nbytes, SIZE_BYTES)
         self._stat_names = tuple(getattr(codec, "stat_names", ()))
+        self._message = None  # the size exchange's send buffer
         for name in self._stat_names:
             TELEMETRY.declare_counter(f"{comm_class}/{name}")
 
@@ -79,7 +80,9 @@ class ShardGather:
     def _exchange_sizes(self, start, device) -> tuple:
         """Every rank's payload size and first ``codec.header_nbytes`` bytes, on the host (one sync)."""
         header_nbytes = self.codec.header_nbytes
-        message = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=device)
+        if self._message is None or self._message.device != torch.device(device):
+            self._message = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=device)
+        message = self._message  # reused: the size exchange below finishes before the next one writes it
         if isinstance(start.nbytes, int):
             message[:SIZE_BYTES].view(torch.int64).fill_(start.nbytes)
         else:
@@ -87,10 +90,9 @@ class ShardGather:
         message[SIZE_BYTES:SIZE_BYTES + start.header.numel()] = start.header
         table = torch.empty(self.world_size * self._message_nbytes, dtype=torch.uint8, device=device)
         dist.all_gather_into_tensor(table, message, group=self.group)
-        table = table.view(self.world_size, self._message_nbytes).cpu()
-        sizes = table[:, :SIZE_BYTES].contiguous().view(torch.int64).view(-1).tolist()
-        headers = [table[r, SIZE_BYTES:SIZE_BYTES + min(header_nbytes, sizes[r])].numpy().tobytes()
-                   for r in range(self.world_size)]
+        table = table.view(self.world_size, self._message_nbytes).cpu().numpy()  # parsed in numpy: no torch ops
+        sizes = [int.from_bytes(row[:SIZE_BYTES].tobytes(), "little", signed=True) for row in table]
+        headers = [row[SIZE_BYTES:SIZE_BYTES + min(header_nbytes, size)].tobytes() for row, size in zip(table, sizes)]
         return sizes, headers
 
     def _record(self, shard: torch.Tensor, padded_bytes: int) -> None:

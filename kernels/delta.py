@@ -39,7 +39,7 @@ Two implementations give identical bytes (``tests/test_delta.py`` checks it):
 """
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -287,8 +287,8 @@ if triton is not None:
             tl.atomic_or(word + k, parts[k], mask=parts[k] != 0, sem="relaxed")
 
     @triton.jit
-    def _encode_kernel(prev_ptr, new_ptr, numel, codes_ptr, counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr,
-                       records_ptr, BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr):
+    def _encode_kernel(prev_ptr, new_ptr, numel, codes_ptr, changed_ptr, counts_ptr, n_esc_ptr, exc_widths_ptr,
+                       nbytes_ptr, records_ptr, BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr):
         # the block as rows of 8 values, a row per thread (16-byte loads; ranks, bitmap bytes and the
         # packing of a row stay in its thread, only per-row totals cross threads)
         ROWS: tl.constexpr = BLOCK // 8
@@ -332,10 +332,11 @@ if triton is not None:
             _or_bits(stream, slot, (ranks & 0xFFFF) * width, changed)
             _or_bits(stream, exception, exc_start + (ranks >> 16) * exc_width, escaped)
         tl.store(codes_ptr + b, tl.where(count > 0, width + 1, 0).to(tl.uint8))
+        tl.store(changed_ptr + b, (count > 0).to(tl.int64))
         tl.store(counts_ptr + b, count)
         tl.store(n_esc_ptr + b, n_esc)
         tl.store(exc_widths_ptr + b, exc_width.to(tl.uint8))
-        tl.store(nbytes_ptr + b, (nbits + 7) // 8)
+        tl.store(nbytes_ptr + b, ((nbits + 7) // 8).to(tl.int64))
 
     @triton.jit(do_not_specialize=["header0", "header1", "header2", "n_esc_at", "exc_widths_at", "bitmaps_at",
                                    "values_at"])
@@ -409,7 +410,7 @@ if triton is not None:
         count = tl.sum(_popcount_bytes(bitmap.to(tl.int32)), axis=1)
         exc_width = tl.load(exc_widths_ptr + rank, mask=changed, other=0).to(tl.int32)
         nbits = count * tl.maximum(code - 1, 0) + exc_width * _read_n_esc(n_esc_ptr, rank, changed)
-        tl.store(nbytes_ptr + b, (nbits + 7) // 8, mask=inside)
+        tl.store(nbytes_ptr + b, ((nbits + 7) // 8).to(tl.int64), mask=inside)
 
     @triton.jit
     def _load_bits(words_ptr, bitpos, width, mask):
@@ -525,29 +526,34 @@ class EncodedBlocks:
     """Per-block results of ``encode_blocks``; ``records`` row b: bitmap, then the value stream."""
 
     codes: torch.Tensor  # uint8 [n_blocks]
+    changed: torch.Tensor  # int64 [n_blocks]: 1 where code != 0 (int64: prefix sums need no conversion)
     counts: torch.Tensor  # int32 [n_blocks]
     n_esc: torch.Tensor  # int32 [n_blocks]
     exc_widths: torch.Tensor  # uint8 [n_blocks]
-    nbytes: torch.Tensor  # int32 [n_blocks]: value stream bytes
-    records: torch.Tensor  # int32 [n_blocks, B / 32 + ceil(17 B / 32)]
+    nbytes: torch.Tensor  # int64 [n_blocks]: value stream bytes
+    records: torch.Tensor  # int32 [n_blocks, B / 32 + 8 * ceil(17 B / 256)]
 
 
-def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int) -> EncodedBlocks:
-    """Triton: code every block of ``new`` (int16) against ``prev``, which is overwritten with ``new``."""
-    n_blocks = -(-new.numel() // block_size)
-    dev = new.device
+def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = None) -> EncodedBlocks:
+    """Uninitialized ``encode_blocks`` outputs for a shard of ``numel`` values: the per-block fields of
+    ``reuse`` if it has this shape (no allocations), the records (1.13x the shard at B=256) always new."""
+    n_blocks = -(-numel // block_size)
     record_words = block_size // 32 + _stream_words(block_size)
-    e = EncodedBlocks(
-        codes=torch.empty(n_blocks, dtype=torch.uint8, device=dev),
-        counts=torch.empty(n_blocks, dtype=torch.int32, device=dev),
-        n_esc=torch.empty(n_blocks, dtype=torch.int32, device=dev),
-        exc_widths=torch.empty(n_blocks, dtype=torch.uint8, device=dev),
-        nbytes=torch.empty(n_blocks, dtype=torch.int32, device=dev),
-        records=torch.empty(n_blocks, record_words, dtype=torch.int32, device=dev),
-    )
+    records = torch.empty(n_blocks, record_words, dtype=torch.int32, device=device)
+    if reuse is not None and reuse.codes.numel() == n_blocks and reuse.codes.device == records.device:
+        return replace(reuse, records=records)
+    return EncodedBlocks(*(torch.empty(n_blocks, dtype=dtype, device=device) for dtype in (
+        torch.uint8, torch.int64, torch.int32, torch.int32, torch.uint8, torch.int64)), records=records)
+
+
+def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: EncodedBlocks = None) -> EncodedBlocks:
+    """Triton: code every block of ``new`` (int16) against ``prev``, which is overwritten with ``new``; into
+    ``out`` (from ``empty_blocks`` for this shape) if given."""
+    e = out if out is not None else empty_blocks(new.numel(), block_size, new.device)
+    n_blocks, record_words = e.records.shape
     if n_blocks:
-        _encode_kernel[(n_blocks,)](prev, new, new.numel(), e.codes, e.counts, e.n_esc, e.exc_widths, e.nbytes,
-                                    e.records,
+        _encode_kernel[(n_blocks,)](prev, new, new.numel(), e.codes, e.changed, e.counts, e.n_esc, e.exc_widths,
+                                    e.nbytes, e.records,
                                     BLOCK=block_size, RECORD_WORDS=record_words, num_warps=_num_warps(block_size),
                                     maxnreg=_max_registers("encode", block_size))
     return e
@@ -571,8 +577,8 @@ def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: byte
 
 
 def stream_sizes(codes, rank_end, n_esc_bytes, exc_widths, bitmaps, block_size: int) -> torch.Tensor:
-    """Triton: value stream bytes of every block (0 if unchanged), from the payload's sections."""
-    nbytes = torch.empty(codes.numel(), dtype=torch.int32, device=codes.device)
+    """Triton: value stream bytes of every block (0 if unchanged; int64), from the payload's sections."""
+    nbytes = torch.empty(codes.numel(), dtype=torch.int64, device=codes.device)
     n_blocks, tile = codes.numel(), _tile_blocks(block_size)
     if n_blocks:
         _stream_sizes_kernel[(triton.cdiv(n_blocks, tile),)](codes, rank_end, n_esc_bytes, exc_widths, bitmaps, nbytes,

@@ -253,7 +253,8 @@ def _reference_records(prev: torch.Tensor, bits: torch.Tensor, block_size: int, 
     at = torch.arange(row_bytes) - block_size // 8
     rows = torch.where((at >= 0) & (at < nbytes.unsqueeze(1)), rows, 0xA5)
     rows[:, : block_size // 8] = a.bitmaps
-    fields = (a.codes, a.counts, a.n_esc, a.exc_widths, nbytes.to(torch.int32), rows.view(torch.int32))
+    fields = (a.codes, (a.codes != 0).to(torch.int64), a.counts, a.n_esc, a.exc_widths, nbytes.to(torch.int64),
+              rows.view(torch.int32))
     return kernels.EncodedBlocks(*(f.to(device) for f in fields))
 
 
