@@ -209,11 +209,11 @@ def unpack_values_reference(out, changed_blocks, codes, exc_widths, bitmaps, val
 #           _gather_kernel (codes, n_esc, bitmaps and streams of changed blocks into the payload).
 #   decode: header sync -> _stream_sizes_kernel (popcounts) -> prefix sum -> _decode_kernel.
 # _gather_kernel and _stream_sizes_kernel take a tile of blocks per program (one block each was
-# latency bound: a few live bytes per program). The others run one program per block of B values
-# with B >= 32 * num_warps lanes: with fewer lanes than threads
-# (B = 64 under Triton's default 4 warps) two threads hold each value, and one thread's in-place
-# store can overtake the other's load of the same value. A barrier also separates the last read of
-# an updated buffer from the write to it.
+# latency bound: a few live bytes per program). The others run one program per block of B values as
+# rows of 8, a row per thread (num_warps = B / 256, at least 1): below B = 256 several threads hold
+# each row, and one thread's in-place store could overtake another's load of the same value (the
+# first Triton version, with two threads per value, failed on CUDA that way), so a barrier separates
+# the last read of an updated buffer from the write to it; the atomic ORs are idempotent.
 
 if triton is not None:
     _NARROW_WIDTHS = tl.constexpr(NARROW_WIDTHS)
