@@ -44,9 +44,11 @@ PARAM_GATHER = {"baseline": [], "ciera": ["--param-gather-compression", "ciera"]
                 "sdp4bit_grad": ["--param-gather-compression", "sdp4bit", "--grad-reduce-compression", "hadamard-int8"]}
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 # CIERA's ablation (exponent reuse alone, + benefit selection, + overlap), with the parameter gather exposed
-# (no --overlap-param-gather) unless the variant adds it; delta beside it.
+# (--no-overlap-param-gather: the model configs turn the overlap on) unless the variant adds it; delta beside
+# it, every bucket compressed (delta_all) or chosen by the benefit selection (delta).
 PARAM_GATHER_ABLATION = {
     "baseline": [],
+    "delta_all": ["--param-gather-compression", "delta", "--param-gather-selection", "all"],
     "ciera_reuse": ["--param-gather-compression", "ciera", "--param-gather-selection", "all"],
     "ciera_reuse_selection": ["--param-gather-compression", "ciera"],
     "ciera_reuse_selection_overlap": ["--param-gather-compression", "ciera", "--overlap-param-gather"],
@@ -68,7 +70,8 @@ SUITES = {
     "tp4_taco": tp_suite(4), "tp4_sp_taco": tp_suite(4, True),
     "tp8_taco": tp_suite(8), "tp8_sp_taco": tp_suite(8, True),
     "dp2_param_gather": (2, "pretrain_gpt.py", OVERLAP, PARAM_GATHER),
-    "dp2_param_gather_ablation": (2, "pretrain_gpt.py", ["--overlap-grad-reduce"], PARAM_GATHER_ABLATION),
+    "dp2_param_gather_ablation": (2, "pretrain_gpt.py", ["--overlap-grad-reduce", "--no-overlap-param-gather"],
+                                  PARAM_GATHER_ABLATION),
     "dp2_moe_param_gather": (2, "pretrain_moe.py", OVERLAP, PARAM_GATHER),  # EP=1: expert buckets gather over DP=2
     "dp8_moe_param_gather": (8, "pretrain_moe.py", OVERLAP, PARAM_GATHER),  # EP via extra flags
 }

@@ -163,6 +163,19 @@ def test_yaml_config_precedence_and_types(tmp_path):
     assert parse_args(f"--config {config}".split(), defaults={"seed": 7}).seed == 7
 
 
+def test_yaml_true_turned_off_on_the_command_line(tmp_path):
+    """A boolean that a config sets (configs/gpt_350m.yaml: overlap-param-gather: true) is turned off with
+    its --no- form, which a config may also name."""
+    config = tmp_path / "c.yaml"
+    config.write_text("overlap-param-gather: true\nno-overlap-grad-reduce: true\nsequence-parallel: true\n")
+    args = parse_args(f"--config {config}".split())
+    assert args.overlap_param_gather and not args.overlap_grad_reduce and args.sequence_parallel
+    args = parse_args(f"--config {config} --no-overlap-param-gather --overlap-grad-reduce".split())
+    assert not args.overlap_param_gather and args.overlap_grad_reduce and args.sequence_parallel
+    assert parse_args(["--no-sequence-parallel"]).sequence_parallel is False
+    assert parse_args(["--sequence-parallel"]).sequence_parallel is True
+
+
 @pytest.mark.parametrize("text, message", [
     ("hidden-sise: 64\n", "unknown key 'hidden-sise'"),
     ("sequence-parallel: 3\n", "'sequence-parallel' must be true or false"),

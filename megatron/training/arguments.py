@@ -2,7 +2,8 @@
 
 Each section is a dataclass; every field becomes the flag ``--field-name`` (dashes for underscores)
 with the field's default, type and help text, unless its metadata names another flag (e.g.
-``--no-masked-softmax-fusion`` for ``masked_softmax_fusion``). The result is one flat
+``--no-masked-softmax-fusion`` for ``masked_softmax_fusion``); every other boolean also takes ``--no-X``,
+so that a YAML config's ``X: true`` can be turned off on the command line. The result is one flat
 ``argparse.Namespace`` whose attributes are Megatron-LM's ``args`` names (the project's shared contract).
 
 Precedence: explicit CLI flags > ``--config FILE.yaml`` (a flat mapping of flag names without ``--``)
@@ -247,10 +248,12 @@ def _add_field(group, f) -> None:
     meta = f.metadata
     value_type, is_list = _value_type(f.type)
     if value_type is bool:
-        negative = meta["flag"] is not None
-        flags = ["--" + (meta["flag"] if negative else f.name.replace("_", "-"))]
-        action = "store_false" if negative else "store_true"
-        group.add_argument(*flags, dest=f.name, action=action, default=f.default, help=meta["help"])
+        if meta["flag"] is not None:  # Megatron-LM's own negative flag (--no-masked-softmax-fusion)
+            group.add_argument("--" + meta["flag"], dest=f.name, action="store_false", default=f.default,
+                               help=meta["help"])
+        else:  # --X and --no-X: a YAML config's true can be turned off on the command line
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=meta["help"])
         return
     flags = ["--" + f.name.replace("_", "-")] + ["--" + a for a in meta["aliases"]]
     group.add_argument(*flags, dest=f.name, type=value_type, default=f.default, choices=meta["choices"],
@@ -272,10 +275,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 
 def _yaml_value(action, key, value, path):
     """Convert one YAML value with the flag's own type and choices."""
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreFalseAction)):
         if not isinstance(value, bool):
             raise ValueError(f"--config {path}: '{key}' must be true or false, got {value!r}")
-        return value if isinstance(action, argparse._StoreTrueAction) else not value
+        return value if isinstance(action, argparse.BooleanOptionalAction) else not value
     if value is None:
         return None
     convert = action.type or str
@@ -309,6 +312,8 @@ def load_yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
         value = _yaml_value(action, key, value, path)
         if name not in by_flag and isinstance(action, argparse._StoreFalseAction):
             value = not value  # the destination itself was named (masked-softmax-fusion: false), not --no-...
+        if isinstance(action, argparse.BooleanOptionalAction) and action.option_strings[0] != "--" + name:
+            value = not value  # the --no- form was named (no-overlap-param-gather: true)
         defaults[action.dest] = value
     return defaults
 
