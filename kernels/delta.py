@@ -542,8 +542,12 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
     records = torch.empty(n_blocks, record_words, dtype=torch.int32, device=device)
     if reuse is not None and reuse.codes.numel() == n_blocks and reuse.codes.device == records.device:
         return replace(reuse, records=records)
-    return EncodedBlocks(*(torch.empty(n_blocks, dtype=dtype, device=device) for dtype in (
-        torch.uint8, torch.int64, torch.int32, torch.int32, torch.uint8, torch.int64)), records=records)
+    def per_block(dtype):
+        return torch.empty(n_blocks, dtype=dtype, device=device)
+
+    return EncodedBlocks(codes=per_block(torch.uint8), changed=per_block(torch.int64), counts=per_block(torch.int32),
+                         n_esc=per_block(torch.int32), exc_widths=per_block(torch.uint8),
+                         nbytes=per_block(torch.int64), records=records)
 
 
 def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: EncodedBlocks = None) -> EncodedBlocks:
