@@ -6,11 +6,19 @@ TFLOP/s/GPU, MFU and the speedup over the baseline of the same link class. The l
 three NCCL settings of ../shared/notes/measured-baselines.md.
 
     python benchmarks/e2e_throughput.py --suite tp2_taco --model configs/gpt_350m.yaml --out results/e2e.json
+
+With ``--comm-profile`` the last two iterations of every run are profiled (PyTorch profiler, rank 0, left out
+of the timing): the device time per iteration of each NCCL collective and of the codecs' Triton kernels.
+The baseline's time in the suite's collective over its iteration time is the measured communication share
+s; with a variant's wire ratio r (raw / sent bytes of its communication class) the speedup it can reach
+is the bound 1 / (1 - s (1 - 1/r)), reported with the fraction of that gain the variant got.
 """
 
 import argparse
+import collections
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -77,6 +85,49 @@ SUITES = {
 }
 
 
+# suite kind -> (NCCL collectives whose device time is the baseline's share, telemetry class of the wire ratio)
+SHARE = {"param_gather": (("AllGather",), "dp_param_gather"), "taco": (("AllReduce", "AllGather", "ReduceScatter"), "tp")}
+CODEC_KERNEL = re.compile(r"^_\w+_kernel$")  # the Triton kernels of kernels/ (by their naming)
+NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
+
+
+def profile_flags(train_iters: int) -> list:
+    """Profile the last two iterations of a run (rank 0)."""
+    return ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(train_iters - 1),
+            "--profile-step-end", str(train_iters + 1)]
+
+
+def device_time_per_iteration(trace_path: str, iterations: int = 2) -> dict:
+    """Milliseconds per iteration of each NCCL collective's kernels and of the codec kernels in a trace."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    ms = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "kernel":
+            continue
+        nccl = NCCL_KERNEL.match(e["name"])
+        if nccl:
+            ms[nccl.group(1)] += e["dur"] / 1e3 / iterations
+        elif CODEC_KERNEL.match(e["name"]):
+            ms["codec_kernels"] += e["dur"] / 1e3 / iterations
+    return dict(ms)
+
+
+def share_and_bound(base: dict, run: dict, kind: str) -> dict:
+    """The baseline's communication share and this run's bound and fraction of it (see the module doc)."""
+    collectives, comm_class = SHARE[kind]
+    share = sum(base["device_ms_per_iter"].get(c, 0.0) for c in collectives) / (base["median_iter_time_s"] * 1e3)
+    out = {"baseline_comm_share": share}
+    bytes_ = run.get("comm_last_iter", {}).get(comm_class, {})
+    if bytes_.get("sent_bytes"):
+        ratio = bytes_["raw_bytes"] / bytes_["sent_bytes"]
+        bound = 1.0 / (1.0 - share * (1.0 - 1.0 / ratio))
+        out.update(wire_ratio=ratio, bound=bound)
+        if bound > 1.0:
+            out["fraction_of_bound_gain"] = (run["speedup_vs_baseline"] - 1.0) / (bound - 1.0)
+    return out
+
+
 def run_one(nproc, script, flags, env_extra, metrics, log):
     env = dict(os.environ, **env_extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -90,8 +141,10 @@ def run_one(nproc, script, flags, env_extra, metrics, log):
     return cmd, time.time() - start, [json.loads(line) for line in open(metrics) if line.strip()]
 
 
-def summarize(records, warmup):
-    steps = [r for r in records if "iter_time_s" in r and "loss" in r][warmup:]
+def summarize(records, warmup, last=None):
+    """Median iteration time etc. of the iterations after ``warmup``, up to ``last`` (inclusive)."""
+    steps = [r for r in records if "iter_time_s" in r and "loss" in r and (last is None or r["iteration"] <= last)]
+    steps = steps[warmup:]
     if not steps:
         raise RuntimeError("no timed iterations after warm-up: raise --train-iters")
     times = [r["iter_time_s"] for r in steps]
@@ -125,6 +178,9 @@ def main():
                              "--param-gather-trial-iters' iterations 11-16)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--log-dir", default="/tmp/e2e_logs")
+    parser.add_argument("--comm-profile", action="store_true",
+                        help="profile the last two iterations of each run (not timed): device time per collective, "
+                             "the baseline's communication share and each variant's bound (module doc)")
     args, extra = parser.parse_known_args()
     param_gather_suite = "param_gather" in args.suite
     args.train_iters = args.train_iters or (22 if param_gather_suite else 16)
@@ -138,22 +194,34 @@ def main():
         first = next(iter(variants))
         variants = {name: flags for name, flags in variants.items() if name == first or name in args.variants}
     flags = ["--config", args.model, *COMMON, *suite_flags, "--train-iters", str(args.train_iters), *extra]
+    timed_last = args.train_iters
+    if args.comm_profile:
+        flags += profile_flags(args.train_iters)
+        timed_last = args.train_iters - 2
+    kind = "param_gather" if param_gather_suite else "taco" if "taco" in args.suite else None
     results = {"suite": args.suite, "model": args.model, "argv": sys.argv, "runs": []}
     for link in args.links:
-        base_t = None
+        base = None
         for name, vflags in variants.items():
             tag = f"{args.suite}_{link}_{name}"
             metrics = os.path.join(args.log_dir, tag + ".jsonl")
             cmd, wall, records = run_one(nproc, script, flags + vflags, LINKS[link], metrics,
                                          os.path.join(args.log_dir, tag + ".log"))
-            res = summarize(records, args.warmup)
-            base_t = base_t or res["median_iter_time_s"]
+            res = summarize(records, args.warmup, timed_last)
+            base = base or res
             res.update(link=link, variant=name, env=LINKS[link], command=" ".join(cmd[1:]), wall_s=wall,
-                       speedup_vs_baseline=base_t / res["median_iter_time_s"])
+                       speedup_vs_baseline=base["median_iter_time_s"] / res["median_iter_time_s"])
+            bound_text = ""
+            if args.comm_profile:
+                res["device_ms_per_iter"] = device_time_per_iteration(metrics.replace(".jsonl", ".trace_rank0.json"))
+                if kind:
+                    res.update(share_and_bound(base, res, kind))
+                    bound_text = f"  share {res['baseline_comm_share']:.1%} bound {res.get('bound', 1.0):.3f}x"
             results["runs"].append(res)
             print(f"{link:16s} {name:10s} {res['median_iter_time_s'] * 1e3:9.1f} ms/iter "
                   f"{res.get('tokens_per_s', 0):10.0f} tok/s  MFU {res.get('mfu', 0) * 100:5.1f}%  "
-                  f"speedup {res['speedup_vs_baseline']:.3f}x  (iteration IQR {res['relative_iqr']:.1%})", flush=True)
+                  f"speedup {res['speedup_vs_baseline']:.3f}x  (iteration IQR {res['relative_iqr']:.1%}){bound_text}",
+                  flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

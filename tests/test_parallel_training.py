@@ -127,7 +127,7 @@ def test_tensorboard_sink(tmp_path):
 
 def test_pytorch_profiler_range(tmp_path):
     """--profile --use-pytorch-profiler records exactly the iterations start..end-1 and writes the Chrome
-    trace and the op table next to the metrics file; a bad range is refused naming the flags."""
+    trace and the op table next to the metrics file, named after it; a bad range is refused naming the flags."""
     import torch
 
     from megatron.training.arguments import parse_args, validate_args
@@ -141,11 +141,11 @@ def test_pytorch_profiler_range(tmp_path):
         for _ in range(iteration):  # iteration 2 runs exactly two matmuls
             x = torch.mm(x, x)
         profiler.after(iteration)
-    table = (tmp_path / "profile_rank0.txt").read_text()
+    table = (tmp_path / "m.profile_rank0.txt").read_text()
     assert table.startswith("iterations 2..2\nby self_cpu_time_total")
     mm_row = next(line for line in table.splitlines() if line.strip().startswith("aten::mm"))
     assert mm_row.split()[-1] == "2"  # the "# of Calls" column
-    assert json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    assert json.loads((tmp_path / "m.trace_rank0.json").read_text())["traceEvents"]
     with pytest.raises(ValueError, match="--profile-step-start"):
         validate_args(parse_args((GPT + " --profile --profile-step-start 5 --profile-step-end 5").split()),
                       world_size=1, rank=0)

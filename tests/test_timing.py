@@ -1,5 +1,7 @@
 """compression/timing.py: the wall-clock helpers on the CPU, the profiler's device times on a GPU."""
 
+import json
+
 import pytest
 import torch
 
@@ -47,3 +49,33 @@ def test_e2e_summary_reports_the_runs_own_spread():
     assert out["iters_timed"] == 5 and out["median_iter_time_s"] == 3.0
     assert out["iter_time_s_quartiles"] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert out["relative_iqr"] == pytest.approx(2.0 / 3.0)
+
+
+def test_e2e_comm_profile_share_and_bound(tmp_path):
+    """--comm-profile: profiled iterations are left out of the timing; NCCL kernels are summed per collective
+    and the codec kernels apart, per iteration; the bound is 1 / (1 - s (1 - 1/r)) from the baseline's share s
+    and the variant's wire ratio r."""
+    from benchmarks.e2e_throughput import device_time_per_iteration, share_and_bound, summarize
+
+    records = [{"iteration": i, "loss": 1.0, "iter_time_s": t} for i, t in enumerate([1.0, 2.0, 3.0, 50.0, 60.0], 1)]
+    assert summarize(records, warmup=0, last=3)["median_iter_time_s"] == 2.0  # iterations 4-5 profiled
+
+    def kernel(name, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": 0, "dur": dur}
+
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 6000),
+        kernel("ncclKernel_AllGather_RING_LL_Sum_int8_t", 2000), kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 4000),
+        kernel("_encode_kernel", 1000), kernel("void at::native::vectorized_elementwise_kernel<4>", 9000),
+        {"ph": "X", "cat": "cpu_op", "name": "_encode_kernel", "ts": 0, "dur": 7000}]}))
+    ms = device_time_per_iteration(str(trace), iterations=2)
+    assert ms == {"AllGather": 4.0, "ReduceScatter": 2.0, "codec_kernels": 0.5}
+
+    base = {"median_iter_time_s": 0.020, "device_ms_per_iter": ms}  # all-gather share 4 / 20 ms
+    run = {"speedup_vs_baseline": 1.1, "comm_last_iter": {"dp_param_gather": {"raw_bytes": 400, "sent_bytes": 100}}}
+    out = share_and_bound(base, run, "param_gather")
+    assert out["baseline_comm_share"] == pytest.approx(0.2) and out["wire_ratio"] == 4.0
+    assert out["bound"] == pytest.approx(1 / (1 - 0.2 * 0.75))
+    assert out["fraction_of_bound_gain"] == pytest.approx(0.1 / (out["bound"] - 1))
+    assert "bound" not in share_and_bound(base, {"speedup_vs_baseline": 1.0, "comm_last_iter": {}}, "param_gather")

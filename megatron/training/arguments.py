@@ -174,6 +174,9 @@ class LoggingArgs:
     profile_step_start: int = arg(10, "First profiled iteration.")
     profile_step_end: int = arg(12, "Iteration at which profiling stops (exclusive).")
     profile_ranks: Optional[list[int]] = arg(None, "Global ranks to profile (default: rank 0).")
+    pytorch_profiler_collect_shapes: bool = arg(False, "With --use-pytorch-profiler: record the ops' input shapes.")
+    pytorch_profiler_collect_callstack: bool = arg(False, "With --use-pytorch-profiler: record the Python call stack "
+                                                   "of each op (larger trace, slower profiled iterations).")
 
 
 @dataclass(kw_only=True)
