@@ -8,7 +8,8 @@ Wire scheme: (1) all_gather of a small message per rank: its payload size and th
 header (``codec.header_nbytes``); (2) all_gather_into_tensor of the payloads zero-padded to the largest
 size. Padding costs the imbalance between ranks but keeps one NCCL/gloo collective of equal-size chunks
 (variable-size all-gather is not a single NCCL call; a send/recv ring would cost W-1 latencies). The
-host must see the sizes, so ``start`` synchronises with the device once; a codec whose ``begin_encode``
+host must see the sizes, so ``start`` synchronises with the device once (``start_gathers`` once for several
+buckets: their encodes are queued first, their messages exchanged together); a codec whose ``begin_encode``
 leaves its payload size on the device (delta on GPUs) needs no sync of its own before that, and writes
 its payload straight into the send buffer (``finish_encode``). The headers ride along so that no
 decode reads its own header back from the device, and the decodes' kernels are queued while the
@@ -56,7 +57,7 @@ class ShardGather:
         self.rank = dist.get_rank(group)
         self._message_nbytes = SIZE_BYTES + _round_up(codec.header_nbytes, SIZE_BYTES)
         self._stat_names = tuple(getattr(codec, "stat_names", ()))
-        self._message = None  # the size exchange's send buffer
+        self._message = None  # the size exchange's send buffer (of start_gathers calls led by this gather)
         for name in self._stat_names:
             TELEMETRY.declare_counter(f"{comm_class}/{name}")
 
@@ -77,23 +78,20 @@ class ShardGather:
         """This rank's slice of ``buffer`` went out uncompressed: code the next gather against it."""
         self.codec.observe(self._own_slice(buffer, self.rank))
 
-    def _exchange_sizes(self, start, device) -> tuple:
-        """Every rank's payload size and first ``codec.header_nbytes`` bytes, on the host (one sync)."""
-        header_nbytes = self.codec.header_nbytes
-        if self._message is None or self._message.device != torch.device(device):
-            self._message = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=device)
-        message = self._message  # reused: the size exchange below finishes before the next one writes it
+    def _write_message(self, start, message: torch.Tensor) -> None:
+        """This rank's size message for one encode: its payload size, then its header."""
         if isinstance(start.nbytes, int):
             message[:SIZE_BYTES].view(torch.int64).fill_(start.nbytes)
         else:
             message[:SIZE_BYTES].view(torch.int64).copy_(start.nbytes.reshape(1))
         message[SIZE_BYTES:SIZE_BYTES + start.header.numel()] = start.header
-        table = torch.empty(self.world_size * self._message_nbytes, dtype=torch.uint8, device=device)
-        dist.all_gather_into_tensor(table, message, group=self.group)
-        table = table.view(self.world_size, self._message_nbytes).cpu().numpy()  # parsed in numpy: no torch ops
-        sizes = [int.from_bytes(row[:SIZE_BYTES].tobytes(), "little", signed=True) for row in table]
-        headers = [row[SIZE_BYTES:SIZE_BYTES + min(header_nbytes, size)].tobytes() for row, size in zip(table, sizes)]
-        return sizes, headers
+
+    def _read_messages(self, rows) -> tuple:
+        """Every rank's payload size and first ``codec.header_nbytes`` bytes from the gathered messages
+        (a numpy array of one row per rank)."""
+        sizes = [int.from_bytes(row[:SIZE_BYTES].tobytes(), "little", signed=True) for row in rows]
+        n = self.codec.header_nbytes
+        return sizes, [row[SIZE_BYTES:SIZE_BYTES + min(n, size)].tobytes() for row, size in zip(rows, sizes)]
 
     def _record(self, shard: torch.Tensor, padded_bytes: int) -> None:
         TELEMETRY.record(self.comm_class, shard.numel() * shard.element_size(), padded_bytes + self._message_nbytes)
@@ -103,10 +101,16 @@ class ShardGather:
 
     def start(self, buffer: torch.Tensor, async_op: bool = False):
         """Gather ``buffer`` in place; returns a handle with ``wait()`` if ``async_op``, else None."""
+        return start_gathers([self], [buffer], async_op)[0]
+
+    def _begin(self, buffer: torch.Tensor):
         self._check(buffer)
+        return self.codec.begin_encode(self._own_slice(buffer, self.rank))
+
+    def _transfer(self, buffer: torch.Tensor, start, sizes: list, headers: list, async_op: bool):
+        """Finish the encode into the send buffer, all-gather the padded payloads, decode (at ``wait()``
+        if ``async_op``)."""
         shard = self._own_slice(buffer, self.rank)
-        start = self.codec.begin_encode(shard)
-        sizes, headers = self._exchange_sizes(start, buffer.device)
         width, size = _round_up(max(sizes), ALIGN), sizes[self.rank]
         send = torch.empty(width, dtype=torch.uint8, device=buffer.device)
         self.codec.finish_encode(start, send[:size])
@@ -143,3 +147,33 @@ class ShardGather:
             raise RuntimeError(f"{self.comm_class} verify: bucket differs from an uncompressed gather at "
                                f"rank {index // n} slice index {index % n} (bucket index {index}): "
                                f"bits {int(got[index]):#x}, expected {int(want[index]):#x}")
+
+
+def start_gathers(gathers: list, buffers: list, async_op: bool = False) -> list:
+    """Start the ``ShardGather``s of one process group on their buffers with ONE size exchange: every
+    encode is queued first, then one all-gather of all their size messages and one host sync, then the
+    payload transfers. (A gather alone costs a sync each; a bucket group or a model chunk gathered
+    synchronously has several.) Returns each gather's handle (None unless ``async_op``)."""
+    if not gathers:
+        return []
+    lead = gathers[0]
+    if any(g.group is not lead.group for g in gathers):
+        raise ValueError("start_gathers needs gathers of one process group")
+    starts = [g._begin(b) for g, b in zip(gathers, buffers)]
+    device = buffers[0].device
+    offsets = [0]
+    for g in gathers:
+        offsets.append(offsets[-1] + g._message_nbytes)
+    if lead._message is None or lead._message.numel() != offsets[-1] or lead._message.device != device:
+        lead._message = torch.zeros(offsets[-1], dtype=torch.uint8, device=device)
+    message = lead._message  # reused: the exchange below finishes before the next one writes it
+    for g, start, a, b in zip(gathers, starts, offsets, offsets[1:]):
+        g._write_message(start, message[a:b])
+    table = torch.empty(lead.world_size * offsets[-1], dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(table, message, group=lead.group)
+    table = table.view(lead.world_size, offsets[-1]).cpu().numpy()  # the one sync; parsed in numpy
+    handles = []
+    for g, buffer, start, a, b in zip(gathers, buffers, starts, offsets, offsets[1:]):
+        sizes, headers = g._read_messages(table[:, a:b])
+        handles.append(g._transfer(buffer, start, sizes, headers, async_op))
+    return handles

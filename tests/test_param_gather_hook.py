@@ -133,10 +133,20 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
 
     from compression.telemetry import COMM_CLASSES, TELEMETRY
 
+    from megatron.hooks import param_gather
+
     TELEMETRY.reset()
     ddp, optimizer = _build(overlap)
     if method != "none":
         apply_dp_compression([ddp], _args(method, verify_interval))
+    exchanges = []  # gathers per size exchange of the model chunk's synchronous gathers
+    start_gathers = param_gather.start_gathers
+
+    def counted(gathers, *rest, **kwargs):
+        exchanges.append(len(gathers))
+        return start_gathers(gathers, *rest, **kwargs)
+
+    param_gather.start_gathers = counted
     forward_backward = get_forward_backward_func()
     loss_bits = []
     for step in range(STEPS):
@@ -159,10 +169,11 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
             if reset:
                 reset_param_gather_state([ddp])
     ddp.start_param_sync(force_sync=True)  # with overlap the last gather is still pending
+    param_gather.start_gathers = start_gathers
     raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
     return dict(
         loss_bits=loss_bits, param_hash=_buffers_hash(ddp), sent_ratio=sent / max(raw, 1),
-        **_hook_counts(ddp),
+        exchanges=exchanges, **_hook_counts(ddp),
     )
 
 
@@ -285,6 +296,9 @@ def _assert_identical(results_by_rank):
                 assert result["num_compressed"] == 0, (run, result)
             else:
                 assert result["num_compressed"] == result["num_groups"], (run, result)
+            if run[1] is False and run[0] in ("ciera", "delta"):
+                # without overlap each step's gathers (and the final forced one) share one size exchange
+                assert result["exchanges"] == [result["num_groups"]] * (STEPS + 1), (run, result)
 
 
 @pytest.mark.slow

@@ -22,7 +22,10 @@ Invariants:
   Between keyframes the codecs rely on slice s of ``param_data`` holding rank s's previously gathered
   values, so anything that rewrites parameters (checkpoint load, broadcast) must reset them.
 - Async (``--overlap-param-gather``): ``param_gather_handle.wait()`` waits and decodes into
-  ``param_data``, so the stock ``finish_param_sync`` works as is. Sync: decoded before returning.
+  ``param_data``, so the stock ``finish_param_sync`` works as is. Sync: decoded before returning; the
+  model chunk's class is swapped to ``CompressedDistributedDataParallel``, whose ``start_param_sync``
+  starts the compressed buckets of all bucket groups together (one size exchange and host sync per
+  process group, not one per bucket: each sync idles the device while the host queues the next bucket).
 - ``--param-gather-verify-interval N``: every N-th gather of a bucket group is checked bit for bit
   against an uncompressed all-gather (a RuntimeError on any difference); for the lossy sdp4bit, which
   has no uncompressed result to match, every rank must hold the same bits instead (a checksum).
@@ -62,7 +65,7 @@ from compression.selection import (
 from compression.sdp4bit import (
     HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather, quantized_reduce_scatter,
 )
-from compression.shard_gather import ShardGather
+from compression.shard_gather import ShardGather, start_gathers
 from compression.telemetry import TELEMETRY
 from megatron.hooks.trial import TRIAL_SKIP_ITERATIONS, CompressionTrial
 
@@ -237,19 +240,23 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
             return
         assert force_sync or self.param_gather_handle is None
 
+        gathers = self._param_gathers()
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        buffers = [bucket.param_data for bucket in self.buckets]
+        self._param_gathers_started(_start_all(gathers, buffers, async_op), async_op, force_sync)
+
+    def _param_gathers(self) -> list:
+        """This gather's object per bucket (the selection measures first; a trial's plain iteration keeps
+        every codec's sender in step)."""
         if self.selection is not None:
             self.selection.before_gather(self)
-        gathers = self.shard_gathers
-        if self.plain:  # a trial's uncompressed iteration: keep every codec's sender in step
-            for gather, bucket in zip(self.shard_gathers, self.buckets):
-                gather.observe(bucket.param_data)
-            plain = _PlainGather(self.intra_distributed_optimizer_instance_group, self.comm_class)
-            gathers = [plain] * len(self.buckets)
-        async_op = self.ddp_config.overlap_param_gather and not force_sync
-        handles = [
-            gather.start(bucket.param_data, async_op)
-            for gather, bucket in zip(gathers, self.buckets)
-        ]
+        if not self.plain:
+            return self.shard_gathers
+        for gather, bucket in zip(self.shard_gathers, self.buckets):
+            gather.observe(bucket.param_data)
+        return [_PlainGather(self.intra_distributed_optimizer_instance_group, self.comm_class)] * len(self.buckets)
+
+    def _param_gathers_started(self, handles: list, async_op: bool, force_sync: bool) -> None:
         if async_op:
             self.param_gather_handle = _DecodingHandle([h for h in handles if h is not None], self._gathered)
         else:
@@ -335,6 +342,44 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         post_param_sync = getattr(super(), "_post_param_sync", None)
         if post_param_sync is not None:
             post_param_sync()
+
+
+def _start_all(gathers: list, buffers: list, async_op: bool) -> list:
+    """Start every gather on its buffer: the ``ShardGather``s of each process group together (one size
+    exchange, one host sync: ``start_gathers``), the others one by one. Handles in the given order."""
+    handles = [None] * len(gathers)
+    together = {}
+    for i, gather in enumerate(gathers):
+        if isinstance(gather, ShardGather):
+            together.setdefault(gather.group, []).append(i)
+        else:
+            handles[i] = gather.start(buffers[i], async_op)
+    for indices in together.values():
+        started = start_gathers([gathers[i] for i in indices], [buffers[i] for i in indices], async_op)
+        for i, handle in zip(indices, started):
+            handles[i] = handle
+    return handles
+
+
+class CompressedDistributedDataParallel(DistributedDataParallel):
+    """A model chunk whose synchronous parameter all-gather (``--no-overlap-param-gather``: the optimizer
+    step gathers every bucket before the next forward) starts the compressed buckets of all its bucket
+    groups together, one size exchange and one host sync per process group instead of one per bucket;
+    otherwise megatron-core's own method, which calls each bucket group's ``start_param_sync``."""
+
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
+        bucket_groups = self.bucket_groups + self.expert_parallel_bucket_groups
+        if self.ddp_config.overlap_param_gather or self.ddp_config.reuse_grad_buf_for_mxfp8_param_ag:
+            return super().start_param_sync(*unused, force_sync=force_sync, force_dispatch=force_dispatch)
+        compressed = [bg for bg in bucket_groups if isinstance(bg, CompressedBucketGroup) and bg.shard_gathers]
+        for bucket_group in bucket_groups:
+            if bucket_group not in compressed:
+                bucket_group.start_param_sync(force_sync=force_sync)
+        gathers = [bg._param_gathers() for bg in compressed]
+        handles = iter(_start_all([g for group in gathers for g in group],
+                                  [b.param_data for bg in compressed for b in bg.buckets], async_op=False))
+        for bucket_group, group in zip(compressed, gathers):
+            bucket_group._param_gathers_started([next(handles) for _ in group], False, force_sync)
 
 
 def _bucket_cache_bytes(bucket, group_size: int, args) -> int:
@@ -469,6 +514,10 @@ def apply_dp_compression(ddp_chunks: list, args) -> None:
     selection = _BenefitSelection(list(classes), args) if benefit else None
     for bucket_group, comm_class in classes.items():
         _install(bucket_group, args, selection, comm_class)
+    if args.param_gather_compression != "none":
+        for ddp in ddp_chunks:
+            if type(ddp) is DistributedDataParallel:  # a subclass of the user's keeps its own method
+                ddp.__class__ = CompressedDistributedDataParallel
 
 
 def _compressed_bucket_groups(ddp_chunks: list) -> list:
