@@ -9,6 +9,8 @@
 # TACO variants: INT8 with the default `auto` (probe + trial), and the same with --tp-comm-cuda-graphs.
 # Usage on the device: bash scripts/gpu/multi_gpu.sh (~60 min on 8 GPUs in all: split it over calls with
 # MODELS="gpt_2.7b" TPS="4" SPS="none" LINKS="nvlink" MOE=0 and so on; "none" = no sequence parallelism).
+# MBS (default 4): the micro-batch size (global batch 8 x MBS). At one 2048-token micro-batch the TP=4 GPT-2.7B runs were host-bound
+# (session 10: MFU 4%, single iterations varying 1.5-2.2 s), too noisy to time a compression against.
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -17,7 +19,8 @@ for model in ${MODELS:-gpt_2.7b gpt_6.7b}; do for tp in ${TPS:-4 8}; do for sp i
   [ $tp -le $ngpu ] || continue
   [ "$sp" = none ] && sp=""
   python3 benchmarks/e2e_throughput.py --suite tp${tp}${sp}_taco --model configs/$model.yaml --links $links \
-    --variants taco_int8 taco_int8_auto_graphs --micro-batch-size 1 --global-batch-size 8 --log-dir $RES/logs \
+    --variants taco_int8 taco_int8_auto_graphs --micro-batch-size ${MBS:-4} --global-batch-size $((8 * ${MBS:-4})) \
+    --comm-profile --log-dir $RES/logs \
     --out $RES/e2e_tp${tp}${sp}_taco_$model.json 2>&1 | grep -E "speedup|Error"
   tar czf $OUT/results.tgz -C $RES .
 done; done; done
