@@ -81,7 +81,8 @@ SUITES = {
     "dp2_param_gather_ablation": (2, "pretrain_gpt.py", ["--overlap-grad-reduce", "--no-overlap-param-gather"],
                                   PARAM_GATHER_ABLATION),
     "dp2_moe_param_gather": (2, "pretrain_moe.py", OVERLAP, PARAM_GATHER),  # EP=1: expert buckets gather over DP=2
-    "dp8_moe_param_gather": (8, "pretrain_moe.py", OVERLAP, PARAM_GATHER),  # EP via extra flags
+    "dp4_moe_param_gather": (4, "pretrain_moe.py", OVERLAP, PARAM_GATHER),  # EP via extra flags
+    "dp8_moe_param_gather": (8, "pretrain_moe.py", OVERLAP, PARAM_GATHER),
 }
 
 

@@ -8,8 +8,9 @@ Wire scheme: (1) all_gather of a small message per rank: its payload size and th
 header (``codec.header_nbytes``); (2) all_gather_into_tensor of the payloads zero-padded to the largest
 size. Padding costs the imbalance between ranks but keeps one NCCL/gloo collective of equal-size chunks
 (variable-size all-gather is not a single NCCL call; a send/recv ring would cost W-1 latencies). The
-host must see the sizes, so ``start`` synchronises with the device once (``start_gathers`` once for several
-buckets: their encodes are queued first, their messages exchanged together); a codec whose ``begin_encode``
+host must see the sizes, so ``start`` synchronises with the device once (``prepare_gathers`` once for
+several buckets: their encodes are queued first, their messages exchanged together, and each bucket's
+``transfer`` later needs no sync); a codec whose ``begin_encode``
 leaves its payload size on the device (delta on GPUs) needs no sync of its own before that, and writes
 its payload straight into the send buffer (``finish_encode``). The headers ride along so that no
 decode reads its own header back from the device, and the decodes' kernels are queued while the
@@ -21,10 +22,12 @@ size message, i.e. what it hands to the collectives. A codec may declare extra i
 declared at construction and added as counters ``<comm_class>/<name>``.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from compression.codec import ShardCodec
+from compression.codec import EncodeStart, ShardCodec
 from compression.telemetry import TELEMETRY
 
 SIZE_BYTES = 8
@@ -57,7 +60,7 @@ class ShardGather:
         self.rank = dist.get_rank(group)
         self._message_nbytes = SIZE_BYTES + _round_up(codec.header_nbytes, SIZE_BYTES)
         self._stat_names = tuple(getattr(codec, "stat_names", ()))
-        self._message = None  # the size exchange's send buffer (of start_gathers calls led by this gather)
+        self._message = None  # the size exchange's send buffer (of prepare_gathers calls led by this gather)
         for name in self._stat_names:
             TELEMETRY.declare_counter(f"{comm_class}/{name}")
 
@@ -101,19 +104,16 @@ class ShardGather:
 
     def start(self, buffer: torch.Tensor, async_op: bool = False):
         """Gather ``buffer`` in place; returns a handle with ``wait()`` if ``async_op``, else None."""
-        return start_gathers([self], [buffer], async_op)[0]
+        return self.transfer(buffer, prepare_gathers([self], [buffer])[0], async_op)
 
-    def _begin(self, buffer: torch.Tensor):
-        self._check(buffer)
-        return self.codec.begin_encode(self._own_slice(buffer, self.rank))
-
-    def _transfer(self, buffer: torch.Tensor, start, sizes: list, headers: list, async_op: bool):
-        """Finish the encode into the send buffer, all-gather the padded payloads, decode (at ``wait()``
-        if ``async_op``)."""
+    def transfer(self, buffer: torch.Tensor, prepared: "PreparedGather", async_op: bool = False):
+        """Finish a prepared encode into the send buffer, all-gather the padded payloads and decode them (at
+        ``wait()`` if ``async_op``): no host sync. ``buffer`` must be the one ``prepare_gathers`` encoded."""
         shard = self._own_slice(buffer, self.rank)
+        sizes, headers = prepared.sizes, prepared.headers
         width, size = _round_up(max(sizes), ALIGN), sizes[self.rank]
         send = torch.empty(width, dtype=torch.uint8, device=buffer.device)
-        self.codec.finish_encode(start, send[:size])
+        self.codec.finish_encode(prepared.start, send[:size])
         send[size:] = 0  # the padding (receivers ignore it) is not left uninitialized
         recv = torch.empty(width * self.world_size + self.codec.read_slack_bytes, dtype=torch.uint8,
                            device=buffer.device)[:width * self.world_size]
@@ -149,17 +149,28 @@ class ShardGather:
                                f"bits {int(got[index]):#x}, expected {int(want[index]):#x}")
 
 
-def start_gathers(gathers: list, buffers: list, async_op: bool = False) -> list:
-    """Start the ``ShardGather``s of one process group on their buffers with ONE size exchange: every
-    encode is queued first, then one all-gather of all their size messages and one host sync, then the
-    payload transfers. (A gather alone costs a sync each; a bucket group or a model chunk gathered
-    synchronously has several.) Returns each gather's handle (None unless ``async_op``)."""
+@dataclass
+class PreparedGather:
+    """An encode whose payload sizes every rank knows: what ``ShardGather.transfer`` needs."""
+
+    start: EncodeStart
+    sizes: list  # payload bytes of each rank
+    headers: list  # the first ``codec.header_nbytes`` bytes of each rank's payload
+
+
+def prepare_gathers(gathers: list, buffers: list) -> list:
+    """Encode each ``ShardGather``'s own slice of its buffer (all of one process group) and exchange all the
+    payload sizes and headers in ONE all-gather, with one host sync; a gather alone would cost a sync each.
+    Returns a ``PreparedGather`` per gather for its ``transfer``; every one must be transferred (an encode
+    has moved its codec on)."""
     if not gathers:
         return []
     lead = gathers[0]
     if any(g.group is not lead.group for g in gathers):
-        raise ValueError("start_gathers needs gathers of one process group")
-    starts = [g._begin(b) for g, b in zip(gathers, buffers)]
+        raise ValueError("prepare_gathers needs gathers of one process group")
+    for g, buffer in zip(gathers, buffers):
+        g._check(buffer)
+    starts = [g.codec.begin_encode(g._own_slice(b, g.rank)) for g, b in zip(gathers, buffers)]
     device = buffers[0].device
     offsets = [0]
     for g in gathers:
@@ -172,8 +183,5 @@ def start_gathers(gathers: list, buffers: list, async_op: bool = False) -> list:
     table = torch.empty(lead.world_size * offsets[-1], dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(table, message, group=lead.group)
     table = table.view(lead.world_size, offsets[-1]).cpu().numpy()  # the one sync; parsed in numpy
-    handles = []
-    for g, buffer, start, a, b in zip(gathers, buffers, starts, offsets, offsets[1:]):
-        sizes, headers = g._read_messages(table[:, a:b])
-        handles.append(g._transfer(buffer, start, sizes, headers, async_op))
-    return handles
+    return [PreparedGather(start, *g._read_messages(table[:, a:b]))
+            for g, start, a, b in zip(gathers, starts, offsets, offsets[1:])]

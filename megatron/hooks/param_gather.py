@@ -22,10 +22,10 @@ Invariants:
   Between keyframes the codecs rely on slice s of ``param_data`` holding rank s's previously gathered
   values, so anything that rewrites parameters (checkpoint load, broadcast) must reset them.
 - Async (``--overlap-param-gather``): ``param_gather_handle.wait()`` waits and decodes into
-  ``param_data``, so the stock ``finish_param_sync`` works as is. Sync: decoded before returning; the
-  model chunk's class is swapped to ``CompressedDistributedDataParallel``, whose ``start_param_sync``
-  starts the compressed buckets of all bucket groups together (one size exchange and host sync per
-  process group, not one per bucket: each sync idles the device while the host queues the next bucket).
+  ``param_data``, so the stock ``finish_param_sync`` works as is. Sync: decoded before returning.
+- The first bucket group of a model chunk to start in a round encodes the compressed buckets of the
+  groups that start after it too and exchanges all their sizes at once (``_PreparedGathers``): one host
+  sync per process group and round instead of one per bucket, with and without overlap.
 - ``--param-gather-verify-interval N``: every N-th gather of a bucket group is checked bit for bit
   against an uncompressed all-gather (a RuntimeError on any difference); for the lossy sdp4bit, which
   has no uncompressed result to match, every rank must hold the same bits instead (a checksum).
@@ -65,7 +65,7 @@ from compression.selection import (
 from compression.sdp4bit import (
     HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather, quantized_reduce_scatter,
 )
-from compression.shard_gather import ShardGather, start_gathers
+from compression.shard_gather import ShardGather, prepare_gathers
 from compression.telemetry import TELEMETRY
 from megatron.hooks.trial import TRIAL_SKIP_ITERATIONS, CompressionTrial
 
@@ -240,10 +240,16 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
             return
         assert force_sync or self.param_gather_handle is None
 
-        gathers = self._param_gathers()
         async_op = self.ddp_config.overlap_param_gather and not force_sync
-        buffers = [bucket.param_data for bucket in self.buckets]
-        self._param_gathers_started(_start_all(gathers, buffers, async_op), async_op, force_sync)
+        self._transfer(self.prepared.take(self), async_op, force_sync)
+
+    def _transfer(self, prepared: list, async_op: bool, force_sync: bool = False) -> None:
+        """Start each bucket's gather from what ``_PreparedGathers`` prepared for it (gather, and the
+        exchanged sizes of its encode or None for gathers started here) and record it as dispatched."""
+        handles = [gather.start(bucket.param_data, async_op) if ready is None
+                   else gather.transfer(bucket.param_data, ready, async_op)
+                   for (gather, ready), bucket in zip(prepared, self.buckets)]
+        self._param_gathers_started(handles, async_op, force_sync)
 
     def _param_gathers(self) -> list:
         """This gather's object per bucket (the selection measures first; a trial's plain iteration keeps
@@ -288,6 +294,10 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
                     f"{self.args.param_gather_verify_interval}): {error}"
                 ) from error
 
+    def finish_grad_sync(self, *args, **kwargs):
+        self.prepared.flush()  # the end of a round: the optimizer step comes next
+        return super().finish_grad_sync(*args, **kwargs)
+
     def start_grad_sync(self, force_all_reduce: bool = False):
         stock = (self.grad_quant is None or force_all_reduce
                  or self.ddp_config.num_distributed_optimizer_instances > 1)
@@ -314,7 +324,7 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         )
 
     def reset_codecs(self) -> None:
-        if self.param_gather_handle is not None:
+        if self.param_gather_handle is not None or self in self.prepared.pending:
             raise RuntimeError(
                 "reset_param_gather_state() was called while a parameter all-gather is in flight; "
                 "call it only between iterations (e.g. right after loading a checkpoint)"
@@ -329,6 +339,7 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
 
     def set_compressing(self, compressing: bool, final: bool) -> None:
         """Trial switch: plain gathers while not ``compressing``; a final off drops the codecs."""
+        self.prepared.flush()  # (empty between iterations) what was encoded goes out the way it was prepared
         self.plain = not compressing
         if final and not compressing:
             group = self.intra_distributed_optimizer_instance_group
@@ -344,42 +355,71 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
             post_param_sync()
 
 
-def _start_all(gathers: list, buffers: list, async_op: bool) -> list:
-    """Start every gather on its buffer: the ``ShardGather``s of each process group together (one size
-    exchange, one host sync: ``start_gathers``), the others one by one. Handles in the given order."""
-    handles = [None] * len(gathers)
-    together = {}
-    for i, gather in enumerate(gathers):
-        if isinstance(gather, ShardGather):
-            together.setdefault(gather.group, []).append(i)
-        else:
-            handles[i] = gather.start(buffers[i], async_op)
-    for indices in together.values():
-        started = start_gathers([gathers[i] for i in indices], [buffers[i] for i in indices], async_op)
-        for i, handle in zip(indices, started):
-            handles[i] = handle
-    return handles
+PREPARE_SHARD_BYTES = 512 * 2**20  # shard bytes whose encodes one size exchange covers: each encode holds
+# workspace until its transfer (delta: 1.13x the shard), so a large model takes several exchanges
 
 
-class CompressedDistributedDataParallel(DistributedDataParallel):
-    """A model chunk whose synchronous parameter all-gather (``--no-overlap-param-gather``: the optimizer
-    step gathers every bucket before the next forward) starts the compressed buckets of all its bucket
-    groups together, one size exchange and one host sync per process group instead of one per bucket;
-    otherwise megatron-core's own method, which calls each bucket group's ``start_param_sync``."""
+class _PreparedGathers:
+    """The compressed parameter gathers of one model chunk, encoded together. megatron-core starts a chunk's
+    bucket groups one at a time (without overlap: all in a row after the optimizer step; with
+    ``--overlap-param-gather``: each from the forward pre-hook of the one before), and a compressed gather
+    alone waits for its size exchange: a host sync per bucket that idles the device while the host queues
+    that bucket's transfer (and, during the forward, drains the work the host had queued ahead). So the
+    first bucket group to start encodes its own buckets and those of the groups that follow it (megatron's
+    order, up to ``PREPARE_SHARD_BYTES``) and exchanges all their sizes at once, one host sync per process
+    group; the groups that follow find their sizes ready and only queue transfers. The parameters are final
+    for the whole round once the optimizer step has run, so encoding ahead changes nothing in the bits."""
 
-    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
-        bucket_groups = self.bucket_groups + self.expert_parallel_bucket_groups
-        if self.ddp_config.overlap_param_gather or self.ddp_config.reuse_grad_buf_for_mxfp8_param_ag:
-            return super().start_param_sync(*unused, force_sync=force_sync, force_dispatch=force_dispatch)
-        compressed = [bg for bg in bucket_groups if isinstance(bg, CompressedBucketGroup) and bg.shard_gathers]
-        for bucket_group in bucket_groups:
-            if bucket_group not in compressed:
-                bucket_group.start_param_sync(force_sync=force_sync)
-        gathers = [bg._param_gathers() for bg in compressed]
-        handles = iter(_start_all([g for group in gathers for g in group],
-                                  [b.param_data for bg in compressed for b in bg.buckets], async_op=False))
-        for bucket_group, group in zip(compressed, gathers):
-            bucket_group._param_gathers_started([next(handles) for _ in group], False, force_sync)
+    def __init__(self, bucket_groups: list):
+        self.bucket_groups = bucket_groups  # dense then expert groups: megatron-core's order without overlap
+        self.pending = {}  # bucket group -> per bucket (gather, PreparedGather or None), not yet transferred
+
+    def take(self, bucket_group) -> list:
+        if bucket_group not in self.pending:
+            self._prepare(bucket_group)
+        return self.pending.pop(bucket_group)
+
+    def flush(self) -> None:
+        """Transfer (synchronously) whatever was prepared and not started: every encode must go out, and before
+        the next optimizer step (``finish_grad_sync``) rewrites the parameters it encoded. Normally empty:
+        every bucket group starts its gather in each round."""
+        while self.pending:
+            bucket_group, prepared = next(iter(self.pending.items()))
+            del self.pending[bucket_group]
+            bucket_group._transfer(prepared, async_op=False)
+
+    def _following(self, first) -> list:
+        """``first`` and the groups that start after it this round (the overlap's chain, then the list order):
+        those not yet dispatched since megatron-core's last gradient sync."""
+        order, group = [first], first.next_param_gather_bucket_group
+        while group is not None and group in self.bucket_groups and group not in order:
+            order.append(group)
+            group = group.next_param_gather_bucket_group
+        order += [bg for bg in self.bucket_groups if bg not in order]  # e.g. the expert groups' own chain
+        # a forced re-gather (megatron-core gathers every group again) starts with a group already dispatched
+        return [bg for bg in order
+                if bg.shard_gathers is not None and bg.param_gather_dispatched == first.param_gather_dispatched]
+
+    def _prepare(self, first) -> None:
+        batch, shard_bytes = [], 0
+        for bucket_group in self._following(first):
+            nbytes = sum(_own_shard(bucket_group, b).numel() * b.param_data.element_size()
+                         for b in bucket_group.buckets)
+            if batch and shard_bytes + nbytes > PREPARE_SHARD_BYTES:
+                break
+            batch.append(bucket_group)
+            shard_bytes += nbytes
+        entries = {bg: [[gather, None] for gather in bg._param_gathers()] for bg in batch}
+        by_group = {}  # process group -> [(entry, buffer)] of its ShardGathers
+        for bucket_group, entry in entries.items():
+            for item, bucket in zip(entry, bucket_group.buckets):
+                if isinstance(item[0], ShardGather):
+                    by_group.setdefault(item[0].group, []).append((item, bucket.param_data))
+        for items in by_group.values():
+            prepared = prepare_gathers([item[0] for item, _ in items], [buffer for _, buffer in items])
+            for (item, _), p in zip(items, prepared):
+                item[1] = p
+        self.pending.update({bg: [tuple(item) for item in entry] for bg, entry in entries.items()})
 
 
 def _bucket_cache_bytes(bucket, group_size: int, args) -> int:
@@ -514,10 +554,11 @@ def apply_dp_compression(ddp_chunks: list, args) -> None:
     selection = _BenefitSelection(list(classes), args) if benefit else None
     for bucket_group, comm_class in classes.items():
         _install(bucket_group, args, selection, comm_class)
-    if args.param_gather_compression != "none":
-        for ddp in ddp_chunks:
-            if type(ddp) is DistributedDataParallel:  # a subclass of the user's keeps its own method
-                ddp.__class__ = CompressedDistributedDataParallel
+    for ddp in ddp_chunks:
+        chunk_groups = [bg for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups if bg in classes]
+        prepared = _PreparedGathers(chunk_groups)
+        for bucket_group in chunk_groups:
+            bucket_group.prepared = prepared
 
 
 def _compressed_bucket_groups(ddp_chunks: list) -> list:
