@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from compression.ciera import CieraCodec, CieraConfig  # noqa: E402
-from compression.shard_gather import ShardGather  # noqa: E402
+from compression.shard_gather import ShardGather, prepare_gathers  # noqa: E402
 from compression.telemetry import COMM_CLASSES, TELEMETRY  # noqa: E402
 
 BETAS, WEIGHT_DECAY = (0.9, 0.95), 0.1
@@ -57,6 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--delta-block-size", type=int, default=256)
     p.add_argument("--sdp4bit-group-size", type=int, default=128)
     p.add_argument("--sdp4bit-weight-bits", type=int, default=4, choices=[4, 8])
+    p.add_argument("--buckets", type=int, default=1,
+                   help="split the values into this many buckets (each its own buffer and codec) gathered together, "
+                        "as the hook gathers a model chunk: one size exchange, then every transfer queued before "
+                        "the first decode, so that decodes overlap the later transfers")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of encode/decode/copy")
     p.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     p.add_argument("--dry-run", action="store_true", help="tiny CPU/gloo run: numel 8192 per rank, 3 steps")
@@ -67,6 +71,8 @@ def parse_args(argv=None):
     if args.dry_run:
         args.numel, args.steps, args.repeats = 8192 * int(os.environ.get("WORLD_SIZE", "1")), 3, 1
         args.optimizer_warmup = 2
+    if args.buckets < 1:
+        p.error(f"--buckets must be >= 1, got {args.buckets}")
     return args
 
 
@@ -126,6 +132,21 @@ def _gather_uncompressed(buffer, shard):
     dist.all_gather_into_tensor(buffer, shard.contiguous())
 
 
+def _gather_buckets(gathers, buffers, own):
+    """Gather every bucket in place: uncompressed (``gathers`` None: megatron-core's all-gathers, queued
+    together), else the compressed ones prepared together (one size exchange) and all transferred before the
+    first decode."""
+    if gathers is None:
+        works = [dist.all_gather_into_tensor(b, o, async_op=True) for b, o in zip(buffers, own)]
+    elif isinstance(gathers[0], ShardGather):
+        prepared = prepare_gathers(gathers, buffers)
+        works = [g.transfer(b, p, async_op=True) for g, b, p in zip(gathers, buffers, prepared)]
+    else:
+        works = [g.start(b, async_op=True) for g, b in zip(gathers, buffers)]
+    for work in works:
+        work.wait()
+
+
 def _check_bits(buffer, shard, name, step):
     reference = torch.empty_like(buffer)
     _gather_uncompressed(reference, shard)
@@ -146,9 +167,12 @@ def _check_replicas(buffer, name, step):
         raise RuntimeError(f"{name}: replicas differ after the gather at step {step}")
 
 
-def _error_vs_uncompressed(buffer, shard) -> dict:
-    reference = torch.empty_like(buffer)
-    _gather_uncompressed(reference, shard)
+def _error_vs_uncompressed(buffer, shard, buckets: int = 1) -> dict:
+    """``buffer``: the gathered buckets one after another; ``shard``: this rank's true values of them, in order."""
+    world, m = dist.get_world_size(), shard.numel() // buckets
+    reference = torch.empty(buffer.numel(), dtype=buffer.dtype, device=buffer.device)
+    for i, values in enumerate(shard.split(m)):
+        _gather_uncompressed(reference[i * m * world:(i + 1) * m * world], values)
     diff = buffer.float() - reference.float()
     return dict(rel_l2_error=float(diff.norm() / reference.float().norm()), max_abs_error=float(diff.abs().max()))
 
@@ -163,39 +187,44 @@ def _gather_for(name, codec):
 
 def run_codec(name, args, world, rank, device):
     """Gathers one trajectory with codec ``name``; returns per-step bytes and times."""
-    n = args.numel // world
+    n, k = args.numel // world, args.buckets
+    m = n // k  # values per rank and bucket
     traj = Trajectory(n, args.lr, args.optimizer_warmup, rank, device)
-    buffer = torch.empty(n * world, dtype=torch.bfloat16, device=device)
-    _gather_uncompressed(buffer, traj.bf16())  # identical start on every rank
-    gather = None if name == "none" else _gather_for(name, build_codec(name, args, world, rank))
-    own = buffer[rank * n:(rank + 1) * n]
+    buffers = [torch.empty(m * world, dtype=torch.bfloat16, device=device) for _ in range(k)]
+    own = [b[rank * m:(rank + 1) * m] for b in buffers]
+    for b, o, values in zip(buffers, own, traj.bf16().split(m)):  # identical start on every rank
+        _gather_uncompressed(b, values)
+    gathers = None if name == "none" else [_gather_for(name, build_codec(name, args, world, rank)) for _ in range(k)]
     steps = []
     for step in range(args.steps):
-        previous = own.clone()
-        own.copy_(traj.step())
+        previous = torch.cat(own)
+        for o, values in zip(own, traj.step().split(m)):
+            o.copy_(values)
         before = TELEMETRY.counters()
         dist.barrier()
-        if gather is None:
-            seconds = _timed(lambda: _gather_uncompressed(buffer, own), device)  # in place, as Megatron does
+        seconds = _timed(lambda: _gather_buckets(gathers, buffers, own), device)
+        if gathers is None:
             raw = sent = n * 2
         else:
-            seconds = _timed(lambda: gather.start(buffer, async_op=False), device)
             after = TELEMETRY.counters()
             raw, sent = (after[GATHER_CLASS + i] - before[GATHER_CLASS + i] for i in (0, 1))
         error = {}
         if name in LOSSY:
-            _check_replicas(buffer, name, step)
-            error = _error_vs_uncompressed(buffer, traj.bf16())
+            for b in buffers:
+                _check_replicas(b, name, step)
+            error = _error_vs_uncompressed(torch.cat(buffers), traj.bf16(), k)  # vs the true values
         else:
-            _check_bits(buffer, own, name, step)
+            for b, o in zip(buffers, own):
+                _check_bits(b, o, name, step)
         steps.append(dict(raw_bytes=raw, sent_bytes=sent, gather_s=seconds, **error,
-                          unchanged=float((own.view(torch.int16) == previous.view(torch.int16)).float().mean())))
-    snapshots = (previous, own.clone())
+                          unchanged=float((torch.cat(own).view(torch.int16) == previous.view(torch.int16)).float().mean())))
+    snapshots = (previous, torch.cat(own))
     if args.profile_dir:
-        own.copy_(traj.step())
+        for o, values in zip(own, traj.step().split(m)):
+            o.copy_(values)
         dist.barrier()
-        _profiled(lambda: _gather_uncompressed(buffer, own) if gather is None else gather.start(buffer),
-                  device, os.path.join(args.profile_dir, f"{name}_rank{rank}"))
+        _profiled(lambda: _gather_buckets(gathers, buffers, own), device,
+                  os.path.join(args.profile_dir, f"{name}_rank{rank}"))
     return steps, snapshots
 
 
@@ -272,6 +301,8 @@ def print_table(results):
 
 def run(args):
     world, rank = dist.get_world_size(), dist.get_rank()
+    if args.numel % (world * args.buckets):
+        raise ValueError(f"--buckets {args.buckets} must divide the values per rank ({args.numel} / {world} ranks)")
     on_gpu = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     results, baseline = [], None
@@ -281,7 +312,7 @@ def run(args):
         if name == "none":
             baseline = statistics.median(s["gather_s"] for s in (steps[1:] or steps))
         results.append(summarize(name, steps, throughput, baseline))
-    report = dict(world_size=world, numel=args.numel, lr=args.lr, device=str(device),
+    report = dict(world_size=world, numel=args.numel, buckets=args.buckets, lr=args.lr, device=str(device),
                   link_env={k: os.environ[k] for k in LINK_ENV if k in os.environ},
                   args={k: v for k, v in vars(args).items() if k != "out"}, results=results)
     if rank == 0:

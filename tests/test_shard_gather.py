@@ -146,6 +146,8 @@ def _bench_dry_run(out_path, profile_dir):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     bench.main(["--dry-run", "--out", out_path, "--profile-dir", profile_dir])
+    # several buckets gathered together (one size exchange, transfers before decodes), bit-checked per bucket
+    bench.main(["--dry-run", "--out", out_path + ".buckets", "--buckets", "4", "--codecs", "none", "delta", "sdp4bit"])
 
 
 @pytest.mark.slow
@@ -163,3 +165,6 @@ def test_bench_param_gather_dry_run(tmp_path):
     assert 0.9 < by_codec["ciera"]["wire_ratio"] <= 2.0  # exponent reuse saves at most the exponent byte
     assert by_codec["delta"]["wire_ratio"] > 1.0
     assert by_codec["ciera"]["encode_GBps"] > 0
+    buckets = json.loads((tmp_path / "pg.json.buckets").read_text())
+    assert buckets["buckets"] == 4 and [r["codec"] for r in buckets["results"]] == ["none", "delta", "sdp4bit"]
+    assert buckets["results"][1]["wire_ratio"] > 1.0 and 0 < buckets["results"][2]["rel_l2_error"] < 1e-2
