@@ -86,8 +86,9 @@ SUITES = {
 }
 
 
-# suite kind -> (NCCL collectives whose device time is the baseline's share, telemetry class of the wire ratio)
-SHARE = {"param_gather": (("AllGather",), "dp_param_gather"), "taco": (("AllReduce", "AllGather", "ReduceScatter"), "tp")}
+# suite kind -> (NCCL collectives whose device time is the baseline's share, telemetry classes of the wire ratio)
+SHARE = {"param_gather": (("AllGather",), ("dp_param_gather", "dp_expert_param_gather")),
+         "taco": (("AllReduce", "AllGather", "ReduceScatter"), ("tp",))}
 CODEC_KERNEL = re.compile(r"^_\w+_kernel$")  # the Triton kernels of kernels/ (by their naming)
 NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
 
@@ -116,12 +117,13 @@ def device_time_per_iteration(trace_path: str, iterations: int = 2) -> dict:
 
 def share_and_bound(base: dict, run: dict, kind: str) -> dict:
     """The baseline's communication share and this run's bound and fraction of it (see the module doc)."""
-    collectives, comm_class = SHARE[kind]
+    collectives, comm_classes = SHARE[kind]
     share = sum(base["device_ms_per_iter"].get(c, 0.0) for c in collectives) / (base["median_iter_time_s"] * 1e3)
     out = {"baseline_comm_share": share}
-    bytes_ = run.get("comm_last_iter", {}).get(comm_class, {})
-    if bytes_.get("sent_bytes"):
-        ratio = bytes_["raw_bytes"] / bytes_["sent_bytes"]
+    comm = run.get("comm_last_iter", {})
+    raw, sent = (sum(comm.get(c, {}).get(key, 0) for c in comm_classes) for key in ("raw_bytes", "sent_bytes"))
+    if sent:
+        ratio = raw / sent
         bound = 1.0 / (1.0 - share * (1.0 - 1.0 / ratio))
         out.update(wire_ratio=ratio, bound=bound)
         if bound > 1.0:

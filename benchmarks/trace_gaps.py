@@ -16,8 +16,8 @@ import json
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "python_function", "user_annotation")
-BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
-            "cudaMemcpy", "cudaMemcpyAsync")  # cudaMemcpyAsync blocks when the host side is pageable
+BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+            "cudaMemcpy")  # name prefixes; cudaMemcpyAsync blocks when the host side is pageable
 
 
 class HostStacks:
@@ -109,7 +109,7 @@ def analyze(trace: dict, min_gap_us: float, top: int) -> str:
         lines.append(f"  {dur:9.0f}  {at / 1e3:8.2f}  {name:60s}  {'late' if late else '    '}  {where}")
 
     # host blocking calls
-    blocking = [e for e in runtime if e["name"].strip() in BLOCKING or e["name"].startswith(BLOCKING)]
+    blocking = [e for e in runtime if e["name"].startswith(BLOCKING)]
     by_where = collections.Counter()
     n_where = collections.Counter()
     for e in blocking:

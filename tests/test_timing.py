@@ -79,3 +79,6 @@ def test_e2e_comm_profile_share_and_bound(tmp_path):
     assert out["bound"] == pytest.approx(1 / (1 - 0.2 * 0.75))
     assert out["fraction_of_bound_gain"] == pytest.approx(0.1 / (out["bound"] - 1))
     assert "bound" not in share_and_bound(base, {"speedup_vs_baseline": 1.0, "comm_last_iter": {}}, "param_gather")
+    moe = {"speedup_vs_baseline": 1.0, "comm_last_iter": {"dp_param_gather": {"raw_bytes": 400, "sent_bytes": 100},
+                                                          "dp_expert_param_gather": {"raw_bytes": 200, "sent_bytes": 100}}}
+    assert share_and_bound(base, moe, "param_gather")["wire_ratio"] == 3.0  # dense and expert buckets together

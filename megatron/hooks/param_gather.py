@@ -409,17 +409,17 @@ class _PreparedGathers:
                 break
             batch.append(bucket_group)
             shard_bytes += nbytes
-        entries = {bg: [[gather, None] for gather in bg._param_gathers()] for bg in batch}
-        by_group = {}  # process group -> [(entry, buffer)] of its ShardGathers
-        for bucket_group, entry in entries.items():
-            for item, bucket in zip(entry, bucket_group.buckets):
-                if isinstance(item[0], ShardGather):
-                    by_group.setdefault(item[0].group, []).append((item, bucket.param_data))
-        for items in by_group.values():
-            prepared = prepare_gathers([item[0] for item, _ in items], [buffer for _, buffer in items])
-            for (item, _), p in zip(items, prepared):
-                item[1] = p
-        self.pending.update({bg: [tuple(item) for item in entry] for bg, entry in entries.items()})
+        gathers = {bg: bg._param_gathers() for bg in batch}
+        by_group = {}  # process group -> (ShardGather, buffer) pairs: one size exchange each
+        for bucket_group, group_gathers in gathers.items():
+            for gather, bucket in zip(group_gathers, bucket_group.buckets):
+                if isinstance(gather, ShardGather):
+                    by_group.setdefault(gather.group, []).append((gather, bucket.param_data))
+        ready = {}  # ShardGather (one per bucket) -> its PreparedGather
+        for pairs in by_group.values():
+            shard_gathers, buffers = zip(*pairs)
+            ready.update(zip(shard_gathers, prepare_gathers(list(shard_gathers), list(buffers))))
+        self.pending.update({bg: [(g, ready.get(g)) for g in group_gathers] for bg, group_gathers in gathers.items()})
 
 
 def _bucket_cache_bytes(bucket, group_size: int, args) -> int:
