@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks in spawned CPU processes and collect each rank's return value.
+"""Run a function on N gloo ranks in spawned CPU processes (or NCCL ranks, a GPU each) and collect each
+rank's return value.
 
 Process start-up dominates CPU test time (~2.5 s per rank on 2 cores), so tests should pack many
 checks into one call of ``run_on_ranks`` rather than launch one world per check.
@@ -17,17 +18,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
     )
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(*args)
         queue.put((rank, "ok", result))
     except BaseException:  # report the failure to the parent rather than hang it
@@ -37,13 +42,15 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout: float = 600):
-    """Call ``fn(*args)`` on every rank of a fresh gloo world; return the list of results by rank.
-    ``fn`` must be a module-level function (it is pickled into the children)."""
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 600, backend: str = "gloo"):
+    """Call ``fn(*args)`` on every rank of a fresh gloo world (CPU), or with ``backend="nccl"`` one GPU per
+    rank; return the list of results by rank. ``fn`` must be a module-level function (it is pickled into
+    the children)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []
