@@ -2,8 +2,8 @@
 # 2x H200, ~8 min: the parameter gather as the hook now runs it (session 10: one size exchange for all buckets of
 # a model chunk, every transfer queued before the first decode). bench_param_gather.py with the same 62.5M
 # values per rank in 1 bucket and in 8 (a GPT-350M-like split), none and delta, at ~25 GB/s and on NVLink
-# (REPEATS=2 twice: the gathers vary by ~20% between calls; then split the call): does the decode-transfer overlap of 8 buckets reach the
-# issue's <= 0.3x of NCCL at ~25 GB/s? Then the exposed end to end at ~25 GB/s and on sockets, against
+# (REPEATS=2: twice, as the gathers vary by ~20% between calls; then split the call): does the decode-transfer
+# overlap of 8 buckets reach the issue's <= 0.3x of NCCL at ~25 GB/s? Then the exposed end to end at ~25 GB/s and on sockets, against
 # session 10 calls 2 and 4 (delta on every bucket 1.030x and 1.165x there, the default 1.007x and 1.184x).
 # Usage (device machine, repo root): bash scripts/gpu/bucketed_gather.sh
 set -uo pipefail
