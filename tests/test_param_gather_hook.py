@@ -36,12 +36,15 @@ METHODS = {  # run name -> compression flags
         ciera_cache_budget_mb=0.02,
     ),
     "delta": dict(param_gather_compression="delta"),
+    # as delta, with _PreparedGathers capped at CAPPED_SHARD_BYTES: several size exchanges per step
+    "delta-capped": dict(param_gather_compression="delta"),
     # measured on the real shards; on CPU whether delta pays depends on timings, so only agreement is checked
     "delta-benefit": dict(param_gather_compression="delta", param_gather_selection="benefit"),
     # compressed, switched by a trial (TRIAL_SWITCHES) between plain and compressed gathers, then off for good
     "delta-trial": dict(param_gather_compression="delta"),
     "ciera-trial": dict(param_gather_compression="ciera"),
 }
+CAPPED_SHARD_BYTES = 16_000  # about three of the test model's bucket shards
 TRIAL_SWITCHES = {3: (False, False), 4: (True, False), 5: (False, False), 7: (True, False), 9: (False, True)}
 
 
@@ -147,6 +150,9 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
         return prepare_gathers(gathers, *rest, **kwargs)
 
     param_gather.prepare_gathers = counted
+    cap = param_gather.PREPARE_SHARD_BYTES
+    if method == "delta-capped":
+        param_gather.PREPARE_SHARD_BYTES = CAPPED_SHARD_BYTES
     forward_backward = get_forward_backward_func()
     loss_bits = []
     for step in range(STEPS):
@@ -170,6 +176,7 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
                 reset_param_gather_state([ddp])
     ddp.start_param_sync(force_sync=True)  # with overlap the last gather is still pending
     param_gather.prepare_gathers = prepare_gathers
+    param_gather.PREPARE_SHARD_BYTES = cap
     raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
     return dict(
         loss_bits=loss_bits, param_hash=_buffers_hash(ddp), sent_ratio=sent / max(raw, 1),
@@ -249,6 +256,7 @@ def _dense_world():
                   lambda: _train("delta", False, rewrite_at=5, reset=False, verify_interval=1))
     runs = [(method, overlap, None) for method in ("ciera", "delta") for overlap in (False, True)]
     runs += [("delta", False, 5), ("ciera", True, 5), ("ciera-benefit", True, None), ("delta-benefit", True, None)]
+    runs += [("delta-capped", False, None), ("delta-capped", True, None)]
     runs += [("delta-trial", True, None), ("delta-trial", False, None), ("ciera-trial", True, None)]
     _check_trial_wiring()
     return _compare_runs(runs)
@@ -299,6 +307,9 @@ def _assert_identical(results_by_rank):
             if run[0] in ("ciera", "delta"):
                 # each step's gathers share one size exchange (with overlap: + the gather before the first forward)
                 assert result["exchanges"] == [result["num_groups"]] * (STEPS + 1), (run, result)
+            if run[0] == "delta-capped":  # the same gathers in exchanges of at most a few buckets
+                assert sum(result["exchanges"]) == result["num_groups"] * (STEPS + 1), (run, result)
+                assert len(result["exchanges"]) >= 3 * (STEPS + 1) and max(result["exchanges"]) <= 4, (run, result)
 
 
 @pytest.mark.slow

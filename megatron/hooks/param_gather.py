@@ -389,16 +389,19 @@ class _PreparedGathers:
             bucket_group._transfer(prepared, async_op=False)
 
     def _following(self, first) -> list:
-        """``first`` and the groups that start after it this round (the overlap's chain, then the list order):
-        those not yet dispatched since megatron-core's last gradient sync."""
+        """``first`` and the groups that start after it this round. A round starts the groups that megatron-core's
+        last gradient sync left undispatched: in the overlap's chain from ``first``, then in list order. A forced
+        re-gather (``start_param_sync(force_sync=True)`` after a round: ``first`` is dispatched already) goes
+        through the list in order, so only the groups after ``first`` are still to come."""
+        if first.param_gather_dispatched:
+            later = self.bucket_groups[self.bucket_groups.index(first) + 1:]
+            return [first] + [bg for bg in later if bg.shard_gathers is not None]
         order, group = [first], first.next_param_gather_bucket_group
         while group is not None and group in self.bucket_groups and group not in order:
             order.append(group)
             group = group.next_param_gather_bucket_group
         order += [bg for bg in self.bucket_groups if bg not in order]  # e.g. the expert groups' own chain
-        # a forced re-gather (megatron-core gathers every group again) starts with a group already dispatched
-        return [bg for bg in order
-                if bg.shard_gathers is not None and bg.param_gather_dispatched == first.param_gather_dispatched]
+        return [first] + [bg for bg in order[1:] if bg.shard_gathers is not None and not bg.param_gather_dispatched]
 
     def _prepare(self, first) -> None:
         batch, shard_bytes = [], 0
