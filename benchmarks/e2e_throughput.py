@@ -25,6 +25,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron.training.profiling import output_prefix  # noqa: E402  (where the runs' traces go)
 H200_BF16_DENSE_TFLOPS = 989.0  # datasheet peak, the MFU denominator
 
 LINKS = {
@@ -216,7 +219,8 @@ def main():
                        speedup_vs_baseline=base["median_iter_time_s"] / res["median_iter_time_s"])
             bound_text = ""
             if args.comm_profile:
-                res["device_ms_per_iter"] = device_time_per_iteration(metrics.replace(".jsonl", ".trace_rank0.json"))
+                trace = output_prefix(None, metrics) + "trace_rank0.json"
+                res["device_ms_per_iter"] = device_time_per_iteration(trace)
                 if kind:
                     res.update(share_and_bound(base, res, kind))
                     bound_text = f"  share {res['baseline_comm_share']:.1%} bound {res.get('bound', 1.0):.3f}x"

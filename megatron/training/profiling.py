@@ -14,6 +14,13 @@ import os
 import torch
 
 
+def output_prefix(tensorboard_dir, metrics_file) -> str:
+    """Where the PyTorch profiler's files go: ``<prefix>trace_rank{R}.json`` and ``<prefix>profile_rank{R}.txt``."""
+    if tensorboard_dir or not metrics_file:
+        return os.path.join(tensorboard_dir or ".", "")
+    return os.path.splitext(os.path.abspath(metrics_file))[0] + "."
+
+
 class IterationProfiler:
     """``before(iteration)`` / ``after(iteration)`` around each training iteration (1-based)."""
 
@@ -24,10 +31,7 @@ class IterationProfiler:
         self.use_torch = args.use_pytorch_profiler
         self.record_shapes = args.pytorch_profiler_collect_shapes
         self.with_stack = args.pytorch_profiler_collect_callstack
-        if args.tensorboard_dir or not args.metrics_file:
-            self.out_prefix = os.path.join(args.tensorboard_dir or ".", "")
-        else:
-            self.out_prefix = os.path.splitext(os.path.abspath(args.metrics_file))[0] + "."
+        self.out_prefix = output_prefix(args.tensorboard_dir, args.metrics_file)
         self.rank = args.rank
         self._profiler = None
 
