@@ -180,8 +180,8 @@ def main():
                         help="default 16, or 22 for the param-gather suites")
     parser.add_argument("--warmup", type=int, default=None,
                         help="iterations excluded from timing; default 10 (past TACO's `auto` trial, iterations "
-                             "3-8), or 16 for the param-gather suites (past the selection's 8 warm-up gathers and "
-                             "--param-gather-trial-iters' iterations 11-16)")
+                             "3-8), or 16 for the param-gather suites (past the selection's 8 warm-up gathers and the "
+                             "plain iterations 12, 14, 16 of its trial, --param-gather-trial-iters)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--log-dir", default="/tmp/e2e_logs")
     parser.add_argument("--comm-profile", action="store_true",

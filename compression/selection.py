@@ -33,10 +33,14 @@ from typing import Hashable, Optional
 import torch
 import torch.distributed as dist
 
-from compression.timing import call_seconds, default_device, synchronize
+from compression.timing import call_seconds, default_device, queued_call_seconds, synchronize
 from kernels.ciera import LAYOUTS, split_compare_reference
 
 HASH_BYTES_PER_BLOCK = 16
+SELECTION_WARMUP_GATHERS = 8  # gathers of each bucket measured before each choice
+# iterations from the start of measuring until the choice is in use: the measured gathers, the one that
+# chooses, and one more (with --overlap-param-gather a round's gathers run in the next iteration's forward)
+SELECTION_WINDOW_ITERATIONS = SELECTION_WARMUP_GATHERS + 2
 HEADER_BYTES = 32
 
 
@@ -175,8 +179,9 @@ def _measured(candidates) -> str:
         payload = sum(s.payload_bytes for s in candidates)
         encode, decode = sum(s.encode_seconds for s in candidates), sum(s.decode_seconds for s in candidates)
         speed = lambda seconds: f"{raw / seconds / 1e9:.1f} GB/s" if seconds > 0 else "unmeasured"  # noqa: E731
+        clock = "device time" if torch.cuda.is_available() else "wall clock"
         return (f"wire ratio {raw / max(payload, 1):.2f}x, encode {speed(encode)}, decode {speed(decode)} "
-                f"(wall clock with syncs)")
+                f"({clock}, later half of the warm-up)")
     rate = sum(s.change_rate * s.numel for s in candidates) / sum(s.numel for s in candidates)
     return f"block change rate {rate:.3f}"
 
@@ -227,10 +232,14 @@ class BlockChangeMeter:
 
 
 class DeltaCostMeter:
-    """What the delta codec would cost on one shard, measured during the uncompressed warm-up gathers by
-    coding the real shard against its value at the previous gather: payload bytes, encode and decode
-    seconds (each call between device synchronizations; the decode also brings the meter's copy of the
-    previous shard up to date)."""
+    """What the delta codec would cost on one shard, measured during the warm-up gathers by coding the real
+    shard against its value at the previous gather: payload bytes, encode and decode seconds (the decode
+    also brings the meter's copy of the previous shard up to date). On CUDA the codec times are the device
+    time of its kernels, each half queued behind a sleep so that no launch gap or host sync counts: in a
+    device-bound iteration the host queues them ahead of the device, and where it cannot (a host-bound
+    model) the trial (megatron/hooks/trial.py) is what catches it. Timing each call between
+    synchronizations (the first version) charged the host's launches and syncs too: 50-85 GB/s on an H200
+    against the kernels' ~400-600 GB/s (results/gpu/README.md, session 11). On the CPU: wall clock."""
 
     def __init__(self, config):
         from compression.delta import DeltaCodec  # selection stays importable without the codec's deps
@@ -238,25 +247,38 @@ class DeltaCostMeter:
         self.sender, self.receiver = DeltaCodec(config, 2, 0), DeltaCodec(config, 2, 1)
         self.previous = None  # the receiver's copy of the shard at the last gather
         self.samples = []  # (payload bytes, encode seconds, decode seconds) per gather
+        self._host_seconds = 0.05  # the host's time for one half, to size the sleep ahead of it
 
     def update(self, shard: torch.Tensor) -> None:
         if self.previous is None:
             self.sender.encode(shard)  # a keyframe: the sender now holds the shard
             self.previous = shard.clone()
             return
-        device = shard.device
-        synchronize(device)
-        start = time.perf_counter()
-        payload = self.sender.encode(shard)
-        synchronize(device)
-        encoded = time.perf_counter()
-        self.receiver.decode(0, payload, self.previous)
-        synchronize(device)
-        self.samples.append((payload.numel(), encoded - start, time.perf_counter() - encoded))
+        start = None
+
+        def begin():
+            nonlocal start
+            start = self.sender.begin_encode(shard)
+
+        encode_s = self._seconds(begin, shard.device)
+        slack = self.receiver.read_slack_bytes  # room after the payload, as a gather's receive buffer has
+        payload = torch.empty(int(start.nbytes) + slack, dtype=torch.uint8, device=shard.device)[:int(start.nbytes)]
+        self.sender.finish_encode(start, payload)
+        header = self.receiver.read_header(payload)
+        decode_s = self._seconds(lambda: self.receiver.decode(0, payload, self.previous, header), shard.device)
+        self.samples.append((payload.numel(), encode_s, decode_s))
+
+    def _seconds(self, call, device: torch.device) -> float:
+        seconds, host = queued_call_seconds(call, device, self._host_seconds)
+        self._host_seconds = min(host, 0.05)  # (the first call's kernel compilation is no launch cost)
+        return seconds
 
     def estimate(self) -> Optional[tuple]:
-        """Median (payload bytes, encode seconds, decode seconds) over the measured gathers (the median
-        drops the first one's kernel compilation); None before two updates."""
+        """Median (payload bytes, encode seconds, decode seconds) over the later half of the measured gathers
+        (at least the last one): payloads shrink as Adam's first steps pass (GPT-350M: wire ratio 2.0x at
+        iteration 5, 3.1x at 20, 7.1x at 40, 11.8x from 57 on), and the first call compiles the kernels.
+        None before two updates."""
         if not self.samples:
             return None
-        return tuple(statistics.median(column) for column in zip(*self.samples))
+        recent = self.samples[len(self.samples) // 2:]
+        return tuple(statistics.median(column) for column in zip(*recent))

@@ -4,9 +4,9 @@ the benchmarks.
 Two ways to time a call on CUDA:
 - ``call_seconds``: each call bracketed by device synchronization, so the host's launch cost counts
   whenever it exceeds the device's work (the device idles while the host launches).
-- ``queued_seconds``: back-to-back calls enqueued while the device is held busy by a sleep kernel, so
-  the host runs ahead of the device as it does in training; gives the device time per call with the
-  host's launch cost hidden, and that host cost separately.
+- ``queued_seconds`` (``queued_call_seconds`` for one call): back-to-back calls enqueued while the device
+  is held busy by a sleep kernel, so the host runs ahead of the device as it does in training; gives the
+  device time per call with the host's launch cost hidden, and that host cost separately.
 And ``device_op_seconds``: the device's own time per kernel and copy of one call (PyTorch profiler),
 without the host's launches and syncs in between: what a kernel-throughput goal is about.
 """
@@ -107,6 +107,27 @@ def _sleep_rate(device: torch.device) -> float:
         end.synchronize()
         _sleep_cycles_per_second[index] = cycles / (start.elapsed_time(end) / 1e3)
     return _sleep_cycles_per_second[index]
+
+
+def queued_call_seconds(fn, device: torch.device, host_estimate_s: float) -> tuple:
+    """(device seconds, host seconds) of ONE call of ``fn`` (for calls that change state): on CUDA queued behind
+    a sleep of twice ``host_estimate_s`` (+1 ms), so that its launches reach the device before it idles and
+    the device time has no launch gaps (``fn`` must not synchronize); on the CPU the wall time, twice."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+        return seconds, seconds
+    synchronize(device)
+    torch.cuda._sleep(int(_sleep_rate(device) * (2 * host_estimate_s + 1e-3)))
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    start = time.perf_counter()
+    fn()
+    host = time.perf_counter() - start
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3, host
 
 
 def queued_seconds(fn, device: torch.device, repeats: int, group=None) -> tuple:

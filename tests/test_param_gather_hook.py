@@ -43,7 +43,10 @@ METHODS = {  # run name -> compression flags
     # compressed, switched by a trial (TRIAL_SWITCHES) between plain and compressed gathers, then off for good
     "delta-trial": dict(param_gather_compression="delta"),
     "ciera-trial": dict(param_gather_compression="ciera"),
+    # chosen (by _alternating_choice) after 2 measured gathers, measured again from step RESELECT_AT, chosen again
+    "delta-reselect": dict(param_gather_compression="delta", param_gather_selection="benefit"),
 }
+RESELECT_AT = 5
 CAPPED_SHARD_BYTES = 16_000  # about three of the test model's bucket shards
 TRIAL_SWITCHES = {3: (False, False), 4: (True, False), 5: (False, False), 7: (True, False), 9: (False, True)}
 
@@ -52,7 +55,7 @@ def _args(method, verify_interval=0, **overrides):
     args = argparse.Namespace(
         param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
         ciera_exponent_coder="raw", param_gather_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
-        grad_reduce_compression="none", param_gather_trial_iters=0,
+        grad_reduce_compression="none", param_gather_trial_iters=0, param_gather_reselect_interval=0,
     )
     vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), **overrides)
     return args
@@ -153,12 +156,17 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     cap = param_gather.PREPARE_SHARD_BYTES
     if method == "delta-capped":
         param_gather.PREPARE_SHARD_BYTES = CAPPED_SHARD_BYTES
+    patched = {name: getattr(param_gather, name) for name in ("SELECTION_WARMUP_GATHERS", "select_shards")}
+    if method == "delta-reselect":
+        param_gather.SELECTION_WARMUP_GATHERS, param_gather.select_shards = 2, _alternating_choice()
     forward_backward = get_forward_backward_func()
     loss_bits = []
     for step in range(STEPS):
         if method.endswith("-trial") and step in TRIAL_SWITCHES:
             for bucket_group in _compressed_groups(ddp):
                 bucket_group.set_compressing(*TRIAL_SWITCHES[step])
+        if method == "delta-reselect" and step == RESELECT_AT:
+            _compressed_groups(ddp)[0].benefit.restart()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(
@@ -177,11 +185,26 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     ddp.start_param_sync(force_sync=True)  # with overlap the last gather is still pending
     param_gather.prepare_gathers = prepare_gathers
     param_gather.PREPARE_SHARD_BYTES = cap
+    for name, value in patched.items():
+        setattr(param_gather, name, value)
     raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
     return dict(
         loss_bits=loss_bits, param_hash=_buffers_hash(ddp), sent_ratio=sent / max(raw, 1),
         exchanges=exchanges, **_hook_counts(ddp),
     )
+
+
+def _alternating_choice():
+    """A select_shards that picks the even bucket groups in its first round and the odd ones in the next, so
+    that a re-selection switches every bucket: compressed ones to plain, plain ones to a new codec."""
+    rounds = []
+
+    def choose(candidates, comm, budget):
+        parity = len(rounds) % 2
+        rounds.append(parity)
+        return {c.key for c in candidates if c.key[0] % 2 == parity}
+
+    return choose
 
 
 def _compressed_groups(ddp):
@@ -198,6 +221,7 @@ def _hook_counts(ddp):
         num_groups=len(groups), num_gathers=sum(g.num_gathers for g in groups),
         num_compressed=sum(not isinstance(gather, _PlainGather) for g in groups for gather in g.shard_gathers),
         undecided=sum(g.selection is not None for g in groups),
+        selections=groups[0].benefit.rounds if groups and groups[0].benefit else 0,
     )
 
 
@@ -258,32 +282,67 @@ def _dense_world():
     runs += [("delta", False, 5), ("ciera", True, 5), ("ciera-benefit", True, None), ("delta-benefit", True, None)]
     runs += [("delta-capped", False, None), ("delta-capped", True, None)]
     runs += [("delta-trial", True, None), ("delta-trial", False, None), ("ciera-trial", True, None)]
+    runs += [("delta-reselect", True, None)]
     _check_trial_wiring()
     return _compare_runs(runs)
 
 
 def _check_trial_wiring():
-    """build_trial: only with benefit selection and a trial length; it starts after the selection's
-    warm-up gathers (and after another trial's iterations), and has work only once a bucket is compressed."""
-    from megatron.hooks.param_gather import SELECTION_WARMUP_GATHERS, apply_dp_compression, build_trial
+    """build_selection_schedule: only with benefit selection and a trial length or a re-selection interval. A
+    choice that switches buckets and leaves one compressed gets a trial, no earlier than the selection's window
+    (and another trial's iterations) after the start; a choice that switches nothing, or compresses nothing,
+    gets none; re-selections restart the measuring every interval, not while a choice is measured or tried."""
+    from megatron.hooks import param_gather
+    from megatron.hooks.param_gather import (
+        SELECTION_WINDOW_ITERATIONS, apply_dp_compression, build_selection_schedule,
+    )
 
     ddp, _ = _build(overlap=False)
-    apply_dp_compression([ddp], _args("delta", param_gather_selection="benefit", param_gather_trial_iters=4))
-    assert build_trial([ddp], _args("delta", param_gather_trial_iters=4)) is None  # selection "all": no trial
-    assert build_trial([ddp], _args("delta-benefit", param_gather_trial_iters=0)) is None
-    trial = build_trial([ddp], _args("delta-benefit", param_gather_trial_iters=4), after_iters=6)
-    assert trial.iters == 4 and trial.skip == max(SELECTION_WARMUP_GATHERS + 2, 2 + 6)
-    assert not trial.has_work()  # the selection has not compressed anything yet
-    _compressed_groups(ddp)[0].compress_bucket(0)
-    assert trial.has_work()
-    idle = build_trial([_build(overlap=False)[0]], _args("delta-benefit", param_gather_trial_iters=4))
+    apply_dp_compression([ddp], _args("delta", param_gather_trial_iters=4))
+    assert build_selection_schedule([ddp], _args("delta", param_gather_trial_iters=4)) is None  # "all": no trial
+    idle = build_selection_schedule([_build(overlap=False)[0]], _args("delta-benefit", param_gather_trial_iters=4))
     assert idle is None  # no compression installed on that model
     ddp, _ = _build(overlap=False)
-    apply_dp_compression([ddp], _args("delta", param_gather_selection="benefit", param_gather_trial_iters=2))
-    trial = build_trial([ddp], _args("delta-benefit", param_gather_trial_iters=2))
-    for iteration in range(1, trial.skip + 2):  # nothing selected: decided at its first iteration, off
-        trial.before_iteration(iteration)
-    assert trial.decided and not trial.compressing
+    apply_dp_compression([ddp], _args("delta-benefit", param_gather_trial_iters=4))
+    assert build_selection_schedule([ddp], _args("delta-benefit", param_gather_trial_iters=0)) is None
+    schedule = build_selection_schedule([ddp], _args("delta-benefit", param_gather_trial_iters=4,
+                                                     param_gather_reselect_interval=30), after_iters=12)
+    selection, groups = _compressed_groups(ddp)[0].benefit, _compressed_groups(ddp)
+    choose = param_gather.select_shards
+    try:
+        param_gather.select_shards = lambda candidates, comm, budget: {c.key for c in candidates}  # everything
+        schedule.before_iteration(1)
+        selection._select()  # as at the 9th gather: every bucket switches to a codec
+        schedule.before_iteration(2)
+        assert schedule.active and schedule.trial.first == 1 + 2 + 12  # after the other trial's 12 iterations
+        assert schedule.compressing  # until the trial starts, with a plain iteration
+        for iteration in range(3, 31):
+            schedule.before_iteration(iteration)
+            schedule.after_iteration(iteration, 1.0 if schedule.compressing else 2.0, torch.device("cpu"))
+        assert schedule.trial.decided and schedule.compressing  # compressed iterations were faster: kept
+        assert not selection.measuring
+        schedule.before_iteration(31)  # (31 - 1) % 30 == 0: measuring again, the buckets as they were
+        assert selection.measuring and all(g.selection is selection for g in groups) and schedule.compressing
+        first_trial = schedule.trial
+        selection._select()  # the same choice: nothing switches, no new trial
+        schedule.before_iteration(32)
+        assert schedule.trial is first_trial and schedule.compressing
+        param_gather.select_shards = lambda candidates, comm, budget: set()  # nothing pays any more
+        schedule.before_iteration(61)
+        selection._select()
+        schedule.before_iteration(62)
+        assert schedule.trial is first_trial and not schedule.active and not schedule.compressing
+    finally:
+        param_gather.select_shards = choose
+    assert all(isinstance(gather, param_gather._PlainGather) for g in groups for gather in g.shard_gathers)
+    schedule = build_selection_schedule([ddp], _args("delta-benefit", param_gather_trial_iters=2,
+                                                     param_gather_reselect_interval=20))
+    schedule.before_iteration(20)
+    schedule.before_iteration(21)  # due, but the selection (restarted by nobody) is not measuring: restarts
+    assert selection.measuring
+    selection.restart()
+    schedule.before_iteration(41)  # due while still measuring (as just after a resume): no restart, no choice
+    assert schedule.trial is None and SELECTION_WINDOW_ITERATIONS == 10
 
 
 def _assert_identical(results_by_rank):
@@ -298,6 +357,8 @@ def _assert_identical(results_by_rank):
             assert result["undecided"] == 0, (run, result)
             if run[0] == "ciera-benefit":
                 assert 0 < result["num_compressed"] < result["num_groups"], (run, result)
+            elif run[0] == "delta-reselect":  # the odd bucket groups, chosen in the second round
+                assert result["selections"] == 2 and result["num_compressed"] == result["num_groups"] // 2, (run, result)
             elif run[0] == "delta-benefit":
                 assert 0 <= result["num_compressed"] <= result["num_groups"], (run, result)
             elif run[0].endswith("-trial"):  # switched off for good at step 9
@@ -340,7 +401,8 @@ def _assert_same_iterations(reference, run):
 
 @pytest.mark.slow
 def test_driver_dp2_lossless_and_resume(tmp_path):
-    """50 uncompressed iterations (saving at 25) vs each codec from scratch and resumed at 25."""
+    """50 uncompressed iterations (saving at 25) vs CIERA from scratch and delta resumed at 25 (chosen by the
+    benefit selection, tried, and chosen again)."""
 
     checkpoints = tmp_path / "checkpoints"
     reference = launch_training(tmp_path, "none", "pretrain_gpt.py", 2,
@@ -353,9 +415,14 @@ def test_driver_dp2_lossless_and_resume(tmp_path):
     ciera = launch_training(tmp_path, "ciera", "pretrain_gpt.py", 2, f"{GPT} {COMPRESSED} ciera")
     assert [r["iteration"] for r in ciera] == list(range(1, 51))
     _assert_same_iterations(reference, ciera)
-    delta = launch_training(tmp_path, "delta", "pretrain_gpt.py", 2, f"{GPT} {COMPRESSED} delta --load {checkpoints}")
+    # Resumed with the benefit selection, its trial and a re-selection from iteration 40 (on the CPU the
+    # selection finds that nothing pays: compressing or not, the bits must be the same).
+    benefit = ("--param-gather-verify-interval 2 --param-gather-compression delta --param-gather-selection benefit "
+               "--param-gather-trial-iters 2 --param-gather-reselect-interval 13")
+    delta = launch_training(tmp_path, "delta", "pretrain_gpt.py", 2, f"{GPT} {benefit} --load {checkpoints}")
     assert [r["iteration"] for r in delta] == list(range(26, 51))
     _assert_same_iterations(reference, delta)
+    assert all(isinstance(r["param_gather_compressed"], bool) for r in delta)
 
 
 @pytest.mark.slow

@@ -37,14 +37,15 @@ Invariants:
 - ``--param-gather-selection benefit`` (the default; CIERA and delta): the first
   ``SELECTION_WARMUP_GATHERS`` gathers of each bucket group are uncompressed while each bucket is
   measured (CIERA: block change rate; delta: payload, encode and decode time of the real shard); then
-  the buckets whose expected gain is positive are picked once (CIERA: within
-  ``--ciera-cache-budget-mb``; compression/selection.py), identically on every rank of a group, and
-  only those are compressed from then on: where compression would make the gather slower, the
-  bucket keeps megatron-core's plain all-gather. ``all`` compresses every bucket from the start.
+  the buckets whose expected gain is positive are picked (CIERA: within ``--ciera-cache-budget-mb``;
+  compression/selection.py), identically on every rank of a group, and only those are compressed from
+  then on: where compression would make the gather slower, the bucket keeps megatron-core's plain
+  all-gather. ``--param-gather-reselect-interval N``: every N iterations the buckets are measured again
+  (each keeping its gather meanwhile) and chosen again. ``all`` compresses every bucket from the start.
 - ``--param-gather-trial-iters`` (with ``benefit``): the per-bucket model can promise a gain that the
   iteration never sees (the gather overlaps compute, or costs less inside the step than alone), so
-  after the selection ``build_trial`` alternates plain and compressed gathers in the training loop and
-  keeps compression only if iterations get faster. A plain gather during the trial calls each codec's
+  after each choice the training loop (``SelectionSchedule``) alternates plain and compressed gathers
+  and keeps compression only if iterations get faster. A plain gather during the trial calls each codec's
   ``observe`` with the shard it sent (delta: its sender copy; CIERA: a keyframe next), so switching
   back needs no extra state and both modes stay bit-exact.
 """
@@ -59,8 +60,8 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from compression.ciera import CieraCodec, CieraConfig
 from compression.delta import DeltaCodec, DeltaConfig
 from compression.selection import (
-    BlockChangeMeter, DeltaCostMeter, DeltaShardStats, ShardStats, cache_bytes, profile_comm, select_shards,
-    selection_summary,
+    SELECTION_WARMUP_GATHERS, SELECTION_WINDOW_ITERATIONS, BlockChangeMeter, DeltaCostMeter, DeltaShardStats,
+    ShardStats, cache_bytes, profile_comm, select_shards, selection_summary,
 )
 from compression.sdp4bit import (
     HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather, quantized_reduce_scatter,
@@ -74,7 +75,6 @@ logger = logging.getLogger(__name__)
 PARAM_GATHER_METHODS = ("none", "ciera", "delta", "sdp4bit")
 GRAD_REDUCE_METHODS = ("none", "hadamard-int8", "hadamard-int4")
 SELECTABLE_METHODS = ("ciera", "delta")  # lossless: --param-gather-selection applies; sdp4bit compresses all
-SELECTION_WARMUP_GATHERS = 8  # uncompressed gathers that measure change rates before selecting
 _SIXTEEN_BIT_DTYPES = (torch.bfloat16, torch.float16)
 _comm_models = {}  # process group -> all-gather latency/bandwidth model, profiled once per group
 
@@ -120,23 +120,39 @@ class _BenefitSelection:
     """``--param-gather-selection benefit``, shared by every bucket group of one install. The first
     ``SELECTION_WARMUP_GATHERS`` gathers of each bucket group go uncompressed while each bucket is
     measured (CIERA: its block change rate; delta: its payload and codec times, by coding the real
-    shard); then the buckets to compress are picked once, for all groups together. Process groups are
-    decided in turn (dense first), CIERA's spending what is left of ``--ciera-cache-budget-mb``; a MIN
-    over each group makes all of its ranks agree."""
+    shard); then the buckets to compress are picked, for all groups together (and again after each
+    ``restart``). Process groups are decided in turn (dense first), CIERA's spending what is left of
+    ``--ciera-cache-budget-mb``; a MIN over each group makes all of its ranks agree."""
 
     def __init__(self, bucket_groups: list, args):
         self.args = args
         self.method = args.param_gather_compression
         budget = args.ciera_cache_budget_mb if self.method == "ciera" else None
         self.budget_bytes = None if budget is None else budget * 2**20
+        self.bucket_groups = bucket_groups
+        self.rounds = 0  # choices made so far
+        self.switched = False  # whether the last choice switched any of this rank's buckets
+        self._new_round()
+
+    def _new_meter(self):
         if self.method == "ciera":
-            def new_meter():
-                return BlockChangeMeter(args.ciera_block_size)
-        else:
-            def new_meter():
-                return DeltaCostMeter(DeltaConfig(block_size=args.delta_block_size))
-        self.meters = {bg: [new_meter() for _ in bg.buckets] for bg in bucket_groups}
-        self.measured = {bg: 0 for bg in bucket_groups}
+            return BlockChangeMeter(self.args.ciera_block_size)
+        return DeltaCostMeter(DeltaConfig(block_size=self.args.delta_block_size))
+
+    def _new_round(self) -> None:
+        self.meters = {bg: [self._new_meter() for _ in bg.buckets] for bg in self.bucket_groups}
+        self.measured = {bg: 0 for bg in self.bucket_groups}
+
+    @property
+    def measuring(self) -> bool:
+        return bool(self.meters)
+
+    def restart(self) -> None:
+        """Measure the next ``SELECTION_WARMUP_GATHERS`` gathers of every bucket group again, then choose
+        again (``--param-gather-reselect-interval``); meanwhile every bucket keeps its current gather."""
+        self._new_round()
+        for bucket_group in self.bucket_groups:
+            bucket_group.selection = self
 
     def before_gather(self, bucket_group) -> None:
         if self.measured[bucket_group] < SELECTION_WARMUP_GATHERS:
@@ -152,20 +168,25 @@ class _BenefitSelection:
             group = bucket_group.intra_distributed_optimizer_instance_group
             by_group.setdefault(group, []).append(bucket_group)
         remaining, device = self.budget_bytes, _device(next(iter(self.meters)))
+        self.switched = False  # whether this choice switched any of this rank's buckets
         for group, bucket_groups in by_group.items():
             candidates = self._candidates(group, bucket_groups, device)
             if group not in _comm_models:
                 _comm_models[group] = profile_comm(group)
             chosen = select_shards(candidates, _comm_models[group], remaining)
             chosen = _agreed(chosen, candidates, group, device)
-            for group_index, bucket_index in chosen:
-                bucket_groups[group_index].compress_bucket(bucket_index)
+            for candidate in candidates:
+                group_index, bucket_index = candidate.key
+                self.switched |= bucket_groups[group_index].select_bucket(bucket_index, candidate.key in chosen)
             if remaining is not None:
                 remaining -= sum(c.cache_bytes for c in candidates if c.key in chosen)
             if group.rank() == 0:
-                logger.info("%s", selection_summary(candidates, chosen, _comm_models[group]))
+                logger.info("%s%s", "" if not self.rounds else f"re-selection {self.rounds}: ",
+                            selection_summary(candidates, chosen, _comm_models[group]))
         for bucket_group in self.meters:
             bucket_group.selection = None
+        self.rounds += 1
+        self.meters, self.measured = {}, {}  # the meters' codec state (delta: ~4 bytes per value) goes now
 
     def _candidates(self, group, bucket_groups: list, device) -> list:
         """Every bucket's shard, keyed (bucket group index, bucket index), with its measurements
@@ -227,7 +248,8 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
     gradient reduce-scatter through the Hadamard-quantized collective. Attributes added at install:
     ``args``, ``comm_class`` (telemetry class of its parameter gathers: dense or expert buckets),
     ``shard_gathers`` (None: stock all-gather; a ``_PlainGather`` for an uncompressed bucket),
-    ``selection`` (None once decided), ``num_gathers``, ``grad_quant`` (None: stock reduce-scatter)."""
+    ``selection`` (set while the selection measures), ``benefit`` (the selection, or None),
+    ``num_gathers``, ``grad_quant`` (None: stock reduce-scatter)."""
 
     def start_param_sync(self, force_sync: bool = False):
         if self.shard_gathers is None:
@@ -332,10 +354,15 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         for gather in self.shard_gathers or ():
             gather.reset()
 
-    def compress_bucket(self, index: int) -> None:
-        """Send bucket ``index`` through the codec from the next gather on (a keyframe)."""
-        self.shard_gathers[index] = build_gather(self.args, self.intra_distributed_optimizer_instance_group,
-                                                 self.comm_class)
+    def select_bucket(self, index: int, compress: bool) -> None:
+        """From the next gather on, send bucket ``index`` through a codec (a new one starts with a keyframe; one
+        already compressing goes on) or megatron-core's plain all-gather. Returns whether that switched it."""
+        group, plain = self.intra_distributed_optimizer_instance_group, isinstance(self.shard_gathers[index], _PlainGather)
+        if not compress and not plain:
+            self.shard_gathers[index] = _PlainGather(group, self.comm_class)
+        elif compress and plain:
+            self.shard_gathers[index] = build_gather(self.args, group, self.comm_class)
+        return compress == plain  # switched
 
     def set_compressing(self, compressing: bool, final: bool) -> None:
         """Trial switch: plain gathers while not ``compressing``; a final off drops the codecs."""
@@ -523,7 +550,8 @@ def _install(bucket_group: _ParamAndGradBucketGroup, args, selection, comm_class
     bucket_group.args = args
     bucket_group.comm_class = comm_class
     bucket_group.num_gathers = 0
-    bucket_group.selection = selection
+    bucket_group.selection = selection  # set while the selection measures (None once it has chosen)
+    bucket_group.benefit = selection  # for good: re-selections restart it
     bucket_group.plain = False
     method = args.grad_reduce_compression
     bucket_group.grad_quant = (
@@ -569,32 +597,81 @@ def _compressed_bucket_groups(ddp_chunks: list) -> list:
             if isinstance(bucket_group, CompressedBucketGroup)]
 
 
-def build_trial(ddp_chunks: list, args, after_iters: int = 0):
-    """The end-to-end check of ``--param-gather-selection benefit`` for the training loop
-    (``megatron/hooks/trial.py``): once the selection has decided (``SELECTION_WARMUP_GATHERS``
-    gathers) and after ``after_iters`` more iterations (another trial's), ``--param-gather-trial-iters``
-    iterations alternate plain and compressed gathers; compression stays only if it makes iterations
-    faster. Both modes are bit-exact, so training is the same either way. None if not asked for."""
+class SelectionSchedule:
+    """``--param-gather-selection benefit`` over a run, for the training loop (``before_iteration`` /
+    ``after_iteration`` around each iteration, 1-based): with ``--param-gather-reselect-interval N`` the
+    buckets are measured and chosen again every N iterations, and every choice that switches a bucket and
+    leaves one compressed gets an end-to-end trial (``--param-gather-trial-iters``, megatron/hooks/trial.py).
+    One choice is not enough: the first comes from a run's first gathers, where Adam's first steps change
+    far more values than later ones (GPT-350M on 2x H200: wire ratio 2.0x at iteration 5, 3.1x at 20, 7.1x
+    at 40, 11.8x from 57 on), and a learning-rate schedule keeps moving the payload over a run. Both modes
+    of every bucket are bit-exact, so training is the same whatever is chosen."""
+
+    def __init__(self, selection: _BenefitSelection, new_trial, interval: int, first_trial_after: int, agree):
+        self.selection, self.new_trial, self.interval = selection, new_trial, interval
+        self.first_trial_after = first_trial_after  # iterations from the start before the first trial may start
+        self.agree = agree  # (switched, compressed) flags of this rank -> the MAX of each over all ranks
+        self.trial, self.start, self.choices_seen, self.active = None, None, 0, False
+
+    @property
+    def compressing(self) -> bool:
+        """Whether any bucket is compressed in the current iteration (a trial's plain iterations: no)."""
+        return self.active and (self.trial is None or self.trial.compressing)
+
+    def before_iteration(self, iteration: int) -> None:
+        if self.start is None:
+            self.start = iteration
+        due = self.interval and iteration > 1 and (iteration - 1) % self.interval == 0
+        # not while a choice is still being measured or tried (e.g. just after a resume): the next one is due soon
+        if due and not self.selection.measuring and (self.trial is None or self.trial.decided):
+            self.selection.restart()
+        if self.selection.rounds > self.choices_seen:  # a choice was made during the last iteration
+            self.choices_seen = self.selection.rounds
+            switched, self.active = self.agree(self.selection.switched, self._any_compressed())
+            if switched and self.active:
+                skip = max(TRIAL_SKIP_ITERATIONS, self.start + self.first_trial_after - iteration)
+                self.trial = self.new_trial(skip)
+        if self.trial is not None:
+            self.trial.before_iteration(iteration)
+
+    def after_iteration(self, iteration: int, seconds: float, device: torch.device) -> None:
+        if self.trial is not None:
+            self.trial.after_iteration(iteration, seconds, device)
+
+    def _any_compressed(self) -> bool:
+        return any(not isinstance(gather, _PlainGather)
+                   for bucket_group in self.selection.bucket_groups for gather in bucket_group.shard_gathers)
+
+
+def build_selection_schedule(ddp_chunks: list, args, after_iters: int = 0):
+    """The ``SelectionSchedule`` of ``apply_dp_compression``'s benefit selection, or None if there is no trial
+    and no re-selection to run. The first trial starts no earlier than ``SELECTION_WINDOW_ITERATIONS``
+    iterations from the start, nor before ``after_iters`` more (another trial's) have passed."""
     bucket_groups = _compressed_bucket_groups(ddp_chunks)
-    selecting = args.param_gather_compression in SELECTABLE_METHODS and args.param_gather_selection == "benefit"
-    if not (selecting and args.param_gather_trial_iters and bucket_groups and dist.is_initialized()):
+    selection = bucket_groups[0].benefit if bucket_groups else None
+    interval = args.param_gather_reselect_interval
+    if selection is None or not (args.param_gather_trial_iters or interval) or not dist.is_initialized():
         return None
+    device = _device(bucket_groups[0])
 
     def set_compressing(compressing: bool, final: bool) -> None:
         for bucket_group in bucket_groups:
             bucket_group.set_compressing(compressing, final)
 
-    def has_work() -> bool:  # every rank asks: a MAX over the world, since groups decide apart
-        any_codec = any(not isinstance(gather, _PlainGather)
-                        for bucket_group in bucket_groups for gather in bucket_group.shard_gathers or ())
-        flag = torch.tensor([int(any_codec)], device=_device(bucket_groups[0]))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agree(*flags) -> tuple:  # every rank asks: a MAX over the world, since process groups choose apart
+        flags = torch.tensor([int(flag) for flag in flags], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return tuple(bool(flag) for flag in flags.tolist())
 
-    skip = max(SELECTION_WARMUP_GATHERS + 2, TRIAL_SKIP_ITERATIONS + after_iters)
-    return CompressionTrial("parameter-gather compression", set_compressing, args.param_gather_trial_iters,
-                            flag="--param-gather-trial-iters", fallback="megatron-core's plain all-gather",
-                            skip=skip, has_work=has_work)
+    def new_trial(skip: int):
+        if not args.param_gather_trial_iters:
+            return None
+        return CompressionTrial("parameter-gather compression", set_compressing, args.param_gather_trial_iters,
+                                flag="--param-gather-trial-iters", fallback="megatron-core's plain all-gather",
+                                skip=skip)
+
+    first_trial_after = max(SELECTION_WINDOW_ITERATIONS, TRIAL_SKIP_ITERATIONS + after_iters)
+    return SelectionSchedule(selection, new_trial, interval, first_trial_after, agree)
 
 
 def reset_param_gather_state(ddp_chunks: list) -> None:

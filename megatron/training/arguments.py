@@ -217,6 +217,10 @@ class CompressionArgs:
         6, "With --param-gather-selection benefit: once the buckets are chosen, training iterations that "
         "alternate the plain and the compressed parameter all-gather (both bit-exact); compression stays on only "
         "if it makes iterations at least 2%% faster (0: no trial, trust the per-bucket model).")
+    param_gather_reselect_interval: int = arg(
+        500, "With --param-gather-selection benefit: every this many iterations, measure the buckets again and "
+        "choose again (and try a choice that switches buckets), as the parameters' drift changes over a run "
+        "(Adam's first steps change far more values than later ones); 0: choose once, at the start.")
     ciera_cache_budget_mb: Optional[float] = arg(None, "CIERA cache budget in MB per rank (default unlimited): the "
                                                  "sender's exponent copy or block hashes, plus on GPUs the payload "
                                                  "buffer, of every compressed shard.")
@@ -506,6 +510,7 @@ def _validate_compression(args) -> None:
     from compression.ciera import CieraConfig
     from compression.delta import DeltaConfig
     from compression.pp_quant import TahQuantConfig
+    from compression.selection import SELECTION_WINDOW_ITERATIONS
     from compression.sdp4bit import HadamardQuantConfig, Sdp4bitConfig
     from compression.taco import TacoConfig
 
@@ -527,6 +532,10 @@ def _validate_compression(args) -> None:
     trial = args.param_gather_trial_iters
     _check(trial == 0 or (trial >= 2 and trial % 2 == 0),
            f"--param-gather-trial-iters must be 0 (no trial) or an even number >= 2, got {trial}")
+    interval, window = args.param_gather_reselect_interval, SELECTION_WINDOW_ITERATIONS + trial
+    _check(interval == 0 or interval > window,
+           f"--param-gather-reselect-interval must be 0 (choose once) or more than the {window} iterations that "
+           f"measuring and the trial (--param-gather-trial-iters {trial}) take, got {interval}")
     _check(args.ciera_cache_budget_mb is None or args.ciera_cache_budget_mb > 0,
            f"--ciera-cache-budget-mb must be positive (or omitted for unlimited), got {args.ciera_cache_budget_mb}")
 

@@ -148,14 +148,14 @@ def tp_compression_trial(args, ddp_chunks):
     return build_trial(ddp_chunks, args)
 
 
-def param_gather_trial(args, ddp_chunks, tp_trial):
-    """The end-to-end check of ``--param-gather-selection benefit`` (megatron.hooks.param_gather), after
-    the TP trial's iterations if there is one, or None."""
+def param_gather_schedule(args, ddp_chunks, tp_trial):
+    """The trials and re-selections of ``--param-gather-selection benefit`` (megatron.hooks.param_gather),
+    the first trial after the TP trial's iterations if there is one; or None."""
     if args.param_gather_compression == "none":
         return None
-    from megatron.hooks.param_gather import build_trial
+    from megatron.hooks.param_gather import build_selection_schedule
 
-    return build_trial(ddp_chunks, args, after_iters=tp_trial.iters if tp_trial is not None else 0)
+    return build_selection_schedule(ddp_chunks, args, after_iters=tp_trial.iters if tp_trial is not None else 0)
 
 
 def save(args, iteration, ddp_chunks, optimizer, scheduler) -> None:
@@ -199,7 +199,7 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
     wire_config_hooks(config, ddp_chunks, optimizer, args)
     writer = metrics.MetricsWriter(args)
     trial = tp_compression_trial(args, ddp_chunks)
-    gather_trial = param_gather_trial(args, ddp_chunks, trial)
+    gather_trial = param_gather_schedule(args, ddp_chunks, trial)
     profiler = IterationProfiler(args)
     iteration = start_iteration
     while iteration < args.train_iters:
