@@ -8,6 +8,8 @@ clock with a device sync on both sides (the codec's own host syncs included); GB
 (2 per value) per second; ``*_device_GBps`` count only the device's time in the call's kernels and
 copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps``
 sweeps the warps per block program of the codec kernels, ``--max-registers`` their register caps.
+``*_host_us``: the host's time in each half of a gather's codec work (begin_encode, finish_encode, decode)
+with the device held busy, i.e. what every compressed bucket costs the host whatever its size.
 
     python benchmarks/bench_delta_kernels.py --out results/gpu/delta_kernels.json
 """
@@ -26,7 +28,7 @@ sys.path.insert(0, ROOT)
 import kernels.delta as kernels  # noqa: E402
 from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
-from compression.timing import call_seconds, device_throughput  # noqa: E402
+from compression.timing import call_seconds, device_throughput, queued_call_seconds  # noqa: E402
 
 
 def measure(previous, new, block_size: int, repeats: int) -> dict:
@@ -61,13 +63,35 @@ def measure(previous, new, block_size: int, repeats: int) -> dict:
         encode=(encode, reset_sender),
         decode=(lambda: receiver.decode(0, payload, out, header), lambda: out.copy_(previous)),
         copy=(lambda: out.copy_(new), None)))
-    return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy),
+    return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy), **host_us(
+                    sender, receiver, new, payload, out, header, reset_sender, lambda: out.copy_(previous), repeats),
                 encode_blocks_GBps=gbps(blocks), encode_ms=1e3 * min(enc),
                 encode_median_ms=1e3 * statistics.median(enc),
                 decode_ms=1e3 * min(dec), decode_median_ms=1e3 * statistics.median(dec),
                 encode_blocks_ms=1e3 * min(blocks), copy_ms=1e3 * min(copy), ratio=nbytes / payload.numel(),
                 unchanged=float((new.view(torch.int16) == previous.view(torch.int16)).float().mean()),
                 stats=sender.last_stats, **device_ops)
+
+
+def host_us(sender, receiver, new, payload, out, header, reset_sender, reset_out, repeats: int) -> dict:
+    """Host microseconds of each half of a gather's codec work, with the device held busy (``queued_call_seconds``)
+    so no launch waits for it: what each compressed bucket costs the host, whatever its size."""
+    cuda, best = torch.device("cuda"), {}
+
+    def keep(name, call):
+        _, host = queued_call_seconds(call, cuda, 0.01)
+        best[name] = min(best.get(name, host), host)
+
+    for _ in range(min(repeats, 5)):
+        reset_sender()
+        started = []
+        keep("begin_encode_host_us", lambda: started.append(sender.begin_encode(new)))
+        start = started[0]
+        buffer = torch.empty(int(start.nbytes), dtype=torch.uint8, device=cuda)
+        keep("finish_encode_host_us", lambda: sender.finish_encode(start, buffer))
+        reset_out()
+        keep("decode_host_us", lambda: receiver.decode(0, payload, out, header))
+    return {name: 1e6 * seconds for name, seconds in best.items()}
 
 
 def main():
@@ -101,7 +125,8 @@ def main():
                   f"blocks kernel {row['encode_blocks_ms']:.3f} ms), decode {row['decode_GBps']:.0f} GB/s "
                   f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x; "
                   f"device time only: encode {row['encode_device_GBps']:.0f}, decode {row['decode_device_GBps']:.0f}, "
-                  f"copy {row['copy_device_GBps']:.0f} GB/s", flush=True)
+                  f"copy {row['copy_device_GBps']:.0f} GB/s; host us: begin_encode {row['begin_encode_host_us']:.0f}, "
+                  f"finish_encode {row['finish_encode_host_us']:.0f}, decode {row['decode_host_us']:.0f}", flush=True)
         kernels._num_warps = default_warps
         kernels.MAX_REGISTERS.update(default_caps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
