@@ -422,3 +422,14 @@ def test_auto_trial_iterations_must_be_even():
 
     with pytest.raises(ValueError, match="--tp-comm-compression-trial-iters"):
         TpCompressionTrial([], iters=3)
+
+
+def test_trial_keeps_a_margin_or_a_gain_in_every_iteration():
+    from megatron.hooks.trial import keep_compression
+
+    assert keep_compression([1.0, 1.0, 1.0], [0.97, 1.05, 0.97])[0]  # 3% by the medians
+    assert keep_compression([264.5, 263.5, 264.0], [258.5, 258.5, 262.6])[0]  # 2.0%, faster every time
+    assert not keep_compression([267.0, 267.9, 268.3], [270.6, 264.2, 264.9])[0]  # 1.1%, one slower
+    assert not keep_compression([1.0, 1.0, 1.0], [1.01, 1.02, 1.01])[0]  # slower
+    assert not keep_compression([1.0], [0.99])[0]  # one iteration of each: no evidence beyond the margin
+    assert keep_compression([1.0], [0.97])[0]

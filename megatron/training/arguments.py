@@ -188,7 +188,7 @@ class CompressionArgs:
     tp_comm_compression_trial_iters: int = arg(
         6, "With --tp-comm-compression-min-bytes auto: training iterations (after the first 2) that alternate "
         "uncompressed and compressed TP collectives; compression stays on only if it makes iterations at least "
-        "2%% faster (0: no trial, trust the start-up probe).")
+        "2%% faster, or faster in every trial iteration (0: no trial, trust the start-up probe).")
     tp_comm_cuda_graphs: bool = arg(
         False, "Replay each compressed TP collective of a fixed shape as a CUDA graph (after 2 eager calls), "
         "cutting its host cost; a replayed collective completes before the next GEMM (no comm/compute overlap).")
@@ -216,7 +216,8 @@ class CompressionArgs:
     param_gather_trial_iters: int = arg(
         6, "With --param-gather-selection benefit: once the buckets are chosen, training iterations that "
         "alternate the plain and the compressed parameter all-gather (both bit-exact); compression stays on only "
-        "if it makes iterations at least 2%% faster (0: no trial, trust the per-bucket model).")
+        "if it makes iterations at least 2%% faster, or faster in every trial iteration (0: no trial, trust the "
+        "per-bucket model).")
     param_gather_reselect_interval: int = arg(
         500, "With --param-gather-selection benefit: every this many iterations, measure the buckets again and "
         "choose again (and try a choice that switches buckets), as the parameters' drift changes over a run "
