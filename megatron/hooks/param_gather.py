@@ -354,7 +354,7 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         for gather in self.shard_gathers or ():
             gather.reset()
 
-    def select_bucket(self, index: int, compress: bool) -> None:
+    def select_bucket(self, index: int, compress: bool) -> bool:
         """From the next gather on, send bucket ``index`` through a codec (a new one starts with a keyframe; one
         already compressing goes on) or megatron-core's plain all-gather. Returns whether that switched it."""
         group, plain = self.intra_distributed_optimizer_instance_group, isinstance(self.shard_gathers[index], _PlainGather)

@@ -31,12 +31,11 @@ class CompressionTrial:
     the decision."""
 
     def __init__(self, what: str, set_compressing: Callable[[bool, bool], None], iters: int, flag: str,
-                 fallback: str, skip: int = TRIAL_SKIP_ITERATIONS, has_work: Callable[[], bool] = None):
+                 fallback: str, skip: int = TRIAL_SKIP_ITERATIONS):
         if iters < 2 or iters % 2:
             raise ValueError(f"{flag} must be an even number >= 2 (or 0 for no trial), got {iters}")
         self.what, self.fallback = what, fallback
         self.set_compressing = set_compressing
-        self.has_work = has_work  # asked (collectively) when the trial starts: is anything compressed at all?
         self.iters, self.skip = iters, skip
         self.first = None  # first trial iteration, set by the first before_iteration call
         self.times = []
@@ -51,9 +50,6 @@ class CompressionTrial:
         """Set the mode of ``iteration`` (trial iterations alternate, uncompressed first)."""
         if self.first is None:
             self.first = iteration + self.skip
-        if iteration == self.first and self.has_work is not None and not self.has_work():
-            self._set(False, final=True)  # nothing is compressed: nothing to try
-            self.decided = True
         if not self.decided and self.first <= iteration < self.first + self.iters:
             self._set((iteration - self.first) % 2 == 1)
 

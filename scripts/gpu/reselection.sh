@@ -1,25 +1,12 @@
 #!/usr/bin/env bash
-# 2x H200, ~7 min: the benefit selection with device-time codec costs and re-selection (session 11). First the
-# DeltaCostMeter's queued device timing on one GPU (vs the kernels' ~400 / ~600 GB/s); then GPT-350M DP=2 with
-# the gather exposed (MBS 4, GBS 8), at ~25 GB/s and on sockets, the default (delta) against delta on every bucket
+# 2x H200, ~6 min: the benefit selection with device-time codec costs and re-selection (session 11; the meter's
+# timing alone: scripts/gpu/delta_host_cost.sh). GPT-350M DP=2 with the gather exposed (MBS 4, GBS 8), at ~25 GB/s and on sockets, the default (delta) against delta on every bucket
 # and the baseline: 50 iterations with --param-gather-reselect-interval 25 (first choice from iterations 1-8,
 # the second from 26-33, each tried if it switches buckets), timed over iterations 42-50; then at ~25 GB/s the
 # default as it ships (one choice in 50 iterations), timed over the same iterations.
 # Usage (device machine, repo root): bash scripts/gpu/reselection.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
-python3 - <<'PY'
-import torch
-from compression.delta import DeltaConfig
-from compression.selection import DeltaCostMeter
-meter, w = DeltaCostMeter(DeltaConfig(block_size=256)), torch.randn(1 << 24, device="cuda") * 0.02
-for _ in range(6):
-    meter.update(w.to(torch.bfloat16))
-    w -= 1e-4 * torch.randn_like(w).sign() * w.abs()
-payload, encode_s, decode_s = meter.estimate()
-print(f"meter: ratio {2 * w.numel() / payload:.2f}x, encode {2 * w.numel() / encode_s / 1e9:.0f} GB/s, "
-      f"decode {2 * w.numel() / decode_s / 1e9:.0f} GB/s (device time)")
-PY
 E2E="benchmarks/e2e_throughput.py --suite dp2_param_gather_ablation --model configs/gpt_350m.yaml --micro-batch-size 4
   --global-batch-size 8 --train-iters 50 --warmup 41"
 for link in p2p_off_25GBps sockets_4GBps; do
