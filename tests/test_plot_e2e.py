@@ -1,4 +1,5 @@
-"""benchmarks/plot_e2e.py draws a PNG from e2e_throughput JSON (baselines left out, bounds where measured)."""
+"""benchmarks/plot_e2e.py draws a PNG from e2e_throughput JSON (baselines left out, bounds where measured);
+plot_wire_ratio.py the per-iteration wire ratio from metrics files."""
 
 import json
 import os
@@ -19,3 +20,23 @@ def test_plot_from_e2e_json(tmp_path):
     assert [(r["link"], r["variant"]) for r in runs] == [("sockets_4GBps", "delta"), ("nvlink", "delta")]
     plot(runs, str(tmp_path / "out.png"), "test")
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_wire_ratio_curve_from_metrics(tmp_path):
+    """plot_wire_ratio.py: raw / sent of the dense and expert gathers per iteration; a trial's plain iterations and
+    runs of plain gathers (sent == raw) are left out, the keyframe (sent a little above raw) kept."""
+    from plot_wire_ratio import plot, wire_ratios
+
+    def record(iteration, dense, expert=(0, 0), compressed=None):
+        comm = {"dp_param_gather": dict(raw_bytes=dense[0], sent_bytes=dense[1]),
+                "dp_expert_param_gather": dict(raw_bytes=expert[0], sent_bytes=expert[1])}
+        extra = {} if compressed is None else {"param_gather_compressed": compressed}
+        return json.dumps(dict(iteration=iteration, comm=comm, **extra))
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join([record(1, (1000, 1040)), record(2, (1000, 200), (600, 100), True),
+                               record(3, (1000, 1000), compressed=False), record(4, (1000, 1000))]) + "\n")
+    points = wire_ratios(str(path))
+    assert [i for i, _ in points] == [1, 2] and abs(points[1][1] - 1600 / 300) < 1e-12
+    plot({"run": points}, str(tmp_path / "ratio.png"), "test")
+    assert (tmp_path / "ratio.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

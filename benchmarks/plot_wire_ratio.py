@@ -1,0 +1,68 @@
+"""Wire ratio of the parameter all-gather over a training run, per iteration, from the metrics files of
+``--metrics-file`` (JSON lines): raw bf16 bytes over bytes sent, dense and expert buckets together, warm-up
+and keyframe included. Iterations where nothing was gathered through a codec (the trial's plain ones, a
+choice of none) are left out, since their 1.0x says nothing about the code.
+
+    python benchmarks/plot_wire_ratio.py 'lr 1e-4=results/gpu/wire_delta_v2_lr1e-4.jsonl' --out ratio.png
+"""
+
+import argparse
+import json
+
+GATHER_CLASSES = ("dp_param_gather", "dp_expert_param_gather")
+
+
+def wire_ratios(path: str) -> list:
+    """(iteration, raw / sent) of every record whose gathers went through a codec."""
+    points = []
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            comm = record.get("comm", {})
+            raw = sum(comm.get(c, {}).get("raw_bytes", 0) for c in GATHER_CLASSES)
+            sent = sum(comm.get(c, {}).get("sent_bytes", 0) for c in GATHER_CLASSES)
+            if raw and sent and record.get("param_gather_compressed", True) and sent != raw:
+                points.append((record["iteration"], raw / sent))
+    return points
+
+
+def plot(curves: dict, out: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, points in curves.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=label, linewidth=1.2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("bf16 bytes / bytes sent")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("curves", nargs="+", help="LABEL=METRICS.jsonl")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--title", default="parameter all-gather wire ratio over training")
+    args = parser.parse_args()
+    curves = {}
+    for spec in args.curves:
+        label, sep, path = spec.partition("=")
+        if not sep:
+            parser.error(f"expected LABEL=PATH, got {spec!r}")
+        curves[label] = wire_ratios(path)
+    plot(curves, args.out, args.title)
+    for label, points in curves.items():
+        tail = points[len(points) // 2:]
+        print(f"{label}: {len(points)} iterations, first {points[0][1]:.2f}x, last {points[-1][1]:.2f}x, "
+              f"second half mean {sum(r for _, r in tail) / len(tail):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
