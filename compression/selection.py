@@ -275,8 +275,8 @@ class DeltaCostMeter:
 
     def estimate(self) -> Optional[tuple]:
         """Median (payload bytes, encode seconds, decode seconds) over the later half of the measured gathers
-        (at least the last one): payloads shrink as Adam's first steps pass (GPT-350M: wire ratio 2.0x at
-        iteration 5, 3.1x at 20, 7.1x at 40, 11.8x from 57 on), and the first call compiles the kernels.
+        (at least the last one): payloads shrink as a run's first steps pass (GPT-350M: wire ratio 2.1x at
+        iteration 5, 3.1x at 20, 7.4x at 40, 11.8x from 58 on), and the first call compiles the kernels.
         None before two updates."""
         if not self.samples:
             return None

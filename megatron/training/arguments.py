@@ -221,7 +221,7 @@ class CompressionArgs:
     param_gather_reselect_interval: int = arg(
         500, "With --param-gather-selection benefit: every this many iterations, measure the buckets again and "
         "choose again (and try a choice that switches buckets), as the parameters' drift changes over a run "
-        "(Adam's first steps change far more values than later ones); 0: choose once, at the start.")
+        "(a run's first steps change far more values than later ones); 0: choose once, at the start.")
     ciera_cache_budget_mb: Optional[float] = arg(None, "CIERA cache budget in MB per rank (default unlimited): the "
                                                  "sender's exponent copy or block hashes, plus on GPUs the payload "
                                                  "buffer, of every compressed shard.")
