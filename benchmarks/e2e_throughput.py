@@ -180,8 +180,8 @@ def main():
                         help="default 16, or 22 for the param-gather suites")
     parser.add_argument("--warmup", type=int, default=None,
                         help="iterations excluded from timing; default 10 (past TACO's `auto` trial, iterations "
-                             "3-8), or 16 for the param-gather suites (past the selection's 8 warm-up gathers and the "
-                             "plain iterations 12, 14, 16 of its trial, --param-gather-trial-iters)")
+                             "3-8), or 17 for the param-gather suites (past the selection's 8 warm-up gathers and its "
+                             "trial, iterations 12-17 with --param-gather-trial-iters 6)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--log-dir", default="/tmp/e2e_logs")
     parser.add_argument("--comm-profile", action="store_true",
@@ -190,7 +190,7 @@ def main():
     args, extra = parser.parse_known_args()
     param_gather_suite = "param_gather" in args.suite
     args.train_iters = args.train_iters or (22 if param_gather_suite else 16)
-    args.warmup = args.warmup if args.warmup is not None else (16 if param_gather_suite else 10)
+    args.warmup = args.warmup if args.warmup is not None else (17 if param_gather_suite else 10)
     os.makedirs(args.log_dir, exist_ok=True)
     nproc, script, suite_flags, variants = SUITES[args.suite]
     if args.variants:

@@ -15,5 +15,5 @@ for repeat in $(seq ${REPEATS:-1}); do for buckets in 1 8; do
     --buckets $buckets --out $RES/param_gather_buckets${buckets}_nvlink_r$repeat.json 2>&1 | grep -v -i warn | tail -3
 done; done
 timeout 420 python3 benchmarks/e2e_throughput.py --suite dp2_param_gather_ablation --model configs/gpt_350m.yaml \
-  --links p2p_off_25GBps sockets_4GBps --variants delta_all delta --micro-batch-size 4 --global-batch-size 8 --train-iters 30 --warmup 16 \
+  --links p2p_off_25GBps sockets_4GBps --variants delta_all delta --micro-batch-size 4 --global-batch-size 8 --train-iters 30 --warmup 17 \
   --log-dir /tmp/bucketed --out $RES/e2e_exposed_prepared.json 2>&1 | grep -E "speedup|Error"
