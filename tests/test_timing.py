@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from compression import timing
-from compression.timing import call_seconds, device_op_seconds, device_throughput, queued_seconds
+from compression.timing import call_seconds, device_op_seconds, device_throughput, queued_call_seconds, queued_seconds
 
 
 def test_call_and_queued_seconds_on_cpu():
@@ -17,6 +17,25 @@ def test_call_and_queued_seconds_on_cpu():
     assert calls == ["setup", "call", "check"] * 3
     device_s, host_s = queued_seconds(lambda: sum(range(1000)), torch.device("cpu"), 4)
     assert device_s == host_s > 0
+    once = []  # a state-changing call runs exactly once
+    device_s, host_s = queued_call_seconds(lambda: once.append(sum(range(1000))), torch.device("cpu"), 0.01)
+    assert device_s == host_s > 0 and len(once) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_queued_call_seconds_hides_the_launch_gap():
+    """A kernel behind a host-side delay: the queued device time is the kernel's, not the delay's."""
+    import time
+
+    x = torch.ones(1 << 20, device="cuda")
+
+    def slow_host_then_kernel():
+        time.sleep(0.02)  # the host's launch path, slow
+        x.mul_(1.0)
+
+    device_s, host_s = queued_call_seconds(slow_host_then_kernel, torch.device("cuda"), 0.02)
+    assert host_s >= 0.02 and device_s < 0.01
 
 
 def test_device_throughput_sums_each_calls_ops(monkeypatch):
