@@ -84,6 +84,9 @@ ERRORS = [
     ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1, "only one of --lr-warmup-iters and --lr-warmup-fraction"),
     ("--lr-warmup-iters 500", 1, "--lr-warmup-iters (500) must be below the decay length"),
     ("--param-gather-trial-iters 3", 1, "--param-gather-trial-iters must be 0 (no trial) or an even"),
+    ("--param-gather-reselect-interval 16", 1, "--param-gather-reselect-interval must be 0 (choose once) or more "
+     "than the 16 iterations that measuring and the trial (--param-gather-trial-iters 6) take, got 16"),
+    ("--param-gather-reselect-interval -5", 1, "--param-gather-reselect-interval must be 0 (choose once)"),
     ("--train-samples 8", 1, "exactly one of --train-iters and --train-samples"),
     ("--recompute-granularity full", 1, "--recompute-method"),
     ("--seq-length 64 --max-position-embeddings 32", 1, "--seq-length 64 exceeds --max-position-embeddings 32"),
