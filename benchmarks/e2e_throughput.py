@@ -27,6 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from compression.telemetry import PARAM_GATHER_CLASSES, raw_and_sent  # noqa: E402
 from megatron.training.profiling import output_prefix  # noqa: E402  (where the runs' traces go)
 H200_BF16_DENSE_TFLOPS = 989.0  # datasheet peak, the MFU denominator
 
@@ -90,7 +91,7 @@ SUITES = {
 
 
 # suite kind -> (NCCL collectives whose device time is the baseline's share, telemetry classes of the wire ratio)
-SHARE = {"param_gather": (("AllGather",), ("dp_param_gather", "dp_expert_param_gather")),
+SHARE = {"param_gather": (("AllGather",), PARAM_GATHER_CLASSES),
          "taco": (("AllReduce", "AllGather", "ReduceScatter"), ("tp",))}
 CODEC_KERNEL = re.compile(r"^_\w+_kernel$")  # the Triton kernels of kernels/ (by their naming)
 NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
@@ -124,7 +125,7 @@ def share_and_bound(base: dict, run: dict, kind: str) -> dict:
     share = sum(base["device_ms_per_iter"].get(c, 0.0) for c in collectives) / (base["median_iter_time_s"] * 1e3)
     out = {"baseline_comm_share": share}
     comm = run.get("comm_last_iter", {})
-    raw, sent = (sum(comm.get(c, {}).get(key, 0) for c in comm_classes) for key in ("raw_bytes", "sent_bytes"))
+    raw, sent = raw_and_sent(comm, comm_classes)
     if sent:
         ratio = raw / sent
         bound = 1.0 / (1.0 - share * (1.0 - 1.0 / ratio))

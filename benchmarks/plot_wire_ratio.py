@@ -8,8 +8,11 @@ choice of none) are left out, since their 1.0x says nothing about the code.
 
 import argparse
 import json
+import os
+import sys
 
-GATHER_CLASSES = ("dp_param_gather", "dp_expert_param_gather")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from compression.telemetry import PARAM_GATHER_CLASSES, raw_and_sent  # noqa: E402
 
 
 def wire_ratios(path: str) -> list:
@@ -18,9 +21,7 @@ def wire_ratios(path: str) -> list:
     with open(path) as f:
         for line in f:
             record = json.loads(line)
-            comm = record.get("comm", {})
-            raw = sum(comm.get(c, {}).get("raw_bytes", 0) for c in GATHER_CLASSES)
-            sent = sum(comm.get(c, {}).get("sent_bytes", 0) for c in GATHER_CLASSES)
+            raw, sent = raw_and_sent(record.get("comm", {}), PARAM_GATHER_CLASSES)
             if raw and sent and record.get("param_gather_compressed", True) and sent != raw:
                 points.append((record["iteration"], raw / sent))
     return points

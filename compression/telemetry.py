@@ -9,6 +9,12 @@ from collections import defaultdict
 # dp_expert_param_gather: the parameter all-gather of expert (MoE) buckets, apart from the dense ones,
 # since their weights change differently between steps
 COMM_CLASSES = ("tp", "dp_param_gather", "dp_grad_reduce", "pp", "ep", "dp_expert_param_gather")
+PARAM_GATHER_CLASSES = ("dp_param_gather", "dp_expert_param_gather")  # dense and expert buckets
+
+
+def raw_and_sent(comm: dict, classes) -> tuple:
+    """(raw, sent) bytes summed over ``classes`` of a metrics record's ``comm`` entry."""
+    return tuple(sum(comm.get(c, {}).get(key, 0) for c in classes) for key in ("raw_bytes", "sent_bytes"))
 
 
 class CommTelemetry:
