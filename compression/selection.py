@@ -262,7 +262,8 @@ class DeltaCostMeter:
 
         encode_s = self._seconds(begin, shard.device)
         slack = self.receiver.read_slack_bytes  # room after the payload, as a gather's receive buffer has
-        payload = torch.empty(int(start.nbytes) + slack, dtype=torch.uint8, device=shard.device)[:int(start.nbytes)]
+        nbytes = int(start.nbytes)  # the one host read of the size
+        payload = torch.empty(nbytes + slack, dtype=torch.uint8, device=shard.device)[:nbytes]
         self.sender.finish_encode(start, payload)
         header = self.receiver.read_header(payload)
         decode_s = self._seconds(lambda: self.receiver.decode(0, payload, self.previous, header), shard.device)
