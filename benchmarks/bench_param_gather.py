@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from compression.ciera import CieraCodec, CieraConfig  # noqa: E402
-from compression.shard_gather import ShardGather, prepare_gathers  # noqa: E402
+from compression.shard_gather import GatherFusions, ShardGather, prepare_gathers  # noqa: E402
 from compression.telemetry import COMM_CLASSES, TELEMETRY  # noqa: E402
 
 BETAS, WEIGHT_DECAY = (0.9, 0.95), 0.1
@@ -60,7 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--buckets", type=int, default=1,
                    help="split the values into this many buckets (each its own buffer and codec) gathered together, "
                         "as the hook gathers a model chunk: one size exchange, then every transfer queued before "
-                        "the first decode, so that decodes overlap the later transfers")
+                        "the first decode, so that decodes overlap the later transfers; the buckets lie in one "
+                        "storage, as megatron-core's in one buffer")
+    p.add_argument("--fuse-buckets", action="store_true",
+                   help="code the buckets of a lossless codec that supports it (delta) as one (GatherFusions, as "
+                        "the hook does): one encode, payload and all-gather for all buckets, one decode per rank")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of encode/decode/copy")
     p.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     p.add_argument("--dry-run", action="store_true", help="tiny CPU/gloo run: numel 8192 per rank, 3 steps")
@@ -132,15 +136,16 @@ def _gather_uncompressed(buffer, shard):
     dist.all_gather_into_tensor(buffer, shard.contiguous())
 
 
-def _gather_buckets(gathers, buffers, own):
+def _gather_buckets(gathers, buffers, own, fusions=None):
     """Gather every bucket in place: uncompressed (``gathers`` None: megatron-core's all-gathers, queued
-    together), else the compressed ones prepared together (one size exchange) and all transferred before the
-    first decode."""
+    together), else the compressed ones prepared together (one size exchange; with ``fusions``, coded as one
+    where they can be) and all transferred before the first decode."""
     if gathers is None:
         works = [dist.all_gather_into_tensor(b, o, async_op=True) for b, o in zip(buffers, own)]
     elif isinstance(gathers[0], ShardGather):
-        prepared = prepare_gathers(gathers, buffers)
+        prepared = prepare_gathers(gathers, buffers, fusions)
         works = [g.transfer(b, p, async_op=True) for g, b, p in zip(gathers, buffers, prepared)]
+        works = [w for w in works if w is not None]  # fused buckets share the first one's handle
     else:
         works = [g.start(b, async_op=True) for g, b in zip(gathers, buffers)]
     for work in works:
@@ -190,11 +195,12 @@ def run_codec(name, args, world, rank, device):
     n, k = args.numel // world, args.buckets
     m = n // k  # values per rank and bucket
     traj = Trajectory(n, args.lr, args.optimizer_warmup, rank, device)
-    buffers = [torch.empty(m * world, dtype=torch.bfloat16, device=device) for _ in range(k)]
+    buffers = list(torch.empty(k * m * world, dtype=torch.bfloat16, device=device).split(m * world))  # one storage
     own = [b[rank * m:(rank + 1) * m] for b in buffers]
     for b, o, values in zip(buffers, own, traj.bf16().split(m)):  # identical start on every rank
         _gather_uncompressed(b, values)
     gathers = None if name == "none" else [_gather_for(name, build_codec(name, args, world, rank)) for _ in range(k)]
+    fusions = GatherFusions() if args.fuse_buckets else None
     steps = []
     for step in range(args.steps):
         previous = torch.cat(own)
@@ -202,7 +208,7 @@ def run_codec(name, args, world, rank, device):
             o.copy_(values)
         before = TELEMETRY.counters()
         dist.barrier()
-        seconds = _timed(lambda: _gather_buckets(gathers, buffers, own), device)
+        seconds = _timed(lambda: _gather_buckets(gathers, buffers, own, fusions), device)
         if gathers is None:
             raw = sent = n * 2
         else:
@@ -223,7 +229,7 @@ def run_codec(name, args, world, rank, device):
         for o, values in zip(own, traj.step().split(m)):
             o.copy_(values)
         dist.barrier()
-        _profiled(lambda: _gather_buckets(gathers, buffers, own), device,
+        _profiled(lambda: _gather_buckets(gathers, buffers, own, fusions), device,
                   os.path.join(args.profile_dir, f"{name}_rank{rank}"))
     return steps, snapshots
 
@@ -312,7 +318,8 @@ def run(args):
         if name == "none":
             baseline = statistics.median(s["gather_s"] for s in (steps[1:] or steps))
         results.append(summarize(name, steps, throughput, baseline))
-    report = dict(world_size=world, numel=args.numel, buckets=args.buckets, lr=args.lr, device=str(device),
+    report = dict(world_size=world, numel=args.numel, buckets=args.buckets, fuse_buckets=args.fuse_buckets, lr=args.lr,
+                  device=str(device),
                   link_env={k: os.environ[k] for k in LINK_ENV if k in os.environ},
                   args={k: v for k, v in vars(args).items() if k != "out"}, results=results)
     if rank == 0:

@@ -71,20 +71,22 @@ def _sig(names: str, types: dict) -> dict:
 
 
 B = 256
+_TABLE = dict(start_ptr="*i64", stride_ptr="*i64", valid_ptr="*i32")  # the block table of segmented shards
+_PLAIN = dict(SEGMENTED=False, ALIGNED=False)  # a plain shard (the table unused); segmented: SEGMENTED=True
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     "delta encode": (delta._encode_kernel, _sig(
-        "prev_ptr new_ptr numel codes_ptr changed_ptr counts_ptr n_esc_ptr exc_widths_ptr nbytes_ptr records_ptr BLOCK "
-        "RECORD_WORDS",
+        "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr changed_ptr counts_ptr n_esc_ptr "
+        "exc_widths_ptr nbytes_ptr records_ptr",
         dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", changed_ptr="*i64", counts_ptr="*i32", n_esc_ptr="*i32",
-             exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32")),
-        dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B)), delta._num_warps(B), B,
+             exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", **_TABLE)),
+        dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B), **_PLAIN), delta._num_warps(B), B,
         delta.MAX_REGISTERS["encode"]),
     "delta decode": (delta._decode_kernel, _sig(
-        "out_ptr numel codes_ptr rank_end_ptr stream_end_ptr nbytes_ptr exc_widths_ptr bitmaps_ptr values_ptr "
-        "values_lead BLOCK",
+        "out_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr rank_end_ptr stream_end_ptr nbytes_ptr "
+        "exc_widths_ptr bitmaps_ptr values_ptr values_lead",
         dict(out_ptr="*i16", codes_ptr="*u8", rank_end_ptr="*i64", stream_end_ptr="*i64", nbytes_ptr="*i64",
-             exc_widths_ptr="*u8", bitmaps_ptr="*u8", values_ptr="*u8")),
-        dict(BLOCK=B), delta._num_warps(B), B, delta.MAX_REGISTERS["decode"]),
+             exc_widths_ptr="*u8", bitmaps_ptr="*u8", values_ptr="*u8", **_TABLE)),
+        dict(BLOCK=B, **_PLAIN), delta._num_warps(B), B, delta.MAX_REGISTERS["decode"]),
     # TACO INT8 encode at its launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual scaling
     "TACO encode, INT8": (taco._taco_encode_kernel, _sig(
         "x_ptr wire_u8 wire_f32 amax_ptr scale_ptr src_u8 src_f32 src_stride skip x_start numel row_len "

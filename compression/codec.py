@@ -141,3 +141,89 @@ class ShardCodec(ABC):
         sender state up to date so that the next ``encode`` codes against it. The default forgets the
         state, so the next payload is a keyframe (call it on every rank together, like ``reset``)."""
         self.reset()
+
+
+class Segments:
+    """The shards of several buckets coded as ONE shard (one encode, one payload, one decode per source).
+
+    Each of ``buffers`` (1-D, one dtype, all in one storage) is split evenly over ``world_size`` ranks like a
+    ``ShardGather`` bucket. Rank r's shard of the whole is its slice of every buffer, in order, each padded
+    with zeros to whole blocks: ``padded_numel(B)`` values whose block b lies in one bucket only. A codec
+    addresses the slices through ``block_table(B)`` (where each block starts in the storage) on the GPU, or
+    copies them into one padded tensor (``SegmentedShard.padded``) elsewhere. The pads never change, so
+    a lossless codec sends nothing for them."""
+
+    def __init__(self, buffers, world_size: int):
+        buffers = tuple(buffers)
+        if not buffers or any(b.dim() != 1 or b.numel() % world_size for b in buffers):
+            raise ValueError(f"Segments needs 1-D buffers whose numels are divisible by the group size {world_size}")
+        storage = buffers[0].untyped_storage().data_ptr()
+        if any(b.dtype != buffers[0].dtype or b.untyped_storage().data_ptr() != storage for b in buffers):
+            raise ValueError("Segments needs buffers of one dtype in one storage")
+        self.buffers, self.world_size = buffers, world_size
+        self.numels = tuple(b.numel() // world_size for b in buffers)  # values of each bucket's shard
+        self.dtype, self.device = buffers[0].dtype, buffers[0].device
+        self._tables = {}
+
+    def shard(self, rank: int) -> "SegmentedShard":
+        return SegmentedShard(self, rank)
+
+    def padded_numel(self, block_size: int) -> int:
+        return sum(-(-n // block_size) * block_size for n in self.numels)
+
+    def block_table(self, block_size: int) -> tuple:
+        """``(base, start, stride, valid, aligned)``: block b of rank r's padded shard is the ``valid[b]`` values
+        at ``base[start[b] + r * stride[b]:]`` (``base``: the buffer that starts first; int64 ``start``/
+        ``stride``, int32 ``valid``, on the device, made once per block size); ``aligned``: every block starts
+        on a multiple of 8 values and holds a multiple of 8 (so 16-byte vector accesses are valid)."""
+        if block_size not in self._tables:
+            base = min(self.buffers, key=lambda b: b.data_ptr())
+            starts, strides, valids = [], [], []
+            for buffer, n in zip(self.buffers, self.numels):
+                offset = (buffer.data_ptr() - base.data_ptr()) // buffer.element_size()
+                first = torch.arange(0, n, block_size, dtype=torch.int64)
+                starts.append(offset + first)
+                strides.append(torch.full_like(first, n))
+                valids.append((n - first).clamp(max=block_size).to(torch.int32))
+            start, stride, valid = (torch.cat(t).to(self.device) for t in (starts, strides, valids))
+            aligned = all((b.data_ptr() - base.data_ptr()) // b.element_size() % 8 == 0 and n % 8 == 0
+                          for b, n in zip(self.buffers, self.numels))
+            self._tables[block_size] = (base, start, stride, valid, aligned)
+        return self._tables[block_size]
+
+
+class SegmentedShard:
+    """Rank ``rank``'s shard of ``Segments``: what a codec that supports segments takes instead of a tensor."""
+
+    def __init__(self, segments: Segments, rank: int):
+        self.segments, self.rank = segments, rank
+        self.dtype, self.device, self.is_cuda = segments.dtype, segments.device, segments.device.type == "cuda"
+
+    @property
+    def parts(self) -> list:
+        return [b[self.rank * n:(self.rank + 1) * n] for b, n in zip(self.segments.buffers, self.segments.numels)]
+
+    def numel(self) -> int:
+        return sum(self.segments.numels)
+
+    def element_size(self) -> int:
+        return self.segments.buffers[0].element_size()
+
+    def padded(self, block_size: int) -> torch.Tensor:
+        """A contiguous copy of the parts, each zero-padded to whole blocks."""
+        out = torch.zeros(self.segments.padded_numel(block_size), dtype=self.dtype, device=self.device)
+        for part, at in zip(self.parts, self._offsets(block_size)):
+            out[at:at + part.numel()] = part
+        return out
+
+    def write_padded(self, padded: torch.Tensor, block_size: int) -> None:
+        """Inverse of ``padded``: the parts from a padded copy (pads ignored)."""
+        for part, at in zip(self.parts, self._offsets(block_size)):
+            part.copy_(padded[at:at + part.numel()])
+
+    def _offsets(self, block_size: int) -> list:
+        offsets, at = [], 0
+        for n in self.segments.numels:
+            offsets.append(at)
+            at += -(-n // block_size) * block_size
+        return offsets

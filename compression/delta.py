@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from compression.codec import EncodeStart, HostValues, ShardCodec, bytes_to_device, check_block_size
+from compression.codec import (EncodeStart, HostValues, Segments, SegmentedShard, ShardCodec, bytes_to_device,
+                               check_block_size)
 from kernels import delta as kernels
 from kernels.delta import (analyze_blocks_reference, pack_values_reference, stream_nbytes,
                            unpack_values_reference, use_triton)
@@ -70,10 +71,14 @@ class _Layout:
         return cls(n_blocks, n_esc, exc_widths, bitmaps, bitmaps + n_changed * block_size // 8)
 
 
-def _as_bits(t: torch.Tensor, what: str) -> torch.Tensor:
-    if t.dtype not in DTYPES:
-        raise ValueError(f"DeltaCodec codes bf16/fp16 parameters, got {what} of {t.dtype}; use "
+def _check_dtype(dtype, what: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"DeltaCodec codes bf16/fp16 parameters, got {what} of {dtype}; use "
                          f"--param-gather-compression none (or bf16 params) for other dtypes")
+
+
+def _as_bits(t: torch.Tensor, what: str) -> torch.Tensor:
+    _check_dtype(t.dtype, what)
     if not t.is_contiguous():
         raise ValueError(f"DeltaCodec needs a contiguous {what}")
     return t.view(-1).view(torch.int16)
@@ -119,9 +124,42 @@ class DeltaCodec(ShardCodec):
         self._header_cache = None  # (key, device header) of _delta_header
         self._blocks = None  # kernels.EncodedBlocks of the last encode (its per-block fields are reused)
         self._totals = None  # HostValues of the totals
+        self._members = []  # of a fused codec: (member codec, its view of this one's sender copy)
 
     def reset(self) -> None:
         self._prev = None
+
+    @classmethod
+    def fused(cls, codecs: list, segments: Segments) -> "DeltaCodec":
+        """One codec that codes ``segments`` (the buckets of ``codecs``, in order) as one shard: one encode and
+        one payload instead of one per bucket. It shares their state: their sender copies move into its own,
+        back to back and padded to whole blocks, and become views of it, so each codes against the same values
+        whichever of them (fused or alone) coded last. Every codec must hold a sender copy (``can_fuse``)."""
+        first = codecs[0]
+        if len(codecs) != len(segments.numels) or not all(c.can_fuse(n) for c, n in zip(codecs, segments.numels)):
+            raise ValueError("DeltaCodec.fused needs one codec per segment, each holding that segment's sender copy")
+        if any((c.config, c.world_size, c.rank, c.triton) != (first.config, first.world_size, first.rank, first.triton)
+               for c in codecs):
+            raise ValueError("DeltaCodec.fused needs codecs of one configuration, group and rank")
+        fused = cls(first.config, first.world_size, first.rank, triton=first.triton)
+        b = first.config.block_size
+        fused._prev = torch.zeros(segments.padded_numel(b), dtype=torch.int16, device=segments.device)
+        fused._members, at = [], 0
+        for codec, n in zip(codecs, segments.numels):
+            view = fused._prev[at:at + n]
+            view.copy_(codec._prev)
+            codec._prev = view
+            fused._members.append((codec, view))
+            at += -(-n // b) * b
+        return fused
+
+    def can_fuse(self, numel: int) -> bool:
+        """Whether this codec holds the sender copy of a ``numel``-value shard (no keyframe due)."""
+        return self._prev is not None and self._prev.numel() == numel
+
+    def shares_state(self) -> bool:
+        """For a ``fused`` codec: whether every member still codes against its view (none was reset)."""
+        return all(codec._prev is view for codec, view in self._members)
 
     def observe(self, shard: torch.Tensor) -> None:
         """The shard was gathered uncompressed: code the next one against it (no keyframe needed,
@@ -140,17 +178,26 @@ class DeltaCodec(ShardCodec):
         self.finish_encode(start, payload)
         return payload
 
-    def begin_encode(self, shard: torch.Tensor) -> EncodeStart:
+    def begin_encode(self, shard) -> EncodeStart:
         """On the Triton path every block is coded and the payload size (and n_changed in the header)
-        left on the device; otherwise (keyframe, the reference, an empty shard) the whole encode."""
-        bits = _as_bits(shard, "shard")
+        left on the device; otherwise (keyframe, the reference, an empty shard) the whole encode. ``shard``: a
+        tensor, or a ``SegmentedShard`` coded as its padded values (``Segments``)."""
+        b = self.config.block_size
+        segmented = isinstance(shard, SegmentedShard)
+        _check_dtype(shard.dtype, "shard")
+        numel = shard.segments.padded_numel(b) if segmented else shard.numel()
         fp16_flag = FLAG_FP16 if shard.dtype == torch.float16 else 0
-        if self._keyframe_due(bits) or not use_triton(bits, self.triton) or not bits.numel():
+        if self._keyframe_due(numel, shard.device) or not use_triton(shard, self.triton) or not numel:
+            bits = _as_bits(shard.padded(b) if segmented else shard, "shard")
             payload = self._encode_whole(bits, fp16_flag)
             return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
-        b, numel = self.config.block_size, bits.numel()
-        self._blocks = kernels.empty_blocks(numel, b, bits.device, reuse=self._blocks)
-        e = kernels.encode_blocks(self._prev, bits, b, out=self._blocks)
+        self._blocks = kernels.empty_blocks(numel, b, shard.device, reuse=self._blocks)
+        if segmented:
+            table = shard.segments.block_table(b)
+            e = kernels.encode_blocks(self._prev, _as_bits(table[0], "shard"), b, out=self._blocks, table=table,
+                                      rank=shard.rank)
+        else:
+            e = kernels.encode_blocks(self._prev, _as_bits(shard, "shard"), b, out=self._blocks)
         # few, fused torch ops from here to the gather's size exchange: the host launching them is what
         # the device waits for after the encode kernel (results/gpu/README.md, session 9)
         rank_end = torch.cumsum(e.changed, 0)
@@ -159,7 +206,7 @@ class DeltaCodec(ShardCodec):
         # The layout of _Layout.of with n_changed on the device: sections after the codes grow by
         # 2 + 1 + B / 8 bytes per changed block, then the value streams.
         nbytes = torch.add(stream_end[-1:], n_changed, alpha=3 + b // 8).add_(_Layout.of(numel, 0, b).values)
-        header = self._delta_header(fp16_flag, numel, bits.device)
+        header = self._delta_header(fp16_flag, numel, shard.device)
         header[N_CHANGED_AT:N_CHANGED_AT + 4].view(torch.int32).copy_(n_changed)
         totals = torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]])
         self._totals = HostValues(totals) if self._totals is None else self._totals.update(totals)
@@ -181,11 +228,11 @@ class DeltaCodec(ShardCodec):
             self._blocks = replace(c.blocks, records=None)
         self._record(out, c.numel, n_changed, n_values, False)
 
-    def _keyframe_due(self, bits: torch.Tensor) -> bool:
-        return self._prev is None or self._prev.numel() != bits.numel() or self._prev.device != bits.device
+    def _keyframe_due(self, numel: int, device) -> bool:
+        return self._prev is None or self._prev.numel() != numel or self._prev.device != device
 
     def _encode_whole(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
-        if self._keyframe_due(bits):
+        if self._keyframe_due(bits.numel(), bits.device):
             self._prev = bits.clone()
             payload = self._header(FLAG_KEYFRAME | fp16_flag, bits.numel(), 0, bits.device)
             payload = torch.cat([payload, bits.view(torch.uint8)])
@@ -233,16 +280,33 @@ class DeltaCodec(ShardCodec):
 
     # --- decode --------------------------------------------------------------------------------
 
-    def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header: bytes = None) -> None:
+    def decode(self, src_rank: int, payload: torch.Tensor, out, header: bytes = None) -> None:
+        """``out``: a tensor, or ``src_rank``'s ``SegmentedShard`` (its padded values decoded)."""
         if not 0 <= src_rank < self.world_size:
             raise ValueError(f"src_rank {src_rank} outside the data-parallel group of size {self.world_size}")
-        bits = _as_bits(out, "output buffer")
-        flags, n_changed = self._check_header(payload, out, bits.numel(), header)
+        b = self.config.block_size
+        _check_dtype(out.dtype, "output buffer")
+        segmented = isinstance(out, SegmentedShard)
+        numel = out.segments.padded_numel(b) if segmented else out.numel()
+        flags, n_changed = self._check_header(payload, out, numel, header)
+        if segmented and (flags & FLAG_KEYFRAME or not use_triton(out, self.triton)):
+            padded = out.padded(b)  # the reference (and a keyframe) decode a padded copy
+            self._decode_bits(_as_bits(padded, "output buffer"), payload, flags, n_changed)
+            out.write_padded(padded, b)
+        elif segmented:
+            table = out.segments.block_table(b)
+            self._decode_bits(_as_bits(table[0], "output buffer"), payload, flags, n_changed, table, out.rank)
+        else:
+            self._decode_bits(_as_bits(out, "output buffer"), payload, flags, n_changed)
+
+    def _decode_bits(self, bits, payload, flags, n_changed, table=None, rank=0) -> None:
+        """Decode into the int16 ``bits`` (with ``table``: rank ``rank``'s slices of the segments based there)."""
+        numel = bits.numel() if table is None else table[1].numel() * self.config.block_size
         if flags & FLAG_KEYFRAME:
-            bits.view(torch.uint8).copy_(payload[HEADER.size : HEADER.size + 2 * bits.numel()])
+            bits.view(torch.uint8).copy_(payload[HEADER.size : HEADER.size + 2 * numel])
             return
         b = self.config.block_size
-        layout = _Layout.of(bits.numel(), n_changed, b)
+        layout = _Layout.of(numel, n_changed, b)
         codes, n_esc, exc_widths, bitmaps, values = self._sections(payload, layout)
         if use_triton(bits, self.triton):  # sections read as 32-bit words from any payload offset
             if _bytes_after(payload) < self.read_slack_bytes:
@@ -251,7 +315,7 @@ class DeltaCodec(ShardCodec):
             rank_end = torch.cumsum(codes != 0, 0)
             nbytes = kernels.stream_sizes(codes, rank_end, n_esc, exc_widths, bitmaps, b)
             kernels.decode_blocks(bits, codes, rank_end, torch.cumsum(nbytes, 0), nbytes, exc_widths, bitmaps,
-                                  values, b)
+                                  values, b, table, rank)
             return
         changed = torch.nonzero(codes).squeeze(1)
         n_esc = n_esc.clone().view(torch.int16)  # a copy: the payload may start at an odd offset

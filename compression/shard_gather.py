@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from compression.codec import EncodeStart, ShardCodec
+from compression.codec import EncodeStart, Segments, ShardCodec
 from compression.telemetry import TELEMETRY
 
 SIZE_BYTES = 8
@@ -64,11 +64,15 @@ class ShardGather:
         for name in self._stat_names:
             TELEMETRY.declare_counter(f"{comm_class}/{name}")
 
-    def _own_slice(self, buffer: torch.Tensor, rank: int) -> torch.Tensor:
+    def _own_slice(self, buffer, rank: int):
+        if isinstance(buffer, Segments):
+            return buffer.shard(rank)
         n = buffer.numel() // self.world_size
         return buffer[rank * n:(rank + 1) * n]
 
-    def _check(self, buffer: torch.Tensor) -> None:
+    def _check(self, buffer) -> None:
+        if isinstance(buffer, Segments):
+            return  # checked at construction
         if buffer.dim() != 1 or buffer.numel() % self.world_size:
             raise ValueError(f"ShardGather needs a 1-D bucket whose numel is divisible by the group size "
                              f"{self.world_size}, got shape {tuple(buffer.shape)}")
@@ -106,9 +110,12 @@ class ShardGather:
         """Gather ``buffer`` in place; returns a handle with ``wait()`` if ``async_op``, else None."""
         return self.transfer(buffer, prepare_gathers([self], [buffer])[0], async_op)
 
-    def transfer(self, buffer: torch.Tensor, prepared: "PreparedGather", async_op: bool = False):
+    def transfer(self, buffer, prepared: "PreparedGather", async_op: bool = False):
         """Finish a prepared encode into the send buffer, all-gather the padded payloads and decode them (at
-        ``wait()`` if ``async_op``): no host sync. ``buffer`` must be the one ``prepare_gathers`` encoded."""
+        ``wait()`` if ``async_op``): no host sync. ``buffer`` must be the one ``prepare_gathers`` encoded. A
+        bucket fused with others goes with the first of them to be transferred (the handle is shared)."""
+        if prepared.fused is not None:
+            return prepared.fused.run(async_op)
         shard = self._own_slice(buffer, self.rank)
         sizes, headers = prepared.sizes, prepared.headers
         width, size = _round_up(max(sizes), ALIGN), sizes[self.rank]
@@ -156,13 +163,84 @@ class PreparedGather:
     start: EncodeStart
     sizes: list  # payload bytes of each rank
     headers: list  # the first ``codec.header_nbytes`` bytes of each rank's payload
+    fused: "_FusedTransfer" = None  # set for a bucket coded with others (``start`` etc. are the fused encode's)
 
 
-def prepare_gathers(gathers: list, buffers: list) -> list:
+class _FusedTransfer:
+    """The one transfer of several fused buckets: started by the first of them, shared by the rest."""
+
+    def __init__(self, gather: ShardGather, segments: Segments, prepared: PreparedGather):
+        self.gather, self.segments, self.prepared = gather, segments, prepared
+        self.started, self.handle = False, None
+
+    def run(self, async_op: bool):
+        if not self.started:
+            self.started = True
+            self.handle = self.gather.transfer(self.segments, self.prepared, async_op)
+        if async_op:
+            return self.handle
+        if self.handle is not None:  # a later bucket asks synchronously (e.g. a flush): decoded now
+            self.handle.wait()
+        return None
+
+
+class GatherFusions:
+    """Which buckets are coded as one (a codec class with ``fused``, e.g. delta), kept across rounds: the
+    buckets of one process group, storage, dtype and telemetry class whose codecs hold their state (no keyframe
+    due) become one ``ShardGather`` over ``Segments``. Every compressed bucket alone costs the host ~1.4 ms of
+    launches per gather (delta on an H200, results/gpu/README.md session 11), a fused set about that once. A set
+    whose member was reset or switched is replaced (its members code alone until they hold state again)."""
+
+    def __init__(self):
+        self._fused = {}  # tuple of member ShardGathers -> (fused ShardGather, Segments)
+
+    @property
+    def sets(self) -> list:
+        """The number of buckets in each fused set kept."""
+        return [len(key) for key in self._fused]
+
+    def drop(self, gather: ShardGather) -> None:
+        """Forget the fused set ``gather`` belongs to (it is being replaced): its state goes with it."""
+        for key in [k for k in self._fused if gather in k]:
+            del self._fused[key]
+
+    def plan(self, gathers: list, buffers: list) -> list:
+        """``gathers``/``buffers`` split into units: (gather, buffer, member indices) with one gather per unit,
+        a fused one (buffer: its Segments) for two or more members, else the bucket's own."""
+        sets = {}
+        for i, (g, buffer) in enumerate(zip(gathers, buffers)):
+            codec = g.codec
+            if hasattr(type(codec), "fused") and codec.can_fuse(buffer.numel() // g.world_size):
+                key = (buffer.untyped_storage().data_ptr(), buffer.dtype, buffer.device, g.comm_class)
+                sets.setdefault(key, []).append(i)
+        fused_indices = {i for members in sets.values() if len(members) > 1 for i in members}
+        units = [(g, b, [i]) for i, (g, b) in enumerate(zip(gathers, buffers)) if i not in fused_indices]
+        for members in sets.values():
+            if len(members) > 1:
+                gather, segments = self._get([gathers[i] for i in members], [buffers[i] for i in members])
+                units.append((gather, segments, members))
+        return units
+
+    def _get(self, gathers: list, buffers: list) -> tuple:
+        key = tuple(gathers)
+        entry = self._fused.get(key)
+        if entry is not None and entry[0].codec.shares_state() and all(
+                a is b for a, b in zip(entry[1].buffers, buffers)):
+            return entry
+        for other in [k for k in self._fused if set(k) & set(key)]:  # their views move to the new one
+            del self._fused[other]
+        lead = gathers[0]
+        segments = Segments(buffers, lead.world_size)
+        codec = type(lead.codec).fused([g.codec for g in gathers], segments)
+        entry = self._fused[key] = (ShardGather(codec, lead.group, lead.comm_class), segments)
+        return entry
+
+
+def prepare_gathers(gathers: list, buffers: list, fusions: GatherFusions = None) -> list:
     """Encode each ``ShardGather``'s own slice of its buffer (all of one process group) and exchange all the
     payload sizes and headers in ONE all-gather, with one host sync; a gather alone would cost a sync each.
-    Returns a ``PreparedGather`` per gather for its ``transfer``; every one must be transferred (an encode
-    has moved its codec on)."""
+    With ``fusions``, buckets that can be are coded as one (``GatherFusions``). Returns a ``PreparedGather``
+    per gather for its ``transfer``; every one must be transferred (an encode has moved its codec on)."""
     if not gathers:
         return []
     lead = gathers[0]
@@ -170,6 +248,23 @@ def prepare_gathers(gathers: list, buffers: list) -> list:
         raise ValueError("prepare_gathers needs gathers of one process group")
     for g, buffer in zip(gathers, buffers):
         g._check(buffer)
+    units = fusions.plan(gathers, buffers) if fusions is not None else [
+        (g, b, [i]) for i, (g, b) in enumerate(zip(gathers, buffers))]
+    prepared = _exchange([g for g, _, _ in units], [b for _, b, _ in units])
+    result = [None] * len(gathers)
+    for (gather, buffer, members), ready in zip(units, prepared):
+        if len(members) == 1:
+            result[members[0]] = ready
+        else:
+            shared = _FusedTransfer(gather, buffer, ready)
+            for i in members:
+                result[i] = PreparedGather(ready.start, ready.sizes, ready.headers, fused=shared)
+    return result
+
+
+def _exchange(gathers: list, buffers: list) -> list:
+    """``prepare_gathers`` of units: begin each encode, one all-gather of every size message, one sync."""
+    lead = gathers[0]
     starts = [g.codec.begin_encode(g._own_slice(b, g.rank)) for g, b in zip(gathers, buffers)]
     device = buffers[0].device
     offsets = [0]

@@ -287,18 +287,36 @@ if triton is not None:
             tl.atomic_or(word + k, parts[k], mask=parts[k] != 0, sem="relaxed")
 
     @triton.jit
-    def _encode_kernel(prev_ptr, new_ptr, numel, codes_ptr, changed_ptr, counts_ptr, n_esc_ptr, exc_widths_ptr,
-                       nbytes_ptr, records_ptr, BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr):
+    def _block_values(b, i, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, BLOCK: tl.constexpr,
+                      SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr):
+        """Where value ``i`` of block ``b`` lies in the shard's data and whether it exists: at ``b * BLOCK + i`` of a
+        plain shard of ``numel`` values, or (``SEGMENTED``) of rank ``shard_rank``'s slices through the block table
+        (``Segments.block_table``)."""
+        if SEGMENTED:
+            first = tl.load(start_ptr + b) + shard_rank * tl.load(stride_ptr + b)
+            valid = tl.load(valid_ptr + b)
+            if ALIGNED:  # whole 16-byte rows: the loads and stores stay vectorized
+                first = tl.multiple_of(first, 8)
+                valid = tl.multiple_of(valid, 8)
+            return first + i, i < valid
+        idx = b * BLOCK + i
+        return idx, idx < numel
+
+    @triton.jit(do_not_specialize=["shard_rank"])
+    def _encode_kernel(prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr, changed_ptr,
+                       counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, BLOCK: tl.constexpr,
+                       RECORD_WORDS: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr):
         # the block as rows of 8 values, a row per thread (16-byte loads; ranks, bitmap bytes and the
-        # packing of a row stay in its thread, only per-row totals cross threads)
+        # packing of a row stay in its thread, only per-row totals cross threads). ``prev`` is contiguous
+        # (segments: padded to whole blocks), the new values plain or segmented (_block_values).
         ROWS: tl.constexpr = BLOCK // 8
         b = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, ROWS)
         j = tl.arange(0, 8)[None, :]
         i = r[:, None] * 8 + j
+        at, inside = _block_values(b, i, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, BLOCK, SEGMENTED, ALIGNED)
         idx = b * BLOCK + i
-        inside = idx < numel
-        new16 = tl.load(new_ptr + idx, mask=inside, other=0)
+        new16 = tl.load(new_ptr + at, mask=inside, other=0)
         old = tl.load(prev_ptr + idx, mask=inside, other=0)
         d = _ordered(new16.to(tl.int32)) - _ordered(old.to(tl.int32))
         z = (d << 1) ^ (d >> 31)
@@ -440,9 +458,10 @@ if triton is not None:
         values = row[:, None] >> tl.minimum(slots * width, 63).to(tl.uint64)  # absent values may sit at bit 64
         return values.to(tl.int32) & ((1 << width) - 1)
 
-    @triton.jit(do_not_specialize=["values_lead"])
-    def _decode_kernel(out_ptr, numel, codes_ptr, rank_end_ptr, stream_end_ptr, nbytes_ptr, exc_widths_ptr,
-                       bitmaps_ptr, values_ptr, values_lead, BLOCK: tl.constexpr):
+    @triton.jit(do_not_specialize=["values_lead", "shard_rank"])
+    def _decode_kernel(out_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr, rank_end_ptr, stream_end_ptr,
+                       nbytes_ptr, exc_widths_ptr, bitmaps_ptr, values_ptr, values_lead, BLOCK: tl.constexpr,
+                       SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr):
         # rows of 8 values, a row per thread, as in _encode_kernel. The value streams are read as 32-bit
         # words from the 4-byte boundary at or before their first byte, ``values_lead`` bytes earlier (the
         # payload's previous section)
@@ -454,8 +473,8 @@ if triton is not None:
             rank = tl.load(rank_end_ptr + b) - 1
             r = tl.arange(0, ROWS)
             j = tl.arange(0, 8)[None, :]
-            idx = b * BLOCK + r[:, None] * 8 + j
-            inside = idx < numel
+            idx, inside = _block_values(b, r[:, None] * 8 + j, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, BLOCK,
+                                        SEGMENTED, ALIGNED)
             old = tl.load(out_ptr + idx, mask=inside, other=0)
             # a zero computed from out (LLVM folds it after Triton has chosen layouts) gives every [rows, 8]
             # tensor the row-per-thread layout of out's 16-byte loads; from the bitmap bytes alone Triton
@@ -550,16 +569,28 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
                          nbytes=per_block(torch.int64), records=records)
 
 
-def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: EncodedBlocks = None) -> EncodedBlocks:
+def _table_args(data: torch.Tensor, table) -> tuple:
+    """The kernels' block-table arguments: ``table`` is ``Segments.block_table`` (base, start, stride, valid,
+    aligned) with ``data`` its base as int16, or None for a plain shard (``data`` itself; the pointers unused)."""
+    if table is None:
+        return (data, data, data), dict(SEGMENTED=False, ALIGNED=False)
+    _, start, stride, valid, aligned = table
+    return (start, stride, valid), dict(SEGMENTED=True, ALIGNED=aligned)
+
+
+def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: EncodedBlocks = None,
+                  table=None, rank: int = 0) -> EncodedBlocks:
     """Triton: code every block of ``new`` (int16) against ``prev``, which is overwritten with ``new``; into
-    ``out`` (from ``empty_blocks`` for this shape) if given."""
-    e = out if out is not None else empty_blocks(new.numel(), block_size, new.device)
+    ``out`` (from ``empty_blocks`` for this shape) if given. Segmented (``table``: ``Segments.block_table``):
+    ``new`` is the table's base (int16) and rank ``rank``'s slices are coded, ``prev`` holds them padded."""
+    e = out if out is not None else empty_blocks(prev.numel(), block_size, prev.device)
     n_blocks, record_words = e.records.shape
+    pointers, flags = _table_args(new, table)
     if n_blocks:
-        _encode_kernel[(n_blocks,)](prev, new, new.numel(), e.codes, e.changed, e.counts, e.n_esc, e.exc_widths,
-                                    e.nbytes, e.records,
+        _encode_kernel[(n_blocks,)](prev, new, prev.numel(), *pointers, rank, e.codes, e.changed, e.counts, e.n_esc,
+                                    e.exc_widths, e.nbytes, e.records,
                                     BLOCK=block_size, RECORD_WORDS=record_words, num_warps=_num_warps(block_size),
-                                    maxnreg=_max_registers("encode", block_size))
+                                    maxnreg=_max_registers("encode", block_size), **flags)
     return e
 
 
@@ -590,12 +621,15 @@ def stream_sizes(codes, rank_end, n_esc_bytes, exc_widths, bitmaps, block_size: 
     return nbytes
 
 
-def decode_blocks(out, codes, rank_end, stream_end, nbytes, exc_widths, bitmaps, values, block_size: int) -> None:
-    """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values). ``values`` is
-    the last section of a payload after its header, so the 4-byte boundary before it is inside the
-    payload, and needs WORD_READ_SLACK readable bytes after it."""
+def decode_blocks(out, codes, rank_end, stream_end, nbytes, exc_widths, bitmaps, values, block_size: int,
+                  table=None, rank: int = 0) -> None:
+    """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values; segmented, as in
+    ``encode_blocks``: the table's base, rank ``rank``'s slices). ``values`` is the last section of a payload
+    after its header, so the 4-byte boundary before it is inside the payload, and needs WORD_READ_SLACK
+    readable bytes after it."""
+    pointers, flags = _table_args(out, table)
     if codes.numel():
-        _decode_kernel[(codes.numel(),)](out, out.numel(), codes, rank_end, stream_end, nbytes, exc_widths,
-                                         bitmaps, values, values.data_ptr() % 4,
+        _decode_kernel[(codes.numel(),)](out, out.numel(), *pointers, rank, codes, rank_end, stream_end, nbytes,
+                                         exc_widths, bitmaps, values, values.data_ptr() % 4,
                                          BLOCK=block_size, num_warps=_num_warps(block_size),
-                                         maxnreg=_max_registers("decode", block_size))
+                                         maxnreg=_max_registers("decode", block_size), **flags)

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from compression.codec import Segments
 from compression.delta import DeltaCodec, DeltaConfig, _Layout
 from kernels import delta as kernels
 
@@ -240,6 +241,83 @@ def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 10
             previous = bits
 
 
+def _check_segments(device="cpu", triton=False, world=3, rank=1):
+    """A fused codec over the buckets of one storage (``Segments``) sends, step after step, exactly the bytes a
+    plain reference codec sends for the padded concatenation of the buckets' slices; a receiver decodes them
+    into rank ``rank``'s slices only; a member coding alone in between keeps the shared state; a member reset
+    ends the sharing. Unaligned (odd sizes and offsets) and aligned (16-byte rows) block tables."""
+    for dtype, block_size, sizes, lead in ((torch.bfloat16, 64, (37, 128, 1001), 3),
+                                           (torch.float16, 256, (64, 264, 1024), 8)):
+        storage = torch.zeros(lead + world * sum(sizes), dtype=dtype, device=device)
+        buffers, at = [], lead
+        for n in sizes:
+            buffers.append(storage[at:at + world * n])
+            at += world * n
+        steps = [trajectory(n, seed=n) for n in sizes]
+        storage.view(torch.int16).copy_(random_bits(storage.numel(), torch.Generator().manual_seed(1)).to(device))
+        received = storage.clone()
+        received_buffers = [received[b.data_ptr() // 2 - storage.data_ptr() // 2:][:b.numel()] for b in buffers]
+        segments, received_segments = Segments(buffers, world), Segments(received_buffers, world)
+        assert segments.block_table(block_size)[4] == (lead == 8)
+        members = [DeltaCodec(DeltaConfig(block_size), world, rank, triton=triton) for _ in sizes]
+        whole = DeltaCodec(DeltaConfig(block_size), world, rank, triton=False)
+        decoder = DeltaCodec(DeltaConfig(block_size), world, 0, triton=triton)
+
+        def set_step(k):
+            for buffer, n, trajectory_steps in zip(buffers, sizes, steps):
+                buffer[rank * n:(rank + 1) * n].view(torch.int16).copy_(trajectory_steps[k].to(device))
+
+        set_step(0)
+        for member, buffer, received_buffer, n in zip(members, buffers, received_buffers, sizes):
+            own = slice(rank * n, (rank + 1) * n)
+            decoder.decode(rank, member.encode(buffer[own]), received_buffer[own])  # keyframes
+        whole.encode(as_float(segments.shard(rank).padded(block_size).view(torch.int16).cpu(), dtype))
+        fused = DeltaCodec.fused(members, segments)
+        for k in range(1, len(steps[0])):
+            set_step(k)
+            if k == 3:  # one bucket alone (e.g. fused with others later): the shared state follows
+                n = sizes[1]
+                own = slice(rank * n, (rank + 1) * n)
+                decoder.decode(rank, members[1].encode(buffers[1][own]), received_buffers[1][own])
+                assert fused.shares_state()
+                whole._prev[-(-sizes[0] // block_size) * block_size:][:n].copy_(steps[1][k])
+                continue
+            payload = fused.encode(segments.shard(rank))
+            expected = whole.encode(as_float(segments.shard(rank).padded(block_size).view(torch.int16).cpu(), dtype))
+            assert torch.equal(payload.cpu(), expected), (block_size, k, _first_difference(expected, payload.cpu()))
+            decoder.decode(rank, payload, received_segments.shard(rank))
+            assert torch.equal(received.view(torch.int16), storage.view(torch.int16)), (block_size, k)
+        members[0].reset()
+        assert not fused.shares_state()
+        with pytest.raises(ValueError, match="sender copy"):
+            DeltaCodec.fused(members, segments)
+
+
+def test_segments_reference():
+    _check_segments()
+
+
+def test_bench_delta_buckets_cpu(tmp_path):
+    """The buckets benchmark's CPU smoke run: both modes decode bit-exactly (it raises otherwise), same wire."""
+    from benchmarks import bench_delta_buckets
+
+    out = tmp_path / "buckets.json"
+    argv = sys.argv
+    sys.argv = ["bench_delta_buckets.py", "--device", "cpu", "--numel", "20011", "--buckets", "1", "3",
+                "--repeats", "1", "--steps", "3", "--out", str(out)]
+    try:
+        bench_delta_buckets.main()
+    finally:
+        sys.argv = argv
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["buckets"] for r in rows] == [1, 3]
+    for row in rows:  # the fused shard pads each bucket to whole blocks: a byte per pad block at most
+        assert abs(row["fused"]["payload_bytes"] - row["alone"]["payload_bytes"]) <= 64 * row["buckets"], row
+        assert row["alone"]["ratio"] > 1.0
+
+
 def _reference_records(prev: torch.Tensor, bits: torch.Tensor, block_size: int, device) -> "kernels.EncodedBlocks":
     """What ``encode_blocks`` returns, built by the references; record bytes past each stream are junk
     (the gather must copy only live bytes)."""
@@ -322,7 +400,8 @@ def test_triton_matches_reference_interpreted():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     code = ("import test_delta; test_delta._check_triton_matches_reference(); "
-            "test_delta._check_tiled_kernels_match_reference(); test_delta._check_width_choice()")
+            "test_delta._check_tiled_kernels_match_reference(); test_delta._check_width_choice(); "
+            "test_delta._check_segments(triton=True)")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -332,6 +411,7 @@ def test_triton_matches_reference_cuda():
     _check_triton_matches_reference("cuda")
     _check_tiled_kernels_match_reference("cuda")
     _check_width_choice("cuda")
+    _check_segments("cuda", triton=True)
     g = torch.Generator().manual_seed(0)
     for block_size in (64, 256, 1024):  # many blocks: every program of the grid, partial last block
         ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)

@@ -222,6 +222,7 @@ def _hook_counts(ddp):
         num_compressed=sum(not isinstance(gather, _PlainGather) for g in groups for gather in g.shard_gathers),
         undecided=sum(g.selection is not None for g in groups),
         selections=groups[0].benefit.rounds if groups and groups[0].benefit else 0,
+        fused_buckets=sum(groups[0].prepared.fusions.sets) if groups else 0,
     )
 
 
@@ -368,6 +369,10 @@ def _assert_identical(results_by_rank):
             if run[0] in ("ciera", "delta"):
                 # each step's gathers share one size exchange (with overlap: + the gather before the first forward)
                 assert result["exchanges"] == [result["num_groups"]] * (STEPS + 1), (run, result)
+            # delta's buckets (one storage) are coded as one set once they hold state; CIERA's never are
+            expected_fused = result["num_compressed"] if run[0] in ("delta", "delta-reselect") else 0
+            if run[0] in ("delta", "delta-reselect", "ciera", "ciera-benefit"):
+                assert result["fused_buckets"] == expected_fused, (run, result)
             if run[0] == "delta-capped":  # the same gathers in exchanges of at most a few buckets
                 assert sum(result["exchanges"]) == result["num_groups"] * (STEPS + 1), (run, result)
                 assert len(result["exchanges"]) >= 3 * (STEPS + 1) and max(result["exchanges"]) <= 4, (run, result)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from compression.ciera import CieraCodec, CieraConfig
 from compression.codec import ShardCodec
 from compression.delta import DeltaCodec, DeltaConfig
-from compression.shard_gather import ShardGather, prepare_gathers
+from compression.shard_gather import GatherFusions, ShardGather, prepare_gathers
 from compression.telemetry import COMM_CLASSES, TELEMETRY
 from dist_utils import run_on_ranks
 
@@ -149,6 +149,7 @@ def _bench_dry_run(out_path, profile_dir):
     bench.main(["--dry-run", "--out", out_path, "--profile-dir", profile_dir])
     # several buckets gathered together (one size exchange, transfers before decodes), bit-checked per bucket
     bench.main(["--dry-run", "--out", out_path + ".buckets", "--buckets", "4", "--codecs", "none", "delta", "sdp4bit"])
+    bench.main(["--dry-run", "--out", out_path + ".fused", "--buckets", "4", "--codecs", "delta", "--fuse-buckets"])
 
 
 @pytest.mark.slow
@@ -169,22 +170,28 @@ def test_bench_param_gather_dry_run(tmp_path):
     buckets = json.loads((tmp_path / "pg.json.buckets").read_text())
     assert buckets["buckets"] == 4 and [r["codec"] for r in buckets["results"]] == ["none", "delta", "sdp4bit"]
     assert buckets["results"][1]["wire_ratio"] > 1.0 and 0 < buckets["results"][2]["rel_l2_error"] < 1e-2
+    fused = json.loads((tmp_path / "pg.json.fused").read_text())  # the buckets coded as one, bit-checked
+    assert fused["fuse_buckets"] and fused["results"][0]["wire_ratio"] > 1.0
 
 
 def _prepared_buckets():
     """Delta and CIERA on three buckets of odd sizes per rank (special values in each), prepared together and
-    transferred async before any wait, for several steps; bits equal to an uncompressed gather. On the GPU
-    under NCCL (the Triton kernels), else on the CPU."""
+    transferred async before any wait, for several steps; bits equal to an uncompressed gather. Delta also with
+    the buckets in one storage and ``GatherFusions``: coded as one from the second step on (the first is each
+    bucket's keyframe), with a bucket reset at step 3 (alone again for a step, then a new set), the first
+    transfer sync and the others async. On the GPU under NCCL (the Triton kernels), else on the CPU."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     sizes = (1500, 70_001, 262_144)  # values per rank: below, across and a multiple of the blocks
     rng = torch.Generator(device=device).manual_seed(100 + rank)
-    for codec_of in (lambda: DeltaCodec(DeltaConfig(256), world, rank), lambda: CieraCodec(CieraConfig(512), world, rank)):
+    delta, ciera = lambda: DeltaCodec(DeltaConfig(256), world, rank), lambda: CieraCodec(CieraConfig(512), world, rank)
+    for codec_of, fusions in ((delta, None), (ciera, None), (delta, GatherFusions())):
         masters = [torch.randn(n * world, device=device, generator=torch.Generator(device=device).manual_seed(7)) * 0.02
                    for n in sizes]
-        buffers = [m.to(torch.bfloat16) for m in masters]
+        storage = torch.cat(masters).to(torch.bfloat16)
+        buffers = list(storage.split([n * world for n in sizes]))  # views of one storage, as megatron's buckets
         gathers = [ShardGather(codec_of(), None) for _ in sizes]
-        for step in range(5):
+        for step in range(6):
             expected = []
             for n, master, buffer in zip(sizes, masters, buffers):
                 own = slice(rank * n, (rank + 1) * n)
@@ -195,12 +202,20 @@ def _prepared_buckets():
                 reference = torch.empty_like(buffer)
                 dist.all_gather_into_tensor(reference, buffer[own].contiguous())
                 expected.append(reference)
-            prepared = prepare_gathers(gathers, buffers)
-            handles = [g.transfer(b, p, async_op=True) for g, b, p in zip(gathers, buffers, prepared)]
-            for handle in handles:
-                handle.wait()
+            if fusions is not None and step == 3:
+                gathers[2].reset()
+            prepared = prepare_gathers(gathers, buffers, fusions)
+            handles = [g.transfer(b, p, async_op=i > 0) for i, (g, b, p) in enumerate(zip(gathers, buffers, prepared))]
+            for handle, p in zip(handles[1:], prepared[1:]):
+                assert (handle is None) == (p.fused is not None and prepared[0].fused is p.fused)  # went with bucket 0
+                if handle is not None:
+                    handle.wait()
             for buffer, reference in zip(buffers, expected):
                 assert torch.equal(_bits(buffer), _bits(reference)), (type(gathers[0].codec).__name__, step)
+            if fusions is not None:
+                fused = [p.fused is not None for p in prepared]
+                assert fused == ([False] * 3 if step == 0 else [True, True, False] if step == 3 else [True] * 3), step
+                assert fusions.sets == ([] if step == 0 else [2] if step == 3 else [3]), (step, fusions.sets)
     return True
 
 

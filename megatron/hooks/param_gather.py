@@ -66,7 +66,7 @@ from compression.selection import (
 from compression.sdp4bit import (
     HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather, quantized_reduce_scatter,
 )
-from compression.shard_gather import ShardGather, prepare_gathers
+from compression.shard_gather import GatherFusions, ShardGather, prepare_gathers
 from compression.telemetry import TELEMETRY
 from megatron.hooks.trial import TRIAL_SKIP_ITERATIONS, CompressionTrial
 
@@ -358,17 +358,20 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         """From the next gather on, send bucket ``index`` through a codec (a new one starts with a keyframe; one
         already compressing goes on) or megatron-core's plain all-gather. Returns whether that switched it."""
         group, plain = self.intra_distributed_optimizer_instance_group, isinstance(self.shard_gathers[index], _PlainGather)
-        if not compress and not plain:
-            self.shard_gathers[index] = _PlainGather(group, self.comm_class)
-        elif compress and plain:
-            self.shard_gathers[index] = build_gather(self.args, group, self.comm_class)
-        return compress == plain  # switched
+        if compress != plain:
+            return False
+        self.prepared.fusions.drop(self.shard_gathers[index])
+        self.shard_gathers[index] = (build_gather(self.args, group, self.comm_class) if compress
+                                     else _PlainGather(group, self.comm_class))
+        return True
 
     def set_compressing(self, compressing: bool, final: bool) -> None:
         """Trial switch: plain gathers while not ``compressing``; a final off drops the codecs."""
         self.prepared.flush()  # (empty between iterations) what was encoded goes out the way it was prepared
         self.plain = not compressing
         if final and not compressing:
+            for gather in self.shard_gathers:
+                self.prepared.fusions.drop(gather)
             group = self.intra_distributed_optimizer_instance_group
             self.shard_gathers = [_PlainGather(group, self.comm_class) for _ in self.buckets]
             self.plain = False
@@ -400,6 +403,7 @@ class _PreparedGathers:
     def __init__(self, bucket_groups: list):
         self.bucket_groups = bucket_groups  # dense then expert groups: megatron-core's order without overlap
         self.pending = {}  # bucket group -> per bucket (gather, PreparedGather or None), not yet transferred
+        self.fusions = GatherFusions()  # delta buckets coded as one, across bucket groups (one launch each way)
 
     def take(self, bucket_group) -> list:
         if bucket_group not in self.pending:
@@ -448,7 +452,7 @@ class _PreparedGathers:
         ready = {}  # ShardGather (one per bucket) -> its PreparedGather
         for pairs in by_group.values():
             shard_gathers, buffers = zip(*pairs)
-            ready.update(zip(shard_gathers, prepare_gathers(list(shard_gathers), list(buffers))))
+            ready.update(zip(shard_gathers, prepare_gathers(list(shard_gathers), list(buffers), self.fusions)))
         self.pending.update({bg: [(g, ready.get(g)) for g in group_gathers] for bg, group_gathers in gathers.items()})
 
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# 1x H200 (2x adds the gathers), ~5 min: a gather's delta buckets coded as one (GatherFusions, session 12). The
+# CUDA tests of the segmented kernels; bench_delta_buckets.py (62.5M values per rank in 1, 8 and 32 buckets, each
+# alone vs fused: wall, host and device ms of one gather's codec work, lr 1e-4 and 1e-5); on 2 GPUs also
+# bench_param_gather.py with 8 buckets, alone and --fuse-buckets, at ~25 GB/s and on NVLink.
+# Usage (device machine, repo root): bash scripts/gpu/delta_fused_buckets.sh
+set -uo pipefail
+source scripts/gpu/setup_device.sh || exit 1
+python3 -m pytest -q -m gpu tests/test_delta.py tests/test_shard_gather.py 2>&1 | tail -3
+for lr in 1e-4 1e-5; do
+  timeout 150 python3 benchmarks/bench_delta_buckets.py --buckets 1 8 32 --lr $lr --out $RES/delta_buckets_lr$lr.json \
+    2>&1 | tail -6
+done
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  for fuse in "" --fuse-buckets; do
+    name=param_gather_buckets8${fuse:+_fused}
+    NCCL_P2P_DISABLE=1 timeout 60 torchrun --standalone --nproc-per-node 2 benchmarks/bench_param_gather.py --codecs none delta \
+      --buckets 8 $fuse --out $RES/${name}_p2p_off.json 2>&1 | grep -v -i warn | tail -3
+    timeout 45 torchrun --standalone --nproc-per-node 2 benchmarks/bench_param_gather.py --codecs none delta \
+      --buckets 8 $fuse --out $RES/${name}_nvlink.json 2>&1 | grep -v -i warn | tail -3
+  done
+fi
