@@ -14,7 +14,8 @@ several buckets: their encodes are queued first, their messages exchanged togeth
 leaves its payload size on the device (delta on GPUs) needs no sync of its own before that, and writes
 its payload straight into the send buffer (``finish_encode``). The headers ride along so that no
 decode reads its own header back from the device, and the decodes' kernels are queued while the
-payload gather runs.
+payload gather runs. ``GatherFusions`` codes several buckets of one storage as one shard (``Segments``):
+one encode, one payload and collective, one decode per rank for all of them, whatever their number.
 
 Telemetry (class ``comm_class``): raw = this rank's shard bytes; sent = its padded payload plus the
 size message, i.e. what it hands to the collectives. A codec may declare extra integer stats with
@@ -204,12 +205,15 @@ class GatherFusions:
         for key in [k for k in self._fused if gather in k]:
             del self._fused[key]
 
-    def plan(self, gathers: list, buffers: list) -> list:
+    def plan(self, gathers: list, buffers: list, alone=()) -> list:
         """``gathers``/``buffers`` split into units: (gather, buffer, member indices) with one gather per unit,
-        a fused one (buffer: its Segments) for two or more members, else the bucket's own."""
+        a fused one (buffer: its Segments) for two or more members, else the bucket's own (always for the
+        gathers in ``alone``)."""
         sets = {}
         for i, (g, buffer) in enumerate(zip(gathers, buffers)):
             codec = g.codec
+            if g in alone:
+                continue
             if hasattr(type(codec), "fused") and codec.can_fuse(buffer.numel() // g.world_size):
                 key = (buffer.untyped_storage().data_ptr(), buffer.dtype, buffer.device, g.comm_class)
                 sets.setdefault(key, []).append(i)
@@ -236,11 +240,12 @@ class GatherFusions:
         return entry
 
 
-def prepare_gathers(gathers: list, buffers: list, fusions: GatherFusions = None) -> list:
+def prepare_gathers(gathers: list, buffers: list, fusions: GatherFusions = None, alone=()) -> list:
     """Encode each ``ShardGather``'s own slice of its buffer (all of one process group) and exchange all the
     payload sizes and headers in ONE all-gather, with one host sync; a gather alone would cost a sync each.
-    With ``fusions``, buckets that can be are coded as one (``GatherFusions``). Returns a ``PreparedGather``
-    per gather for its ``transfer``; every one must be transferred (an encode has moved its codec on)."""
+    With ``fusions``, buckets that can be are coded as one (``GatherFusions``; not those in ``alone``). Returns a
+    ``PreparedGather`` per gather for its ``transfer``; every one must be transferred (an encode has moved its
+    codec on)."""
     if not gathers:
         return []
     lead = gathers[0]
@@ -248,7 +253,7 @@ def prepare_gathers(gathers: list, buffers: list, fusions: GatherFusions = None)
         raise ValueError("prepare_gathers needs gathers of one process group")
     for g, buffer in zip(gathers, buffers):
         g._check(buffer)
-    units = fusions.plan(gathers, buffers) if fusions is not None else [
+    units = fusions.plan(gathers, buffers, alone) if fusions is not None else [
         (g, b, [i]) for i, (g, b) in enumerate(zip(gathers, buffers))]
     prepared = _exchange([g for g, _, _ in units], [b for _, b, _ in units])
     result = [None] * len(gathers)

@@ -25,7 +25,9 @@ Invariants:
   ``param_data``, so the stock ``finish_param_sync`` works as is. Sync: decoded before returning.
 - The first bucket group of a model chunk to start in a round encodes the compressed buckets of the
   groups that start after it too and exchanges all their sizes at once (``_PreparedGathers``): one host
-  sync per process group and round instead of one per bucket, with and without overlap.
+  sync per process group and round instead of one per bucket, with and without overlap. Delta buckets that
+  hold their codec state are coded as one shard there (``GatherFusions``: one encode, payload, all-gather and
+  decode per source for all of them, sharing one transfer; with overlap, the first bucket group goes alone).
 - ``--param-gather-verify-interval N``: every N-th gather of a bucket group is checked bit for bit
   against an uncompressed all-gather (a RuntimeError on any difference); for the lossy sdp4bit, which
   has no uncompressed result to match, every rank must hold the same bits instead (a checksum).
@@ -444,6 +446,10 @@ class _PreparedGathers:
             batch.append(bucket_group)
             shard_bytes += nbytes
         gathers = {bg: bg._param_gathers() for bg in batch}
+        # Fused delta buckets share one transfer, which the first of them to be waited for waits for whole. With
+        # --overlap-param-gather the first group is waited for at once (its layers come first), so it goes alone
+        # and the others' fused transfer overlaps its layers' forward, as megatron-core's chain of gathers does.
+        alone = set(gathers[first]) if first.ddp_config.overlap_param_gather and len(batch) > 1 else set()
         by_group = {}  # process group -> (ShardGather, buffer) pairs: one size exchange each
         for bucket_group, group_gathers in gathers.items():
             for gather, bucket in zip(group_gathers, bucket_group.buckets):
@@ -452,7 +458,7 @@ class _PreparedGathers:
         ready = {}  # ShardGather (one per bucket) -> its PreparedGather
         for pairs in by_group.values():
             shard_gathers, buffers = zip(*pairs)
-            ready.update(zip(shard_gathers, prepare_gathers(list(shard_gathers), list(buffers), self.fusions)))
+            ready.update(zip(shard_gathers, prepare_gathers(list(shard_gathers), list(buffers), self.fusions, alone)))
         self.pending.update({bg: [(g, ready.get(g)) for g in group_gathers] for bg, group_gathers in gathers.items()})
 
 
