@@ -1,18 +1,20 @@
-"""The delta codec's work per parameter gather when a rank's shard is split into K buckets, on one GPU: each
-bucket coded alone (a codec per bucket) vs all coded as one (``DeltaCodec.fused`` over ``Segments``, what
-``GatherFusions`` does in training).
+"""The delta codec's work per parameter gather when a rank's shard is split into K buckets and W ranks send
+payloads, on one GPU: each bucket coded alone (a codec per bucket) vs all coded as one (``DeltaCodec.fused`` over
+``Segments``, what ``GatherFusions`` does in training), the W - 1 received payloads decoded in one launch per
+kernel (``decode_gathered``, what ``ShardGather`` does) or one by one (the ``ShardCodec`` default).
 
 Per gather a rank begins every encode, reads all payload sizes and headers in one sync (the gather's size
-exchange), finishes the encodes and decodes the other ranks' payloads. Here the world is 2 ranks simulated on one
-device: the payload decoded is this rank's own, into a receiver's copy of the buckets, which is the same work.
-The shard (``--numel`` values) follows the simulated AdamW trajectory of ``benchmarks/delta_wire_ratio.py``
-(step ``--steps`` -> ``--steps + 1``) and is split into K nearly equal buckets in one storage, as
-megatron-core's buckets lie in one buffer. Per mode and K: ``wall_ms``, the sequence with device syncs around it
-(the host's launches count where they exceed the device's work); ``host_ms``, the host's time with the device
-held busy (``queued_call_seconds``: before and after the size read); ``device_ms``, the device's time for the
-same work without launch gaps. Every decode is checked bit for bit.
+exchange), finishes the encodes and decodes the other ranks' payloads. The world is simulated on one device:
+every rank's slices hold the same previous values and send this rank's payload (one device copy per encode
+stands in for the all-gather), so the receiver (rank 1) decodes W - 1 real payloads. The shard (``--numel``
+values) follows the simulated AdamW trajectory of ``benchmarks/delta_wire_ratio.py`` (step ``--steps`` ->
+``--steps + 1``) and is split into K nearly equal buckets in one storage, as megatron-core's buckets lie in one
+buffer. Per mode, K and W: ``wall_ms``, the sequence with device syncs around it (the host's launches count where
+they exceed the device's work); ``host_ms``, the host's time with the device held busy (``queued_call_seconds``,
+before and after the size read); ``device_ms``, the device's time for the same work without launch gaps. Every
+gather's result is checked bit for bit.
 
-    python benchmarks/bench_delta_buckets.py --buckets 1 8 32 --out results/gpu/delta_buckets.json
+    python benchmarks/bench_delta_buckets.py --buckets 1 8 32 --world 2 8 --out results/gpu/delta_buckets.json
 """
 
 import argparse
@@ -26,11 +28,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
-from compression.codec import Segments  # noqa: E402
+from compression.codec import Segments, ShardCodec, shard_of  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
 from compression.timing import call_seconds, queued_call_seconds  # noqa: E402
 
-WORLD = 2
+MODES = ("alone", "fused", "fused_one_by_one")
+RECEIVER = 1
 
 
 def split_sizes(numel: int, k: int) -> list:
@@ -38,78 +41,81 @@ def split_sizes(numel: int, k: int) -> list:
 
 
 class Buckets:
-    """K buckets of a 2-rank group in one storage; rank 0's slices hold the shard. ``sender`` codes them,
-    ``receiver`` is another rank's copy of the same buckets."""
+    """K buckets of a W-rank group in one storage, as rank 0 (the sender) and rank 1 (the receiver) hold them."""
 
-    def __init__(self, previous: torch.Tensor, new: torch.Tensor, k: int, block_size: int):
-        self.sizes = split_sizes(new.numel(), k)
-        self.storage = torch.zeros(WORLD * new.numel(), dtype=new.dtype, device=new.device)
-        self.buffers = list(self.storage.split([WORLD * n for n in self.sizes]))
-        self.own = [b[:n] for b, n in zip(self.buffers, self.sizes)]
-        self.received = self.storage.clone()
-        self.received_buffers = list(self.received.split([WORLD * n for n in self.sizes]))
-        self.previous, self.new = previous, new
+    def __init__(self, previous: torch.Tensor, new: torch.Tensor, k: int, block_size: int, world: int):
+        self.world, self.sizes, self.new = world, split_sizes(new.numel(), k), new
+        self.storage = torch.empty(world * new.numel(), dtype=new.dtype, device=new.device)
+        self.buffers = list(self.storage.split([world * n for n in self.sizes]))
+        self._fill(self.buffers, previous, range(world))  # every rank's previous values (what rank 0 keyframes)
         config = DeltaConfig(block_size)
-        self.codecs = [DeltaCodec(config, WORLD, 0) for _ in self.sizes]
-        self.decoder = DeltaCodec(config, WORLD, 1)
-        self._write_own(previous)
-        for codec, own in zip(self.codecs, self.own):
-            codec.encode(own)  # keyframes: the sender copies hold the previous values
-        self.received.copy_(self.storage)
+        self.codecs = [DeltaCodec(config, world, 0) for _ in self.sizes]
+        for codec, buffer in zip(self.codecs, self.buffers):
+            codec.encode(shard_of(buffer, 0, world))
+        self.received = self.storage.clone()
+        self.received_buffers = list(self.received.split([world * n for n in self.sizes]))
+        self._fill(self.received_buffers, new, [RECEIVER])  # the receiver's own slices hold what it sent
         self.received_state = self.received.clone()
-        self.segments, self.received_segments = Segments(self.buffers, WORLD), Segments(self.received_buffers, WORLD)
+        self.expected = self.storage.clone()
+        self._fill(list(self.expected.split([world * n for n in self.sizes])), new, range(world))
+        self.segments, self.received_segments = Segments(self.buffers, world), Segments(self.received_buffers, world)
         self.fused = DeltaCodec.fused(self.codecs, self.segments)  # the codecs' copies are now views of its copy
         self.sender_state = self.fused._prev.clone()
-        self._write_own(new)
+        self.decoders = [DeltaCodec(config, world, RECEIVER) for _ in range(len(self.sizes) + 1)]
+        self._fill(self.buffers, new, [0])
 
-    def _write_own(self, values: torch.Tensor) -> None:
-        for own, part in zip(self.own, values.split(self.sizes)):
-            own.copy_(part)
+    def _fill(self, buffers: list, values: torch.Tensor, ranks) -> None:
+        for buffer, part in zip(buffers, values.split(self.sizes)):
+            for rank in ranks:
+                shard_of(buffer, rank, self.world).copy_(part)
 
     def restore(self) -> None:
         """Sender copies and receiver buffers as before the timed gather."""
         self.fused._prev.copy_(self.sender_state)
         self.received.copy_(self.received_state)
 
-    def units(self, fused: bool) -> list:
-        """(codec, what it encodes, where its payload decodes) per encode of one gather."""
-        if fused:
-            return [(self.fused, self.segments.shard(0), self.received_segments.shard(0))]
-        return [(codec, own, received[:n]) for codec, own, received, n in
-                zip(self.codecs, self.own, self.received_buffers, self.sizes)]
+    def units(self, mode: str) -> list:
+        """(codec, what it encodes, decoder, where the payloads decode) per encode of one gather."""
+        if mode == "alone":
+            return list(zip(self.codecs, [shard_of(b, 0, self.world) for b in self.buffers], self.decoders,
+                            self.received_buffers))
+        return [(self.fused, self.segments.shard(0), self.decoders[-1], self.received_segments)]
 
     def check(self) -> None:
-        if not torch.equal(self.received.view(torch.int16), self.storage.view(torch.int16)):
-            raise AssertionError("decoded buckets differ from the sender's")
+        if not torch.equal(self.received.view(torch.int16), self.expected.view(torch.int16)):
+            raise AssertionError("decoded buckets differ from the senders'")
 
 
 def begin(units: list) -> list:
-    return [codec.begin_encode(shard) for codec, shard, _ in units]
+    return [codec.begin_encode(shard) for codec, shard, _, _ in units]
 
 
 def exchange(starts: list) -> tuple:
     """The size exchange's one host sync: every payload size and header on the host."""
     sizes = torch.cat([s.nbytes.reshape(1) if torch.is_tensor(s.nbytes) else torch.tensor([s.nbytes]).to(
         s.header.device) for s in starts]).cpu().tolist()
-    headers = [bytes(h.cpu().numpy().tobytes()) for h in (s.header for s in starts)]
-    return sizes, headers
+    return sizes, [bytes(s.header.cpu().numpy().tobytes()) for s in starts]
 
 
-def finish_and_decode(units: list, decoder: DeltaCodec, starts: list, sizes: list, headers: list) -> None:
-    for (codec, _, out), start, size, header in zip(units, starts, sizes, headers):
-        # room after the payload for the decoder's word reads, as the gather's receive buffer leaves
-        payload = torch.empty(size + codec.read_slack_bytes, dtype=torch.uint8, device=out.device)[:size]
-        codec.finish_encode(start, payload)
-        decoder.decode(0, payload, out, header)
+def finish_and_decode(units: list, world: int, starts: list, sizes: list, headers: list, one_by_one: bool) -> None:
+    for (codec, _, decoder, target), start, size, header in zip(units, starts, sizes, headers):
+        stride = -(-size // 16) * 16
+        gathered = torch.empty(world * stride + codec.read_slack_bytes, dtype=torch.uint8, device=start.header.device)
+        rows = gathered[:world * stride].view(world, stride)
+        codec.finish_encode(start, rows[0, :size])
+        rows[1:] = rows[0]  # the all-gather's stand-in: every rank sent this payload
+        decode = ShardCodec.decode_gathered if one_by_one else type(decoder).decode_gathered
+        decode(decoder, target, gathered[:world * stride], stride, [size] * world, [header] * world, RECEIVER)
 
 
-def measure(b: Buckets, fused: bool, repeats: int) -> dict:
-    units, device, payload = b.units(fused), b.storage.device, []
+def measure(b: Buckets, mode: str, repeats: int) -> dict:
+    units, device, payload = b.units(mode), b.storage.device, []
+    one_by_one = mode == "fused_one_by_one"
 
     def gather():
         starts = begin(units)
         sizes, headers = exchange(starts)
-        finish_and_decode(units, b.decoder, starts, sizes, headers)
+        finish_and_decode(units, b.world, starts, sizes, headers, one_by_one)
         payload[:] = sizes
 
     wall = call_seconds(gather, device, repeats, setup=b.restore, check=b.check)
@@ -119,8 +125,8 @@ def measure(b: Buckets, fused: bool, repeats: int) -> dict:
         started = []
         device1, host1 = queued_call_seconds(lambda: started.append(begin(units)), device, 0.02)
         sizes, headers = exchange(started[0])
-        device2, host2 = queued_call_seconds(lambda: finish_and_decode(units, b.decoder, started[0], sizes, headers),
-                                             device, 0.02)
+        device2, host2 = queued_call_seconds(
+            lambda: finish_and_decode(units, b.world, started[0], sizes, headers, one_by_one), device, 0.02)
         b.check()
         host, busy = min(host, host1 + host2), min(busy, device1 + device2)
     return dict(wall_ms=1e3 * min(wall), host_ms=1e3 * host, device_ms=1e3 * busy, payload_bytes=sum(payload),
@@ -131,6 +137,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=62_500_000, help="values of the rank's shard, over all buckets")
     p.add_argument("--buckets", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--world", type=int, nargs="+", default=[2], help="ranks of the simulated group (>= 2)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--steps", type=int, default=20, help="AdamW steps before the timed one")
     p.add_argument("--block-size", type=int, default=256)
@@ -138,31 +145,32 @@ def main():
     p.add_argument("--device", default="cuda", help="cpu: the PyTorch reference path (a smoke test)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if min(args.world) < 2:
+        p.error(f"--world must be >= 2 (a receiver and a sender), got {args.world}")
     previous, new = simulated_step(args.numel, args.lr, args.steps, device=args.device)
     rows = []
-    for k in args.buckets:
-        b = Buckets(previous, new, k, args.block_size)
-        row = dict(buckets=k, numel=args.numel, lr=args.lr, block_size=args.block_size)
-        for mode in ("alone", "fused"):
-            row[mode] = measure(b, mode == "fused", args.repeats)
-        rows.append(row)
-        print(f"{k} buckets: " + "; ".join(f"{mode} wall {row[mode]['wall_ms']:.3f} ms host {row[mode]['host_ms']:.3f} "
-                                          f"ms device {row[mode]['device_ms']:.3f} ms ratio {row[mode]['ratio']:.2f}x"
-                                          for mode in ("alone", "fused")),
-              flush=True)
-        del b
+    for world in args.world:
+        for k in args.buckets:
+            b = Buckets(previous, new, k, args.block_size, world)
+            row = dict(world=world, buckets=k, numel=args.numel, lr=args.lr, block_size=args.block_size)
+            for mode in MODES:
+                row[mode] = measure(b, mode, args.repeats)
+            rows.append(row)
+            print(f"W={world}, {k} buckets: " + "; ".join(
+                f"{mode} wall {row[mode]['wall_ms']:.3f} host {row[mode]['host_ms']:.3f} device "
+                f"{row[mode]['device_ms']:.3f} ms" for mode in MODES) + f"; ratio {row['fused']['ratio']:.2f}x",
+                flush=True)
+            del b
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(sys.argv), torch=torch.__version__,
                        device=torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
                        rows=rows), f, indent=1)
-    print("\n| buckets | alone wall ms | fused wall ms | alone host ms | fused host ms | alone device ms | "
-          "fused device ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| W | buckets | " + " | ".join(f"{m} wall / host / device ms" for m in MODES) + " |")
+    print("|---|---|" + "---|" * len(MODES))
     for r in rows:
-        a, f = r["alone"], r["fused"]
-        print(f"| {r['buckets']} | {a['wall_ms']:.3f} | {f['wall_ms']:.3f} | {a['host_ms']:.3f} | {f['host_ms']:.3f} | "
-              f"{a['device_ms']:.3f} | {f['device_ms']:.3f} |")
+        print(f"| {r['world']} | {r['buckets']} | " + " | ".join(
+            f"{r[m]['wall_ms']:.3f} / {r[m]['host_ms']:.3f} / {r[m]['device_ms']:.3f}" for m in MODES) + " |")
 
 
 if __name__ == "__main__":

@@ -82,10 +82,10 @@ KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per pro
         dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B), **_PLAIN), delta._num_warps(B), B,
         delta.MAX_REGISTERS["encode"]),
     "delta decode": (delta._decode_kernel, _sig(
-        "out_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr rank_end_ptr stream_end_ptr nbytes_ptr "
-        "exc_widths_ptr bitmaps_ptr values_ptr values_lead",
-        dict(out_ptr="*i16", codes_ptr="*u8", rank_end_ptr="*i64", stream_end_ptr="*i64", nbytes_ptr="*i64",
-             exc_widths_ptr="*u8", bitmaps_ptr="*u8", values_ptr="*u8", **_TABLE)),
+        "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at n_changed_at "
+        "sections_at src_base skip_rank rank_end_ptr stream_end_ptr nbytes_ptr n_blocks",
+        dict(out_ptr="*i16", payload_ptr="*u8", rank_end_ptr="*i64", stream_end_ptr="*i64", nbytes_ptr="*i64",
+             **_TABLE)),
         dict(BLOCK=B, **_PLAIN), delta._num_warps(B), B, delta.MAX_REGISTERS["decode"]),
     # TACO INT8 encode at its launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual scaling
     "TACO encode, INT8": (taco._taco_encode_kernel, _sig(

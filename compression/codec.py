@@ -128,6 +128,15 @@ class ShardCodec(ABC):
         shard (from the last gather) unless the payload is a keyframe. ``header``: the payload's first
         ``header_nbytes`` bytes on the host, if the caller has them (else they are read from ``payload``)."""
 
+    def decode_gathered(self, target, gathered: torch.Tensor, stride: int, sizes: list, headers: list,
+                        skip: int) -> None:
+        """Decode every rank's payload in ``gathered`` (rank r's ``sizes[r]`` bytes at ``r * stride``, its header
+        ``headers[r]``) but rank ``skip``'s (-1: none) into rank r's slice of ``target`` (a bucket split evenly
+        over the group, or ``Segments``). The default decodes them one by one; a codec may batch them."""
+        for src, (size, header) in enumerate(zip(sizes, headers)):
+            if src != skip:
+                self.decode(src, gathered[src * stride:src * stride + size], shard_of(target, src, len(sizes)), header)
+
     def read_header(self, payload: torch.Tensor) -> bytes:
         """The payload's first ``header_nbytes`` bytes on the host (a device-to-host read: a sync)."""
         return payload[:self.header_nbytes].cpu().numpy().tobytes()
@@ -141,6 +150,15 @@ class ShardCodec(ABC):
         sender state up to date so that the next ``encode`` codes against it. The default forgets the
         state, so the next payload is a keyframe (call it on every rank together, like ``reset``)."""
         self.reset()
+
+
+def shard_of(target, rank: int, world_size: int):
+    """Rank ``rank``'s shard of a gather's ``target``: its slice of a 1-D bucket split evenly over ``world_size``
+    ranks, or its ``SegmentedShard`` of ``Segments``."""
+    if isinstance(target, Segments):
+        return target.shard(rank)
+    n = target.numel() // world_size
+    return target[rank * n:(rank + 1) * n]
 
 
 class Segments:

@@ -125,6 +125,7 @@ class DeltaCodec(ShardCodec):
         self._blocks = None  # kernels.EncodedBlocks of the last encode (its per-block fields are reused)
         self._totals = None  # HostValues of the totals
         self._members = []  # of a fused codec: (member codec, its view of this one's sender copy)
+        self._buffer_segments = None  # the last bucket buffer decoded by decode_gathered, as Segments
 
     def reset(self) -> None:
         self._prev = None
@@ -311,11 +312,7 @@ class DeltaCodec(ShardCodec):
         if use_triton(bits, self.triton):  # sections read as 32-bit words from any payload offset
             if _bytes_after(payload) < self.read_slack_bytes:
                 payload = torch.cat([payload, payload.new_zeros(self.read_slack_bytes)])[:payload.numel()]
-                codes, n_esc, exc_widths, bitmaps, values = self._sections(payload, layout)
-            rank_end = torch.cumsum(codes != 0, 0)
-            nbytes = kernels.stream_sizes(codes, rank_end, n_esc, exc_widths, bitmaps, b)
-            kernels.decode_blocks(bits, codes, rank_end, torch.cumsum(nbytes, 0), nbytes, exc_widths, bitmaps,
-                                  values, b, table, rank)
+            self._decode_rows(bits, self._payloads(payload, 1, 0, numel), layout.n_blocks, table, rank, -1)
             return
         changed = torch.nonzero(codes).squeeze(1)
         n_esc = n_esc.clone().view(torch.int16)  # a copy: the payload may start at an odd offset
@@ -323,6 +320,39 @@ class DeltaCodec(ShardCodec):
         counts = _POPCOUNT.to(payload.device)[bitmaps.to(torch.int64)].sum(1)
         value_bytes = stream_nbytes(counts, codes[changed], n_esc, exc_widths)
         unpack_values_reference(bits, changed, codes, exc_widths, bitmaps, _exclusive_cumsum(value_bytes), values, b)
+
+    def decode_gathered(self, target, gathered, stride, sizes, headers, skip) -> None:
+        """On the Triton path every source's payload in one launch of each decode kernel (the other cases, and
+        keyframes, one by one)."""
+        b = self.config.block_size
+        if isinstance(target, Segments):
+            segments, numel = target, target.padded_numel(b)
+        else:  # a bucket buffer: its slices through a one-segment block table
+            if self._buffer_segments is None or self._buffer_segments.buffers[0] is not target:
+                self._buffer_segments = Segments((target,), self.world_size)
+            segments, numel = self._buffer_segments, target.numel() // self.world_size
+        sources = [src for src in range(len(sizes)) if src != skip]
+        keyframe = any(self._check_header(gathered[src * stride:src * stride + sizes[src]], target, numel,
+                                          headers[src])[0] & FLAG_KEYFRAME for src in sources)
+        if (keyframe or not sources or not use_triton(gathered, self.triton)
+                or _bytes_after(gathered[(len(sizes) - 1) * stride:][:sizes[-1]]) < self.read_slack_bytes):
+            return super().decode_gathered(target, gathered, stride, sizes, headers, skip)
+        table = segments.block_table(b)
+        payloads = self._payloads(gathered, len(sizes), stride, numel)
+        self._decode_rows(_as_bits(table[0], "output buffer"), payloads, -(-numel // b), table, 0, skip)
+
+    def _payloads(self, base: torch.Tensor, rows: int, stride: int, numel: int) -> kernels.Payloads:
+        sections_at = _Layout.of(numel, 0, self.config.block_size).n_esc  # n_esc, the first section after the codes
+        return kernels.Payloads(base, rows, stride, HEADER.size, N_CHANGED_AT, sections_at)
+
+    def _decode_rows(self, bits, payloads: kernels.Payloads, n_blocks: int, table, src_base: int, skip: int) -> None:
+        """The Triton decode of payload rows (``kernels.decode_blocks``): the prefix sums of every row at once."""
+        b = self.config.block_size
+        codes = torch.as_strided(payloads.base, (payloads.rows, n_blocks), (payloads.stride, 1),
+                                 payloads.base.storage_offset() + HEADER.size)
+        rank_end = torch.cumsum((codes != 0).reshape(-1), 0)  # over all rows: the kernels subtract each row's start
+        nbytes = kernels.stream_sizes(payloads, rank_end, b)
+        kernels.decode_blocks(bits, payloads, rank_end, torch.cumsum(nbytes, 0), nbytes, b, table, src_base, skip)
 
     @staticmethod
     def _sections(payload: torch.Tensor, layout: "_Layout") -> tuple:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from compression.codec import EncodeStart, Segments, ShardCodec
+from compression.codec import EncodeStart, Segments, ShardCodec, shard_of
 from compression.telemetry import TELEMETRY
 
 SIZE_BYTES = 8
@@ -66,10 +66,7 @@ class ShardGather:
             TELEMETRY.declare_counter(f"{comm_class}/{name}")
 
     def _own_slice(self, buffer, rank: int):
-        if isinstance(buffer, Segments):
-            return buffer.shard(rank)
-        n = buffer.numel() // self.world_size
-        return buffer[rank * n:(rank + 1) * n]
+        return shard_of(buffer, rank, self.world_size)
 
     def _check(self, buffer) -> None:
         if isinstance(buffer, Segments):
@@ -128,11 +125,8 @@ class ShardGather:
         self._record(shard, width)
         work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=async_op)
 
-        def finish():
-            for src in range(self.world_size):
-                if src != self.rank or not self.codec.lossless:
-                    chunk = recv[src * width:src * width + sizes[src]]
-                    self.codec.decode(src, chunk, self._own_slice(buffer, src), headers[src])
+        def finish():  # a lossless codec's own slice already holds what it sent
+            self.codec.decode_gathered(buffer, recv, width, sizes, headers, self.rank if self.codec.lossless else -1)
 
         if async_op:
             return PendingGather(work, finish)

@@ -413,22 +413,46 @@ if triton is not None:
         return (x + (x >> 4)) & 0x0F
 
     @triton.jit
-    def _stream_sizes_kernel(codes_ptr, rank_end_ptr, n_esc_ptr, exc_widths_ptr, bitmaps_ptr, nbytes_ptr, n_blocks,
-                             BLOCK: tl.constexpr, TILE: tl.constexpr):
-        # the bitmaps of a tile's changed blocks are contiguous: one coalesced [TILE, B / 8] byte load
-        # (one block per program, one byte per lane, used 3 of 32 bytes per sector)
+    def _payload_sections(payload, n_changed_at, sections_at, BLOCK: tl.constexpr):
+        """Byte offsets in one delta payload of its n_esc, exc_widths, bitmaps and value-stream sections, which
+        follow each other from ``sections_at`` with 2, 1 and B / 8 bytes per changed block (compression/delta.py's
+        _Layout); n_changed comes from the payload's header (a u32 at ``n_changed_at``, read bytewise: payloads
+        may start at any byte)."""
+        at = payload + n_changed_at
+        n_changed = (tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)
+                     | (tl.load(at + 2).to(tl.int32) << 16) | (tl.load(at + 3).to(tl.int32) << 24)).to(tl.int64)
+        exc_widths = sections_at + 2 * n_changed
+        bitmaps = exc_widths + n_changed
+        return sections_at, exc_widths, bitmaps, bitmaps + n_changed * (BLOCK // 8)
+
+    @triton.jit
+    def _row_start(prefix_ptr, row, n_blocks):
+        """What an inclusive prefix sum over all rows' blocks (flat) holds before ``row``'s first block: one scan over
+        every row (torch's scan along the last dim of a few long rows is several times slower)."""
+        return tl.load(prefix_ptr + row * n_blocks - 1, mask=row > 0, other=0)
+
+    @triton.jit
+    def _stream_sizes_kernel(payload_ptr, payload_stride, codes_at, n_changed_at, sections_at, rank_end_ptr,
+                             nbytes_ptr, n_blocks, BLOCK: tl.constexpr, TILE: tl.constexpr):
+        # payload row = program_id(1), at row * payload_stride. The bitmaps of a tile's changed blocks are
+        # contiguous: one coalesced [TILE, B / 8] byte load (one block per program, one byte per lane, used 3 of
+        # 32 bytes per sector)
+        row = tl.program_id(1).to(tl.int64)
+        payload = payload_ptr + row * payload_stride
+        n_esc_at, exc_widths_at, bitmaps_at, _ = _payload_sections(payload, n_changed_at, sections_at, BLOCK)
         b = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
         inside = b < n_blocks
-        code = tl.load(codes_ptr + b, mask=inside, other=0).to(tl.int32)
+        code = tl.load(payload + codes_at + b, mask=inside, other=0).to(tl.int32)
         changed = code != 0
-        rank = tl.load(rank_end_ptr + b, mask=changed, other=1) - 1
+        rank = tl.load(rank_end_ptr + row * n_blocks + b, mask=changed, other=1) - 1 - _row_start(rank_end_ptr, row,
+                                                                                                  n_blocks)
         j = tl.arange(0, BLOCK // 8)[None, :]
-        bitmap = tl.load(bitmaps_ptr + rank[:, None] * (BLOCK // 8) + j, mask=changed[:, None] & (j < BLOCK // 8),
-                         other=0)
+        bitmap = tl.load(payload + bitmaps_at + rank[:, None] * (BLOCK // 8) + j,
+                         mask=changed[:, None] & (j < BLOCK // 8), other=0)
         count = tl.sum(_popcount_bytes(bitmap.to(tl.int32)), axis=1)
-        exc_width = tl.load(exc_widths_ptr + rank, mask=changed, other=0).to(tl.int32)
-        nbits = count * tl.maximum(code - 1, 0) + exc_width * _read_n_esc(n_esc_ptr, rank, changed)
-        tl.store(nbytes_ptr + b, ((nbits + 7) // 8).to(tl.int64), mask=inside)
+        exc_width = tl.load(payload + exc_widths_at + rank, mask=changed, other=0).to(tl.int32)
+        nbits = count * tl.maximum(code - 1, 0) + exc_width * _read_n_esc(payload + n_esc_at, rank, changed)
+        tl.store(nbytes_ptr + row * n_blocks + b, ((nbits + 7) // 8).to(tl.int64), mask=inside)
 
     @triton.jit
     def _load_bits(words_ptr, bitpos, width, mask):
@@ -458,37 +482,45 @@ if triton is not None:
         values = row[:, None] >> tl.minimum(slots * width, 63).to(tl.uint64)  # absent values may sit at bit 64
         return values.to(tl.int32) & ((1 << width) - 1)
 
-    @triton.jit(do_not_specialize=["values_lead", "shard_rank"])
-    def _decode_kernel(out_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr, rank_end_ptr, stream_end_ptr,
-                       nbytes_ptr, exc_widths_ptr, bitmaps_ptr, values_ptr, values_lead, BLOCK: tl.constexpr,
-                       SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr):
-        # rows of 8 values, a row per thread, as in _encode_kernel. The value streams are read as 32-bit
-        # words from the 4-byte boundary at or before their first byte, ``values_lead`` bytes earlier (the
-        # payload's previous section)
+    @triton.jit(do_not_specialize=["base_misalign", "src_base", "skip_rank"])
+    def _decode_kernel(out_ptr, numel, start_ptr, stride_ptr, valid_ptr, payload_ptr, payload_stride, base_misalign,
+                       codes_at, n_changed_at, sections_at, src_base, skip_rank, rank_end_ptr, stream_end_ptr,
+                       nbytes_ptr, n_blocks, BLOCK: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr):
+        # rows of 8 values, a row per thread, as in _encode_kernel. program_id(1) picks the source rank: src_base
+        # and up, ``skip_rank`` skipped; its payload is row src - src_base, at that many payload_strides. The
+        # value streams are read as 32-bit words from the 4-byte boundary at or before their first byte,
+        # ``values_lead`` bytes earlier (the payload's previous section; ``base_misalign``: payload_ptr % 4)
         ROWS: tl.constexpr = BLOCK // 8
         b = tl.program_id(0).to(tl.int64)
-        code = tl.load(codes_ptr + b).to(tl.int32)
+        src = tl.program_id(1) + src_base
+        src += ((skip_rank >= 0) & (src >= skip_rank)).to(tl.int32)
+        row = (src - src_base).to(tl.int64)
+        payload = payload_ptr + row * payload_stride
+        code = tl.load(payload + codes_at + b).to(tl.int32)
         if code != 0:
+            _, exc_widths_at, bitmaps_at, values_at = _payload_sections(payload, n_changed_at, sections_at, BLOCK)
             width = code - 1
-            rank = tl.load(rank_end_ptr + b) - 1
+            rank = tl.load(rank_end_ptr + row * n_blocks + b) - 1 - _row_start(rank_end_ptr, row, n_blocks)
             r = tl.arange(0, ROWS)
             j = tl.arange(0, 8)[None, :]
-            idx, inside = _block_values(b, r[:, None] * 8 + j, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, BLOCK,
+            idx, inside = _block_values(b, r[:, None] * 8 + j, numel, start_ptr, stride_ptr, valid_ptr, src, BLOCK,
                                         SEGMENTED, ALIGNED)
             old = tl.load(out_ptr + idx, mask=inside, other=0)
             # a zero computed from out (LLVM folds it after Triton has chosen layouts) gives every [rows, 8]
             # tensor the row-per-thread layout of out's 16-byte loads; from the bitmap bytes alone Triton
             # spreads a row over 8 threads and its in-row scans shuffle
             zero = (old.to(tl.int32) & 0xFFFF) >> 16
-            bitmap = tl.load(bitmaps_ptr + rank * (BLOCK // 8) + r).to(tl.int32)
+            bitmap = tl.load(payload + bitmaps_at + rank * (BLOCK // 8) + r).to(tl.int32)
             changed = ((bitmap[:, None] >> (j + zero)) & 1) != 0
             c = changed.to(tl.int32)
             in_row = tl.cumsum(c, axis=1) - c
             row_count = tl.sum(c, axis=1)
             row_start = tl.cumsum(row_count, axis=0) - row_count
-            exc_width = tl.load(exc_widths_ptr + rank).to(tl.int32)
-            stream_at = tl.load(stream_end_ptr + b) - tl.load(nbytes_ptr + b) + values_lead
-            stream_words = (values_ptr - values_lead).to(tl.pointer_type(tl.int32)) + (stream_at >> 2)
+            exc_width = tl.load(payload + exc_widths_at + rank).to(tl.int32)
+            values_lead = (base_misalign + row * payload_stride + values_at) & 3
+            stream_at = (tl.load(stream_end_ptr + row * n_blocks + b) - tl.load(nbytes_ptr + row * n_blocks + b)
+                         - _row_start(stream_end_ptr, row, n_blocks) + values_lead)
+            stream_words = (payload + values_at - values_lead).to(tl.pointer_type(tl.int32)) + (stream_at >> 2)
             base = (stream_at & 3).to(tl.int32) * 8
             if tl.max(row_count, axis=0) * width <= 64:
                 slot = _read_rows(stream_words, base + row_start * width, in_row, width, row_count * width)
@@ -611,25 +643,48 @@ def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: byte
         CHUNK=max(32, block_size // 8), num_warps=4)  # TILE * CHUNK = 1024 stream bytes per pass
 
 
-def stream_sizes(codes, rank_end, n_esc_bytes, exc_widths, bitmaps, block_size: int) -> torch.Tensor:
-    """Triton: value stream bytes of every block (0 if unchanged; int64), from the payload's sections."""
-    nbytes = torch.empty(codes.numel(), dtype=torch.int64, device=codes.device)
-    n_blocks, tile = codes.numel(), _tile_blocks(block_size)
+@dataclass
+class Payloads:
+    """Delta payloads for the decode kernels: ``rows`` of them, row k at ``base[k * stride:]`` (uint8; one payload, or
+    every rank's in a gather's receive buffer). Their sections, from compression/delta.py's wire format: the codes
+    at byte ``codes_at``, n_changed (u32) at ``n_changed_at``, then n_esc, exc_widths, bitmaps and the value streams
+    one after another from ``sections_at`` (which depends only on the shard's size). The last row needs
+    WORD_READ_SLACK readable bytes after its payload (the value streams are read as 32-bit words)."""
+
+    base: torch.Tensor
+    rows: int
+    stride: int
+    codes_at: int
+    n_changed_at: int
+    sections_at: int
+
+    def args(self) -> tuple:
+        return self.base, self.stride, self.codes_at, self.n_changed_at, self.sections_at
+
+
+def stream_sizes(payloads: Payloads, rank_end: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Triton: value stream bytes of every block of every payload row (0 if unchanged; int64 [rows * n_blocks], row
+    after row); ``rank_end``: the inclusive prefix sum of the rows' changed-block flags, flat in the same order."""
+    nbytes = torch.empty(rank_end.shape, dtype=torch.int64, device=rank_end.device)
+    n_blocks, tile = rank_end.numel() // payloads.rows, _tile_blocks(block_size)
     if n_blocks:
-        _stream_sizes_kernel[(triton.cdiv(n_blocks, tile),)](codes, rank_end, n_esc_bytes, exc_widths, bitmaps, nbytes,
-                                                             n_blocks, BLOCK=block_size, TILE=tile, num_warps=4)
+        _stream_sizes_kernel[(triton.cdiv(n_blocks, tile), payloads.rows)](
+            *payloads.args(), rank_end, nbytes, n_blocks, BLOCK=block_size, TILE=tile, num_warps=4)
     return nbytes
 
 
-def decode_blocks(out, codes, rank_end, stream_end, nbytes, exc_widths, bitmaps, values, block_size: int,
-                  table=None, rank: int = 0) -> None:
-    """Triton: apply every changed block's delta to ``out`` (int16 view of the previous values; segmented, as in
-    ``encode_blocks``: the table's base, rank ``rank``'s slices). ``values`` is the last section of a payload
-    after its header, so the 4-byte boundary before it is inside the payload, and needs WORD_READ_SLACK
-    readable bytes after it."""
+def decode_blocks(out, payloads: Payloads, rank_end, stream_end, nbytes, block_size: int, table=None,
+                  src_base: int = 0, skip_rank: int = -1) -> None:
+    """Triton: apply the deltas of payload rows to ``out`` (int16 view of the previous values): row k is source rank
+    ``src_base + k``, and every row but ``skip_rank``'s (-1: none) is decoded, all in one launch. Plain (``table``
+    None): ``out`` is the source's shard (one row); segmented, as in ``encode_blocks``: ``out`` is the table's base
+    and each source's slices are decoded. ``rank_end``, ``stream_end`` (inclusive prefix sums of the changed-block
+    flags and of ``nbytes``) and ``nbytes``: int64 [rows * n_blocks], row after row."""
     pointers, flags = _table_args(out, table)
-    if codes.numel():
-        _decode_kernel[(codes.numel(),)](out, out.numel(), *pointers, rank, codes, rank_end, stream_end, nbytes,
-                                         exc_widths, bitmaps, values, values.data_ptr() % 4,
-                                         BLOCK=block_size, num_warps=_num_warps(block_size),
-                                         maxnreg=_max_registers("decode", block_size), **flags)
+    n_blocks, sources = rank_end.numel() // payloads.rows, payloads.rows - (0 <= skip_rank - src_base < payloads.rows)
+    if n_blocks and sources:
+        _decode_kernel[(n_blocks, sources)](out, out.numel(), *pointers, payloads.base, payloads.stride,
+                                            payloads.base.data_ptr() % 4, *payloads.args()[2:], src_base, skip_rank,
+                                            rank_end, stream_end, nbytes, n_blocks,
+                                            BLOCK=block_size, num_warps=_num_warps(block_size),
+                                            maxnreg=_max_registers("decode", block_size), **flags)

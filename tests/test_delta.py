@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from compression.codec import Segments
+from compression.codec import Segments, shard_of
 from compression.delta import DeltaCodec, DeltaConfig, _Layout
 from kernels import delta as kernels
 
@@ -297,13 +297,55 @@ def test_segments_reference():
     _check_segments()
 
 
+def _check_decode_gathered(device="cpu", triton=False, world=3, receiver=1):
+    """``decode_gathered``: every rank's payload in a gather's receive buffer (rows at a stride, the receiver's own
+    skipped) decoded in one launch per kernel (Triton) or one by one (reference) gives the senders' bits, into a
+    bucket buffer and into ``Segments``, from the keyframe on through every step of the trajectory."""
+    block_size, sizes = 64, (200, 77)
+    for fused in (False, True):
+        storage = torch.zeros(world * sum(sizes), dtype=torch.bfloat16, device=device)
+        buffers = list(storage.split([world * n for n in sizes]))
+        if not fused:
+            buffers, sizes_used = buffers[:1], sizes[:1]
+        else:
+            sizes_used = sizes
+        target = Segments(buffers, world) if fused else buffers[0]
+        received = storage.clone()
+        received_target = (Segments(list(received.split([world * n for n in sizes]))[:len(buffers)], world) if fused
+                           else received[:buffers[0].numel()])
+        steps = {(r, k): trajectory(n, seed=100 * r + n) for r in range(world) for k, n in enumerate(sizes_used)}
+        senders = [DeltaCodec(DeltaConfig(block_size), world, r, triton=triton) for r in range(world)]
+        decoder = DeltaCodec(DeltaConfig(block_size), world, receiver, triton=triton)
+        for step in range(len(steps[0, 0])):
+            for (r, k), bits in steps.items():
+                buffers[k][r * sizes_used[k]:(r + 1) * sizes_used[k]].view(torch.int16).copy_(bits[step].to(device))
+            payloads = [codec.encode(shard_of(target, r, world)) for r, codec in enumerate(senders)]
+            stride = -(-max(p.numel() for p in payloads) // 16) * 16
+            gathered = torch.zeros(world * stride + kernels.WORD_READ_SLACK, dtype=torch.uint8, device=device)
+            for r, p in enumerate(payloads):
+                gathered[r * stride:r * stride + p.numel()] = p
+            received_own = shard_of(received_target, receiver, world)
+            own = shard_of(target, receiver, world)
+            if fused:
+                received_own.write_padded(own.padded(block_size), block_size)
+            else:
+                received_own.copy_(own)
+            decoder.decode_gathered(received_target, gathered[:world * stride], stride, [p.numel() for p in payloads],
+                                    [bytes(p[:24].cpu().tolist()) for p in payloads], receiver)
+            assert torch.equal(received.view(torch.int16), storage.view(torch.int16)), (fused, step)
+
+
+def test_decode_gathered_reference():
+    _check_decode_gathered()
+
+
 def test_bench_delta_buckets_cpu(tmp_path):
     """The buckets benchmark's CPU smoke run: both modes decode bit-exactly (it raises otherwise), same wire."""
     from benchmarks import bench_delta_buckets
 
     out = tmp_path / "buckets.json"
     argv = sys.argv
-    sys.argv = ["bench_delta_buckets.py", "--device", "cpu", "--numel", "20011", "--buckets", "1", "3",
+    sys.argv = ["bench_delta_buckets.py", "--device", "cpu", "--numel", "20011", "--buckets", "1", "3", "--world", "3",
                 "--repeats", "1", "--steps", "3", "--out", str(out)]
     try:
         bench_delta_buckets.main()
@@ -312,9 +354,10 @@ def test_bench_delta_buckets_cpu(tmp_path):
     import json
 
     rows = json.loads(out.read_text())["rows"]
-    assert [r["buckets"] for r in rows] == [1, 3]
+    assert [(r["world"], r["buckets"]) for r in rows] == [(3, 1), (3, 3)]
     for row in rows:  # the fused shard pads each bucket to whole blocks: a byte per pad block at most
         assert abs(row["fused"]["payload_bytes"] - row["alone"]["payload_bytes"]) <= 64 * row["buckets"], row
+        assert row["fused_one_by_one"]["payload_bytes"] == row["fused"]["payload_bytes"]
         assert row["alone"]["ratio"] > 1.0
 
 
@@ -355,10 +398,9 @@ def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5),
                                    layout.exc_widths, layout.bitmaps, layout.values, block_size)
             assert torch.equal(gathered.cpu(), payload), (block_size, step, _first_difference(payload, gathered.cpu()))
             for p in (payload.to(device), torch.cat([payload.new_zeros(1), payload]).to(device)[1:]):
-                sizes = kernels.stream_sizes(p[24 : 24 + layout.n_blocks], rank_end,
-                                             p[layout.n_esc : layout.exc_widths], p[layout.exc_widths : layout.bitmaps],
-                                             p[layout.bitmaps : layout.values], block_size)
-                assert torch.equal(sizes, e.nbytes), (block_size, step)
+                rows = kernels.Payloads(p, 1, 0, 24, 12, layout.n_esc)
+                sizes = kernels.stream_sizes(rows, rank_end.to(device), block_size)
+                assert torch.equal(sizes.cpu(), e.nbytes.cpu()), (block_size, step)
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -401,7 +443,7 @@ def test_triton_matches_reference_interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     code = ("import test_delta; test_delta._check_triton_matches_reference(); "
             "test_delta._check_tiled_kernels_match_reference(); test_delta._check_width_choice(); "
-            "test_delta._check_segments(triton=True)")
+            "test_delta._check_segments(triton=True); test_delta._check_decode_gathered(triton=True)")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -412,6 +454,7 @@ def test_triton_matches_reference_cuda():
     _check_tiled_kernels_match_reference("cuda")
     _check_width_choice("cuda")
     _check_segments("cuda", triton=True)
+    _check_decode_gathered("cuda", triton=True)
     g = torch.Generator().manual_seed(0)
     for block_size in (64, 256, 1024):  # many blocks: every program of the grid, partial last block
         ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
