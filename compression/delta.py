@@ -308,12 +308,12 @@ class DeltaCodec(ShardCodec):
             return
         b = self.config.block_size
         layout = _Layout.of(numel, n_changed, b)
-        codes, n_esc, exc_widths, bitmaps, values = self._sections(payload, layout)
         if use_triton(bits, self.triton):  # sections read as 32-bit words from any payload offset
             if _bytes_after(payload) < self.read_slack_bytes:
                 payload = torch.cat([payload, payload.new_zeros(self.read_slack_bytes)])[:payload.numel()]
             self._decode_rows(bits, self._payloads(payload, 1, 0, numel), layout.n_blocks, table, rank, -1)
             return
+        codes, n_esc, exc_widths, bitmaps, values = self._sections(payload, layout)
         changed = torch.nonzero(codes).squeeze(1)
         n_esc = n_esc.clone().view(torch.int16)  # a copy: the payload may start at an odd offset
         bitmaps = bitmaps.view(-1, b // 8)
@@ -322,8 +322,8 @@ class DeltaCodec(ShardCodec):
         unpack_values_reference(bits, changed, codes, exc_widths, bitmaps, _exclusive_cumsum(value_bytes), values, b)
 
     def decode_gathered(self, target, gathered, stride, sizes, headers, skip) -> None:
-        """On the Triton path every source's payload in one launch of each decode kernel (the other cases, and
-        keyframes, one by one)."""
+        """On the Triton path every source's payload in one launch of each decode kernel (one source, keyframes and
+        the reference: one by one)."""
         b = self.config.block_size
         if isinstance(target, Segments):
             segments, numel = target, target.padded_numel(b)
@@ -334,7 +334,7 @@ class DeltaCodec(ShardCodec):
         sources = [src for src in range(len(sizes)) if src != skip]
         keyframe = any(self._check_header(gathered[src * stride:src * stride + sizes[src]], target, numel,
                                           headers[src])[0] & FLAG_KEYFRAME for src in sources)
-        if (keyframe or not sources or not use_triton(gathered, self.triton)
+        if (keyframe or len(sources) < 2 or not use_triton(gathered, self.triton)
                 or _bytes_after(gathered[(len(sizes) - 1) * stride:][:sizes[-1]]) < self.read_slack_bytes):
             return super().decode_gathered(target, gathered, stride, sizes, headers, skip)
         table = segments.block_table(b)

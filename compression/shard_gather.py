@@ -23,6 +23,7 @@ size message, i.e. what it hands to the collectives. A codec may declare extra i
 declared at construction and added as counters ``<comm_class>/<name>``.
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from compression.codec import EncodeStart, Segments, ShardCodec, shard_of
 from compression.telemetry import TELEMETRY
 
+logger = logging.getLogger(__name__)
 SIZE_BYTES = 8
 ALIGN = 16  # payloads start 16-byte aligned in the gathered buffer: the decoders' vector loads stay aligned
 
@@ -231,6 +233,9 @@ class GatherFusions:
         segments = Segments(buffers, lead.world_size)
         codec = type(lead.codec).fused([g.codec for g in gathers], segments)
         entry = self._fused[key] = (ShardGather(codec, lead.group, lead.comm_class), segments)
+        if lead.rank == 0:
+            logger.info("%s: %d buckets coded as one (%d values per rank)", lead.comm_class, len(gathers),
+                        sum(segments.numels))
         return entry
 
 

@@ -394,6 +394,7 @@ GPT = "--config configs/tiny_cpu_gpt.yaml " + DRIVER
 MOE = ("--config configs/tiny_cpu_moe.yaml --num-layers 2 --tensor-model-parallel-size 2 --sequence-parallel "
        "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 " + DRIVER)
 COMPRESSED = "--param-gather-verify-interval 2 --param-gather-selection all --param-gather-compression"
+SMALL_BUCKETS = "--ddp-bucket-size 40000"  # ~6 buckets of the tiny GPT: delta codes all but the first as one set
 
 
 def _assert_same_iterations(reference, run):
@@ -409,27 +410,32 @@ def _assert_same_iterations(reference, run):
 @pytest.mark.slow
 def test_driver_dp2_lossless_and_resume(tmp_path):
     """50 uncompressed iterations (saving at 25) vs CIERA from scratch and delta resumed at 25 (chosen by the
-    benefit selection, tried, and chosen again)."""
+    benefit selection, tried, and chosen again; and on every bucket)."""
 
     checkpoints = tmp_path / "checkpoints"
     reference = launch_training(tmp_path, "none", "pretrain_gpt.py", 2,
-                       f"{GPT} --save {checkpoints} --save-interval 25")
+                       f"{GPT} {SMALL_BUCKETS} --save {checkpoints} --save-interval 25")
     # Resume from iteration 25 as if the run had stopped there: drop the later checkpoint.
     for directory in checkpoints.glob("iter_*"):
         if int(directory.name.removeprefix("iter_")) > 25:
             shutil.rmtree(directory)
     (checkpoints / "latest_checkpointed_iteration.txt").write_text("25")
-    ciera = launch_training(tmp_path, "ciera", "pretrain_gpt.py", 2, f"{GPT} {COMPRESSED} ciera")
+    ciera = launch_training(tmp_path, "ciera", "pretrain_gpt.py", 2, f"{GPT} {SMALL_BUCKETS} {COMPRESSED} ciera")
     assert [r["iteration"] for r in ciera] == list(range(1, 51))
     _assert_same_iterations(reference, ciera)
     # Resumed with the benefit selection, its trial and a re-selection from iteration 40 (on the CPU the
     # selection finds that nothing pays: compressing or not, the bits must be the same).
     benefit = ("--param-gather-verify-interval 2 --param-gather-compression delta --param-gather-selection benefit "
                "--param-gather-trial-iters 2 --param-gather-reselect-interval 13")
-    delta = launch_training(tmp_path, "delta", "pretrain_gpt.py", 2, f"{GPT} {benefit} --load {checkpoints}")
+    delta = launch_training(tmp_path, "delta", "pretrain_gpt.py", 2, f"{GPT} {SMALL_BUCKETS} {benefit} --load {checkpoints}")
     assert [r["iteration"] for r in delta] == list(range(26, 51))
     _assert_same_iterations(reference, delta)
     assert all(isinstance(r["param_gather_compressed"], bool) for r in delta)
+    # Resumed with delta on every bucket: keyframes after the load, then the buckets coded as one set.
+    delta_all = launch_training(tmp_path, "delta-all", "pretrain_gpt.py", 2,
+                                f"{GPT} {SMALL_BUCKETS} {COMPRESSED} delta --load {checkpoints}")
+    assert [r["iteration"] for r in delta_all] == list(range(26, 51))
+    _assert_same_iterations(reference, delta_all)
 
 
 @pytest.mark.slow
