@@ -137,6 +137,16 @@ class ShardCodec(ABC):
             if src != skip:
                 self.decode(src, gathered[src * stride:src * stride + size], shard_of(target, src, len(sizes)), header)
 
+    def can_fuse(self, numel: int) -> bool:
+        """Whether this codec, coding a ``numel``-value shard, can now join others of its class coded as one shard
+        (``fused``; compression/shard_gather.py's GatherFusions). Not by default."""
+        return False
+
+    @classmethod
+    def fused(cls, codecs: list, segments: "Segments") -> "ShardCodec":
+        """One codec coding ``segments`` (the buckets of ``codecs``, in order) as one shard, sharing their state."""
+        raise NotImplementedError(f"{cls.__name__} codes one bucket at a time")
+
     def read_header(self, payload: torch.Tensor) -> bytes:
         """The payload's first ``header_nbytes`` bytes on the host (a device-to-host read: a sync)."""
         return payload[:self.header_nbytes].cpu().numpy().tobytes()

@@ -182,7 +182,7 @@ class _FusedTransfer:
 
 
 class GatherFusions:
-    """Which buckets are coded as one (a codec class with ``fused``, e.g. delta), kept across rounds: the
+    """Which buckets are coded as one (codecs whose ``can_fuse`` says so: delta), kept across rounds: the
     buckets of one process group, storage, dtype and telemetry class whose codecs hold their state (no keyframe
     due) become one ``ShardGather`` over ``Segments``. Every compressed bucket alone costs the host ~1.4 ms of
     launches per gather (delta on an H200, results/gpu/README.md session 11), a fused set about that once. A set
@@ -207,10 +207,7 @@ class GatherFusions:
         gathers in ``alone``)."""
         sets = {}
         for i, (g, buffer) in enumerate(zip(gathers, buffers)):
-            codec = g.codec
-            if g in alone:
-                continue
-            if hasattr(type(codec), "fused") and codec.can_fuse(buffer.numel() // g.world_size):
+            if g not in alone and g.codec.can_fuse(buffer.numel() // g.world_size):
                 key = (buffer.untyped_storage().data_ptr(), buffer.dtype, buffer.device, g.comm_class)
                 sets.setdefault(key, []).append(i)
         fused_indices = {i for members in sets.values() if len(members) > 1 for i in members}
