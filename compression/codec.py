@@ -199,6 +199,14 @@ class Segments:
     def padded_numel(self, block_size: int) -> int:
         return sum(-(-n // block_size) * block_size for n in self.numels)
 
+    def padded_offsets(self, block_size: int) -> list:
+        """Where each bucket's slice starts in a rank's padded shard."""
+        offsets, at = [], 0
+        for n in self.numels:
+            offsets.append(at)
+            at += -(-n // block_size) * block_size
+        return offsets
+
     def block_table(self, block_size: int) -> tuple:
         """``(base, start, stride, valid, aligned)``: block b of rank r's padded shard is the ``valid[b]`` values
         at ``base[start[b] + r * stride[b]:]`` (``base``: the buffer that starts first; int64 ``start``/
@@ -240,18 +248,11 @@ class SegmentedShard:
     def padded(self, block_size: int) -> torch.Tensor:
         """A contiguous copy of the parts, each zero-padded to whole blocks."""
         out = torch.zeros(self.segments.padded_numel(block_size), dtype=self.dtype, device=self.device)
-        for part, at in zip(self.parts, self._offsets(block_size)):
+        for part, at in zip(self.parts, self.segments.padded_offsets(block_size)):
             out[at:at + part.numel()] = part
         return out
 
     def write_padded(self, padded: torch.Tensor, block_size: int) -> None:
         """Inverse of ``padded``: the parts from a padded copy (pads ignored)."""
-        for part, at in zip(self.parts, self._offsets(block_size)):
+        for part, at in zip(self.parts, self.segments.padded_offsets(block_size)):
             part.copy_(padded[at:at + part.numel()])
-
-    def _offsets(self, block_size: int) -> list:
-        offsets, at = [], 0
-        for n in self.segments.numels:
-            offsets.append(at)
-            at += -(-n // block_size) * block_size
-        return offsets

@@ -145,13 +145,12 @@ class DeltaCodec(ShardCodec):
         fused = cls(first.config, first.world_size, first.rank, triton=first.triton)
         b = first.config.block_size
         fused._prev = torch.zeros(segments.padded_numel(b), dtype=torch.int16, device=segments.device)
-        fused._members, at = [], 0
-        for codec, n in zip(codecs, segments.numels):
+        fused._members = []
+        for codec, n, at in zip(codecs, segments.numels, segments.padded_offsets(b)):
             view = fused._prev[at:at + n]
             view.copy_(codec._prev)
             codec._prev = view
             fused._members.append((codec, view))
-            at += -(-n // b) * b
         return fused
 
     def can_fuse(self, numel: int) -> bool:
