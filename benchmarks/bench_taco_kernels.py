@@ -10,9 +10,8 @@ torch reference. Bandwidth counts bytes read plus written; "vs copy" = codec ban
 bandwidth (goal >= 0.70 from 16 MiB). do_bench times each call between events, so a call whose host
 launch (~50 us for the encode's many arguments) outlasts its kernel is timed by its launch; the
 "device" columns time the kernels alone (PyTorch profiler, L2 flushed before each call), which is
-what the kernel goal is about and what a CUDA-graph replay (--tp-comm-cuda-graphs) pays. ``--launch``
-times other kernel launch configurations (elements per program x warps, a register cap) too, in a "launch_sweep" table;
-the main rows use the module's ``kernels.taco.LAUNCH``. Exits non-zero if a check fails.
+what the kernel goal is about and what a CUDA-graph replay (--tp-comm-cuda-graphs) pays. Exits non-zero if a
+check fails.
 """
 
 import argparse
@@ -39,8 +38,6 @@ def parse_args(argv=None):
     p.add_argument("--transform", default="ash")
     p.add_argument("--scaling", default="dual")
     p.add_argument("--reference-max-mib", type=float, default=64, help="time the torch reference up to this size")
-    p.add_argument("--launch", default="", help="extra launch configs to time, e.g. 4096x8,1024x1,1024x1r64 "
-                   "(elements x warps, optionally r and a register cap)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, torch reference path, wall-clock timing")
     return p.parse_args(argv)
 
@@ -114,33 +111,6 @@ def device_ratios(codec, x, wire) -> dict:
     return row
 
 
-def launch_sweep(codec, sizes, configs, device):
-    """Encode/decode ms per launch config and size (each config checked against the reference)."""
-    default, table = dict(K.LAUNCH), []
-    try:
-        for config in configs:
-            elems, _, rest = config.partition("x")
-            warps, _, cap = rest.partition("r")
-            launch = (int(elems), int(warps), int(cap) if cap else None)
-            K.LAUNCH.update(encode=launch, decode=launch)
-            for mib in sizes:
-                numel = int(mib * 2**20) // 2
-                x = _input(numel, device)
-                wire = codec.encode(x)
-                table.append(dict(launch=config, mib=mib, problems=verify(codec, x),
-                                  encode_ms=kernel_ms(lambda: codec.encode(x), device),
-                                  decode_ms=kernel_ms(lambda: codec.decode(wire, numel, torch.bfloat16), device)))
-                if torch.device(device).type == "cuda":
-                    table[-1].update(device_ratios(codec, x, wire))
-                print(f"launch {config:>8} {mib:>6g} MiB: encode {table[-1]['encode_ms']:.4f} ms, "
-                      f"decode {table[-1]['decode_ms']:.4f} ms, vs copy (device) encode "
-                      f"{table[-1].get('encode_vs_copy_device', 0):.2f} decode {table[-1].get('decode_vs_copy_device', 0):.2f} "
-                      f"{table[-1]['problems'] or ''}")
-    finally:
-        K.LAUNCH.update(default)
-    return table
-
-
 def _print_table(rows):
     print(f"{'MiB':>6} {'copy GB/s':>10} {'enc GB/s':>9} {'enc/copy':>8} {'dec GB/s':>9} {'dec/copy':>8} "
           f"{'ref enc ms':>10} {'fused enc ms':>12} {'host us copy/enc/dec':>21} {'enc/dec vs copy, device':>24} "
@@ -164,7 +134,6 @@ def main(argv=None):
     codec = TacoCodec(TacoConfig(args.block_size, args.format, args.transform, args.scaling))
     rows = [bench_size(codec, mib, device, args.reference_max_mib) for mib in sizes]
     _print_table(rows)
-    sweep = launch_sweep(codec, sizes, [c for c in args.launch.split(",") if c], device)
     goal = [r for r in rows if r["mib"] >= GOAL_FROM_MIB]
     met = all(min(r["encode_vs_copy"], r["decode_vs_copy"]) >= GOAL_FRACTION for r in goal) if goal else None
     met_device = (all(min(r["encode_vs_copy_device"], r["decode_vs_copy_device"]) >= GOAL_FRACTION for r in goal)
@@ -173,11 +142,10 @@ def main(argv=None):
           f"(per call), {met_device} (device time)")
     result = dict(config=dataclasses.asdict(codec.config), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   torch=torch.__version__, triton=getattr(K.triton, "__version__", None), dry_run=args.dry_run,
-                  launch={k: list(v) for k, v in K.LAUNCH.items()}, goal_met=met, goal_met_device=met_device,
-                  rows=rows, launch_sweep=sweep)
+                  goal_met=met, goal_met_device=met_device, rows=rows)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    failed = [r["mib"] for r in rows + sweep if r["problems"]]
+    failed = [r["mib"] for r in rows if r["problems"]]
     if failed:
         sys.exit(f"fused kernels disagree with the reference at {failed} MiB")
     return result

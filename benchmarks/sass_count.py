@@ -29,6 +29,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -46,13 +47,14 @@ def sass_opcodes(kernel, signature: dict, constexprs: dict, num_warps: int, spec
     the launch options the codecs use (TACO disables FP contraction for bit-identity with its reference);
     ``specialize``: pointers and ``SPECIALIZED_INTS`` marked divisible by 16, as a launch with such values
     compiles."""
-    options = {"num_warps": num_warps, "enable_fp_fusion": kernel is not taco._taco_encode_kernel,
-               "maxnreg": max_registers}
+    options = {"num_warps": num_warps, "maxnreg": max_registers,
+               "enable_fp_fusion": kernel not in (taco._taco_encode_kernel, taco._taco_decode_kernel)}
     names = list(signature)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
              if specialize and (kind.startswith("*") or name in SPECIALIZED_INTS)}
-    compiled = triton.compile(ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                                        constexprs=constexprs, attrs=attrs),
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
+    compiled = triton.compile(source(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                                     constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -73,6 +75,15 @@ def _sig(names: str, types: dict) -> dict:
 B = 256
 _TABLE = dict(start_ptr="*i64", stride_ptr="*i64", valid_ptr="*i32")  # the block table of segmented shards
 _PLAIN = dict(SEGMENTED=False, ALIGNED=False)  # a plain shard (the table unused); segmented: SEGMENTED=True
+TACO_ENCODE_SIGNATURE = _sig(
+    "x_ptr wire_u8 wire_f32 amax_ptr scale_ptr src_u8 src_f32 src_stride skip x_start numel row_len blocks_per_row "
+    "n_blocks tau qmax inv_qmax inv_sqrt_b eps",
+    dict(x_ptr="*bf16", wire_u8="*u8", wire_f32="*fp32", amax_ptr="*fp32", scale_ptr="*fp32", src_u8="*u8",
+         src_f32="*fp32", tau="fp32", qmax="fp32", inv_qmax="fp32", inv_sqrt_b="fp32", eps="fp32"))
+TACO_DECODE_SIGNATURE = _sig(
+    "src_u8 src_f32 src_stride skip out_ptr x_ptr x_start numel row_len blocks_per_row n_blocks inv_sqrt_b",
+    dict(src_u8="*u8", src_f32="*fp32", out_ptr="*bf16", x_ptr="*bf16", inv_sqrt_b="fp32"))
+TACO_SHAPE = dict(B=B, LOG_B=8, R=taco.PROGRAM_VALUES // B, FORMAT=taco._FORMAT_ID["int8"], HADAMARD=True, EVEN=True)
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     "delta encode": (delta._encode_kernel, _sig(
         "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr changed_ptr counts_ptr n_esc_ptr "
@@ -87,16 +98,12 @@ KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per pro
         dict(out_ptr="*i16", payload_ptr="*u8", rank_end_ptr="*i64", stream_end_ptr="*i64", nbytes_ptr="*i64",
              **_TABLE)),
         dict(BLOCK=B, **_PLAIN), delta._num_warps(B), B, delta.MAX_REGISTERS["decode"]),
-    # TACO INT8 encode at its launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual scaling
-    "TACO encode, INT8": (taco._taco_encode_kernel, _sig(
-        "x_ptr wire_u8 wire_f32 amax_ptr scale_ptr src_u8 src_f32 src_stride skip x_start numel row_len "
-        "blocks_per_row n_blocks tau qmax inv_qmax inv_sqrt_b eps",
-        dict(x_ptr="*bf16", wire_u8="*u8", wire_f32="*fp32", amax_ptr="*fp32", scale_ptr="*fp32", src_u8="*u8",
-             src_f32="*fp32", tau="fp32", qmax="fp32", inv_qmax="fp32", inv_sqrt_b="fp32", eps="fp32")),
-        dict(B=B, LOG_B=8, ROWS=taco.LAUNCH["encode"][0] // B, FORMAT=taco._FORMAT_ID["int8"], HADAMARD=True,
-             GAIN=taco._gain(B, "ash"), SOURCES=0, RESCALE=taco._rescales("ash", "dual"), SCALE_MODE=taco._DUAL, EVEN=True, SOFT_ROUND=False,
-             MANTISSA_STEP=2.0**-7, MIN_ULP=1.0),
-        taco.LAUNCH["encode"][1], taco.LAUNCH["encode"][0], taco.LAUNCH["encode"][2]),
+    # TACO INT8 encode and decode at their launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual
+    "TACO encode, INT8": (taco._taco_encode_kernel, TACO_ENCODE_SIGNATURE,
+                          dict(TACO_SHAPE, GAIN=taco._gain(B, "ash"), SOURCES=0, RESCALE=taco._rescales("ash", "dual"),
+                               SCALE_MODE=taco._DUAL), 1, taco.PROGRAM_VALUES, None),
+    "TACO decode, INT8": (taco._taco_decode_kernel, TACO_DECODE_SIGNATURE, dict(TACO_SHAPE, SOURCES=1, ADD_OWN=False),
+                          1, taco.PROGRAM_VALUES, None),
 }
 
 

@@ -11,6 +11,9 @@ into blocks of ``block_size`` values, zero-padded at the row's end. Wire: one re
 
     record k = [ q_k (block_size x uint8) | alpha_k (fp32) | s_k (fp32) ]      (block_size + 8 bytes)
 
+q_k holds the block's B coefficients in "wire order": coefficient high * (B / 32) + low (low < B / 32) at
+byte low * 32 + high (``_wire_order``), so that each GPU thread's 32 coefficients are contiguous.
+
 so a wire cut at record boundaries is still a valid wire: row r of a multi-row encode is bytes
 ``[r * wire_nbytes(row_len), (r + 1) * wire_nbytes(row_len))``, which is what the compressed
 collectives send to rank r. Per block (fp32 arithmetic, H = Sylvester Walsh-Hadamard, unnormalized):
@@ -42,27 +45,28 @@ other blocks are unaffected. A block whose max|h| is below TINY = 2^-100 (~8e-31
 (Qmax / m would overflow). -0.0 keeps its sign on the payload grid.
 
 Determinism: the Hadamard rotation is log2(B) stages of pairwise a+b / a-b in a fixed order in both
-implementations; divisions and square roots are IEEE-rounded (``div_rn``/``sqrt_rn`` in Triton;
+implementations (the encode's on index bits 0, 1, ..., log2(B) - 1, the decode's on the high five bits first:
+``decode_bit_order``); divisions and square roots are IEEE-rounded (``div_rn``/``sqrt_rn`` in Triton;
 tensor-by-tensor division in the reference, since torch divides by a Python scalar as a product
 with its reciprocal on CUDA); the kernels are compiled without multiply-add fusion (INT8's one explicit
 fma rounds h * c exactly once; the reference computes that product in float64, where it is exact). The cast is
 exact everywhere: the GPU kernels use the hardware's round-to-nearest-even FP8 converters; the
-reference and Triton's interpreter (whose FP8 downcast does not round correctly) first round in
-fp32 arithmetic ((|y| + c) - c with c = 1.5 * 2^23 * ulp(y), sign restored), as INT8 does
-everywhere. Only the "ash" + "single" energy sum is reduced in a different order; it only picks the
+reference first rounds in fp32 arithmetic ((|y| + c) - c with c = 1.5 * 2^23 * ulp(y), sign restored), as
+INT8 does everywhere. Only the "ash" + "single" energy sum is reduced in a different order; it only picks the
 power of two alpha, and differs only where it lands within rounding of a power-of-two boundary.
 """
 
 import math
-import os
 
 import torch
 
 try:
     import triton
     import triton.language as tl
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
 except ImportError:  # CPU-only installs: the reference path is used
-    triton = None
+    triton = gl = None
 
 FORMATS = ("e4m3", "e5m2", "int8")
 TRANSFORMS = ("ash", "hadamard", "none")
@@ -105,13 +109,31 @@ def _rescales(transform: str, scaling: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def fwht_reference(z: torch.Tensor) -> torch.Tensor:
-    """Unnormalized Walsh-Hadamard transform of each row of ``z`` [M, B] (Sylvester order): each stage
-    puts the sums of neighbour pairs in the first half and their differences in the second half."""
-    for _ in range(int(math.log2(z.shape[1]))):
-        a, b = z[:, 0::2], z[:, 1::2]
-        z = torch.cat([a + b, a - b], dim=1)
+def fwht_reference(z: torch.Tensor, bits=None) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard transform of each row of ``z`` [M, B] (Sylvester order), one stage per index
+    bit in the order ``bits`` (default 0, 1, ..., log2(B) - 1): the pair of values whose indices differ in that
+    bit becomes (a + b, a - b), a the one with the bit clear. Any order gives the same transform; the order
+    fixes the rounding."""
+    log_b = int(math.log2(z.shape[1]))
+    for bit in range(log_b) if bits is None else bits:
+        pairs = z.reshape(z.shape[0], z.shape[1] >> (bit + 1), 2, 1 << bit)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        z = torch.stack([a + b, a - b], dim=2).reshape(z.shape)
     return z
+
+
+def decode_bit_order(block_size: int) -> list:
+    """The decode kernel's stage order: the five high index bits (a GPU thread's own) first, then the rest."""
+    log_b = int(math.log2(block_size))
+    return list(range(log_b - 5, log_b)) + list(range(log_b - 5))
+
+
+def _wire_order(q: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Blocks [n, B] with coefficient high * (B / 32) + low (low < B / 32) moved to position low * 32 + high
+    (``inverse``: back)."""
+    n, block_size = q.shape
+    shape = (n, block_size // 32, 32) if inverse else (n, 32, block_size // 32)
+    return q.reshape(shape).transpose(1, 2).reshape(n, block_size)
 
 
 def _blocks_reference(x: torch.Tensor, block_size: int, rows: int) -> torch.Tensor:
@@ -166,7 +188,7 @@ def _fold_reference(sources: torch.Tensor, skip: int, block_size: int, fmt: str,
             t = torch.zeros(records.shape[0], block_size, dtype=torch.float32, device=wire.device)
         if j == skip:
             continue
-        q = records[:, :block_size].view(_TORCH_FORMAT[fmt]).float()
+        q = _wire_order(records[:, :block_size], inverse=True).view(_TORCH_FORMAT[fmt]).float()
         alpha, s = records[:, block_size:].contiguous().view(torch.float32).unbind(dim=1)
         t = t + q * ((s * _inv_sqrt_b(block_size, transform)) / alpha)[:, None]
     return t
@@ -193,10 +215,11 @@ def _quantize_reference(h: torch.Tensor, fmt: str, transform: str, scaling: str)
     wire = torch.empty(h.shape[0], block_size + SCALE_BYTES, dtype=torch.uint8, device=h.device)
     if fmt == "int8":  # the product rounded once, as the kernels' fused multiply-add does (see _quantize)
         y = torch.where(ok[:, None], h.double() * c.double()[:, None], 0.0)
-        wire[:, :block_size] = torch.round(y).to(torch.int8).view(torch.uint8)
+        q = torch.round(y).to(torch.int8)
     else:
         y = torch.where(ok[:, None], h * c[:, None], 0.0)
-        wire[:, :block_size] = _round_to_grid(y, fmt).to(_TORCH_FORMAT[fmt]).view(torch.uint8)
+        q = _round_to_grid(y, fmt).to(_TORCH_FORMAT[fmt])
+    wire[:, :block_size] = _wire_order(q.view(torch.uint8))
     scales = torch.stack([torch.where(ok, alpha, 1.0), torch.where(ok, s, float("nan"))], dim=1)
     wire[:, block_size:] = scales.view(torch.uint8)
     return wire.view(-1)
@@ -222,7 +245,7 @@ def taco_encode_reference(x, block_size, fmt, transform, scaling, rows=1) -> tor
 def taco_decode_reference(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch.Tensor:
     row_len, blocks_per_row, n_blocks = _geometry(numel, block_size, rows)
     t = _fold_reference(wire.view(1, -1), -1, block_size, fmt, transform)
-    values = t if transform == "none" else fwht_reference(t)
+    values = t if transform == "none" else fwht_reference(t, decode_bit_order(block_size))
     out = torch.empty(rows, row_len, dtype=dtype, device=wire.device)
     out.copy_(values.view(rows, blocks_per_row * block_size)[:, :row_len])
     return out.view(-1)[:numel]
@@ -232,7 +255,7 @@ def taco_decode_sum_reference(wires, sources, numel, dtype, block_size, fmt, tra
     """The sum of ``sources`` tensors of ``numel`` values, each one row of ``wires``: folded in the
     rotated domain in source order, then rotated back once."""
     t = _fold_reference(wires.view(sources, -1), -1, block_size, fmt, transform)
-    values = t if transform == "none" else fwht_reference(t)
+    values = t if transform == "none" else fwht_reference(t, decode_bit_order(block_size))
     return values.reshape(-1)[:numel].to(dtype)
 
 
@@ -247,7 +270,7 @@ def taco_reduce_encode_reference(x, recv, rank, world, block_size, fmt, transfor
 def taco_reduce_decode_reference(x, recv, rank, world, block_size, fmt, transform) -> torch.Tensor:
     row = _own_row(x, rank, world)
     t = _fold_reference(recv.view(world, -1), rank, block_size, fmt, transform)
-    values = (t if transform == "none" else fwht_reference(t)).reshape(-1)[:row.numel()]
+    values = (t if transform == "none" else fwht_reference(t, decode_bit_order(block_size))).reshape(-1)[:row.numel()]
     return (row.float() + values).to(x.dtype)
 
 
@@ -255,161 +278,197 @@ def taco_reduce_decode_reference(x, recv, rank, world, block_size, fmt, transfor
 # Fused Triton kernels
 # ----------------------------------------------------------------------------------------------
 
-# Per kernel: (elements per program, warps, register cap or None). One warp with a few blocks keeps every
-# Hadamard stage inside the warp (no block-wide barriers); benchmarks/bench_taco_kernels.py --launch sweeps
-# it. A one-warp program runs at most 32 per SM, which needs <= 64 registers per thread (uncapped: ~70, 28
-# per SM); the caps gained 1-2% (encode) and 2-4% (decode) of copy bandwidth on the H200 (session 8). They
-# apply to the plain encode and decode at CAPPED_BLOCK_SIZES only: the fused steps that add received rows
-# and other block sizes spill under them (benchmarks/sass_count.py compiles for sm_90 on the CPU).
-LAUNCH = {"encode": (1024, 1, 64), "decode": (1024, 1, 64)}
-CAPPED_BLOCK_SIZES = (128, 256, 512)
+# One program = 1024 values (1024 / B blocks) on one warp, 32 values per thread. A Hadamard stage is a register
+# operation only for the index bits a thread holds, so each kernel holds two layouts of the program's [R, B]
+# values (index i = row * B + column, 10 bits; _layout) and moves between them once: LOAD (registers: the low
+# b - 5 column bits and the row bits; lanes: the high 5 column bits), where the stages on the low bits run and
+# loads and stores of the input are 16-byte vectors, and ROTATE (registers: the high 5 column bits; lanes: the
+# low bits and the rows), where the stages on the high bits run and a block's maximum is a thread's 32 values
+# and b - 5 shuffles. The wire stores each thread's 32 coefficients contiguously (_wire_order), so neither
+# kernel moves the payload between layouts. Written in Gluon (Triton's language with explicit layouts): plain
+# Triton chose two shared-memory transposes for the stages and a third for the payload bytes, 872 instead of
+# ~600 instructions per program (benchmarks/sass_count.py). Gluon kernels do not run under Triton's
+# interpreter: the CPU tests compile them for sm_90 and the GPU tests check them against the reference.
+PROGRAM_VALUES = 1024
 _FORMAT_ID = {"e4m3": 0, "e5m2": 1, "int8": 2}
 _DUAL, _SINGLE_AMAX, _SINGLE_QUANT = 0, 1, 2  # SCALE_MODE: "single" runs an amax pass first
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-if triton is not None:
+if gl is not None:
 
-    @triton.jit
-    def _fwht(z, ROWS: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr):
-        # Same stage order as fwht_reference: (2i, 2i+1) -> (i, i + B/2).
-        for _ in tl.static_range(LOG_B):
-            a, b = tl.split(tl.reshape(z, (ROWS, B // 2, 2)))
-            z = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, B))
+    @gluon.constexpr_function
+    def _layout(R, B, start):
+        """[R, B] on one warp: each thread holds the 32 values whose index bits start .. start + 4 (mod 10) vary;
+        the lanes select the other five."""
+        log_b = B.bit_length() - 1
+        registers = sorted((start + k) % 10 for k in range(5))
+
+        def basis(bit):
+            return [0, 1 << bit] if bit < log_b else [1 << (bit - log_b), 0]
+
+        lanes = [basis(bit) for bit in range(10) if bit not in registers]
+        return gl.DistributedLinearLayout([basis(bit) for bit in registers], lanes, [], [], [R, B])
+
+    @gluon.jit
+    def _butterflies(z, R: gl.constexpr, B: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr):
+        """The Hadamard stages on column bits FIRST .. LAST - 1, in place: the pair that differs in bit s becomes
+        (a + b, a - b), a the one with the bit clear (fwht_reference)."""
+        for s in gl.static_range(FIRST, LAST):
+            a, b = gl.split(gl.permute(gl.reshape(z, [R, B >> (s + 1), 2, 1 << s]), [0, 1, 3, 2]))
+            z = gl.reshape(gl.permute(gl.join(a + b, a - b), [0, 1, 3, 2]), [R, B])
         return z
 
-    @triton.jit
+    @gluon.jit
+    def _to_wire_order(z, R: gl.constexpr, B: gl.constexpr):
+        """Coefficient k = high * (B / 32) + low goes to wire position low * 32 + high (_wire_order)."""
+        return gl.reshape(gl.permute(gl.reshape(z, [R, 32, B // 32]), [0, 2, 1]), [R, B])
+
+    @gluon.jit
+    def _from_wire_order(z, R: gl.constexpr, B: gl.constexpr):
+        return gl.reshape(gl.permute(gl.reshape(z, [R, B // 32, 32]), [0, 2, 1]), [R, B])
+
+    @gluon.jit
     def _max_nan(a, b):
-        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
-    @triton.jit
-    def _block_offsets(pid, x_start, numel, row_len, blocks_per_row, n_blocks, ROWS: tl.constexpr,
-                       B: tl.constexpr, EVEN: tl.constexpr):
-        """Block ids [ROWS], element offsets [ROWS, B] from ``x_start`` and their mask (unused when
-        EVEN: every block is full and in range, so blocks are contiguous and accesses vectorize)."""
-        blk = pid * ROWS + tl.arange(0, ROWS)
+    @gluon.jit
+    def _block_offsets(pid, x_start, numel, row_len, blocks_per_row, n_blocks, R: gl.constexpr, B: gl.constexpr,
+                       EVEN: gl.constexpr, LAYOUT: gl.constexpr):
+        """Element offsets [R, B] of the program's blocks from ``x_start`` and their mask (unused when EVEN: every
+        block is full and in range, so blocks are contiguous and accesses vectorize)."""
+        blk = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, LAYOUT))
+        cols = gl.arange(0, B, layout=gl.SliceLayout(0, LAYOUT))
         if EVEN:
-            offs = x_start + blk.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :]
-            return blk, offs, offs < numel
+            offs = x_start + blk.to(gl.int64)[:, None] * B + cols[None, :]
+            return offs, offs < numel
         row = blk // blocks_per_row
-        cols = (blk - row * blocks_per_row)[:, None] * B + tl.arange(0, B)[None, :]
-        offs = x_start + row.to(tl.int64)[:, None] * row_len + cols
-        return blk, offs, (blk < n_blocks)[:, None] & (cols < row_len) & (offs < numel)
+        cols = (blk - row * blocks_per_row)[:, None] * B + cols[None, :]
+        offs = x_start + row.to(gl.int64)[:, None] * row_len + cols
+        return offs, (blk < n_blocks)[:, None] & (cols < row_len) & (offs < numel)
 
-    @triton.jit
-    def _load(ptr, offs, mask, EVEN: tl.constexpr):
+    @gluon.jit
+    def _load(ptr, offs, mask, EVEN: gl.constexpr):
         if EVEN:
-            return tl.load(ptr + offs).to(tl.float32)
-        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            return gl.load(ptr + offs).to(gl.float32)
+        return gl.load(ptr + offs, mask=mask, other=0.0).to(gl.float32)
 
-    @triton.jit
-    def _fold(src_u8, src_f32, src_stride, skip, blk, valid, inv_sqrt_b, ROWS: tl.constexpr, B: tl.constexpr,
-              FORMAT: tl.constexpr, SOURCES: tl.constexpr):
-        """_fold_reference for the blocks ``blk`` of the SOURCES wire rows ``src_stride`` bytes apart."""
-        t = tl.zeros((ROWS, B), tl.float32)
-        for j in tl.static_range(SOURCES):
+    @gluon.jit
+    def _fold(src_u8, src_f32, src_stride, skip, blk, valid, pos, inv_sqrt_b, R: gl.constexpr, B: gl.constexpr,
+              FORMAT: gl.constexpr, SOURCES: gl.constexpr, WIRE: gl.constexpr):
+        """_fold_reference for the blocks ``blk`` of the SOURCES wire rows ``src_stride`` bytes apart, in wire
+        order (``pos``: the payload positions)."""
+        t = gl.zeros([R, B], gl.float32, WIRE)
+        for j in gl.static_range(SOURCES):
             if j != skip:
-                record = j * src_stride + blk.to(tl.int64) * (B + 8)
-                bits = tl.load(src_u8 + record[:, None] + tl.arange(0, B)[None, :], mask=valid[:, None], other=0)
+                record = j * src_stride + blk.to(gl.int64) * (B + 8)
+                bits = gl.load(src_u8 + record[:, None] + pos[None, :], mask=valid[:, None], other=0)
                 if FORMAT == 0:
-                    q = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    q = bits.to(gl.float8e4nv, bitcast=True).to(gl.float32)
                 elif FORMAT == 1:
-                    q = bits.to(tl.float8e5, bitcast=True).to(tl.float32)
+                    q = bits.to(gl.float8e5, bitcast=True).to(gl.float32)
                 else:
-                    q = bits.to(tl.int8, bitcast=True).to(tl.float32)
+                    q = bits.to(gl.int8, bitcast=True).to(gl.float32)
                 scale_at = record // 4 + B // 4
-                alpha = tl.load(src_f32 + scale_at, mask=valid, other=1.0)
-                s = tl.load(src_f32 + scale_at + 1, mask=valid, other=1.0)
-                t = t + q * tl.div_rn(s * inv_sqrt_b, alpha)[:, None]
+                alpha = gl.load(src_f32 + scale_at, mask=valid, other=1.0)
+                s = gl.load(src_f32 + scale_at + 1, mask=valid, other=1.0)
+                t = t + q * gl.div_rn(s * inv_sqrt_b, alpha)[:, None]
         return t
 
-    @triton.jit
-    def _quantize(h, c, FORMAT: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA_STEP: tl.constexpr,
-                  MIN_ULP: tl.constexpr):
+    @gluon.jit
+    def _quantize(h, c, FORMAT: gl.constexpr):
         """Payload bytes of h * c on the format's grid (round to nearest even)."""
         if FORMAT == 2:
-            # INT8's grid is the integers (|h * c| <= Qmax = 127): the fused h * c + 1.5 * 2**23 rounds the
-            # exact product to an integer once (ties to even) and holds it, two's complement, in the low
-            # mantissa bits, so the low byte of its bits is the int8 byte: one instruction per value. The interpreter's fma rounds twice: there the product is exact in
-            # float64 and rounded by float64's magic constant instead (the reference rounds it the same way).
-            if SOFT_ROUND:
-                y = h.to(tl.float64) * c.to(tl.float64)
-                return ((y + 6755399441055744.0) - 6755399441055744.0).to(tl.int32).to(tl.uint8)
-            return tl.fma(h, c, 12582912.0).to(tl.int32, bitcast=True).to(tl.uint8)
-        y = h * c
-        if SOFT_ROUND:  # see _round_to_grid; the hardware converters round the same way
-            a = tl.abs(y)
-            binade = (a.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-            magic = tl.maximum(binade * MANTISSA_STEP, MIN_ULP) * 12582912.0
-            r = ((a + magic) - magic).to(tl.uint32, bitcast=True)
-            y = (r | (y.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
+            # INT8's grid is the integers (|h * c| <= Qmax = 127): the fused h * c + 1.5 * 2**23 rounds the exact
+            # product to an integer once (ties to even) and holds it, two's complement, in the low mantissa bits,
+            # so the low byte of its bits is the int8 byte (the reference rounds the product in float64).
+            return gl.fma(h, c, 12582912.0).to(gl.int32, bitcast=True).to(gl.uint8)
         if FORMAT == 0:
-            return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            return (h * c).to(gl.float8e4nv).to(gl.uint8, bitcast=True)
+        return (h * c).to(gl.float8e5).to(gl.uint8, bitcast=True)
 
-    @triton.jit
+    @gluon.jit
     def _taco_encode_kernel(
         x_ptr, wire_u8, wire_f32, amax_ptr, scale_ptr, src_u8, src_f32, src_stride, skip,
         x_start, numel, row_len, blocks_per_row, n_blocks, tau, qmax, inv_qmax, inv_sqrt_b, eps,
-        B: tl.constexpr, LOG_B: tl.constexpr, ROWS: tl.constexpr, FORMAT: tl.constexpr, HADAMARD: tl.constexpr,
-        GAIN: tl.constexpr, SOURCES: tl.constexpr, RESCALE: tl.constexpr, SCALE_MODE: tl.constexpr,
-        EVEN: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA_STEP: tl.constexpr, MIN_ULP: tl.constexpr,
+        B: gl.constexpr, LOG_B: gl.constexpr, R: gl.constexpr, FORMAT: gl.constexpr, HADAMARD: gl.constexpr,
+        GAIN: gl.constexpr, SOURCES: gl.constexpr, RESCALE: gl.constexpr, SCALE_MODE: gl.constexpr,
+        EVEN: gl.constexpr,
     ):
-        blk, offs, mask = _block_offsets(tl.program_id(0), x_start, numel, row_len, blocks_per_row, n_blocks,
-                                         ROWS, B, EVEN)
-        valid = blk < n_blocks
+        LOAD: gl.constexpr = _layout(R, B, LOG_B)
+        ROTATE: gl.constexpr = _layout(R, B, LOG_B - 5)
+        WIRE: gl.constexpr = _layout(R, B, 0)
+        PER_BLOCK: gl.constexpr = gl.SliceLayout(1, WIRE)
+        pid = gl.program_id(0)
+        offs, mask = _block_offsets(pid, x_start, numel, row_len, blocks_per_row, n_blocks, R, B, EVEN, LOAD)
         h = _load(x_ptr, offs, mask, EVEN)
         if HADAMARD:
-            h = _fwht(h, ROWS, B, LOG_B)
+            h = _butterflies(h, R, B, 0, LOG_B - 5)
+        h = gl.convert_layout(h, ROTATE)
+        if HADAMARD:
+            h = _butterflies(h, R, B, LOG_B - 5, LOG_B)
+        blk = pid * R + gl.arange(0, R, layout=PER_BLOCK)
+        valid = blk < n_blocks
+        pos = gl.arange(0, B, layout=gl.SliceLayout(0, WIRE))
         if SOURCES > 0:  # + the decoded rows of the other ranks, re-rotated: H(H(t)) = B * t
-            t = _fold(src_u8, src_f32, src_stride, skip, blk, valid, inv_sqrt_b, ROWS, B, FORMAT, SOURCES)
-            h = h + t * GAIN
-        alpha = tl.full((ROWS,), 1.0, tl.float32)
+            t = _fold(src_u8, src_f32, src_stride, skip, blk, valid, pos, inv_sqrt_b, R, B, FORMAT, SOURCES, WIRE)
+            h = h + gl.convert_layout(_from_wire_order(t, R, B), ROTATE) * GAIN
+        alpha = gl.full([R], 1.0, gl.float32, gl.SliceLayout(1, ROTATE))
         if RESCALE:
-            energy = tl.sum(h * h, axis=1) * (1.0 / (B * GAIN))
-            ratio = tl.div_rn(tl.full((ROWS,), tau, tl.float32), tl.sqrt_rn(energy + eps))
-            alpha = (ratio.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+            energy = gl.sum(h * h, axis=1) * (1.0 / (B * GAIN))
+            ratio = gl.div_rn(gl.full([R], tau, gl.float32, gl.SliceLayout(1, ROTATE)), gl.sqrt_rn(energy + eps))
+            alpha = (ratio.to(gl.int32, bitcast=True) & 0x7F800000).to(gl.float32, bitcast=True)
             h = h * alpha[:, None]
-        m = tl.reduce(tl.abs(h), 1, _max_nan)
+        m = gl.reduce(gl.abs(h), 1, _max_nan)
         ok = m <= 3.4028234663852886e38  # false for NaN and Inf
-        amax = tl.where(ok, m, 0.0)
+        amax = gl.where(ok, m, 0.0)
         if SCALE_MODE == 1:
-            tl.store(amax_ptr + blk, amax, mask=valid)
+            gl.store(amax_ptr + blk, gl.convert_layout(amax, PER_BLOCK), mask=valid)
         else:
             if SCALE_MODE == 0:
                 nonzero = amax >= 7.888609052210118e-31  # TINY
-                s = tl.where(nonzero, (amax * inv_sqrt_b) * inv_qmax, 1.0)
-                c = tl.where(nonzero, tl.div_rn(tl.full((ROWS,), qmax, tl.float32), amax), 1.0)
+                s = gl.where(nonzero, (amax * inv_sqrt_b) * inv_qmax, 1.0)
+                c = gl.where(nonzero, gl.div_rn(gl.full([R], qmax, gl.float32, gl.SliceLayout(1, ROTATE)), amax), 1.0)
             else:
-                s = tl.full((ROWS,), 1.0, tl.float32) * tl.load(scale_ptr)
-                c = tl.full((ROWS,), 1.0, tl.float32) * tl.load(scale_ptr + 1)
-            q = _quantize(h, c[:, None], FORMAT, SOFT_ROUND, MANTISSA_STEP, MIN_ULP)
-            record = blk.to(tl.int64) * (B + 8)
-            payload = wire_u8 + record[:, None] + tl.arange(0, B)[None, :]
+                s = gl.full([R], 1.0, gl.float32, gl.SliceLayout(1, ROTATE)) * gl.load(scale_ptr)
+                c = gl.full([R], 1.0, gl.float32, gl.SliceLayout(1, ROTATE)) * gl.load(scale_ptr + 1)
+            q = gl.convert_layout(_to_wire_order(_quantize(h, c[:, None], FORMAT), R, B), WIRE)
+            ok = gl.convert_layout(ok, PER_BLOCK)
+            record = blk.to(gl.int64) * (B + 8)
+            payload = wire_u8 + record[:, None] + pos[None, :]
             # blocks with a NaN or Inf get zeros: two stores masked per block instead of a select per value
-            tl.store(payload, q, mask=(valid & ok)[:, None])
-            tl.store(payload, tl.zeros_like(q), mask=(valid & ~ok)[:, None])
+            gl.store(payload, q, mask=(valid & ok)[:, None])
+            gl.store(payload, gl.zeros_like(q), mask=(valid & ~ok)[:, None])
             scale_at = record // 4 + B // 4
-            tl.store(wire_f32 + scale_at, tl.where(ok, alpha, 1.0), mask=valid)
-            tl.store(wire_f32 + scale_at + 1, tl.where(ok, s, float("nan")), mask=valid)
+            gl.store(wire_f32 + scale_at, gl.where(ok, gl.convert_layout(alpha, PER_BLOCK), 1.0), mask=valid)
+            gl.store(wire_f32 + scale_at + 1, gl.where(ok, gl.convert_layout(s, PER_BLOCK), float("nan")), mask=valid)
 
-    @triton.jit
+    @gluon.jit
     def _taco_decode_kernel(
         src_u8, src_f32, src_stride, skip, out_ptr, x_ptr, x_start, numel, row_len, blocks_per_row, n_blocks,
         inv_sqrt_b,
-        B: tl.constexpr, LOG_B: tl.constexpr, ROWS: tl.constexpr, FORMAT: tl.constexpr, HADAMARD: tl.constexpr,
-        SOURCES: tl.constexpr, ADD_OWN: tl.constexpr, EVEN: tl.constexpr,
+        B: gl.constexpr, LOG_B: gl.constexpr, R: gl.constexpr, FORMAT: gl.constexpr, HADAMARD: gl.constexpr,
+        SOURCES: gl.constexpr, ADD_OWN: gl.constexpr, EVEN: gl.constexpr,
     ):
-        blk, offs, mask = _block_offsets(tl.program_id(0), 0, numel, row_len, blocks_per_row, n_blocks, ROWS, B,
-                                         EVEN)
-        values = _fold(src_u8, src_f32, src_stride, skip, blk, blk < n_blocks, inv_sqrt_b, ROWS, B, FORMAT, SOURCES)
+        LOAD: gl.constexpr = _layout(R, B, LOG_B)
+        ROTATE: gl.constexpr = _layout(R, B, LOG_B - 5)
+        WIRE: gl.constexpr = _layout(R, B, 0)
+        pid = gl.program_id(0)
+        blk = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, WIRE))
+        pos = gl.arange(0, B, layout=gl.SliceLayout(0, WIRE))
+        t = _fold(src_u8, src_f32, src_stride, skip, blk, blk < n_blocks, pos, inv_sqrt_b, R, B, FORMAT, SOURCES,
+                  WIRE)
+        values = gl.convert_layout(_from_wire_order(t, R, B), ROTATE)
+        if HADAMARD:  # the high bits first (decode_bit_order)
+            values = _butterflies(values, R, B, LOG_B - 5, LOG_B)
+        values = gl.convert_layout(values, LOAD)
         if HADAMARD:
-            values = _fwht(values, ROWS, B, LOG_B)
+            values = _butterflies(values, R, B, 0, LOG_B - 5)
+        offs, mask = _block_offsets(pid, 0, numel, row_len, blocks_per_row, n_blocks, R, B, EVEN, LOAD)
         if ADD_OWN:
             values = _load(x_ptr + x_start, offs, mask, EVEN) + values
         if EVEN:
-            tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty))
+            gl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty))
         else:
-            tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=mask)
+            gl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(kernel, x_start, numel, row_len, rows, block_size, fmt, transform, sources):
@@ -418,16 +477,12 @@ def _launch(kernel, x_start, numel, row_len, rows, block_size, fmt, transform, s
     read as zeros), folding ``sources`` received rows."""
     blocks_per_row = -(-row_len // block_size)
     n_blocks = rows * blocks_per_row
-    elems_per_program, num_warps, max_registers = LAUNCH[kernel]
-    if sources > 1 or block_size not in CAPPED_BLOCK_SIZES:
-        max_registers = None
-    n_rows = max(1, elems_per_program // block_size)
+    n_rows = PROGRAM_VALUES // block_size
     even = row_len % block_size == 0 and x_start + rows * row_len <= numel and n_blocks % n_rows == 0
     # enable_fp_fusion=False: a product fused into the following add would skip a rounding the
     # reference performs (e.g. q * f in the decode sum), breaking bit-identity.
-    meta = dict(B=block_size, LOG_B=int(math.log2(block_size)), ROWS=n_rows, FORMAT=_FORMAT_ID[fmt],
-                HADAMARD=transform != "none", EVEN=even, num_warps=num_warps, maxnreg=max_registers,
-                enable_fp_fusion=False)
+    meta = dict(B=block_size, LOG_B=int(math.log2(block_size)), R=n_rows, FORMAT=_FORMAT_ID[fmt],
+                HADAMARD=transform != "none", EVEN=even, num_warps=1, enable_fp_fusion=False)
     return (triton.cdiv(n_blocks, n_rows),), (x_start, numel, row_len, blocks_per_row, n_blocks), meta
 
 
@@ -439,10 +494,8 @@ def _encode_triton(flat, x_start, row_len, rows, sources, skip, block_size, fmt,
     grid, geometry, meta = _launch("encode", x_start, flat.numel(), row_len, rows, block_size, fmt, transform,
                                    0 if sources is None else sources.shape[0])
     qmax, inv_sqrt_b = QMAX[fmt], _inv_sqrt_b(block_size, transform)
-    mantissa_bits, min_ulp = _GRID[fmt]
     meta.update(GAIN=_gain(block_size, transform), SOURCES=0 if sources is None else sources.shape[0],
-                RESCALE=_rescales(transform, scaling),
-                MANTISSA_STEP=2.0**-mantissa_bits, MIN_ULP=min_ulp, SOFT_ROUND=_INTERPRETED)
+                RESCALE=_rescales(transform, scaling))
     src = wire if sources is None else sources
     args = (flat, wire, wire.view(torch.float32))
     more = (src, src.view(torch.float32), src.shape[-1] if sources is not None else 0, skip, *geometry,

@@ -8,7 +8,7 @@ import torch
 
 from benchmarks.taco_codec_ablation import activation_like, gradient_like
 from compression.taco import TacoCodec, TacoConfig
-from kernels.taco import fwht_reference
+from kernels.taco import _wire_order, decode_bit_order, fwht_reference
 
 
 def _codec(fmt="e4m3", transform="ash", scaling="dual", block_size=256):
@@ -47,6 +47,19 @@ def test_fwht_is_the_normalized_sylvester_hadamard_and_self_inverse():
     x = torch.randn(3, 32, dtype=torch.float64)
     torch.testing.assert_close(fwht_reference(x), x @ h.T)
     torch.testing.assert_close(fwht_reference(fwht_reference(x)) / 32, x)
+    # the decode's stage order (high bits first) is the same transform, in float64 exactly
+    x = torch.randn(3, 256, dtype=torch.float64).round()
+    assert torch.equal(fwht_reference(x, decode_bit_order(256)), fwht_reference(x))
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 256, 1024])
+def test_wire_order_puts_each_threads_coefficients_together(block_size):
+    """Coefficient high * (B / 32) + low sits at byte low * 32 + high of the block's payload."""
+    k = torch.arange(block_size).repeat(2, 1)
+    wire = _wire_order(k)
+    low, high = torch.meshgrid(torch.arange(block_size // 32), torch.arange(32), indexing="ij")
+    assert torch.equal(wire[1], (high * (block_size // 32) + low).reshape(-1))
+    assert torch.equal(_wire_order(wire, inverse=True), k)
 
 
 @pytest.mark.parametrize("numel", [0, 1, 31, 257, 1000, 4099])
