@@ -7,6 +7,7 @@ with the reference bit for bit (the reference runs on CUDA there too, so torch's
 against the kernels). No tolerance: both run the same IEEE operations in the same order (kernels/taco.py).
 """
 
+import json
 import math
 
 import pytest
@@ -138,6 +139,15 @@ def test_kernels_compile_for_sm90_without_spills(fmt, block_size, sources, even)
 @pytest.mark.gpu
 def test_fused_kernels_match_reference_on_gpu():
     assert _compare(1_000_003) == []
+
+
+@pytest.mark.gpu
+def test_fused_steps_benchmark_checks_and_times_every_step(tmp_path):
+    from benchmarks import bench_taco_fused_steps
+
+    bench_taco_fused_steps.main(["--mib", "1", "--worlds", "2,4", "--out", str(tmp_path / "steps.json")])
+    result = json.loads((tmp_path / "steps.json").read_text())
+    assert not result["problems"] and len(result["rows"]) == 6 and all(r["device_us"] > 0 for r in result["rows"])
 
 
 def test_kernel_benchmark_dry_run(tmp_path):
