@@ -81,10 +81,22 @@ def launch_training(tmp_path, name, script, nproc, flags, timeout=400):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     metrics = tmp_path / f"{name}.jsonl"
+    logs = tmp_path / f"{name}_logs"  # every rank's own stdout/stderr (also echoed: --tee 3)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(root, script), *flags.split(), "--metrics-file", str(metrics),
-           "--data-cache-path", str(tmp_path / "cache")]
+           "--log-dir", str(logs), "--tee", "3", os.path.join(root, script), *flags.split(),
+           "--metrics-file", str(metrics), "--data-cache-path", str(tmp_path / "cache")]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, (f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+                                    f"{_root_cause_log(result.stderr, logs)}")
     return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def _root_cause_log(stderr: str, logs) -> str:
+    """The stderr of the rank torchrun names as the root cause of a failure (the combined tail above mostly
+    shows its peers' "connection closed" errors)."""
+    import re
+
+    found = re.search(r"Root Cause.*?rank\s*:\s*\d+ \(local_rank: (\d+)\)", stderr, re.S)
+    files = sorted(logs.glob(f"*/attempt_*/{found.group(1)}/stderr.log")) if found else []
+    return f"\nroot-cause rank {found.group(1)}'s stderr:\n{files[-1].read_text()[-6000:]}" if files else ""
