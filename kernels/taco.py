@@ -1,6 +1,6 @@
-"""TACO block codec: fused Triton encode/decode kernels and the plain-PyTorch reference.
+"""TACO block codec: fused encode/decode kernels (Triton's Gluon) and the plain-PyTorch reference.
 
-The reference is the CPU path and the test oracle; ``taco_encode``/``taco_decode`` use Triton when
+The reference is the CPU path and the test oracle; ``taco_encode``/``taco_decode`` use the kernels when
 the tensor is on CUDA and Triton imports. Both compute the same floating-point operations in the
 same order, so payload bytes, scales and decoded values are bit-identical (see "Determinism").
 
@@ -275,7 +275,7 @@ def taco_reduce_decode_reference(x, recv, rank, world, block_size, fmt, transfor
 
 
 # ----------------------------------------------------------------------------------------------
-# Fused Triton kernels
+# Fused Gluon kernels
 # ----------------------------------------------------------------------------------------------
 
 # One program = 1024 values (1024 / B blocks) on one warp, 32 values per thread. A Hadamard stage is a register
