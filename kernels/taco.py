@@ -56,7 +56,9 @@ INT8 does everywhere. Only the "ash" + "single" energy sum is reduced in a diffe
 power of two alpha, and differs only where it lands within rounding of a power-of-two boundary.
 """
 
+import functools
 import math
+import warnings
 
 import torch
 
@@ -65,6 +67,9 @@ try:
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+
+    if not (hasattr(gluon, "constexpr_function") and hasattr(gl, "DistributedLinearLayout")):
+        gl = None  # a Triton whose Gluon predates the API the kernels use (3.6)
 except ImportError:  # CPU-only installs: the reference path is used
     triton = gl = None
 
@@ -566,19 +571,33 @@ def taco_reduce_decode_triton(x, recv, rank, world, block_size, fmt, transform) 
                           transform)
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda
+def _use_kernels(t: torch.Tensor) -> bool:
+    """The fused kernels for CUDA tensors; without them (no Triton, or one before 3.6) the reference, which writes
+    the same bytes more slowly, with a warning."""
+    if not t.is_cuda:
+        return False
+    if gl is None:
+        _warn_without_kernels()
+    return gl is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_without_kernels() -> None:
+    found = getattr(triton, "__version__", "none")
+    warnings.warn(f"TACO's fused kernels need Triton 3.6 with Gluon (found: {found}; pip install "
+                  "'megatron-compressed-comm[gpu]'): CUDA tensors are encoded by the PyTorch reference, which "
+                  "gives the same bytes but is far slower")
 
 
 def taco_encode(x, block_size, fmt, transform, scaling, rows=1) -> torch.Tensor:
     """Encode ``x`` (any shape; flattened) as ``rows`` independently padded rows; 1-D uint8 wire."""
-    encode = taco_encode_triton if _use_triton(x) else taco_encode_reference
+    encode = taco_encode_triton if _use_kernels(x) else taco_encode_reference
     return encode(x, block_size, fmt, transform, scaling, rows)
 
 
 def taco_decode(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch.Tensor:
     """Inverse of ``taco_encode``: a 1-D tensor of ``numel`` values of ``dtype``."""
-    decode = taco_decode_triton if _use_triton(wire) else taco_decode_reference
+    decode = taco_decode_triton if _use_kernels(wire) else taco_decode_reference
     return decode(wire, numel, dtype, block_size, fmt, transform, rows)
 
 
@@ -586,7 +605,7 @@ def taco_decode_sum(wires, sources, numel, dtype, block_size, fmt, transform) ->
     """The one-shot all-reduce's last step in one pass: the sum of ``sources`` encoded tensors of ``numel``
     values (``wires``: their one-row wires back to back), as ``dtype``. Summed in a fixed order, so every
     rank that decodes the same wires gets the same bits."""
-    decode = taco_decode_sum_triton if _use_triton(wires) else taco_decode_sum_reference
+    decode = taco_decode_sum_triton if _use_kernels(wires) else taco_decode_sum_reference
     return decode(wires, sources, numel, dtype, block_size, fmt, transform)
 
 
@@ -594,7 +613,7 @@ def taco_reduce_encode(x, recv, rank, world, block_size, fmt, transform, scaling
     """The all-reduce middle step in one pass: the wire (one row) of row ``rank`` of ``world`` rows of
     ``x`` plus the rows of ``recv`` (``world`` row wires; the ``rank``-th is skipped) decoded, summed
     in the rotated domain: H(own) + B * fold(recv) (see _fold_reference)."""
-    encode = taco_reduce_encode_triton if _use_triton(x) else taco_reduce_encode_reference
+    encode = taco_reduce_encode_triton if _use_kernels(x) else taco_reduce_encode_reference
     return encode(x, recv, rank, world, block_size, fmt, transform, scaling)
 
 
@@ -603,5 +622,5 @@ def taco_reduce_decode(x, recv, rank, world, block_size, fmt, transform) -> torc
     of the other ranks' decoded rows, as ``x.dtype`` [numel / world]."""
     if x.numel() % world:
         raise ValueError(f"taco_reduce_decode needs x.numel() ({x.numel()}) divisible by world ({world})")
-    decode = taco_reduce_decode_triton if _use_triton(x) else taco_reduce_decode_reference
+    decode = taco_reduce_decode_triton if _use_kernels(x) else taco_reduce_decode_reference
     return decode(x, recv, rank, world, block_size, fmt, transform)

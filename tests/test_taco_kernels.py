@@ -150,6 +150,18 @@ def test_fused_steps_benchmark_checks_and_times_every_step(tmp_path):
     assert not result["problems"] and len(result["rows"]) == 6 and all(r["device_us"] > 0 for r in result["rows"])
 
 
+def test_cuda_tensors_without_the_kernels_use_the_reference_with_a_warning(monkeypatch):
+    from types import SimpleNamespace
+
+    from kernels import taco as K
+
+    monkeypatch.setattr(K, "gl", None)  # as with no Triton, or one whose Gluon predates 3.6
+    K._warn_without_kernels.cache_clear()
+    with pytest.warns(UserWarning, match="need Triton 3.6"):
+        assert not K._use_kernels(SimpleNamespace(is_cuda=True))
+    assert not K._use_kernels(SimpleNamespace(is_cuda=False))
+
+
 def test_kernel_benchmark_dry_run(tmp_path):
     from benchmarks import bench_taco_kernels
 
