@@ -83,7 +83,8 @@ TACO_ENCODE_SIGNATURE = _sig(
 TACO_DECODE_SIGNATURE = _sig(
     "src_u8 src_f32 src_stride skip out_ptr x_ptr x_start numel row_len blocks_per_row n_blocks inv_sqrt_b",
     dict(src_u8="*u8", src_f32="*fp32", out_ptr="*bf16", x_ptr="*bf16", inv_sqrt_b="fp32"))
-TACO_SHAPE = dict(B=B, LOG_B=8, R=taco.PROGRAM_VALUES // B, FORMAT=taco._FORMAT_ID["int8"], HADAMARD=True, EVEN=True)
+TACO_SHAPE = dict(B=B, LOG_B=8, R=taco.PROGRAM_VALUES // B, FORMAT=taco._FORMAT_ID["int8"], HADAMARD=True, EVEN=True,
+                  SKIP=False)
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     "delta encode": (delta._encode_kernel, _sig(
         "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr changed_ptr counts_ptr n_esc_ptr "

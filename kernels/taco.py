@@ -358,27 +358,31 @@ if gl is not None:
 
     @gluon.jit
     def _fold(src_u8, src_f32, src_stride, skip, blk, valid, pos, inv_sqrt_b, R: gl.constexpr, B: gl.constexpr,
-              FORMAT: gl.constexpr, SOURCES: gl.constexpr, WIRE: gl.constexpr):
-        """_fold_reference for the blocks ``blk`` of the SOURCES wire rows ``src_stride`` records apart, in wire
-        order (``pos``: the payload positions). The stride counts records, not bytes, so that every record's
-        byte offset is a known multiple of 8 and its payload loads are 8-byte vectors. (Masking row ``skip``'s
-        loads instead of branching around it was 6% faster with 2 sources and 42% slower with 8, its loads
-        hoisted into 168 registers: results/gpu/README.md, session 13.)"""
+              FORMAT: gl.constexpr, SOURCES: gl.constexpr, WIRE: gl.constexpr, SKIP: gl.constexpr):
+        """_fold_reference for the blocks ``blk`` of the SOURCES wire rows ``src_stride`` records apart (all of them,
+        or all but row ``skip`` if SKIP), in wire order (``pos``: the payload positions). The stride counts
+        records, not bytes, so that every record's byte offset is a known multiple of 8 and its payload loads
+        are 8-byte vectors. A loop, not unrolled: unrolled, the compiler hoisted every row's loads (168
+        registers at 8 rows) or branched around row ``skip``, 20-40% slower at 8 rows (results/gpu/README.md,
+        session 13)."""
         t = gl.zeros([R, B], gl.float32, WIRE)
-        for j in gl.static_range(SOURCES):
-            if j != skip:
-                record = (j * src_stride + blk.to(gl.int64)) * (B + 8)
-                bits = gl.load(src_u8 + record[:, None] + pos[None, :], mask=valid[:, None], other=0)
-                if FORMAT == 0:
-                    q = bits.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-                elif FORMAT == 1:
-                    q = bits.to(gl.float8e5, bitcast=True).to(gl.float32)
-                else:
-                    q = bits.to(gl.int8, bitcast=True).to(gl.float32)
-                scale_at = record // 4 + B // 4
-                alpha = gl.load(src_f32 + scale_at, mask=valid, other=1.0)
-                s = gl.load(src_f32 + scale_at + 1, mask=valid, other=1.0)
-                t = t + q * gl.div_rn(s * inv_sqrt_b, alpha)[:, None]
+        n_folded: gl.constexpr = SOURCES - 1 if SKIP else SOURCES
+        for i in range(n_folded):
+            j = i
+            if SKIP:
+                j = i + (i >= skip).to(gl.int32)  # rows 0, 1, ... but ``skip``, in order
+            record = (j * src_stride + blk.to(gl.int64)) * (B + 8)
+            bits = gl.load(src_u8 + record[:, None] + pos[None, :], mask=valid[:, None], other=0)
+            if FORMAT == 0:
+                q = bits.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            elif FORMAT == 1:
+                q = bits.to(gl.float8e5, bitcast=True).to(gl.float32)
+            else:
+                q = bits.to(gl.int8, bitcast=True).to(gl.float32)
+            scale_at = record // 4 + B // 4
+            alpha = gl.load(src_f32 + scale_at, mask=valid, other=1.0)
+            s = gl.load(src_f32 + scale_at + 1, mask=valid, other=1.0)
+            t = t + q * gl.div_rn(s * inv_sqrt_b, alpha)[:, None]
         return t
 
     @gluon.jit
@@ -399,7 +403,7 @@ if gl is not None:
         x_start, numel, row_len, blocks_per_row, n_blocks, tau, qmax, inv_qmax, inv_sqrt_b, eps,
         B: gl.constexpr, LOG_B: gl.constexpr, R: gl.constexpr, FORMAT: gl.constexpr, HADAMARD: gl.constexpr,
         GAIN: gl.constexpr, SOURCES: gl.constexpr, RESCALE: gl.constexpr, SCALE_MODE: gl.constexpr,
-        EVEN: gl.constexpr,
+        EVEN: gl.constexpr, SKIP: gl.constexpr,
     ):
         LOAD: gl.constexpr = _layout(R, B, LOG_B)
         ROTATE: gl.constexpr = _layout(R, B, LOG_B - 5)
@@ -410,7 +414,8 @@ if gl is not None:
         valid = blk < n_blocks
         pos = gl.arange(0, B, layout=gl.SliceLayout(0, WIRE))
         if SOURCES > 0:  # the decoded rows of the other ranks, added after the rotation: H(H(t)) = B * t
-            t = _fold(src_u8, src_f32, src_stride, skip, blk, valid, pos, inv_sqrt_b, R, B, FORMAT, SOURCES, WIRE)
+            t = _fold(src_u8, src_f32, src_stride, skip, blk, valid, pos, inv_sqrt_b, R, B, FORMAT, SOURCES, WIRE,
+                      SKIP)
         offs, mask = _block_offsets(pid, x_start, numel, row_len, blocks_per_row, n_blocks, R, B, EVEN, LOAD)
         h = _load(x_ptr, offs, mask, EVEN)
         if HADAMARD:
@@ -455,7 +460,7 @@ if gl is not None:
         src_u8, src_f32, src_stride, skip, out_ptr, x_ptr, x_start, numel, row_len, blocks_per_row, n_blocks,
         inv_sqrt_b,
         B: gl.constexpr, LOG_B: gl.constexpr, R: gl.constexpr, FORMAT: gl.constexpr, HADAMARD: gl.constexpr,
-        SOURCES: gl.constexpr, ADD_OWN: gl.constexpr, EVEN: gl.constexpr,
+        SOURCES: gl.constexpr, ADD_OWN: gl.constexpr, EVEN: gl.constexpr, SKIP: gl.constexpr,
     ):
         LOAD: gl.constexpr = _layout(R, B, LOG_B)
         ROTATE: gl.constexpr = _layout(R, B, LOG_B - 5)
@@ -464,7 +469,7 @@ if gl is not None:
         blk = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, WIRE))
         pos = gl.arange(0, B, layout=gl.SliceLayout(0, WIRE))
         t = _fold(src_u8, src_f32, src_stride, skip, blk, blk < n_blocks, pos, inv_sqrt_b, R, B, FORMAT, SOURCES,
-                  WIRE)
+                  WIRE, SKIP)
         values = gl.convert_layout(_from_wire_order(t, R, B), ROTATE)
         if HADAMARD:  # the high bits first (decode_bit_order)
             values = _butterflies(values, R, B, LOG_B - 5, LOG_B)
@@ -509,7 +514,7 @@ def _encode_triton(flat, x_start, row_len, rows, sources, skip, block_size, fmt,
                                    0 if sources is None else sources.shape[0])
     qmax, inv_sqrt_b = QMAX[fmt], _inv_sqrt_b(block_size, transform)
     meta.update(GAIN=_gain(block_size, transform), SOURCES=0 if sources is None else sources.shape[0],
-                RESCALE=_rescales(transform, scaling))
+                RESCALE=_rescales(transform, scaling), SKIP=skip >= 0)
     src = wire if sources is None else sources
     args = (flat, wire, wire.view(torch.float32))
     more = (src, src.view(torch.float32), _records(src, block_size) if sources is not None else 0, skip, *geometry,
@@ -530,7 +535,7 @@ def _decode_triton(sources, skip, out, own, x_start, row_len, rows, block_size, 
         return out
     grid, geometry, meta = _launch("decode", 0, out.numel(), row_len, rows, block_size, fmt, transform,
                                    sources.shape[0])
-    meta.update(SOURCES=sources.shape[0], ADD_OWN=own is not None)
+    meta.update(SOURCES=sources.shape[0], ADD_OWN=own is not None, SKIP=skip >= 0)
     own = out if own is None else own
     _taco_decode_kernel[grid](sources, sources.view(torch.float32), _records(sources, block_size), skip, out, own,
                               x_start, *geometry[1:], _inv_sqrt_b(block_size, transform), **meta)

@@ -123,7 +123,7 @@ def test_kernels_compile_for_sm90_without_spills(fmt, block_size, sources, even)
     from kernels import taco as K
 
     shape = dict(B=block_size, LOG_B=int(math.log2(block_size)), R=K.PROGRAM_VALUES // block_size,
-                 FORMAT=K._FORMAT_ID[fmt], HADAMARD=True, EVEN=even)
+                 FORMAT=K._FORMAT_ID[fmt], HADAMARD=True, EVEN=even, SKIP=sources > 0)
     builds = [(K._taco_encode_kernel, sc.TACO_ENCODE_SIGNATURE,
                dict(shape, GAIN=float(block_size), SOURCES=sources, RESCALE=sources == 0, SCALE_MODE=K._SINGLE_QUANT
                     if sources == 0 else K._DUAL)),
