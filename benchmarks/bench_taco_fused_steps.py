@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.taco_codec_ablation import activation_like  # noqa: E402
-from compression.timing import device_op_seconds  # noqa: E402
+from compression.timing import cold_device_seconds  # noqa: E402
 from kernels import taco as K  # noqa: E402
 
 
@@ -64,14 +64,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     numel = int(args.mib * 2**20) // 2 // 8192 * 8192  # divisible by every world and block size
     x = (activation_like(tokens=numel // 4096, hidden=4096).reshape(-1)[:numel]).to(torch.bfloat16).cuda()
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=x.device)  # larger than the L2
-    copy_us = 1e6 * sum(device_op_seconds(lambda: x.clone(), 5, setup=flush.zero_).values())
+    copy_us = 1e6 * cold_device_seconds(lambda: x.clone(), x.device)
     rows, problems = [], []
     for world in (int(w) for w in args.worlds.split(",")):
         for name, (fused, reference, nbytes) in steps(x, world, args.block_size, args.format, args.transform).items():
             if not _same(fused(), reference()):
                 problems.append(f"{name} world {world}")
-            us = 1e6 * sum(device_op_seconds(fused, 5, setup=flush.zero_).values())
+            us = 1e6 * cold_device_seconds(fused, x.device)
             vs_copy = nbytes / us / (4 * numel / copy_us)
             rows.append(dict(step=name, world=world, device_us=us, bytes=nbytes, vs_copy=vs_copy))
             print(f"{name:>14} world {world}: {us:8.1f} us, {vs_copy:.2f}x of copy bandwidth", flush=True)

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.taco_codec_ablation import activation_like
 from compression.taco import TacoCodec, TacoConfig
-from compression.timing import device_op_seconds, kernel_ms, queued_seconds
+from compression.timing import cold_device_seconds, kernel_ms, queued_seconds
 from kernels import taco as K
 
 GOAL_FRACTION, GOAL_FROM_MIB = 0.70, 16
@@ -100,11 +100,10 @@ def bench_size(codec, mib, device, reference_max_mib):
 def device_ratios(codec, x, wire) -> dict:
     """Device time (profiler, L2 flushed before each call) of a copy, the encode and the decode of ``x``, and
     the codec's traffic per second against the copy's."""
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=x.device)  # larger than the L2
     in_bytes, row = 2 * x.numel(), {}
     for name, fn in (("copy", lambda: x.clone()), ("encode", lambda: codec.encode(x)),
                      ("decode", lambda: codec.decode(wire, x.numel(), torch.bfloat16))):
-        row[f"{name}_device_ms"] = 1e3 * sum(device_op_seconds(fn, 5, setup=flush.zero_).values())
+        row[f"{name}_device_ms"] = 1e3 * cold_device_seconds(fn, x.device)
     for name in ("encode", "decode"):
         row[f"{name}_vs_copy_device"] = ((in_bytes + wire.numel()) / row[f"{name}_device_ms"]
                                          / (2 * in_bytes / row["copy_device_ms"]))

@@ -70,6 +70,13 @@ def device_op_seconds(fn, repeats: int, setup=None) -> dict:
     return best
 
 
+def cold_device_seconds(fn, device: torch.device, repeats: int = 5) -> float:
+    """Device seconds of one call of ``fn`` (all its kernels and copies, ``device_op_seconds``) with the L2 cache
+    flushed before each call, so that every input comes from memory as in a training step."""
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # larger than the L2
+    return sum(device_op_seconds(fn, repeats, setup=flush.zero_).values())
+
+
 def device_throughput(nbytes: int, calls: dict, repeats: int = 5) -> dict:
     """For each ``name: (fn, setup or None)``: ``{name}_device_GBps``, ``nbytes`` over the device time
     of ``fn``'s kernels and copies (``device_op_seconds``), and ``{name}_ops_us``, that time per op."""
