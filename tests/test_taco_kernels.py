@@ -112,7 +112,7 @@ def _decoded_match(ref, fused):
 
 COMPILED = [  # (format, block size, encode SOURCES / decode SOURCES, EVEN): plain, uneven, fused steps
     ("int8", 256, 0, True), ("e4m3", 256, 0, False), ("e5m2", 32, 0, True), ("int8", 1024, 0, False),
-    ("e4m3", 64, 2, True), ("int8", 512, 4, False),
+    ("e4m3", 64, 2, True), ("int8", 512, 4, False), ("e5m2", 128, 8, True),
 ]
 
 
