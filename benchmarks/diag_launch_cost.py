@@ -36,7 +36,7 @@ def main(argv=None):
     wire = codec.encode(x)
     c = codec.config
     flat = x.reshape(-1)
-    grid, geometry, meta = K._launch("encode", 0, flat.numel(), flat.numel(), 1, c.block_size, c.format, c.transform, 0)
+    grid, geometry, meta = K._launch(0, flat.numel(), flat.numel(), 1, c.block_size, c.format, c.transform)
     meta.update(GAIN=K._gain(c.block_size, c.transform), SOURCES=0, RESCALE=False, SCALE_MODE=K._DUAL, SKIP=False)
     out = torch.empty_like(wire)
     qmax, inv_sqrt_b = K.QMAX[c.format], K._inv_sqrt_b(c.block_size, c.transform)

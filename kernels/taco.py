@@ -133,6 +133,16 @@ def decode_bit_order(block_size: int) -> list:
     return list(range(log_b - 5, log_b)) + list(range(log_b - 5))
 
 
+def _rotate(blocks: torch.Tensor, transform: str) -> torch.Tensor:
+    """The encode's rotation of blocks [n, B] (none for transform "none")."""
+    return blocks if transform == "none" else fwht_reference(blocks)
+
+
+def _rotate_back(t: torch.Tensor, transform: str) -> torch.Tensor:
+    """The decode's rotation of folded blocks [n, B], in the decode kernel's stage order."""
+    return t if transform == "none" else fwht_reference(t, decode_bit_order(t.shape[1]))
+
+
 def _wire_order(q: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Blocks [n, B] with coefficient high * (B / 32) + low (low < B / 32) moved to position low * 32 + high
     (``inverse``: back)."""
@@ -243,14 +253,14 @@ def _own_row(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def taco_encode_reference(x, block_size, fmt, transform, scaling, rows=1) -> torch.Tensor:
     _check_input(x)
     g = _blocks_reference(x, block_size, rows)
-    h = g if transform == "none" else fwht_reference(g)
+    h = _rotate(g, transform)
     return _quantize_reference(h, fmt, transform, scaling)
 
 
 def taco_decode_reference(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch.Tensor:
     row_len, blocks_per_row, n_blocks = _geometry(numel, block_size, rows)
     t = _fold_reference(wire.view(1, -1), -1, block_size, fmt, transform)
-    values = t if transform == "none" else fwht_reference(t, decode_bit_order(block_size))
+    values = _rotate_back(t, transform)
     out = torch.empty(rows, row_len, dtype=dtype, device=wire.device)
     out.copy_(values.view(rows, blocks_per_row * block_size)[:, :row_len])
     return out.view(-1)[:numel]
@@ -260,14 +270,14 @@ def taco_decode_sum_reference(wires, sources, numel, dtype, block_size, fmt, tra
     """The sum of ``sources`` tensors of ``numel`` values, each one row of ``wires``: folded in the
     rotated domain in source order, then rotated back once."""
     t = _fold_reference(wires.view(sources, -1), -1, block_size, fmt, transform)
-    values = t if transform == "none" else fwht_reference(t, decode_bit_order(block_size))
+    values = _rotate_back(t, transform)
     return values.reshape(-1)[:numel].to(dtype)
 
 
 def taco_reduce_encode_reference(x, recv, rank, world, block_size, fmt, transform, scaling) -> torch.Tensor:
     _check_input(x)
     g = _blocks_reference(_own_row(x, rank, world), block_size, 1)
-    h = g if transform == "none" else fwht_reference(g)
+    h = _rotate(g, transform)
     t = _fold_reference(recv.view(world, -1), rank, block_size, fmt, transform)
     return _quantize_reference(h + t * _gain(block_size, transform), fmt, transform, scaling)
 
@@ -275,7 +285,7 @@ def taco_reduce_encode_reference(x, recv, rank, world, block_size, fmt, transfor
 def taco_reduce_decode_reference(x, recv, rank, world, block_size, fmt, transform) -> torch.Tensor:
     row = _own_row(x, rank, world)
     t = _fold_reference(recv.view(world, -1), rank, block_size, fmt, transform)
-    values = (t if transform == "none" else fwht_reference(t, decode_bit_order(block_size))).reshape(-1)[:row.numel()]
+    values = _rotate_back(t, transform).reshape(-1)[:row.numel()]
     return (row.float() + values).to(x.dtype)
 
 
@@ -485,10 +495,9 @@ if gl is not None:
             gl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(kernel, x_start, numel, row_len, rows, block_size, fmt, transform, sources):
-    """(grid, geometry arguments, constexpr/launch options) of ``kernel`` ("encode" | "decode") over
-    ``rows`` rows of ``row_len`` elements from element ``x_start`` (elements at ``numel`` and beyond
-    read as zeros), folding ``sources`` received rows."""
+def _launch(x_start, numel, row_len, rows, block_size, fmt, transform):
+    """(grid, geometry arguments, constexpr/launch options) of either kernel over ``rows`` rows of ``row_len``
+    elements from element ``x_start`` (elements at ``numel`` and beyond read as zeros)."""
     blocks_per_row = -(-row_len // block_size)
     n_blocks = rows * blocks_per_row
     n_rows = PROGRAM_VALUES // block_size
@@ -510,8 +519,7 @@ def _encode_triton(flat, x_start, row_len, rows, sources, skip, block_size, fmt,
     wire = torch.empty(wire_nbytes(rows * row_len, block_size, rows), dtype=torch.uint8, device=flat.device)
     if wire.numel() == 0:
         return wire
-    grid, geometry, meta = _launch("encode", x_start, flat.numel(), row_len, rows, block_size, fmt, transform,
-                                   0 if sources is None else sources.shape[0])
+    grid, geometry, meta = _launch(x_start, flat.numel(), row_len, rows, block_size, fmt, transform)
     qmax, inv_sqrt_b = QMAX[fmt], _inv_sqrt_b(block_size, transform)
     meta.update(GAIN=_gain(block_size, transform), SOURCES=0 if sources is None else sources.shape[0],
                 RESCALE=_rescales(transform, scaling), SKIP=skip >= 0)
@@ -533,8 +541,7 @@ def _decode_triton(sources, skip, out, own, x_start, row_len, rows, block_size, 
     """``out`` = H(fold of ``sources`` but ``skip``), plus ``own`` from ``x_start`` if given."""
     if out.numel() == 0:
         return out
-    grid, geometry, meta = _launch("decode", 0, out.numel(), row_len, rows, block_size, fmt, transform,
-                                   sources.shape[0])
+    grid, geometry, meta = _launch(0, out.numel(), row_len, rows, block_size, fmt, transform)
     meta.update(SOURCES=sources.shape[0], ADD_OWN=own is not None, SKIP=skip >= 0)
     own = out if own is None else own
     _taco_decode_kernel[grid](sources, sources.view(torch.float32), _records(sources, block_size), skip, out, own,
