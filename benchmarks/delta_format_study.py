@@ -1,0 +1,154 @@
+"""Exact wire sizes of candidate delta formats built for GPU throughput, against the current format (CPU).
+
+Session 14 found the delta kernels bound by integer work per value (results/gpu/README.md, session 14): most of it
+goes to the current format's variable-width slots, whose positions need each changed value's rank within its
+block (a bitmap, in-row and cross-row scans) and a per-block width search over the escape counts. The candidates
+here put every value of a row of 8 at a fixed place instead, so a row needs only its own rank among the block's
+non-empty rows:
+
+- ``rows``: per changed block a bit per row of 8 values (non-empty or not), then ``w`` bytes per non-empty row
+  holding the row's 8 symbols of ``w`` bits (symbol s < 2^w - 1: zigzag delta z = s; 2^w - 1: an escape), then the
+  escapes' ``z - (2^w - 1)`` as ``xw``-bit entries (``xw``: bits of the block's largest; a byte per changed block).
+  ``w`` (1..4) per block minimizes its bytes; the code byte carries it, as the current format's carries the width.
+- ``rows, byte entries``: the same with each entry padded to whole bytes (1-3), so no entry straddles a byte.
+- ``rows, w=2``: a fixed w = 2 (symbols 0, -1, +1, escape): no search at all.
+- ``either``: each changed block in whichever of the current format and ``rows`` is smaller (a decoder would branch
+  per block, uniformly across the block's threads).
+
+Sizes are exact byte counts of whole payloads (24-byte header, a code byte per block, each block's sections padded
+to whole bytes); "current" is compression/delta.py's format (version 2), measured by the same function the wire
+ratio benchmark uses. Trajectories are benchmarks/delta_wire_ratio.py's (``sim``: AdamW on synthetic gradients;
+``gpt``: a tiny GPT on text).
+
+    python benchmarks/delta_format_study.py --out results/delta_format_study_cpu/study.json
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.delta_wire_ratio import delta_nbytes, simulated_adamw, tiny_gpt  # noqa: E402
+from compression.delta import HEADER  # noqa: E402
+from kernels.delta import analyze_blocks_reference, stream_nbytes, to_ordered  # noqa: E402
+
+WIDTHS = (1, 2, 3, 4)
+
+
+def zigzag_rows(prev: torch.Tensor, new: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 [n_blocks, B / 8, 8]: the zigzag of each value's ordered-integer delta (0: unchanged), zero-padded."""
+    d = to_ordered(new).long() - to_ordered(prev).long()
+    z = (d << 1) ^ (d >> 63)
+    return torch.nn.functional.pad(z, (0, -z.numel() % block_size)).view(-1, block_size // 8, 8)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Bit length of each non-negative int64 (0 for 0)."""
+    return torch.where(x > 0, torch.floor(torch.log2(x.clamp(min=1).double())).long() + 1, 0)
+
+
+def rows_block_bytes(z: torch.Tensor, width: int, byte_entries: bool) -> torch.Tensor:
+    """Bytes of each block's sections in the ``rows`` format at symbol width ``width`` (int64 [n_blocks])."""
+    rows = z.shape[1]
+    escape = (1 << width) - 1
+    escaped = z >= escape
+    entries = torch.where(escaped, z - escape, 0)
+    xw = _bits(entries.amax(dim=(1, 2)))
+    n_esc = escaped.sum(dim=(1, 2))
+    if byte_entries:
+        entry_bits = (xw + 7) // 8 * 8
+    else:
+        entry_bits = xw
+    nonempty_rows = (z != 0).any(dim=2).sum(dim=1)
+    return 1 + (rows + 7) // 8 + nonempty_rows * width + (n_esc * entry_bits + 7) // 8
+
+
+def current_block_bytes(prev, new, block_size: int) -> torch.Tensor:
+    """Bytes of each block's sections in the current format (n_esc, exc_width, bitmap, stream), int64 [n_blocks]."""
+    a = analyze_blocks_reference(prev.clone(), new, block_size)
+    return 3 + block_size // 8 + stream_nbytes(a.counts, a.codes, a.n_esc, a.exc_widths)
+
+
+def rows_nbytes(z: torch.Tensor, widths, byte_entries: bool = False, alternative=None) -> tuple:
+    """(payload bytes, blocks per chosen width) of the ``rows`` format, each changed block at its cheapest width
+    (or, given ``alternative`` per-block sizes, in that format where it is smaller: counted as width 0)."""
+    changed = (z != 0).any(dim=(1, 2))
+    sizes = torch.stack([rows_block_bytes(z, w, byte_entries) for w in widths], dim=1)
+    if alternative is not None:
+        sizes = torch.cat([alternative[:, None], sizes], dim=1)
+        widths = (0,) + tuple(widths)
+    best, choice = sizes.min(dim=1)
+    n_blocks = z.shape[0]
+    total = HEADER.size + n_blocks + int(best[changed].sum())
+    used = {w: int((choice[changed] == k).sum()) for k, w in enumerate(widths)}
+    return total, used
+
+
+def measure_step(prev, new, block_size: int) -> dict:
+    z = zigzag_rows(prev, new, block_size)
+    raw = 2 * new.numel()
+    current = delta_nbytes(prev, new, block_size)
+    rows, used = rows_nbytes(z, WIDTHS)
+    rows_bytes, _ = rows_nbytes(z, WIDTHS, byte_entries=True)
+    rows_w2, _ = rows_nbytes(z, (2,))
+    either, either_used = rows_nbytes(z, WIDTHS, alternative=current_block_bytes(prev, new, block_size))
+    return dict(unchanged=float((z == 0).float().mean()), current=raw / current, rows=raw / rows,
+                rows_byte_entries=raw / rows_bytes, rows_w2=raw / rows_w2, either=raw / either, widths=used,
+                either_choice=either_used)
+
+
+def run(source: str, lr: float, args) -> dict:
+    if source == "sim":
+        snapshots = simulated_adamw(args.sim_numel, lr, args.steps)
+    else:
+        snapshots = tiny_gpt(lr, args.steps, seq=args.gpt_seq, batch=args.gpt_batch)
+    prev, rows = next(snapshots), []
+    prev = prev.view(torch.int16)
+    for step, new in enumerate(snapshots, start=1):
+        new = new.view(torch.int16)
+        if step > args.steps // 2 and step % args.every == 0:
+            rows.append(dict(step=step, **measure_step(prev, new, args.block_size)))
+        prev = new
+    keys = ("unchanged", "current", "rows", "rows_byte_entries", "rows_w2", "either")
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+    return dict(source=source, lr=lr, steps=rows, mean=mean)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sources", default="sim,gpt")
+    p.add_argument("--lrs", default="1e-4,1e-5")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps; the second half is measured")
+    p.add_argument("--every", type=int, default=4, help="measure every this many steps")
+    p.add_argument("--sim-numel", type=int, default=300_000)
+    p.add_argument("--gpt-seq", type=int, default=64)
+    p.add_argument("--gpt-batch", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start, results = time.time(), []
+    for source in args.sources.split(","):
+        for lr in map(float, args.lrs.split(",")):
+            results.append(run(source, lr, args))
+            m = results[-1]["mean"]
+            print(f"{source} lr {lr:g}: unchanged {m['unchanged']:.1%}, ratio current {m['current']:.2f}x, rows "
+                  f"{m['rows']:.2f}x, rows with byte entries {m['rows_byte_entries']:.2f}x, rows w=2 {m['rows_w2']:.2f}x, "
+                  f"either per block {m['either']:.2f}x; blocks per choice (0: current) {results[-1]['steps'][-1]['either_choice']}",
+                  flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(command="python " + " ".join(sys.argv), seconds=round(time.time() - start),
+                       results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
