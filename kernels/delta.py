@@ -270,21 +270,32 @@ if triton is not None:
         tl.atomic_or(word + 1, hi, mask=present & (hi != 0), sem="relaxed")
 
     @triton.jit
-    def _or_rows(stream_ptr, values, slots, width, first_bit):
+    def _or_rows(stream_ptr, values, slots, width, first_bit, row_bits):
         """OR each row of ``values`` [rows, 8] (< 2**width each; 0 where absent) into the 32-bit stream words,
-        value k of row r at bit ``first_bit[r] + slots[r, k] * width``, where each row's bits span at most 64:
-        they are summed into one 64-bit word in the row's thread (disjoint bits, so the sum is an OR) and go
-        out as three atomic ORs (its 96-bit window): three per row instead of one or two per value, and few
-        lanes on one word."""
-        shift = tl.minimum(slots * width, 63).to(tl.uint64)  # absent values (0) may sit at bit 64
-        row = tl.sum(values.to(tl.uint64) << shift, axis=1)
+        value k of row r at bit ``first_bit[r] + slots[r, k] * width``, where each row's ``row_bits`` span at most
+        64: they are summed into one word in the row's thread (disjoint bits, so the sum is an OR) and go out as
+        atomic ORs of its window: three per row instead of one or two per value, and few lanes on one word. Where
+        every row holds at most 32 bits (widths up to 4 always; most blocks of the steady state), in 32-bit
+        arithmetic and two atomics: the kernel is bound by its integer operations, and a variable 64-bit shift
+        and sum cost several times a 32-bit one."""
         word = stream_ptr + (first_bit >> 5)
-        offset = (first_bit & 31).to(tl.uint64)
-        low = row << offset
-        top = tl.where(offset > 0, row >> (64 - offset), 0)
-        parts = (low.to(tl.int32), (low >> 32).to(tl.int32), top.to(tl.int32))
-        for k in tl.static_range(3):
-            tl.atomic_or(word + k, parts[k], mask=parts[k] != 0, sem="relaxed")
+        if tl.max(row_bits, axis=0) <= 32:
+            # & 31: absent values (0) may sit at bit 32 or beyond, which a 32-bit shift may not reach
+            row = tl.sum(values << ((slots * width) & 31), axis=1).to(tl.uint32, bitcast=True)
+            offset = (first_bit & 31).to(tl.uint32)
+            low = (row << offset).to(tl.int32, bitcast=True)
+            high = tl.where(offset > 0, row >> (32 - offset), 0).to(tl.int32, bitcast=True)
+            tl.atomic_or(word, low, mask=low != 0, sem="relaxed")
+            tl.atomic_or(word + 1, high, mask=high != 0, sem="relaxed")
+        else:
+            shift = tl.minimum(slots * width, 63).to(tl.uint64)  # absent values (0) may sit at bit 64
+            row64 = tl.sum(values.to(tl.uint64) << shift, axis=1)
+            offset64 = (first_bit & 31).to(tl.uint64)
+            low64 = row64 << offset64
+            top = tl.where(offset64 > 0, row64 >> (64 - offset64), 0)
+            parts = (low64.to(tl.int32), (low64 >> 32).to(tl.int32), top.to(tl.int32))
+            for k in tl.static_range(3):
+                tl.atomic_or(word + k, parts[k], mask=parts[k] != 0, sem="relaxed")
 
     @triton.jit
     def _block_values(b, i, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, BLOCK: tl.constexpr,
@@ -343,8 +354,9 @@ if triton is not None:
         exception = tl.where(escaped, v, 0)
         row_bits = tl.maximum((row_both & 0xFFFF) * width, (row_both >> 16) * exc_width)
         if tl.max(row_bits, axis=0) <= 64:  # narrow widths: every block of the steady state
-            _or_rows(stream, slot, in_row & 0xFFFF, width, (row_start & 0xFFFF) * width)
-            _or_rows(stream, exception, in_row >> 16, exc_width, exc_start + (row_start >> 16) * exc_width)
+            _or_rows(stream, slot, in_row & 0xFFFF, width, (row_start & 0xFFFF) * width, (row_both & 0xFFFF) * width)
+            _or_rows(stream, exception, in_row >> 16, exc_width, exc_start + (row_start >> 16) * exc_width,
+                     (row_both >> 16) * exc_width)
         else:
             ranks = row_start[:, None] + in_row
             _or_bits(stream, slot, (ranks & 0xFFFF) * width, changed)
@@ -471,16 +483,24 @@ if triton is not None:
         """Inverse of ``_or_rows``: value k of row r (< 2**width) from bit ``first_bit[r] + slots[r, k] * width``
         of the 32-bit little-endian words at ``words_ptr``, where each row's ``row_bits`` span at most 64:
         the row's bits come from at most three word loads (the last one holds a live bit, so reads end at
-        most 3 bytes past the section) and every value is shifted out of them in the row's thread."""
+        most 3 bytes past the section) and every value is shifted out of them in the row's thread; in 32-bit
+        arithmetic where every row holds at most 32 bits (as ``_or_rows``)."""
         at = words_ptr + (first_bit >> 5)
         offset = first_bit & 31
-        w0 = tl.load(at, mask=row_bits > 0, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        w1 = tl.load(at + 1, mask=offset + row_bits > 32, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        w2 = tl.load(at + 2, mask=offset + row_bits > 64, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        shift = offset.to(tl.uint64)
-        row = ((w0 | (w1 << 32)) >> shift) | tl.where(shift > 0, w2 << (64 - shift), 0)
-        values = row[:, None] >> tl.minimum(slots * width, 63).to(tl.uint64)  # absent values may sit at bit 64
-        return values.to(tl.int32) & ((1 << width) - 1)
+        w0 = tl.load(at, mask=row_bits > 0, other=0).to(tl.uint32, bitcast=True)
+        w1 = tl.load(at + 1, mask=offset + row_bits > 32, other=0).to(tl.uint32, bitcast=True)
+        if tl.max(row_bits, axis=0) <= 32:
+            shift = offset.to(tl.uint32)
+            row = (w0 >> shift) | tl.where(shift > 0, w1 << (32 - shift), 0)
+            values = row[:, None] >> ((slots * width) & 31).to(tl.uint32)  # absent values may sit at bit 32
+            values = values.to(tl.int32, bitcast=True)
+        else:
+            w2 = tl.load(at + 2, mask=offset + row_bits > 64, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+            shift64 = offset.to(tl.uint64)
+            row64 = ((w0.to(tl.uint64) | (w1.to(tl.uint64) << 32)) >> shift64) | tl.where(shift64 > 0,
+                                                                                          w2 << (64 - shift64), 0)
+            values = (row64[:, None] >> tl.minimum(slots * width, 63).to(tl.uint64)).to(tl.int32)
+        return values & ((1 << width) - 1)
 
     @triton.jit(do_not_specialize=["base_misalign", "src_base", "skip_rank"])
     def _decode_kernel(out_ptr, numel, start_ptr, stride_ptr, valid_ptr, payload_ptr, payload_stride, base_misalign,
