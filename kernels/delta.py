@@ -242,8 +242,11 @@ if triton is not None:
         spread to 16-bit fields for the sum over rows: four block reductions give n_esc(0..7), n_esc(0)
         being the count of changed values."""
         exc_width = _bit_lengths(tl.maximum(tl.max(tl.max(z, axis=1), axis=0) - 1, 0))
-        length = _bit_lengths(z)
-        nibbles = tl.sum(tl.where(length > 0, 0x11111111 >> (32 - 4 * tl.minimum(length, 8)), 0), axis=1)
+        # The shift 32 - 4 * min(L, 8) from the fp32 exponent e of min(z, 255) (L = e - 126 for z > 0) as
+        # 536 - 4 * e, capped at 31 (z = 0: e = 0, and 0x11111111 >> 31 = 0): three integer operations per value
+        # fewer than bit lengths and selects (the kernel is bound by them).
+        e = tl.minimum(z, 255).to(tl.float32).to(tl.int32, bitcast=True) >> 23
+        nibbles = tl.sum(0x11111111 >> tl.minimum(536 - 4 * e, 31), axis=1)
         pairs = (tl.sum(nibbles & 0x000F000F, axis=0), tl.sum((nibbles >> 4) & 0x000F000F, axis=0),
                  tl.sum((nibbles >> 8) & 0x000F000F, axis=0), tl.sum((nibbles >> 12) & 0x000F000F, axis=0))
         count = pairs[0] & 0xFFFF  # pairs[k]: n_esc(k) | n_esc(k + 4) << 16
