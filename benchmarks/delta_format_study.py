@@ -34,9 +34,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.delta_wire_ratio import delta_nbytes, simulated_adamw, tiny_gpt  # noqa: E402
+from benchmarks.delta_wire_ratio import (delta_block_nbytes, delta_payload_nbytes, simulated_adamw,  # noqa: E402
+                                         tiny_gpt)
 from compression.delta import HEADER  # noqa: E402
-from kernels.delta import analyze_blocks_reference, stream_nbytes, to_ordered  # noqa: E402
+from kernels.delta import to_ordered  # noqa: E402
 
 WIDTHS = (1, 2, 3, 4)
 
@@ -69,38 +70,37 @@ def rows_block_bytes(z: torch.Tensor, width: int, byte_entries: bool) -> torch.T
     return 1 + (rows + 7) // 8 + nonempty_rows * width + (n_esc * entry_bits + 7) // 8
 
 
-def current_block_bytes(prev, new, block_size: int) -> torch.Tensor:
-    """Bytes of each block's sections in the current format (n_esc, exc_width, bitmap, stream), int64 [n_blocks]."""
-    a = analyze_blocks_reference(prev.clone(), new, block_size)
-    return 3 + block_size // 8 + stream_nbytes(a.counts, a.codes, a.n_esc, a.exc_widths)
+def rows_sizes(z: torch.Tensor, widths, byte_entries: bool = False) -> torch.Tensor:
+    """Bytes of each block in the ``rows`` format at each of ``widths``, int64 [n_blocks, len(widths)]."""
+    return torch.stack([rows_block_bytes(z, w, byte_entries) for w in widths], dim=1)
 
 
-def rows_nbytes(z: torch.Tensor, widths, byte_entries: bool = False, alternative=None) -> tuple:
-    """(payload bytes, blocks per chosen width) of the ``rows`` format, each changed block at its cheapest width
-    (or, given ``alternative`` per-block sizes, in that format where it is smaller: counted as width 0)."""
-    changed = (z != 0).any(dim=(1, 2))
-    sizes = torch.stack([rows_block_bytes(z, w, byte_entries) for w in widths], dim=1)
-    if alternative is not None:
-        sizes = torch.cat([alternative[:, None], sizes], dim=1)
-        widths = (0,) + tuple(widths)
+def cheapest(sizes: torch.Tensor, changed: torch.Tensor, labels) -> tuple:
+    """(payload bytes, changed blocks per chosen column) with each changed block coded in its cheapest column of
+    ``sizes`` [n_blocks, len(labels)] (header and a code byte per block as in the current format)."""
     best, choice = sizes.min(dim=1)
-    n_blocks = z.shape[0]
-    total = HEADER.size + n_blocks + int(best[changed].sum())
-    used = {w: int((choice[changed] == k).sum()) for k, w in enumerate(widths)}
-    return total, used
+    total = HEADER.size + sizes.shape[0] + int(best[changed].sum())
+    return total, {label: int((choice[changed] == k).sum()) for k, label in enumerate(labels)}
+
+
+def rows_nbytes(z: torch.Tensor, widths, byte_entries: bool = False) -> tuple:
+    """(payload bytes, blocks per chosen width) of the ``rows`` format, each changed block at its cheapest width."""
+    return cheapest(rows_sizes(z, widths, byte_entries), (z != 0).any(dim=(1, 2)), widths)
 
 
 def measure_step(prev, new, block_size: int) -> dict:
     z = zigzag_rows(prev, new, block_size)
-    raw = 2 * new.numel()
-    current = delta_nbytes(prev, new, block_size)
-    rows, used = rows_nbytes(z, WIDTHS)
+    changed, raw = (z != 0).any(dim=(1, 2)), 2 * new.numel()
+    current_blocks = delta_block_nbytes(prev, new, block_size)
+    sizes = rows_sizes(z, WIDTHS)
+    rows, used = cheapest(sizes, changed, WIDTHS)
     rows_bytes, _ = rows_nbytes(z, WIDTHS, byte_entries=True)
-    rows_w2, _ = rows_nbytes(z, (2,))
-    either, either_used = rows_nbytes(z, WIDTHS, alternative=current_block_bytes(prev, new, block_size))
-    return dict(unchanged=float((z == 0).float().mean()), current=raw / current, rows=raw / rows,
-                rows_byte_entries=raw / rows_bytes, rows_w2=raw / rows_w2, either=raw / either, widths=used,
-                either_choice=either_used)
+    rows_w2, _ = cheapest(sizes[:, WIDTHS.index(2)][:, None], changed, (2,))
+    # either: the current format's sections as column "0" beside the rows format's widths
+    either, either_used = cheapest(torch.cat([current_blocks[:, None], sizes], dim=1), changed, (0,) + WIDTHS)
+    return dict(unchanged=float((z == 0).float().mean()), current=raw / delta_payload_nbytes(current_blocks),
+                rows=raw / rows, rows_byte_entries=raw / rows_bytes, rows_w2=raw / rows_w2, either=raw / either,
+                widths=used, either_choice=either_used)
 
 
 def run(source: str, lr: float, args) -> dict:

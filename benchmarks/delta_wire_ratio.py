@@ -110,13 +110,24 @@ def tiny_gpt(lr: float, steps: int, seq: int = 128, batch: int = 8, seed: int = 
 
 # --- measures ----------------------------------------------------------------------------------
 
-def delta_nbytes(prev, new, block_size: int) -> int:
-    """Exact payload size of the delta code at ``block_size`` (the layout of compression/delta.py)."""
+def delta_block_nbytes(prev, new, block_size: int) -> torch.Tensor:
+    """Bytes of each block's sections in the delta code (n_esc, exc_width, bitmap, value stream; 0 if the block is
+    unchanged), int64 [n_blocks]."""
     a = analyze_blocks_reference(prev.clone(), new, block_size)
-    changed = a.codes > 0
-    n_changed, n_blocks = int(changed.sum()), a.codes.numel()
-    streams = int(stream_nbytes(a.counts[changed], a.codes[changed], a.n_esc[changed], a.exc_widths[changed]).sum())
-    return HEADER.size + n_blocks + (HEADER.size + n_blocks) % 2 + n_changed * (3 + block_size // 8) + streams
+    sections = 3 + block_size // 8 + stream_nbytes(a.counts, a.codes, a.n_esc, a.exc_widths)
+    return torch.where(a.codes > 0, sections, 0)
+
+
+def delta_payload_nbytes(block_nbytes: torch.Tensor) -> int:
+    """Exact payload size of the delta code (the layout of compression/delta.py) from ``delta_block_nbytes``: the
+    header, a code byte per block, the even-alignment pad byte and the changed blocks' sections."""
+    n_blocks = block_nbytes.numel()
+    return HEADER.size + n_blocks + (HEADER.size + n_blocks) % 2 + int(block_nbytes.sum())
+
+
+def delta_nbytes(prev, new, block_size: int) -> int:
+    """Exact payload size of the delta code at ``block_size``."""
+    return delta_payload_nbytes(delta_block_nbytes(prev, new, block_size))
 
 
 def version1_nbytes(prev, new, block_size: int) -> int:
