@@ -6,13 +6,8 @@
 # Usage (device machine, repo root): bash scripts/gpu/ncu_delta.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
-NCU="/usr/local/cuda/bin/ncu --set full --print-summary none -f"
-profile() {
-  local name=$1 regex=$2 skip=$3 count=$4; shift 4
-  timeout 200 $NCU --kernel-name "regex:$regex" --launch-skip $skip --launch-count $count -o $RES/ncu_$name "$@" > $RES/ncu_$name.log 2>&1 || { echo "ncu $name failed:"; tail -5 $RES/ncu_$name.log; }
-  /usr/local/cuda/bin/ncu --import $RES/ncu_$name.ncu-rep --page details --csv > $RES/ncu_${name}_details.csv 2>&1
-  echo "$name: $(grep -c . $RES/ncu_${name}_details.csv) lines"
-}
+NCU_TIMEOUT=200
+source scripts/gpu/ncu_profile.sh
 profile delta_encode "_encode_kernel" 4 1 python3 benchmarks/bench_delta_kernels.py --lrs 1e-4 --repeats 3 --out $RES/b1.json
 profile delta_decode "_decode_kernel" 2 1 python3 benchmarks/bench_delta_kernels.py --lrs 1e-4 --repeats 3 --out $RES/b2.json
 python3 scripts/gpu/ncu_summary.py $RES/ncu_delta_*_details.csv

@@ -6,15 +6,8 @@
 # Usage (device machine, repo root): bash scripts/gpu/ncu_kernels.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
-NCU="/usr/local/cuda/bin/ncu --set full --print-summary none -f"
+source scripts/gpu/ncu_profile.sh
 $NCU --version | tail -1
-profile() {  # name, kernel regex, launches to skip, launches to profile, command...
-  local name=$1 regex=$2 skip=$3 count=$4; shift 4
-  timeout 150 $NCU --kernel-name "regex:$regex" --launch-skip $skip --launch-count $count -o $RES/ncu_$name "$@" \
-    > $RES/ncu_$name.log 2>&1 || { echo "ncu $name failed:"; tail -5 $RES/ncu_$name.log; }
-  /usr/local/cuda/bin/ncu --import $RES/ncu_$name.ncu-rep --page details --csv > $RES/ncu_${name}_details.csv 2>&1
-  echo "$name: $(grep -c . $RES/ncu_${name}_details.csv) lines"
-}
 profile delta_encode "_encode_kernel|_stream_sizes_kernel" 4 4 python3 benchmarks/bench_delta_kernels.py --lrs 1e-4 --repeats 3 --out $RES/ncu_delta_bench.json
 profile delta_decode "_decode_kernel" 2 1 python3 benchmarks/bench_delta_kernels.py --lrs 1e-4 --repeats 3 --out $RES/ncu_delta_bench.json
 profile taco "_taco_encode_kernel|_taco_decode_kernel" 4 6 python3 benchmarks/bench_taco_kernels.py --sizes-mib 64 --format int8 --reference-max-mib 0 --out $RES/ncu_taco_bench.json
