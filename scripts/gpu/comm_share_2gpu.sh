@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# 2x H200, ~6 min: the runs of delta_fused_buckets.sh (E2E=1) and taco_gluon_e2e.sh again with --comm-profile, so
+# each compressed run's bound comes from its own baseline's measured communication share (last two iterations
+# profiled, left out of the timing): GPT-350M DP=2 with the parameter gather exposed (default delta) on sockets and
+# at ~25 GB/s; GPT-1.3B TP=2 with TACO INT8 `auto` at ~25 GB/s.
+# Usage (device machine, repo root): bash scripts/gpu/comm_share_2gpu.sh
+set -uo pipefail
+source scripts/gpu/setup_device.sh || exit 1
+timeout 300 python3 benchmarks/e2e_throughput.py --suite dp2_param_gather_ablation --model configs/gpt_350m.yaml \
+  --links sockets_4GBps p2p_off_25GBps --variants delta --micro-batch-size 4 --global-batch-size 8 --train-iters 50 \
+  --warmup 41 --param-gather-reselect-interval 25 --comm-profile --log-dir $RES/logs_delta \
+  --out $RES/e2e_exposed_delta_share.json 2>&1 | grep -E "speedup|Error"
+timeout 200 python3 benchmarks/e2e_throughput.py --suite tp2_taco --model configs/gpt_1.3b.yaml --links p2p_off_25GBps \
+  --micro-batch-size 4 --global-batch-size 16 --variants taco_int8 --comm-profile --log-dir $RES/logs_taco \
+  --out $RES/e2e_tp2_taco_share_gpt_1.3b.json 2>&1 | grep -E "speedup|Error"
