@@ -40,14 +40,47 @@ def test_derived_sizes():
     assert plain.virtual_pipeline_model_parallel_size is None and not plain.overlap_p2p_comm
     assert plain.global_batch_size == 2 and plain.data_parallel_size == 1
     assert make("--swiglu").ffn_hidden_size == 128  # 2/3 of 4h, multiple of 64
-    assert make("--lr-warmup-fraction 0.2").lr_warmup_iters == 2
+    assert make("--lr-warmup-fraction 0.2").lr_warmup_steps == 2 * 2  # samples: 2 iterations of 2
+    assert (plain.lr_warmup_steps, plain.lr_decay_steps) == (0, 10 * 2)
     assert set_padded_vocab_size(make("--tensor-model-parallel-size 2", world_size=2), 257) == 512
     assert set_padded_vocab_size(plain, 257) == 384
 
 
 def test_train_samples_alternative():
     args = validate_args(parse_args(BASE.replace("--train-iters 10", "--train-samples 64").split()), world_size=1)
-    assert args.train_iters == 32
+    assert args.train_iters == 32 and (args.lr_warmup_steps, args.lr_decay_steps) == (0, 64)
+    args = validate_args(parse_args(BASE.replace("--train-iters 10", "--train-samples 65 --lr-warmup-samples 6 "
+                                                 "--lr-decay-samples 60").split()), world_size=1)
+    assert args.train_iters == 32 and (args.lr_warmup_steps, args.lr_decay_steps) == (6, 60)
+
+
+# Flags of Megatron-LM's own launch scripts (examples/gpt3/train_gpt3_175b_distributed.sh and
+# examples/llama/train_llama3_8b_h100_fp8.sh), less those for Transformer Engine and FP8.
+MEGATRON_LM_SCRIPT = (
+    "--use-mcore-models --num-layers 4 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 "
+    "--group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32 "
+    "--use-rotary-position-embeddings --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 "
+    "--hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend auto --untie-embeddings-and-output-weights "
+    "--disable-bias-linear --micro-batch-size 1 --global-batch-size 8 --train-samples 800 --lr-decay-samples 790 "
+    "--lr-warmup-samples 40 --lr 0.00015 --min-lr 0.00001 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 "
+    "--adam-beta1 0.9 --adam-beta2 0.95 --bf16 --recompute-activations --no-gradient-accumulation-fusion "
+    "--manual-gc --manual-gc-interval 10 --exit-duration-in-mins 235 --exit-interval 1000 "
+    "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce "
+    "--overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 255 --split 99,1,0 "
+    "--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --log-interval 1 --eval-iters 32 "
+    "--eval-interval 100 --save-interval 1000 --log-throughput --ckpt-format torch_dist --distributed-timeout-minutes 60 "
+    "--transformer-impl local"
+)
+
+
+def test_megatron_lm_launch_script_flags():
+    """A Megatron-LM launch script's flags parse, and its older spellings set the flags they stand for."""
+    args = validate_args(parse_args(MEGATRON_LM_SCRIPT.split()), world_size=4, rank=0)
+    assert args.position_embedding_type == "rope" and args.recompute_granularity == "selective"
+    assert args.attention_backend == "auto" and not args.mmap_bin_files and args.manual_gc
+    assert (args.train_iters, args.lr_warmup_steps, args.lr_decay_steps) == (100, 40, 790)
+    assert args.distributed_timeout_minutes == 60 and args.exit_duration_in_mins == 235
+    assert parse_args([]).distributed_timeout_minutes == 10  # Megatron-LM's default
 
 
 ERRORS = [
@@ -81,8 +114,17 @@ ERRORS = [
     ("--ciera-block-size 16", 1, "--ciera-block-size must be a power of two in 64..65536, got 16"),
     ("--delta-block-size 300", 1, "--delta-block-size must be a power of two"),
     ("--ciera-cache-budget-mb 0", 1, "--ciera-cache-budget-mb must be positive"),
-    ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1, "only one of --lr-warmup-iters and --lr-warmup-fraction"),
-    ("--lr-warmup-iters 500", 1, "--lr-warmup-iters (500) must be below the decay length"),
+    ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1,
+     "only one of --lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction"),
+    ("--lr-warmup-iters 500", 1, "the warm-up (1000 samples: --lr-warmup-iters or --lr-warmup-fraction) must be below"),
+    ("--lr-warmup-samples 4", 1, "--lr-decay-samples / --lr-warmup-samples go with --train-samples"),
+    ("--rampup-batch-size 16 16 1000", 1, "--rampup-batch-size: batch-size ramp-up is not implemented: drop"),
+    ("--async-save", 1, "--async-save: checkpoints are saved synchronously here: drop --async-save"),
+    ("--attention-backend flash", 1, "--attention-backend flash (or --use-flash-attn) runs Transformer Engine's"),
+    ("--use-flash-attn", 1, "or use --transformer-impl transformer_engine"),
+    ("--exit-interval 0", 1, "--exit-interval must be a positive number of iterations"),
+    ("--exit-duration-in-mins -1", 1, "--exit-duration-in-mins must be positive"),
+    ("--distributed-timeout-minutes 0", 1, "--distributed-timeout-minutes must be positive"),
     ("--param-gather-trial-iters 3", 1, "--param-gather-trial-iters must be 0 (no trial) or an even"),
     ("--param-gather-reselect-interval 16", 1, "--param-gather-reselect-interval must be 0 (choose once) or more "
      "than the 16 iterations that measuring and the trial (--param-gather-trial-iters 6) take, got 16"),
@@ -155,6 +197,9 @@ def test_yaml_config_precedence_and_types(tmp_path):
         "ciera-verify-interval: 5\n"   # alias of --param-gather-verify-interval
         "overlap-grad-reduce: false\n"
         "bias-dropout-fusion: false\n"  # a destination name, not a flag: the value is the attribute's
+        "use-mcore-models: true\n"     # Megatron-LM flags that change nothing here, and its older spellings
+        "recompute-activations: true\n"
+        "no-mmap-bin-files: true\n"
     )
     args = parse_args(f"--config {config} --tensor-model-parallel-size 4 --lr 1e-3".split())
     assert args.tensor_model_parallel_size == 4 and args.lr == 1e-3  # the CLI wins
@@ -162,6 +207,7 @@ def test_yaml_config_precedence_and_types(tmp_path):
     assert not args.masked_softmax_fusion and not args.add_bias_linear
     assert args.data_path == ["a", "b"] and args.param_gather_verify_interval == 5
     assert not args.overlap_grad_reduce and not args.bias_dropout_fusion
+    assert args.recompute_activations and not args.mmap_bin_files
     assert parse_args(f"--config {config}".split()).lr == 3e-4
     assert parse_args(f"--config {config}".split(), defaults={"seed": 7}).seed == 7
 
@@ -214,3 +260,12 @@ def test_installation_checks(monkeypatch):
     monkeypatch.setattr(package_info, "__version__", "0.12.0")
     with pytest.raises(RuntimeError, match="megatron-core 0.12.0 .* is not supported"):
         initialize.check_installation()
+
+
+def test_not_implemented_megatron_lm_flag_from_yaml(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("async-save: true\n")
+    with pytest.raises(ValueError, match="--async-save: checkpoints are saved synchronously here"):
+        validate_args(parse_args(f"--config {config} {BASE}".split()), world_size=1, rank=0)
+    config.write_text("async-save: false\n")
+    assert validate_args(parse_args(f"--config {config} {BASE}".split()), world_size=1, rank=0).train_iters == 10

@@ -326,3 +326,18 @@ def test_pretrain_gpt_resume_matches_uninterrupted_run(tmp_path):
     for ref, res in zip(uninterrupted[2:], resumed):
         for key in ("consumed_samples", "loss", "lr", "grad_norm", "params_checksum"):
             assert res[key] == ref[key], (key, ref["iteration"])
+
+
+@pytest.mark.slow
+def test_exit_interval_and_duration_save_and_resume(tmp_path):
+    """--exit-interval stops at its iteration and saves there (no --save-interval); a resumed run with
+    --exit-duration-in-mins already passed trains one iteration, agrees on stopping across ranks, and saves it.
+    Megatron-LM launch flags that change nothing here ride along (--use-mcore-models, --log-throughput, ...)."""
+    from megatron.training.checkpointing import TRACKER_FILENAME
+
+    ckpt = tmp_path / "ckpt"
+    extra = "--manual-gc --manual-gc-interval 1 --distributed-timeout-minutes 5 --use-mcore-models --log-throughput"
+    first = _pretrain_gpt(tmp_path, "exit_interval", f"--save {ckpt} --exit-interval 2 {extra}")
+    assert [r["iteration"] for r in first] == [1, 2] and (ckpt / TRACKER_FILENAME).read_text().strip() == "2"
+    second = _pretrain_gpt(tmp_path, "exit_duration", f"--load {ckpt} --save {ckpt} --exit-duration-in-mins 1e-9 {extra}")
+    assert [r["iteration"] for r in second] == [3] and (ckpt / TRACKER_FILENAME).read_text().strip() == "3"

@@ -46,6 +46,8 @@ SIGNATURES = [
     # megatron/hooks/cpu.py wraps these.
     ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", ["tensor", "as_numpy", "record_stream"]),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", ["new_state"]),
+    ("megatron.core.transformer.utils", "get_default_causal_mask", ["sq"]),
+    ("megatron.core.fusions.fused_softmax", "get_default_causal_mask", ["sq"]),
     # megatron/training/checkpointing.py passes only the backend (0.19 dropped the version argument).
     ("megatron.core.dist_checkpointing.serialization", "get_default_save_sharded_strategy", ["backend"]),
 ]

@@ -71,6 +71,19 @@ def test_gpt_tp_pp_interleaved_dp_matches_single_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_activation_recompute_matches_plain_run(tmp_path):
+    """Selective (--recompute-activations, Megatron-LM's shorthand) and full recompute at TP=2 + SP reproduce the
+    plain run's losses and gradient norms bit for bit (no dropout): on CPU the recomputed forward runs inside
+    backward, where the CPU shims must still apply (megatron/hooks/cpu.py)."""
+    tp_sp = GPT + " --tensor-model-parallel-size 2 --sequence-parallel --bf16"
+    plain = launch_training(tmp_path, "plain", "pretrain_gpt.py", 2, tp_sp)
+    for name, flags in (("selective", "--recompute-activations"),
+                        ("full", "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")):
+        recomputed = launch_training(tmp_path, name, "pretrain_gpt.py", 2, f"{tp_sp} {flags}")
+        assert [(r["loss"], r["grad_norm"]) for r in recomputed] == [(r["loss"], r["grad_norm"]) for r in plain], name
+
+
+@pytest.mark.slow
 def test_moe_tp_sp_pp_ep_matches_single_process(tmp_path):
     # --deterministic-mode only changes kernel choices (index_add for the token scatter), not the math
     reference = launch_training(tmp_path, "moe_single", "pretrain_moe.py", 1, MOE + " --deterministic-mode")
@@ -123,6 +136,46 @@ def test_tensorboard_sink(tmp_path):
                   "tokens_per_s": 1.0, "tflops_per_gpu": 0.0, "comm": comm, "comm_counters": {}})
     writer.close()
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+
+
+def test_wandb_sink(tmp_path, monkeypatch):
+    """--wandb-project logs the record's scalars per iteration to a Weights & Biases run (here a stand-in module
+    that records the calls), or fails up front with the install command."""
+    import sys
+    import types
+
+    from megatron.training import metrics
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = validate_args(parse_args((GPT + f" --wandb-project p --wandb-exp-name run1 --wandb-save-dir {tmp_path}").split()),
+                         world_size=1, rank=0)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(RuntimeError, match="pip install wandb"):
+        metrics.MetricsWriter(args)
+
+    calls = []
+
+    class Run:
+        def log(self, data, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    writer = metrics.MetricsWriter(args)
+    writer.write({"iteration": 3, "consumed_samples": 24, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0,
+                  "iter_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_gpu": 0.0, "comm": comm_totals(1),
+                  "comm_counters": {}})
+    writer.close()
+    (_, init_kwargs), (_, logged, step), finish = calls
+    assert (init_kwargs["project"], init_kwargs["name"], init_kwargs["dir"]) == ("p", "run1", str(tmp_path))
+    assert init_kwargs["config"]["num_layers"] == 4 and step == 3 and finish == ("finish",)
+    assert logged["loss"] == 5.0 and logged["comm/tp/raw_bytes"] == 1
 
 
 def test_pytorch_profiler_range(tmp_path):

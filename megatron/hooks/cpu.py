@@ -106,6 +106,18 @@ def _patch_megatron_core() -> None:
 
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
+    # Activation recompute re-runs the forward inside torch.autograd.backward, which reaches
+    # _CudaToCpuMode as one call, and a mode is off while it handles a call: the forward's
+    # device="cuda" literals on that path are redirected by name instead.
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as transformer_utils
+
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    transformer_utils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
+
 
 def apply() -> bool:
     """Install the CPU redirections once per process. Returns True if they are active."""

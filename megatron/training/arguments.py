@@ -44,6 +44,7 @@ class ParallelArgs:
     overlap_p2p_comm: bool = arg(True, "Overlap pipeline p2p with compute (interleaved schedule only).",
                                  flag="no-overlap-p2p-communication")
     ddp_bucket_size: Optional[int] = arg(None, "DP bucket size in elements (default: megatron-core's).")
+    distributed_timeout_minutes: int = arg(10, "Timeout of the process groups' collectives, in minutes.")
 
 
 @dataclass(kw_only=True)
@@ -58,6 +59,7 @@ class ModelArgs:
     seq_length: int = arg(None, "Sequence length.")
     max_position_embeddings: Optional[int] = arg(None, "Position table size (default --seq-length).")
     position_embedding_type: str = arg("learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
+    use_rotary_position_embeddings: bool = arg(False, "Megatron-LM's older spelling of --position-embedding-type rope.")
     rotary_base: int = arg(10000, "RoPE base.")
     rotary_percent: float = arg(1.0, "Fraction of head dims rotated by RoPE.")
     normalization: str = arg("LayerNorm", "Norm layer.", choices=["LayerNorm", "RMSNorm"])
@@ -72,7 +74,12 @@ class ModelArgs:
     transformer_impl: Optional[str] = arg(None, "Layer implementation (default transformer_engine if installed, else local).",
                                           choices=["local", "transformer_engine"])
     spec: Optional[list[str]] = arg(None, "Custom layer spec: MODULE FUNCTION_OR_ATTRIBUTE.")
+    attention_backend: str = arg("auto", "Attention implementation (Transformer Engine's flash or fused kernels need "
+                                 "--transformer-impl transformer_engine; the local spec's is unfused).",
+                                 choices=["auto", "flash", "fused", "unfused", "local"])
+    use_flash_attn: bool = arg(False, "Megatron-LM's older spelling of --attention-backend flash.")
     recompute_granularity: Optional[str] = arg(None, "Activation recomputation.", choices=["full", "selective"])
+    recompute_activations: bool = arg(False, "Megatron-LM's shorthand for --recompute-granularity selective.")
     recompute_method: Optional[str] = arg(None, "Full recompute method.", choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = arg(None, "Layers per recompute unit.")
     masked_softmax_fusion: bool = arg(True, "Fused masked softmax.", flag="no-masked-softmax-fusion")
@@ -109,6 +116,13 @@ class TrainingArgs:
     min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale.")
     loss_scale_window: float = arg(1000, "Iterations between loss-scale increases.")
     hysteresis: int = arg(2, "Dynamic loss-scale hysteresis.")
+    exit_interval: Optional[int] = arg(None, "Stop (after saving a checkpoint with --save) at the first iteration "
+                                       "divisible by this.")
+    exit_duration_in_mins: Optional[float] = arg(None, "Stop (after saving a checkpoint with --save) once this many "
+                                                 "minutes have passed since start-up, e.g. before a job's time limit.")
+    manual_gc: bool = arg(False, "Disable Python's automatic garbage collection; collect every "
+                          "--manual-gc-interval iterations instead (identical timing on every rank).")
+    manual_gc_interval: int = arg(0, "With --manual-gc: iterations between collections (0: none during training).")
 
 
 @dataclass(kw_only=True)
@@ -121,6 +135,8 @@ class OptimizerArgs:
     lr_warmup_iters: int = arg(0, "Warmup iterations.")
     lr_warmup_fraction: Optional[float] = arg(None, "Warmup as a fraction of --lr-decay-iters.")
     lr_warmup_init: float = arg(0.0, "Learning rate at the start of warmup.")
+    lr_decay_samples: Optional[int] = arg(None, "Samples to decay over, with --train-samples (default --train-samples).")
+    lr_warmup_samples: int = arg(0, "Warmup samples, with --train-samples.")
     weight_decay: float = arg(0.01, "Weight decay.")
     clip_grad: float = arg(1.0, "Gradient-norm clipping (0 = off).")
     adam_beta1: float = arg(0.9, "Adam beta1.")
@@ -142,6 +158,7 @@ class DataArgs:
     merge_file: Optional[str] = arg(None, "BPE merges file (GPT2BPETokenizer).")
     vocab_size: Optional[int] = arg(None, "Vocabulary size (NullTokenizer).")
     num_workers: int = arg(0, "Data-loader workers.")
+    mmap_bin_files: bool = arg(True, "Memory-map the dataset's .bin files.", flag="no-mmap-bin-files")
     reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document.")
     reset_attention_mask: bool = arg(False, "Block attention across documents.")
     eod_mask_loss: bool = arg(False, "Mask the loss on end-of-document tokens.")
@@ -166,6 +183,10 @@ class LoggingArgs:
     eval_iters: int = arg(100, "Iterations per evaluation.")
     tensorboard_dir: Optional[str] = arg(None, "TensorBoard log directory.")
     metrics_file: Optional[str] = arg(None, "Per-iteration JSON-lines metrics file.")
+    wandb_project: Optional[str] = arg(None, "Weights & Biases project: log the per-iteration metrics there too "
+                                       "(needs the wandb package).")
+    wandb_exp_name: Optional[str] = arg(None, "Weights & Biases run name.")
+    wandb_save_dir: Optional[str] = arg(None, "Weights & Biases local directory (default: wandb's).")
     params_checksum_interval: int = arg(0, "Iterations between params sha256 checksums in the metrics (0 = off).")
     profile: bool = arg(False, "Profile iterations --profile-step-start..--profile-step-end (nsys range, or the "
                         "PyTorch profiler with --use-pytorch-profiler).")
@@ -242,6 +263,21 @@ class CompressionArgs:
 SECTIONS = (ParallelArgs, ModelArgs, MoEArgs, TrainingArgs, OptimizerArgs, DataArgs, CheckpointArgs,
             LoggingArgs, CompressionArgs)
 
+# Megatron-LM flags that launch scripts pass and that ask for what this trainer always does: accepted, no effect.
+ALREADY_SO = {
+    "use-mcore-models": "megatron-core models are the only models here",
+    "no-gradient-accumulation-fusion": "gradient accumulation fusion (a CUDA extension of apex) is never used here",
+    "no-create-attention-mask-in-dataloader": "the data loader never builds attention masks (causal attention "
+                                              "needs none)",
+    "log-throughput": "every log line shows tokens/s and TFLOP/s/GPU",
+}
+# Megatron-LM flags this trainer does not implement: an error that names the flag and the fix (number of values).
+NOT_IMPLEMENTED = {
+    "rampup-batch-size": (3, "batch-size ramp-up is not implemented: drop --rampup-batch-size and train at a "
+                             "constant --global-batch-size"),
+    "async-save": (0, "checkpoints are saved synchronously here: drop --async-save"),
+}
+
 
 def _value_type(annotation):
     """(element type, is_list) of a field annotation such as Optional[list[str]]."""
@@ -276,6 +312,15 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
         group = parser.add_argument_group(section.__name__.removesuffix("Args").lower())
         for f in dataclasses.fields(section):
             _add_field(group, f)
+    group = parser.add_argument_group("Megatron-LM flags that change nothing here")
+    for flag, reason in ALREADY_SO.items():
+        group.add_argument("--" + flag, action="store_true", dest="megatron_lm_" + flag.replace("-", "_"),
+                           help=f"Accepted: {reason}.")
+    group = parser.add_argument_group("Megatron-LM flags not implemented (error)")
+    for flag, (nargs, reason) in NOT_IMPLEMENTED.items():
+        takes = dict(nargs=nargs) if nargs else dict(action="store_true")
+        group.add_argument("--" + flag, **takes, default=None, dest="not_implemented_" + flag.replace("-", "_"),
+                           help=reason[0].upper() + reason[1:] + ".")
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
@@ -283,10 +328,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 
 def _yaml_value(action, key, value, path):
     """Convert one YAML value with the flag's own type and choices."""
-    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreFalseAction)):
+    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreFalseAction, argparse._StoreTrueAction)):
         if not isinstance(value, bool):
             raise ValueError(f"--config {path}: '{key}' must be true or false, got {value!r}")
-        return value if isinstance(action, argparse.BooleanOptionalAction) else not value
+        return not value if isinstance(action, argparse._StoreFalseAction) else value
     if value is None:
         return None
     convert = action.type or str
@@ -393,6 +438,18 @@ def _validate_virtual_pipeline(args) -> None:
            f"{args.virtual_pipeline_model_parallel_size or 1}: change --num-layers or the pipeline sizes")
 
 
+def _validate_megatron_lm_spellings(args) -> None:
+    """Megatron-LM's older spellings onto the flags they stand for; its flags we do not implement: an error."""
+    for flag, (_, reason) in NOT_IMPLEMENTED.items():
+        _check(getattr(args, "not_implemented_" + flag.replace("-", "_")) in (None, False), f"--{flag}: {reason}")
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.use_flash_attn:
+        args.attention_backend = "flash"
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+
+
 def _validate_model(args) -> None:
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr"):
         _check(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
@@ -430,6 +487,11 @@ def _validate_transformer_impl(args) -> None:
         _check(_transformer_engine_installed(),
                "--transformer-impl transformer_engine asks for Transformer Engine, which is not installed: "
                "pip install '.[te]' or use --transformer-impl local")
+    else:
+        _check(args.attention_backend in ("auto", "unfused", "local"),
+               f"--attention-backend {args.attention_backend} (or --use-flash-attn) runs Transformer Engine's attention "
+               f"kernels, and --transformer-impl local uses megatron-core's unfused attention: drop the flag (or use "
+               f"--attention-backend auto), or use --transformer-impl transformer_engine")
 
 
 def _validate_moe(args) -> None:
@@ -470,25 +532,53 @@ def _validate_batch_and_schedule(args) -> None:
         _check(args.num_micro_batches % pp == 0,
                f"the interleaved schedule runs micro-batches in groups of PP={pp}, but --global-batch-size / "
                f"(--micro-batch-size x DP) = {args.num_micro_batches}: make it a multiple of {pp}")
-    _check((args.train_iters is None) != (args.train_samples is None),
-           "give exactly one of --train-iters and --train-samples")
-    if args.train_samples is not None:
-        args.train_iters = args.train_samples // args.global_batch_size
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    _check(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
-           "give only one of --lr-warmup-iters and --lr-warmup-fraction")
-    if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    _check(args.lr_warmup_iters < args.lr_decay_iters,
-           f"--lr-warmup-iters ({args.lr_warmup_iters}) must be below the decay length (--lr-decay-iters, default "
-           f"--train-iters: {args.lr_decay_iters}): lower the warm-up or train longer")
+    _validate_lr_schedule(args)
     if not args.overlap_param_gather:
         args.align_param_gather = False
     else:
         args.align_param_gather = args.virtual_pipeline_model_parallel_size is not None
     _check(not args.overlap_param_gather or args.use_distributed_optimizer,
            "--overlap-param-gather needs --use-distributed-optimizer: add it")
+
+
+def _validate_lr_schedule(args) -> None:
+    """Training length and LR schedule, in iterations (--train-iters) or in samples (--train-samples, with
+    --lr-decay-samples / --lr-warmup-samples), as Megatron-LM; the scheduler counts samples either way
+    (``args.lr_warmup_steps``, ``args.lr_decay_steps``)."""
+    _check((args.train_iters is None) != (args.train_samples is None),
+           "give exactly one of --train-iters and --train-samples")
+    gbs = args.global_batch_size
+    _check(args.lr_warmup_fraction is None or (args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0),
+           "give only one of --lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction")
+    if args.train_samples is not None:
+        _check(args.lr_decay_iters is None and args.lr_warmup_iters == 0,
+               "--train-samples counts the schedule in samples: use --lr-decay-samples / --lr-warmup-samples instead "
+               "of --lr-decay-iters / --lr-warmup-iters")
+        args.train_iters = args.train_samples // gbs
+        decay, warmup, unit = args.lr_decay_samples or args.train_samples, args.lr_warmup_samples, "samples"
+    else:
+        _check(args.lr_decay_samples is None and args.lr_warmup_samples == 0,
+               "--lr-decay-samples / --lr-warmup-samples go with --train-samples: with --train-iters use "
+               "--lr-decay-iters / --lr-warmup-iters")
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        decay, warmup, unit = args.lr_decay_iters * gbs, args.lr_warmup_iters * gbs, "iters"
+    if args.lr_warmup_fraction is not None:
+        warmup = int(args.lr_warmup_fraction * decay)
+    _check(warmup < decay, f"the warm-up ({warmup} samples: --lr-warmup-{unit} or --lr-warmup-fraction) must be "
+                           f"below the decay length (--lr-decay-{unit}, default the training length: {decay} samples): "
+                           f"lower the warm-up or train longer")
+    args.lr_warmup_steps, args.lr_decay_steps = warmup, decay
+
+
+def _validate_training_exit(args) -> None:
+    _check(args.exit_interval is None or args.exit_interval > 0,
+           f"--exit-interval must be a positive number of iterations, got {args.exit_interval}")
+    _check(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+           f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
+    _check(args.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    _check(args.distributed_timeout_minutes > 0,
+           f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
 
 
 def _validate_data(args) -> None:
@@ -546,10 +636,12 @@ def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = 
     ``world_size``/``rank`` default to torchrun's WORLD_SIZE/RANK (1/0 without them)."""
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     args.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
+    _validate_megatron_lm_spellings(args)
     _validate_model(args)
     _validate_parallel(args)  # sets expert_tensor_parallel_size, used by _validate_moe
     _validate_moe(args)
     _validate_batch_and_schedule(args)
+    _validate_training_exit(args)
     _validate_data(args)
     _validate_compression(args)
     _validate_checkpointing(args)

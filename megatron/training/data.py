@@ -157,6 +157,7 @@ def _dataset_config(args, tokenizer, blend) -> GPTDatasetConfig:
         reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
         eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
         create_attention_mask=False,
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),
     )
 
 

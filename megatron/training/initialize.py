@@ -79,7 +79,7 @@ def initialize_distributed(args) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, world_size=args.world_size, rank=args.rank,
-                                         timeout=timedelta(minutes=30))
+                                         timeout=timedelta(minutes=args.distributed_timeout_minutes))
 
 
 def initialize_model_parallel(args) -> None:
@@ -92,6 +92,7 @@ def initialize_model_parallel(args) -> None:
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
 
 

@@ -1,5 +1,5 @@
 """Per-iteration metrics: one flat record, written once by rank 0 to the Megatron log line, the
-``--metrics-file`` (JSON lines) and TensorBoard.
+``--metrics-file`` (JSON lines), TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``).
 
 Record fields: ``iteration``, ``loss`` (json.dumps of the Python float, so it round-trips exactly),
 ``lr``, ``grad_norm``, ``iter_time_s``, ``tokens_per_s``, ``tflops_per_gpu``, ``comm`` (per class of
@@ -64,6 +64,7 @@ class MetricsWriter:
         self.active = args.rank == 0
         self.file = None
         self.tensorboard = None
+        self.wandb = None
         if not self.active:
             return
         if args.metrics_file:
@@ -75,6 +76,14 @@ class MetricsWriter:
             except ImportError as error:
                 raise RuntimeError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from error
             self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+        if args.wandb_project:
+            try:
+                import wandb
+            except ImportError as error:
+                raise RuntimeError("--wandb-project needs the wandb package: pip install wandb") from error
+            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
+                                    config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
+                                    resume="allow")
 
     def write(self, record: dict) -> None:
         if not self.active:
@@ -85,6 +94,8 @@ class MetricsWriter:
         if self.tensorboard is not None:
             for key, value in _scalars(record):
                 self.tensorboard.add_scalar(key, value, record["iteration"])
+        if self.wandb is not None:
+            self.wandb.log(dict(_scalars(record)), step=record["iteration"])
         if record["iteration"] % self.args.log_interval == 0 or "eval_loss" in record:
             print(log_line(record, self.args), flush=True)
 
@@ -93,6 +104,8 @@ class MetricsWriter:
             self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def _scalars(record: dict):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 def core_transformer_config(args):
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
 
     dtype = args.params_dtype
     on_cpu = not torch.cuda.is_available()
@@ -56,7 +57,7 @@ def core_transformer_config(args):
         moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_grouped_gemm=args.moe_grouped_gemm,
-        deterministic_mode=args.deterministic_mode,
+        deterministic_mode=args.deterministic_mode, attention_backend=AttnBackend[args.attention_backend],
     )
 
 
@@ -211,7 +212,7 @@ def build_optimizer(args, ddp_chunks):
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
     )

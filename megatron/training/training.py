@@ -7,6 +7,7 @@ both for the gradient, and the reported loss is the token-weighted mean over the
 (all micro-batches of all DP ranks), summed in float64 on the last pipeline stage.
 """
 
+import gc
 import itertools
 import time
 from functools import partial
@@ -194,13 +195,32 @@ def iteration_record(args, iteration, step, iter_time, optimizer) -> dict:
     }
 
 
-def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_iteration: int) -> int:
+def exit_requested(args, iteration: int, start_time: float) -> bool:
+    """--exit-interval, --exit-duration-in-mins (Megatron-LM's): stop after this iteration. The clocks of the ranks
+    differ, so they agree through one all-reduce (only when a duration is set)."""
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return True
+    if args.exit_duration_in_mins is None:
+        return False
+    over = torch.tensor([time.time() - start_time > 60 * args.exit_duration_in_mins], dtype=torch.int32,
+                        device=default_device())
+    torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
+    return bool(over.item())
+
+
+def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_iteration: int,
+          start_time: float) -> int:
+    """Train from ``start_iteration`` to --train-iters, or to an exit that --exit-interval or
+    --exit-duration-in-mins (counted from ``start_time``, a ``time.time()``) asks for. Returns the last iteration."""
     train_iters, valid_iters = iterators
     wire_config_hooks(config, ddp_chunks, optimizer, args)
     writer = metrics.MetricsWriter(args)
     trial = tp_compression_trial(args, ddp_chunks)
     gather_trial = param_gather_schedule(args, ddp_chunks, trial)
     profiler = IterationProfiler(args)
+    if args.manual_gc:  # collections at the same iterations on every rank, not whenever one rank's heap says so
+        gc.disable()
+        gc.collect()
     iteration = start_iteration
     while iteration < args.train_iters:
         for t in (trial, gather_trial):
@@ -229,6 +249,10 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
         writer.write(record)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save(args, iteration, ddp_chunks, optimizer, scheduler)
+        if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+            gc.collect()
+        if exit_requested(args, iteration, start_time):
+            break
     writer.close()
     return iteration
 
@@ -240,6 +264,7 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     from megatron.training.data import build_train_valid_test_data_iterators
     from megatron.training.tokenizer import build_tokenizer
 
+    start_time = time.time()  # --exit-duration-in-mins counts start-up too (a job's time limit does)
     args = parse_args(argv, extra_args_provider, defaults=args_defaults)
     validate_args(args)
     if model_type == "moe" and args.num_experts is None:
@@ -252,7 +277,8 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     train_iter, valid_iter, _ = build_train_valid_test_data_iterators(args, tokenizer)
     chunks = len(ddp_chunks)
     iteration = train(args, ddp_chunks, optimizer, scheduler, config,
-                      (split_per_chunk(train_iter, chunks), split_per_chunk(valid_iter, chunks)), start)
+                      (split_per_chunk(train_iter, chunks), split_per_chunk(valid_iter, chunks)), start, start_time)
+    # an exit before --train-iters saves here too, so the run can resume from where it stopped
     saved_by_interval = args.save_interval and iteration % args.save_interval == 0
     if args.save and iteration > start and not saved_by_interval:
         save(args, iteration, ddp_chunks, optimizer, scheduler)
