@@ -63,7 +63,8 @@ MEGATRON_LM_SCRIPT = (
     "--hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend auto --untie-embeddings-and-output-weights "
     "--disable-bias-linear --micro-batch-size 1 --global-batch-size 8 --train-samples 800 --lr-decay-samples 790 "
     "--lr-warmup-samples 40 --lr 0.00015 --min-lr 0.00001 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 "
-    "--adam-beta1 0.9 --adam-beta2 0.95 --bf16 --recompute-activations --no-gradient-accumulation-fusion "
+    "--adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --calculate-per-token-loss --empty-unused-memory-level 1 "
+    "--recompute-activations --no-gradient-accumulation-fusion "
     "--manual-gc --manual-gc-interval 10 --exit-duration-in-mins 235 --exit-interval 1000 "
     "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce "
     "--overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 255 --split 99,1,0 "
@@ -80,6 +81,12 @@ def test_megatron_lm_launch_script_flags():
     assert args.attention_backend == "auto" and not args.mmap_bin_files and args.manual_gc
     assert (args.train_iters, args.lr_warmup_steps, args.lr_decay_steps) == (100, 40, 790)
     assert args.distributed_timeout_minutes == 60 and args.exit_duration_in_mins == 235
+    assert args.calculate_per_token_loss and args.empty_unused_memory_level == 1
+    from megatron.training.model import core_transformer_config
+
+    config = core_transformer_config(args)  # what reaches megatron-core
+    assert config.calculate_per_token_loss and config.recompute_granularity == "selective"
+    assert config.attention_backend.name == "auto"
     assert parse_args([]).distributed_timeout_minutes == 10  # Megatron-LM's default
 
 

@@ -54,11 +54,15 @@ def assert_same_trajectory(reference, parallel, keys):
 
 @pytest.mark.slow
 def test_gpt_tp_pp_interleaved_dp_matches_single_process(tmp_path):
+    """TP=2 x PP=2 (2 virtual stages) x DP=2 against one process. The parallel run also scales gradients by the
+    global token count (--calculate-per-token-loss: summed losses, one division after the DP reduction), which
+    every micro-batch's equal token count makes the same arithmetic up to rounding."""
     reference = launch_training(tmp_path, "single", "pretrain_gpt.py", 1, GPT)
     parallel = launch_training(tmp_path, "tp2_pp2_vp2_dp2", "pretrain_gpt.py", 8,
                       GPT + " --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
                       "--num-layers-per-virtual-pipeline-stage 1 --use-distributed-optimizer "
-                      "--overlap-grad-reduce --overlap-param-gather --params-checksum-interval 4")
+                      "--overlap-grad-reduce --overlap-param-gather --params-checksum-interval 4 "
+                      "--calculate-per-token-loss")
     assert len(reference) == 4
     assert_same_trajectory(reference, parallel, ["loss", "grad_norm", "lr", "eval_loss"])
     assert "eval_loss" in parallel[1] and "eval_loss" not in parallel[0]

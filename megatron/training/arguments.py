@@ -123,6 +123,11 @@ class TrainingArgs:
     manual_gc: bool = arg(False, "Disable Python's automatic garbage collection; collect every "
                           "--manual-gc-interval iterations instead (identical timing on every rank).")
     manual_gc_interval: int = arg(0, "With --manual-gc: iterations between collections (0: none during training).")
+    calculate_per_token_loss: bool = arg(False, "Scale gradients by the global batch's token count (summed over "
+                                         "micro-batches and DP ranks) instead of averaging per micro-batch.")
+    empty_unused_memory_level: int = arg(0, "Release the CUDA caching allocator's unused memory: 1 after the "
+                                         "forward-backward, 2 also after the optimizer step (0: never).",
+                                         choices=[0, 1, 2])
 
 
 @dataclass(kw_only=True)
@@ -270,6 +275,7 @@ ALREADY_SO = {
     "no-create-attention-mask-in-dataloader": "the data loader never builds attention masks (causal attention "
                                               "needs none)",
     "log-throughput": "every log line shows tokens/s and TFLOP/s/GPU",
+    "grad-reduce-in-bf16": "gradients are reduced in the parameters' dtype unless --accumulate-allreduce-grads-in-fp32",
 }
 # Megatron-LM flags this trainer does not implement: an error that names the flag and the fix (number of values).
 NOT_IMPLEMENTED = {

@@ -58,6 +58,7 @@ def core_transformer_config(args):
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_grouped_gemm=args.moe_grouped_gemm,
         deterministic_mode=args.deterministic_mode, attention_backend=AttnBackend[args.attention_backend],
+        calculate_per_token_loss=args.calculate_per_token_loss,
     )
 
 

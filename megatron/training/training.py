@@ -93,14 +93,22 @@ def run_schedule(args, ddp_chunks, data_iterators, forward_only: bool):
     )
 
 
+def empty_unused_memory(args, level: int) -> None:
+    """--empty-unused-memory-level (Megatron-LM's): hand the caching allocator's free blocks back to the device."""
+    if args.empty_unused_memory_level >= level and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def train_step(args, ddp_chunks, optimizer, scheduler, data_iterators) -> dict:
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses_reduced = run_schedule(args, ddp_chunks, data_iterators, forward_only=False)
+    empty_unused_memory(args, level=1)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
+    empty_unused_memory(args, level=2)
     return {"loss": global_mean_loss(losses_reduced), "grad_norm": grad_norm,
             "skipped": not update_successful}
 
