@@ -341,3 +341,36 @@ def test_exit_interval_and_duration_save_and_resume(tmp_path):
     assert [r["iteration"] for r in first] == [1, 2] and (ckpt / TRACKER_FILENAME).read_text().strip() == "2"
     second = _pretrain_gpt(tmp_path, "exit_duration", f"--load {ckpt} --save {ckpt} --exit-duration-in-mins 1e-9 {extra}")
     assert [r["iteration"] for r in second] == [3] and (ckpt / TRACKER_FILENAME).read_text().strip() == "3"
+
+
+@pytest.mark.slow
+def test_exit_signal_handler_saves_and_stops(tmp_path):
+    """--exit-signal-handler: a SIGTERM mid-run (what SLURM sends before a time limit or a preemption) ends the
+    current iteration, saves it and exits 0, long before --train-iters."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dist_utils import _free_port
+    from megatron.training.checkpointing import TRACKER_FILENAME
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+             "--train-iters 2000 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
+             f"--transformer-impl local --log-interval 1000 --exit-signal-handler --save {ckpt} "
+             f"--metrics-file {metrics} --data-cache-path {tmp_path / 'cache'}")
+    env = dict(os.environ, MASTER_PORT=str(_free_port()))
+    with open(tmp_path / "log.txt", "w") as log:
+        run = subprocess.Popen([sys.executable, os.path.join(root, "pretrain_gpt.py"), *flags.split()], cwd=root,
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+            assert run.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+            time.sleep(0.05)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    last = [json.loads(line) for line in metrics.read_text().splitlines()][-1]["iteration"]
+    assert 2 <= last < 2000 and (ckpt / TRACKER_FILENAME).read_text().strip() == str(last)

@@ -120,6 +120,10 @@ class TrainingArgs:
                                        "divisible by this.")
     exit_duration_in_mins: Optional[float] = arg(None, "Stop (after saving a checkpoint with --save) once this many "
                                                  "minutes have passed since start-up, e.g. before a job's time limit.")
+    exit_signal_handler: bool = arg(False, "On --exit-signal, finish the iteration, save a checkpoint (with --save) "
+                                    "and stop: SLURM sends SIGTERM before a time limit or a preemption.")
+    exit_signal: str = arg("SIGTERM", "The signal of --exit-signal-handler.",
+                           choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
     manual_gc: bool = arg(False, "Disable Python's automatic garbage collection; collect every "
                           "--manual-gc-interval iterations instead (identical timing on every rank).")
     manual_gc_interval: int = arg(0, "With --manual-gc: iterations between collections (0: none during training).")

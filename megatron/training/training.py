@@ -9,6 +9,7 @@ both for the gradient, and the reported loss is the token-weighted mean over the
 
 import gc
 import itertools
+import signal
 import time
 from functools import partial
 
@@ -203,29 +204,43 @@ def iteration_record(args, iteration, step, iter_time, optimizer) -> dict:
     }
 
 
-def exit_requested(args, iteration: int, start_time: float) -> bool:
-    """--exit-interval, --exit-duration-in-mins (Megatron-LM's): stop after this iteration. The clocks of the ranks
-    differ, so they agree through one all-reduce (only when a duration is set)."""
+class ExitSignal:
+    """--exit-signal-handler (Megatron-LM's): on --exit-signal (SIGTERM: what SLURM sends before a job's time limit
+    or a preemption) only remember it; the loop saves and stops at the end of the iteration."""
+
+    def __init__(self, args):
+        self.received = False
+        if args.exit_signal_handler:
+            signal.signal(getattr(signal, args.exit_signal), self._receive)
+
+    def _receive(self, signum, frame):
+        self.received = True
+
+
+def exit_requested(args, iteration: int, start_time: float, exit_signal: ExitSignal) -> bool:
+    """--exit-interval, --exit-duration-in-mins, --exit-signal-handler: stop after this iteration. Clocks and
+    signals differ between ranks, so they agree through one all-reduce (only when a duration or handler is set)."""
     if args.exit_interval and iteration % args.exit_interval == 0:
         return True
-    if args.exit_duration_in_mins is None:
+    if args.exit_duration_in_mins is None and not args.exit_signal_handler:
         return False
-    over = torch.tensor([time.time() - start_time > 60 * args.exit_duration_in_mins], dtype=torch.int32,
-                        device=default_device())
+    timed_out = args.exit_duration_in_mins is not None and time.time() - start_time > 60 * args.exit_duration_in_mins
+    over = torch.tensor([timed_out or exit_signal.received], dtype=torch.int32, device=default_device())
     torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
     return bool(over.item())
 
 
 def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_iteration: int,
           start_time: float) -> int:
-    """Train from ``start_iteration`` to --train-iters, or to an exit that --exit-interval or
-    --exit-duration-in-mins (counted from ``start_time``, a ``time.time()``) asks for. Returns the last iteration."""
+    """Train from ``start_iteration`` to --train-iters, or to an exit that --exit-interval, --exit-duration-in-mins
+    (counted from ``start_time``, a ``time.time()``) or --exit-signal-handler asks for. Returns the last iteration."""
     train_iters, valid_iters = iterators
     wire_config_hooks(config, ddp_chunks, optimizer, args)
     writer = metrics.MetricsWriter(args)
     trial = tp_compression_trial(args, ddp_chunks)
     gather_trial = param_gather_schedule(args, ddp_chunks, trial)
     profiler = IterationProfiler(args)
+    exit_signal = ExitSignal(args)
     if args.manual_gc:  # collections at the same iterations on every rank, not whenever one rank's heap says so
         gc.disable()
         gc.collect()
@@ -259,7 +274,7 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
             save(args, iteration, ddp_chunks, optimizer, scheduler)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
-        if exit_requested(args, iteration, start_time):
+        if exit_requested(args, iteration, start_time, exit_signal):
             break
     writer.close()
     return iteration
