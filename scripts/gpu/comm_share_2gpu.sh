@@ -8,8 +8,10 @@ set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
 timeout 300 python3 benchmarks/e2e_throughput.py --suite dp2_param_gather_ablation --model configs/gpt_350m.yaml \
   --links sockets_4GBps p2p_off_25GBps --variants delta --micro-batch-size 4 --global-batch-size 8 --train-iters 50 \
-  --warmup 41 --param-gather-reselect-interval 25 --comm-profile --log-dir $RES/logs_delta \
+  --warmup 41 --param-gather-reselect-interval 25 --comm-profile --log-dir /tmp/share_logs/delta \
   --out $RES/e2e_exposed_delta_share.json 2>&1 | grep -E "speedup|Error"
 timeout 200 python3 benchmarks/e2e_throughput.py --suite tp2_taco --model configs/gpt_1.3b.yaml --links p2p_off_25GBps \
-  --micro-batch-size 4 --global-batch-size 16 --variants taco_int8 --comm-profile --log-dir $RES/logs_taco \
+  --micro-batch-size 4 --global-batch-size 16 --variants taco_int8 --comm-profile --log-dir /tmp/share_logs/taco \
   --out $RES/e2e_tp2_taco_share_gpt_1.3b.json 2>&1 | grep -E "speedup|Error"
+# the profiler traces stay behind (session 15 call 4: with them the archive was over the tool's size limit)
+(cd /tmp/share_logs && find . \( -name "*.jsonl" -o -name "*.log" \) -exec cp --parents {} $RES/ \;)
