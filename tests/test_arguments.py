@@ -129,6 +129,7 @@ ERRORS = [
     ("--async-save", 1, "--async-save: checkpoints are saved synchronously here: drop --async-save"),
     ("--attention-backend flash", 1, "--attention-backend flash (or --use-flash-attn) runs Transformer Engine's"),
     ("--use-flash-attn", 1, "or use --transformer-impl transformer_engine"),
+    ("--decoupled-min-lr 1e-5", 1, "--decoupled-min-lr sets the minimum of --decoupled-lr's schedule"),
     ("--exit-interval 0", 1, "--exit-interval must be a positive number of iterations"),
     ("--exit-duration-in-mins -1", 1, "--exit-duration-in-mins must be positive"),
     ("--distributed-timeout-minutes 0", 1, "--distributed-timeout-minutes must be positive"),

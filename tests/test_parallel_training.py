@@ -182,6 +182,35 @@ def test_wandb_sink(tmp_path, monkeypatch):
     assert logged["loss"] == 5.0 and logged["comm/tp/raw_bytes"] == 1
 
 
+def _decoupled_lr_groups():
+    from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.model import setup_model_and_optimizer
+
+    args = validate_args(parse_args((GPT + " --lr-decay-style linear --min-lr 1e-4 --decoupled-lr 5e-3 "
+                                     "--decoupled-min-lr 5e-4").split()), world_size=1, rank=0)
+    initialize_megatron(args)
+    set_padded_vocab_size(args, 255)
+    _, optimizer, scheduler, _ = setup_model_and_optimizer(args)
+    lrs = []
+    for _ in range(args.train_iters):  # warm-up to the peak, then linear decay to the minimum
+        scheduler.step(increment=args.global_batch_size)
+        lrs.append(sorted({(any(getattr(p, "is_embedding_or_output_parameter", False) for p in group["params"]),
+                            group["lr"]) for group in optimizer.param_groups}))
+    return lrs
+
+
+def test_decoupled_lr_schedules_embedding_and_output_separately():
+    """--decoupled-lr / --decoupled-min-lr (Megatron-LM's): the input embedding's and output layer's parameter groups
+    follow their own schedule (warm-up to 5e-3, decay to 5e-4), the other groups --lr / --min-lr's."""
+    from dist_utils import run_on_ranks
+
+    (lrs,) = run_on_ranks(_decoupled_lr_groups, 1)
+    peak, end = dict(lrs[0]), dict(lrs[-1])  # GPT: 1 warm-up iteration, 4 in all
+    assert peak[True] == pytest.approx(5e-3) and peak[False] == pytest.approx(1e-3)
+    assert end[True] == pytest.approx(5e-4) and end[False] == pytest.approx(1e-4)
+
+
 def test_pytorch_profiler_range(tmp_path):
     """--profile --use-pytorch-profiler records exactly the iterations start..end-1 and writes the Chrome
     trace and the op table next to the metrics file, named after it; a bad range is refused naming the flags."""

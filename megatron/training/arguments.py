@@ -146,6 +146,9 @@ class OptimizerArgs:
     lr_warmup_init: float = arg(0.0, "Learning rate at the start of warmup.")
     lr_decay_samples: Optional[int] = arg(None, "Samples to decay over, with --train-samples (default --train-samples).")
     lr_warmup_samples: int = arg(0, "Warmup samples, with --train-samples.")
+    decoupled_lr: Optional[float] = arg(None, "Peak learning rate of the input embedding and output layer (default --lr).")
+    decoupled_min_lr: Optional[float] = arg(None, "Minimum learning rate of the input embedding and output layer "
+                                            "(default --min-lr), with --decoupled-lr.")
     weight_decay: float = arg(0.01, "Weight decay.")
     clip_grad: float = arg(1.0, "Gradient-norm clipping (0 = off).")
     adam_beta1: float = arg(0.9, "Adam beta1.")
@@ -579,6 +582,8 @@ def _validate_lr_schedule(args) -> None:
                            f"below the decay length (--lr-decay-{unit}, default the training length: {decay} samples): "
                            f"lower the warm-up or train longer")
     args.lr_warmup_steps, args.lr_decay_steps = warmup, decay
+    _check(args.decoupled_min_lr is None or args.decoupled_lr is not None,
+           "--decoupled-min-lr sets the minimum of --decoupled-lr's schedule: add --decoupled-lr")
 
 
 def _validate_training_exit(args) -> None:

@@ -207,6 +207,7 @@ def build_optimizer(args, ddp_chunks):
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,  # embedding and output layer groups
     )
     optimizer = get_megatron_optimizer(config, ddp_chunks)
     # The scheduler counts samples, stepped by the global batch size each iteration (Megatron-LM).
