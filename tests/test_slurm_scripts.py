@@ -17,7 +17,8 @@ def srun_command(tmp_path, script, extra_env, *flags):
     return the arguments srun received."""
     record = tmp_path / "srun_args"
     (tmp_path / "srun").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {record}\n')
-    (tmp_path / "scontrol").write_text("#!/bin/bash\necho node1\necho node2\n")
+    # more hostnames than a pipe holds: a launcher that pipes them into `head` dies of SIGPIPE under pipefail
+    (tmp_path / "scontrol").write_text('#!/bin/bash\necho node1\nseq -f "node%g" 2 20000\n')
     for tool in ("srun", "scontrol"):
         os.chmod(tmp_path / tool, 0o755)
     env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", SLURM_JOB_NUM_NODES="2",
