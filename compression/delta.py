@@ -30,8 +30,8 @@ import torch
 from compression.codec import (EncodeStart, HostValues, Segments, SegmentedShard, ShardCodec, bytes_to_device,
                                check_block_size)
 from kernels import delta as kernels
-from kernels.delta import (analyze_blocks_reference, pack_values_reference, stream_nbytes,
-                           unpack_values_reference, use_triton)
+from kernels import use_triton
+from kernels.delta import analyze_blocks_reference, pack_values_reference, stream_nbytes, unpack_values_reference
 
 MAGIC = b"DLTA"
 VERSION = 2

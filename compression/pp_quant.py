@@ -48,6 +48,9 @@ import torch
 
 from compression.bitpack import pack_bits, unpack_bits
 from compression.codec import TensorCodec, check_block_size
+from kernels import tahquant as tahquant_kernels
+from kernels import use_triton
+from kernels.tahquant import BF16_NAN
 from kernels.taco import fwht_reference
 
 HIGH_BITS = 8
@@ -84,10 +87,11 @@ def _qmax(bits: int) -> int:
 
 
 def _round_up_bf16(s: torch.Tensor) -> torch.Tensor:
-    """The smallest bfloat16 >= s (s >= 0; NaN stays NaN)."""
+    """The smallest bfloat16 >= s (s >= 0; NaN as ``BF16_NAN``)."""
     rounded = s.to(torch.bfloat16)
     below = (rounded.float() < s).to(torch.int16)  # positive bf16: the next value up is bits + 1
-    return (rounded.view(torch.int16) + below).view(torch.bfloat16)
+    bits = torch.where(s.isnan(), BF16_NAN, rounded.view(torch.int16) + below)
+    return bits.to(torch.int16).view(torch.bfloat16)
 
 
 class TahQuantCodec(TensorCodec):
@@ -95,11 +99,13 @@ class TahQuantCodec(TensorCodec):
 
     name = "tahquant"
 
-    def __init__(self, config: TahQuantConfig, hidden_size: int):
+    def __init__(self, config: TahQuantConfig, hidden_size: int, triton=None):
+        """``triton``: None runs the kernels on CUDA tensors and the reference elsewhere (same bytes)."""
         if hidden_size < 1:
             raise ValueError(f"TahQuant needs a positive hidden size, got {hidden_size}")
         self.config = config
         self.hidden_size = hidden_size
+        self.triton = triton
         self.tiles_per_token = -(-hidden_size // config.tile_size)
         self.padded_hidden = self.tiles_per_token * config.tile_size
 
@@ -137,27 +143,63 @@ class TahQuantCodec(TensorCodec):
         padded[:, :self.hidden_size] = x.reshape(tokens, self.hidden_size)
         return padded.view(tokens, self.tiles_per_token, self.config.tile_size)
 
+    def _high_tokens_mask(self, amax: torch.Tensor) -> torch.Tensor:
+        """bool [T]: the K tokens with the largest sum of squared tile maxima (``amax`` [T, tiles])."""
+        tokens = amax.shape[0]
+        high = torch.zeros(tokens, dtype=torch.bool, device=amax.device)
+        high[amax.square().sum(dim=1).topk(self.high_tokens(tokens)).indices] = True
+        return high
+
+    def _qmax(self, high: torch.Tensor) -> torch.Tensor:
+        return torch.where(high, float(_qmax(HIGH_BITS)), float(_qmax(self.config.bits)))
+
+    @staticmethod
+    def _high_ranks(high: torch.Tensor) -> torch.Tensor:
+        """int32 [T]: how many 8-bit tokens precede each token (its slot if it is one)."""
+        counts = high.to(torch.int32)
+        return torch.cumsum(counts, 0, dtype=torch.int32) - counts
+
     def encode(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
         if x.dtype not in _INPUT_DTYPES:
             raise ValueError(f"TahQuant encodes float32/bfloat16/float16 tensors, got {x.dtype}")
         tokens = self._tokens(x.numel(), rows)
+        if use_triton(x, self.triton):
+            return self._encode_kernels(x.contiguous(), tokens)
+        return self._encode_reference(x, tokens)
+
+    def _encode_kernels(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        c = self.config
+        amax = tahquant_kernels.tile_maxima(x, self.hidden_size, c.tile_size, c.rotate)
+        high = self._high_tokens_mask(amax)
+        scale_bytes, low_bytes, high_bytes, map_bytes = self._sections(tokens)
+        wire = torch.empty(scale_bytes + low_bytes + high_bytes + map_bytes, dtype=torch.uint8, device=x.device)
+        tahquant_kernels.quantize_tiles(x, amax, high.to(torch.uint8), self._high_ranks(high), wire,
+                                        self.hidden_size, c.tile_size, c.rotate, c.bits, low_at=scale_bytes,
+                                        high_at=scale_bytes + low_bytes)
+        wire[scale_bytes + low_bytes + high_bytes:] = self._token_map(high)
+        return wire
+
+    @staticmethod
+    def _token_map(high: torch.Tensor) -> torch.Tensor:
+        token_map = torch.zeros(-(-high.numel() // 8) * 8, dtype=torch.uint8, device=high.device)
+        token_map[:high.numel()] = high.to(torch.uint8)
+        return pack_bits(token_map, 1)
+
+    def _encode_reference(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
         h = self._rotate(self._tiles(x, tokens))
         amax = h.abs().amax(dim=2)  # [T, tiles]; NaN propagates
         k = self.high_tokens(tokens)
-        high = torch.zeros(tokens, dtype=torch.bool, device=x.device)
-        high[amax.square().sum(dim=1).topk(k).indices] = True
-        qmax = torch.where(high, float(_qmax(HIGH_BITS)), float(_qmax(self.config.bits)))[:, None]
+        high = self._high_tokens_mask(amax)
+        qmax = self._qmax(high)[:, None]
         scales = _round_up_bf16(amax / qmax)
         q = torch.round(h / scales.float()[..., None])
         q = torch.where(torch.isfinite(q), q, 0.0)  # zero tiles (0/0), non-finite tiles: decoded via s
         codes = (q + qmax[..., None]).to(torch.uint8).view(tokens, self.padded_hidden)
         order = torch.sort(high.to(torch.uint8), stable=True).indices  # low tokens, then high, in token order
         codes = codes[order]
-        token_map = torch.zeros(-(-tokens // 8) * 8, dtype=torch.uint8, device=x.device)
-        token_map[:tokens] = high.to(torch.uint8)
         return torch.cat([scales.reshape(-1).view(torch.uint8),
                           pack_bits(codes[:tokens - k].reshape(-1), self.config.bits),
-                          codes[tokens - k:].reshape(-1), pack_bits(token_map, 1)])
+                          codes[tokens - k:].reshape(-1), self._token_map(high)])
 
     def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, rows: int = 1) -> torch.Tensor:
         tokens = self._tokens(numel, rows)
@@ -165,14 +207,26 @@ class TahQuantCodec(TensorCodec):
         if wire.dtype != torch.uint8 or wire.numel() != sum(sections):
             raise ValueError(f"TahQuant wire for {tokens} tokens of hidden size {self.hidden_size} must be "
                              f"{sum(sections)} uint8 bytes, got {wire.numel()} of {wire.dtype}")
-        scale_bytes, low_bytes, high_bytes, map_bytes = torch.split(wire.reshape(-1), sections)
+        wire = wire.reshape(-1)
+        high = unpack_bits(wire[sum(sections[:3]):], 1)[:tokens].bool()
+        if use_triton(wire, self.triton):
+            c = self.config
+            out = torch.empty(numel, dtype=dtype, device=wire.device)
+            tahquant_kernels.dequantize_tiles(wire, high.to(torch.uint8), self._high_ranks(high), out,
+                                              self.hidden_size, c.tile_size, c.rotate, c.bits,
+                                              low_at=sections[0], high_at=sections[0] + sections[1])
+            return out
+        return self._decode_reference(wire, high, sections, dtype)
+
+    def _decode_reference(self, wire, high, sections, dtype) -> torch.Tensor:
+        tokens = high.numel()
+        scale_bytes, low_bytes, high_bytes, _ = torch.split(wire, sections)
         k = self.high_tokens(tokens)
-        high = unpack_bits(map_bytes, 1)[:tokens].bool()
         order = torch.sort(high.to(torch.uint8), stable=True).indices
         codes = torch.empty(tokens, self.padded_hidden, dtype=torch.uint8, device=wire.device)
         codes[order[:tokens - k]] = unpack_bits(low_bytes, self.config.bits).view(tokens - k, self.padded_hidden)
         codes[order[tokens - k:]] = high_bytes.view(k, self.padded_hidden)
-        qmax = torch.where(high, float(_qmax(HIGH_BITS)), float(_qmax(self.config.bits)))[:, None, None]
+        qmax = self._qmax(high)[:, None, None]
         scales = scale_bytes.view(torch.bfloat16).float().view(tokens, self.tiles_per_token, 1)
         h = (codes.view(tokens, self.tiles_per_token, self.config.tile_size).float() - qmax) * scales
         x = self._rotate(h).view(tokens, self.padded_hidden)[:, :self.hidden_size]

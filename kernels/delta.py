@@ -71,15 +71,6 @@ def stream_nbytes(counts, codes, n_esc, exc_widths):
     return (counts.to(torch.int64) * width + exc_widths.to(torch.int64) * n_esc.to(torch.int64) + 7) // 8
 
 
-def use_triton(t: torch.Tensor, triton_flag) -> bool:
-    """``triton_flag``: None picks Triton on CUDA tensors and the PyTorch reference elsewhere."""
-    if triton_flag is None:
-        return t.is_cuda and triton is not None
-    if triton_flag and triton is None:
-        raise RuntimeError("Triton is not installed; pass triton=None to use the PyTorch reference")
-    return triton_flag
-
-
 # --- plain-PyTorch reference -------------------------------------------------------------------
 
 def to_ordered(u16: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,9 @@ misses it by far more.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from compression.pp_quant import TahQuantCodec, TahQuantConfig
 from dist_utils import launch_training, run_on_ranks
 
 LOSS_RTOL = 0.01
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def sqnr_db(x, y) -> float:
@@ -128,9 +132,8 @@ def test_hadamard_and_adaptive_bits_beat_plain_tile_quantization():
 
 @pytest.mark.gpu
 def test_codec_on_cuda():
-    """The torch codec runs on CUDA: same wire size and error bound; decoding is device-independent
-    (products and sums only), so a CUDA wire decodes to the same bits on CPU. Encoding may differ in
-    the last bit of a scale (CUDA divides by a scalar as a product with its reciprocal)."""
+    """The codec on CUDA (the kernels): same wire size and error bound, and a CUDA wire decodes to the same
+    bits on the CPU."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(33, 2, 200, generator=g) * torch.exp(torch.randn(33, 2, 1, generator=g))
     codec = TahQuantCodec(TahQuantConfig(bits=3), hidden_size=200)
@@ -142,6 +145,66 @@ def test_codec_on_cuda():
     assert (tile_errors(codec, x.view(66, 200), y.cpu().view(66, 200)) <= bound * (1 + 1e-5) + 1e-30).all()
     cpu = codec.decode(codec.encode(x), x.numel(), torch.float32)
     assert abs(sqnr_db(x.view(-1), y.cpu()) - sqnr_db(x.view(-1), cpu)) < 0.1
+
+
+# (bits, tile, rotate, hidden, tokens, fraction): hidden sizes that are and are not whole tiles, odd token
+# counts, no 8-bit token, every token 8-bit, and every tile size's program shape.
+KERNEL_CASES = [(4, 64, True, 128, 9, 0.125), (3, 16, True, 100, 7, 0.3), (8, 32, False, 64, 5, 0.125),
+                (5, 64, True, 70, 11, 0.0), (2, 1024, True, 1500, 3, 1.0), (7, 128, True, 256, 33, 0.125),
+                (6, 256, False, 300, 4, 0.5)]
+
+
+def _message(tokens, hidden, seed):
+    """Heavy-tailed rows of scales 1e-3..1e3, a zero token, a zero tile, a NaN, an Inf, -0.0 and values
+    whose scale overflows bfloat16."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g) * torch.exp(torch.randn(tokens, 1, generator=g) * 3)
+    x[0] = 0.0
+    x[0, 1] = -0.0
+    if tokens > 2:
+        x[1, :min(hidden, 16)] = 0.0
+        x[2, hidden - 1] = float("nan")
+    if tokens > 4:
+        x[3, 0], x[4, hidden // 2] = float("-inf"), 3e38
+    return x
+
+
+def _check_kernels_match_reference(device="cpu", out_dtypes=(torch.float32,)):
+    """The kernels (Triton, or its interpreter on CPU) write the reference's wire bytes and decode a wire to
+    the reference's bits (the special values' tiles decode to NaN both ways)."""
+    for case, (bits, tile, rotate, hidden, tokens, fraction) in enumerate(KERNEL_CASES):
+        config = TahQuantConfig(bits=bits, tile_size=tile, rotate=rotate, high_bit_fraction=fraction)
+        reference = TahQuantCodec(config, hidden, triton=False)
+        fused = TahQuantCodec(config, hidden, triton=True)
+        for in_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = _message(tokens, hidden, case).to(in_dtype).to(device)
+            wire = reference.encode(x)
+            got = fused.encode(x)
+            assert torch.equal(got, wire), (case, in_dtype, (got != wire).nonzero()[:8].flatten().tolist())
+            for out_dtype in out_dtypes:
+                want = reference.decode(wire, x.numel(), out_dtype)
+                y = fused.decode(wire, x.numel(), out_dtype)
+                assert y.dtype == out_dtype and torch.equal(y.view(torch.uint8), want.view(torch.uint8)), (case, out_dtype)
+
+
+def test_kernels_match_reference_interpreted():
+    """The Triton kernels under the interpreter (CPU; its float-to-bfloat16 conversion truncates, so the
+    decoded values are compared in fp32 here and in every dtype on the GPU)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    code = "import test_pp_quant; test_pp_quant._check_kernels_match_reference()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_kernels_match_reference_cuda():
+    _check_kernels_match_reference("cuda", out_dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    # a pipeline message of GPT-350M's shape (seq 2048 x micro-batch 2, hidden 1024): the kernels' wire equals
+    # the reference's on the CPU, whose divisions are the IEEE ones the kernels use
+    x = _message(4096, 1024, 0).to(torch.bfloat16)
+    codec = TahQuantCodec(TahQuantConfig(), 1024)
+    assert torch.equal(codec.encode(x.cuda()).cpu(), codec.encode(x))
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

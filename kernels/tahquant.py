@@ -1,0 +1,214 @@
+"""TahQuant tile kernels (``compression/pp_quant.py`` owns the codec, its wire format and the reference).
+
+The message is T tokens of H channels; each token is zero-padded to whole tiles of G channels, and the
+kernels see the flat list of the T * (Hp / G) tiles (tile f is tile f % tiles of token f // tiles), a
+program a [ROWS, G] slab of them. Three kernels, each a pass over the message:
+
+- ``tile_maxima``: rotate each tile (normalized Walsh-Hadamard), max |h| per tile (NaN propagates);
+  the codec ranks the tokens on these (the same torch ops as the reference) to pick the 8-bit ones;
+- ``quantize_tiles``: rotate again (recomputing costs a read of the input; storing h would cost a
+  write and a read of 4 bytes per value), scale = max / Qmax rounded up to bf16, codes, and every
+  section of the wire but the token map, each tile's codes at its token's rank among the low-bit
+  or the 8-bit tokens;
+- ``dequantize_tiles``: codes times scale, rotated back, into the output dtype.
+
+Bit-identical to the reference (``tests/test_pp_quant.py`` compares bytes): the rotation is the
+reference's stages in the reference's order (the pair of indices differing in bit k at stage k, as
+(a + b, a - b)), divisions are IEEE-rounded (``div_rn``), rounding is to nearest even (by adding and
+subtracting 1.5 * 2**23, exact below 2**22), and the kernels
+are compiled without multiply-add fusion.
+"""
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference runs everywhere
+    triton = None
+
+TILE_VALUES = 4096  # values per program: ROWS = TILE_VALUES / G tiles
+NUM_WARPS = 8
+BF16_NAN = 0x7FC0  # the one NaN a scale is stored as (float -> bfloat16 conversions differ by device)
+
+
+if triton is not None:
+    _BF16_NAN = tl.constexpr(BF16_NAN)
+
+    @triton.jit
+    def _fwht(z, ROWS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr):
+        """Unnormalized Walsh-Hadamard of each row of z [ROWS, G], as ``fwht_reference``: stage k pairs the
+        values whose indices differ in bit k. Pairing neighbours (2i, 2i + 1) and writing their sum and
+        difference to i and i + G / 2 does exactly that, stage after stage, and ends in natural order."""
+        for _ in tl.static_range(LOG_G):
+            a, b = tl.split(tl.reshape(z, (ROWS, G // 2, 2)))
+            z = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, G))
+        return z
+
+    @triton.jit
+    def _tile_values(x_ptr, f, H, TILES, G: tl.constexpr, EVEN: tl.constexpr):
+        """Offsets [ROWS, G] of tiles ``f`` [ROWS] in the [T, H] message, and which exist (channel < H)."""
+        j = tl.arange(0, G)[None, :]
+        if EVEN:  # H a multiple of G: the tiles are contiguous
+            offs = f.to(tl.int64)[:, None] * G + j
+            return offs, offs >= 0
+        t = f // TILES
+        c = (f - t * TILES)[:, None] * G + j
+        return t.to(tl.int64)[:, None] * H + c, c < H
+
+    @triton.jit
+    def _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G: tl.constexpr, LOG_G: tl.constexpr,
+                       EVEN: tl.constexpr, ROTATE: tl.constexpr):
+        offs, exists = _tile_values(x_ptr, f, H, TILES, G, EVEN)
+        x = tl.load(x_ptr + offs, mask=exists & (f < n_tiles)[:, None], other=0.0).to(tl.float32)
+        if ROTATE:
+            x = _fwht(x, f.shape[0], G, LOG_G) * scale
+        return x
+
+    @triton.jit
+    def _abs_max(h):
+        """max |h| per row, NaN if the row holds one (``tl.max`` would skip it, torch's ``amax`` does not)."""
+        m = tl.max(tl.abs(h), axis=1)
+        return tl.where(tl.max((h != h).to(tl.int32), axis=1) > 0, float("nan"), m)
+
+    @triton.jit
+    def _tile_maxima_kernel(x_ptr, amax_ptr, n_tiles, H, TILES, scale, G: tl.constexpr, LOG_G: tl.constexpr,
+                            ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
+        f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE)
+        tl.store(amax_ptr + f, _abs_max(h), mask=f < n_tiles)
+
+    @triton.jit
+    def _round_up_bf16(s):
+        """The smallest bfloat16 >= s (s >= 0; NaN as ``BF16_NAN``), as its 16 bits (int32)."""
+        rounded = s.to(tl.bfloat16)
+        bits = rounded.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bits = tl.where(rounded.to(tl.float32) < s, bits + 1, bits)  # positive bf16: next up is bits + 1
+        return tl.where(s != s, _BF16_NAN, bits)
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, amax_ptr, high_ptr, high_rank_ptr, wire_ptr, n_tiles, H, TILES, scale,
+                         low_at, high_at, QMAX_LOW: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                         LOG_G: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
+        f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = f < n_tiles
+        h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE)
+        t = f // TILES
+        tile = f - t * TILES
+        high = tl.load(high_ptr + t, mask=live, other=0) != 0
+        high_rank = tl.load(high_rank_ptr + t, mask=live, other=0).to(tl.int64)  # 8-bit tokens before t
+        qmax = tl.where(high, 127.0, QMAX_LOW)
+        s_bits = _round_up_bf16(tl.math.div_rn(tl.load(amax_ptr + f, mask=live, other=0.0), qmax))
+        tl.store(wire_ptr.to(tl.pointer_type(tl.int16)) + f, s_bits.to(tl.int16), mask=live)
+        s = s_bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        # round to nearest even: |h / s| <= 127, where adding and removing 1.5 * 2**23 rounds to an integer
+        q = (tl.math.div_rn(h, s[:, None]) + 12582912.0) - 12582912.0
+        q = tl.where((q == q) & (tl.abs(q) != float("inf")), q, 0.0)  # zero tiles (0/0), non-finite tiles
+        codes = (q + qmax[:, None]).to(tl.int32)
+        j = tl.arange(0, G)[None, :]
+        TOKEN_HIGH = TILES * G
+        tl.store(wire_ptr + high_at + high_rank[:, None] * TOKEN_HIGH + tile[:, None] * G + j, codes.to(tl.uint8),
+                 mask=(live & high)[:, None])
+        low_rank = t.to(tl.int64) - high_rank
+        low = live & ~high
+        if BITS == 8:
+            tl.store(wire_ptr + low_at + low_rank[:, None] * TOKEN_HIGH + tile[:, None] * G + j, codes.to(tl.uint8),
+                     mask=low[:, None])
+        else:
+            # 8 codes of BITS bits make BITS bytes: code i at bit BITS * i of their little-endian word
+            WIDE: tl.constexpr = BITS > 4
+            groups = tl.reshape(codes, (ROWS, G // 8, 8))
+            if WIDE:
+                groups = groups.to(tl.int64)
+            word = tl.sum(groups << (tl.arange(0, 8) * BITS)[None, None, :], axis=2)  # disjoint bits: sum = OR
+            k = tl.arange(0, 8)[None, None, :]
+            shift = 8 * k if WIDE else tl.minimum(8 * k, 24)  # bytes k >= BITS are not stored
+            byte = ((word[:, :, None] >> shift) & 0xFF).to(tl.uint8)
+            at = (low_at + low_rank * (TILES * G * BITS // 8) + tile * (G * BITS // 8))[:, None, None] \
+                + (tl.arange(0, G // 8) * BITS)[None, :, None] + k
+            tl.store(wire_ptr + at, byte, mask=low[:, None, None] & (k < BITS))
+
+    @triton.jit
+    def _dequantize_kernel(wire_ptr, high_ptr, high_rank_ptr, out_ptr, n_tiles, H, TILES, scale, low_at, high_at,
+                           QMAX_LOW: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr,
+                           ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
+        f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = f < n_tiles
+        t = f // TILES
+        tile = f - t * TILES
+        high = tl.load(high_ptr + t, mask=live, other=0) != 0
+        high_rank = tl.load(high_rank_ptr + t, mask=live, other=0).to(tl.int64)
+        j = tl.arange(0, G)[None, :]
+        TOKEN_HIGH = TILES * G
+        codes = tl.load(wire_ptr + high_at + high_rank[:, None] * TOKEN_HIGH + tile[:, None] * G + j,
+                        mask=(live & high)[:, None], other=0).to(tl.int32)
+        low_rank = t.to(tl.int64) - high_rank
+        low = live & ~high
+        if BITS == 8:
+            codes += tl.load(wire_ptr + low_at + low_rank[:, None] * TOKEN_HIGH + tile[:, None] * G + j,
+                             mask=low[:, None], other=0).to(tl.int32)
+        else:
+            WIDE: tl.constexpr = BITS > 4
+            k = tl.arange(0, 8)[None, None, :]
+            at = (low_at + low_rank * (TILES * G * BITS // 8) + tile * (G * BITS // 8))[:, None, None] \
+                + (tl.arange(0, G // 8) * BITS)[None, :, None] + k
+            byte = tl.load(wire_ptr + at, mask=low[:, None, None] & (k < BITS), other=0)
+            if WIDE:
+                byte = byte.to(tl.int64)
+            else:
+                byte = byte.to(tl.int32)
+            shift = 8 * k if WIDE else tl.minimum(8 * k, 24)
+            word = tl.sum(byte << shift, axis=2)  # [ROWS, G / 8]
+            fields = (word[:, :, None] >> (tl.arange(0, 8) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+            codes += tl.reshape(fields, (ROWS, G)).to(tl.int32)
+        s = tl.load(wire_ptr.to(tl.pointer_type(tl.bfloat16)) + f, mask=live, other=0.0).to(tl.float32)
+        qmax = tl.where(high, 127.0, QMAX_LOW)
+        h = (codes.to(tl.float32) - qmax[:, None]) * s[:, None]
+        if ROTATE:
+            h = _fwht(h, ROWS, G, LOG_G) * scale
+        offs, exists = _tile_values(out_ptr, f, H, TILES, G, EVEN)
+        tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=exists & live[:, None])
+
+
+def _launch_args(n_tiles: int, hidden: int, tiles: int, tile_size: int, rotate: bool) -> tuple:
+    """Grid and the constants every kernel takes: ROWS tiles per program, the normalization as the
+    reference's fp32 product (1 / sqrt(G) rounded to fp32 once)."""
+    rows = max(1, TILE_VALUES // tile_size)
+    scale = float(torch.tensor(1.0 / math.sqrt(tile_size), dtype=torch.float32))
+    consts = dict(G=tile_size, LOG_G=int(math.log2(tile_size)), ROWS=rows, EVEN=hidden % tile_size == 0,
+                  ROTATE=rotate, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    return (triton.cdiv(n_tiles, rows),), scale, consts
+
+
+def tile_maxima(x: torch.Tensor, hidden: int, tile_size: int, rotate: bool) -> torch.Tensor:
+    """fp32 [T, tiles]: max |h| of each rotated tile of the message ``x`` (T * hidden values)."""
+    tokens = x.numel() // hidden
+    tiles = -(-hidden // tile_size)
+    amax = torch.empty(tokens, tiles, dtype=torch.float32, device=x.device)
+    grid, scale, consts = _launch_args(amax.numel(), hidden, tiles, tile_size, rotate)
+    _tile_maxima_kernel[grid](x, amax, amax.numel(), hidden, tiles, scale, **consts)
+    return amax
+
+
+def quantize_tiles(x, amax, high, high_rank, wire, hidden: int, tile_size: int, rotate: bool, bits: int,
+                   low_at: int, high_at: int) -> None:
+    """Scales (bf16, at byte 0), low-bit codes (at ``low_at``) and 8-bit codes (at ``high_at``) of the message
+    ``x`` into ``wire`` (uint8): ``high`` (uint8 [T]) marks the 8-bit tokens, ``high_rank`` (int32 [T]) counts
+    the 8-bit tokens before each token."""
+    n_tiles = amax.numel()
+    grid, scale, consts = _launch_args(n_tiles, hidden, amax.shape[1], tile_size, rotate)
+    _quantize_kernel[grid](x, amax, high, high_rank, wire, n_tiles, hidden, amax.shape[1], scale, low_at, high_at,
+                           QMAX_LOW=float(2 ** (bits - 1) - 1), BITS=bits, **consts)
+
+
+def dequantize_tiles(wire, high, high_rank, out, hidden: int, tile_size: int, rotate: bool, bits: int,
+                     low_at: int, high_at: int) -> None:
+    """Decode ``wire`` into ``out`` (T * hidden values of its dtype); ``high`` and ``high_rank`` as for
+    ``quantize_tiles``."""
+    tiles = -(-hidden // tile_size)
+    n_tiles = high.numel() * tiles
+    grid, scale, consts = _launch_args(n_tiles, hidden, tiles, tile_size, rotate)
+    _dequantize_kernel[grid](wire, high, high_rank, out, n_tiles, hidden, tiles, scale, low_at, high_at,
+                             QMAX_LOW=float(2 ** (bits - 1) - 1), BITS=bits, **consts)
