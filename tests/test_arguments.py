@@ -60,8 +60,9 @@ MEGATRON_LM_SCRIPT = (
     "--use-mcore-models --num-layers 4 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 "
     "--group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32 "
     "--use-rotary-position-embeddings --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 "
-    "--hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend auto --untie-embeddings-and-output-weights "
-    "--disable-bias-linear --micro-batch-size 1 --global-batch-size 8 --train-samples 800 --lr-decay-samples 790 "
+    "--hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend auto --apply-layernorm-1p "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 --global-batch-size 8 "
+    "--train-samples 800 --lr-decay-samples 790 "
     "--lr-warmup-samples 40 --lr 0.00015 --min-lr 0.00001 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 "
     "--adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --calculate-per-token-loss --empty-unused-memory-level 1 "
     "--recompute-activations --no-gradient-accumulation-fusion "
@@ -87,6 +88,7 @@ def test_megatron_lm_launch_script_flags():
     config = core_transformer_config(args)  # what reaches megatron-core
     assert config.calculate_per_token_loss and config.recompute_granularity == "selective"
     assert config.attention_backend.name == "auto"
+    assert config.layernorm_zero_centered_gamma
     assert parse_args([]).distributed_timeout_minutes == 10  # Megatron-LM's default
 
 

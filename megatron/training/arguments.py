@@ -64,6 +64,8 @@ class ModelArgs:
     rotary_percent: float = arg(1.0, "Fraction of head dims rotated by RoPE.")
     normalization: str = arg("LayerNorm", "Norm layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = arg(1e-5, "Norm epsilon.")
+    apply_layernorm_1p: bool = arg(False, "Zero-centered norm weight (LayerNorm and RMSNorm): stored as gamma - 1, "
+                                   "initialized to 0, applied as 1 + weight.")
     swiglu: bool = arg(False, "SwiGLU MLP.")
     untie_embeddings_and_output_weights: bool = arg(False, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = arg(True, "Biases in linear layers.", flag="disable-bias-linear")

@@ -31,6 +31,7 @@ def core_transformer_config(args):
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, add_bias_linear=args.add_bias_linear,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
