@@ -64,7 +64,8 @@ MEGATRON_LM_SCRIPT = (
     "--untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 --global-batch-size 8 "
     "--train-samples 800 --lr-decay-samples 790 "
     "--lr-warmup-samples 40 --lr 0.00015 --min-lr 0.00001 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 "
-    "--adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --calculate-per-token-loss --empty-unused-memory-level 1 "
+    "--adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion "
+    "--calculate-per-token-loss --empty-unused-memory-level 1 "
     "--recompute-activations --no-gradient-accumulation-fusion "
     "--manual-gc --manual-gc-interval 10 --exit-duration-in-mins 235 --exit-interval 1000 "
     "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce "
@@ -88,7 +89,8 @@ def test_megatron_lm_launch_script_flags():
     config = core_transformer_config(args)  # what reaches megatron-core
     assert config.calculate_per_token_loss and config.recompute_granularity == "selective"
     assert config.attention_backend.name == "auto"
-    assert config.layernorm_zero_centered_gamma
+    assert config.layernorm_zero_centered_gamma and config.cross_entropy_loss_fusion
+    assert config.cross_entropy_fusion_impl == "native"  # Megatron-LM's default
     assert parse_args([]).distributed_timeout_minutes == 10  # Megatron-LM's default
 
 
@@ -181,6 +183,15 @@ def test_transformer_engine_missing_or_default(monkeypatch):
         make("--transformer-impl transformer_engine")
     monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: True)
     assert make(base=BASE.replace("--transformer-impl local", "")).transformer_impl == "transformer_engine"
+
+
+def test_transformer_engine_cross_entropy_refused(monkeypatch):
+    import megatron.training.arguments as arguments
+
+    monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: False)
+    with pytest.raises(ValueError, match="--cross-entropy-fusion-impl te runs Transformer Engine's .* use "
+                                         "--cross-entropy-fusion-impl native"):
+        make("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te")
 
 
 def test_moe_cpu_limits(monkeypatch):

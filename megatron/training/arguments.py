@@ -88,6 +88,12 @@ class ModelArgs:
     bias_gelu_fusion: bool = arg(True, "Fused bias+GeLU.", flag="no-bias-gelu-fusion")
     bias_swiglu_fusion: bool = arg(True, "Fused bias+SwiGLU.", flag="no-bias-swiglu-fusion")
     bias_dropout_fusion: bool = arg(True, "Fused bias+dropout+add.", flag="no-bias-dropout-fusion")
+    cross_entropy_loss_fusion: bool = arg(False, "Fused vocab-parallel cross entropy: two TP all-reduces instead of "
+                                          "three, torch.compile'd (the first iteration compiles it; on CPU with a C++ "
+                                          "compiler). Its backward rounds the logits' gradient to bf16, also in fp32 "
+                                          "runs (megatron-core's kernel).")
+    cross_entropy_fusion_impl: str = arg("native", "Implementation of --cross-entropy-loss-fusion: megatron-core's "
+                                         "(native) or Transformer Engine's (te).", choices=["native", "te"])
 
 
 @dataclass(kw_only=True)
@@ -493,6 +499,9 @@ def _validate_model(args) -> None:
     if args.recompute_granularity == "full":
         _check(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
     _validate_transformer_impl(args)
+    _check(args.cross_entropy_fusion_impl != "te" or _transformer_engine_installed(),
+           "--cross-entropy-fusion-impl te runs Transformer Engine's parallel cross entropy, and Transformer Engine is "
+           "not installed: use --cross-entropy-fusion-impl native (the default) or pip install '.[te]'")
 
 
 def _validate_transformer_impl(args) -> None:

@@ -49,6 +49,8 @@ def core_transformer_config(args):
         masked_softmax_fusion=args.masked_softmax_fusion and (dtype == torch.float32 or _has_fused_softmax()),
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         # Megatron-LM's p2p defaults: unbatched, overlapped for the interleaved schedule (batched p2p
         # with PP=2 pairs the wrong messages on gloo: megatron-core-cpu.md item 3).
         batch_p2p_comm=not interleaved, batch_p2p_sync=not on_cpu, overlap_p2p_comm=interleaved and args.overlap_p2p_comm,
