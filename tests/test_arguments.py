@@ -69,7 +69,8 @@ MEGATRON_LM_SCRIPT = (
     "--recompute-activations --no-gradient-accumulation-fusion "
     "--manual-gc --manual-gc-interval 10 --exit-duration-in-mins 235 --exit-interval 1000 "
     "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce "
-    "--overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 255 --split 99,1,0 "
+    "--overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 255 --tiktoken-pattern v2 "
+    "--split 99,1,0 "
     "--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --log-interval 1 --eval-iters 32 "
     "--eval-interval 100 --save-interval 1000 --log-throughput --ckpt-format torch_dist --distributed-timeout-minutes 60 "
     "--transformer-impl local"
@@ -91,6 +92,7 @@ def test_megatron_lm_launch_script_flags():
     assert config.attention_backend.name == "auto"
     assert config.layernorm_zero_centered_gamma and config.cross_entropy_loss_fusion
     assert config.cross_entropy_fusion_impl == "native"  # Megatron-LM's default
+    assert args.tiktoken_pattern == "v2"  # read by TikTokenizer only: the script's NullTokenizer ignores it
     assert parse_args([]).distributed_timeout_minutes == 10  # Megatron-LM's default
 
 
@@ -185,13 +187,19 @@ def test_transformer_engine_missing_or_default(monkeypatch):
     assert make(base=BASE.replace("--transformer-impl local", "")).transformer_impl == "transformer_engine"
 
 
-def test_transformer_engine_cross_entropy_refused(monkeypatch):
+def test_transformer_engine_cross_entropy_and_tiktokenizer_refused(monkeypatch):
     import megatron.training.arguments as arguments
 
     monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: False)
     with pytest.raises(ValueError, match="--cross-entropy-fusion-impl te runs Transformer Engine's .* use "
                                          "--cross-entropy-fusion-impl native"):
         make("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te")
+    with pytest.raises(ValueError) as error:
+        make("--tokenizer-type TikTokenizer --tokenizer-model tokenizer.json --tiktoken-pattern v2")
+    message = str(error.value)
+    assert message.startswith("--tokenizer-type TikTokenizer is not implemented here")
+    assert "pip install tiktoken" in message
+    assert "--tokenizer-type HuggingFaceTokenizer --tokenizer-model FILE" in message
 
 
 def test_moe_cpu_limits(monkeypatch):

@@ -172,11 +172,15 @@ class DataArgs:
     mock_data: bool = arg(False, "Synthetic data (MockGPTDataset).")
     builtin_corpus: Optional[str] = arg(None, "Real text shipped with Python, byte-tokenized.", choices=["python-stdlib"])
     data_cache_path: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "megatron-compressed-comm"), "Dataset cache.")
-    tokenizer_type: str = arg("ByteTokenizer", "Tokenizer.", choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+    tokenizer_type: str = arg("ByteTokenizer", "Tokenizer (TikTokenizer: an error naming the alternatives).",
+                              choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                                       "TikTokenizer"])
     tokenizer_model: Optional[str] = arg(None, "Tokenizer model path (HuggingFaceTokenizer).")
     vocab_file: Optional[str] = arg(None, "Vocabulary file (GPT2BPETokenizer).")
     merge_file: Optional[str] = arg(None, "BPE merges file (GPT2BPETokenizer).")
     vocab_size: Optional[int] = arg(None, "Vocabulary size (NullTokenizer).")
+    tiktoken_pattern: Optional[str] = arg(None, "TikTokenizer's pre-tokenization pattern; other tokenizers ignore it "
+                                          "(as in Megatron-LM).", choices=["v1", "v2"])
     num_workers: int = arg(0, "Data-loader workers.")
     mmap_bin_files: bool = arg(True, "Memory-map the dataset's .bin files.", flag="no-mmap-bin-files")
     reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document.")
@@ -610,6 +614,13 @@ def _validate_training_exit(args) -> None:
 def _validate_data(args) -> None:
     _check(args.data_path is not None or args.mock_data or args.builtin_corpus is not None,
            "no training data: give --data-path PREFIX, --mock-data or --builtin-corpus python-stdlib")
+    # Megatron-LM's TikTokenizer reads its own JSON vocabulary format through the tiktoken package; Megatron-LM's
+    # Llama 3 script uses HuggingFaceTokenizer for real data and NullTokenizer for mock data.
+    _check(args.tokenizer_type != "TikTokenizer",
+           "--tokenizer-type TikTokenizer is not implemented here: Megatron-LM's reads a tiktoken vocabulary through "
+           "the `tiktoken` package (pip install tiktoken), which this trainer does not use. Give the model's "
+           "tokenizer.json instead: --tokenizer-type HuggingFaceTokenizer --tokenizer-model FILE (as Megatron-LM's "
+           "Llama 3 script does for real data), or use GPT2BPETokenizer, ByteTokenizer or NullTokenizer")
 
 
 def _validate_compression(args) -> None:
