@@ -60,14 +60,17 @@ MEGATRON_LM_SCRIPT = (
     "--use-mcore-models --num-layers 4 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 "
     "--group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32 "
     "--use-rotary-position-embeddings --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 "
-    "--hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend auto --untie-embeddings-and-output-weights "
-    "--disable-bias-linear --micro-batch-size 1 --global-batch-size 8 --train-samples 800 --lr-decay-samples 790 "
+    "--hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend auto --apply-layernorm-1p "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 --global-batch-size 8 "
+    "--train-samples 800 --lr-decay-samples 790 "
     "--lr-warmup-samples 40 --lr 0.00015 --min-lr 0.00001 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 "
-    "--adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --calculate-per-token-loss --empty-unused-memory-level 1 "
+    "--adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion "
+    "--calculate-per-token-loss --empty-unused-memory-level 1 "
     "--recompute-activations --no-gradient-accumulation-fusion "
     "--manual-gc --manual-gc-interval 10 --exit-duration-in-mins 235 --exit-interval 1000 "
     "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce "
-    "--overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 255 --split 99,1,0 "
+    "--overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 255 --tiktoken-pattern v2 "
+    "--split 99,1,0 "
     "--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --log-interval 1 --eval-iters 32 "
     "--eval-interval 100 --save-interval 1000 --log-throughput --ckpt-format torch_dist --distributed-timeout-minutes 60 "
     "--transformer-impl local"
@@ -87,6 +90,9 @@ def test_megatron_lm_launch_script_flags():
     config = core_transformer_config(args)  # what reaches megatron-core
     assert config.calculate_per_token_loss and config.recompute_granularity == "selective"
     assert config.attention_backend.name == "auto"
+    assert config.layernorm_zero_centered_gamma and config.cross_entropy_loss_fusion
+    assert config.cross_entropy_fusion_impl == "native"  # Megatron-LM's default
+    assert args.tiktoken_pattern == "v2"  # read by TikTokenizer only: the script's NullTokenizer ignores it
     assert parse_args([]).distributed_timeout_minutes == 10  # Megatron-LM's default
 
 
@@ -179,6 +185,21 @@ def test_transformer_engine_missing_or_default(monkeypatch):
         make("--transformer-impl transformer_engine")
     monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: True)
     assert make(base=BASE.replace("--transformer-impl local", "")).transformer_impl == "transformer_engine"
+
+
+def test_transformer_engine_cross_entropy_and_tiktokenizer_refused(monkeypatch):
+    import megatron.training.arguments as arguments
+
+    monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: False)
+    with pytest.raises(ValueError, match="--cross-entropy-fusion-impl te runs Transformer Engine's .* use "
+                                         "--cross-entropy-fusion-impl native"):
+        make("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te")
+    with pytest.raises(ValueError) as error:
+        make("--tokenizer-type TikTokenizer --tokenizer-model tokenizer.json --tiktoken-pattern v2")
+    message = str(error.value)
+    assert message.startswith("--tokenizer-type TikTokenizer is not implemented here")
+    assert "pip install tiktoken" in message
+    assert "--tokenizer-type HuggingFaceTokenizer --tokenizer-model FILE" in message
 
 
 def test_moe_cpu_limits(monkeypatch):

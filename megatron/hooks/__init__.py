@@ -1,7 +1,7 @@
 """Every hook into megatron-core internals lives in this package (and nowhere else).
 
 - ``cpu``: CPU/gloo redirections of CUDA-only calls (applied only without CUDA).
-- ``norm``: sequence parallelism with torch norms when apex/TE are absent.
+- ``norm``: sequence parallelism and zero-centered gamma with torch norms when apex/TE are absent.
 - ``tp``: TACO-compressed tensor-parallel collectives by class swap of the local-spec linears.
 - ``param_gather``: compressed distributed-optimizer parameter all-gather (CIERA, delta, SDP4Bit weight
   differences) and gradient reduce-scatter (SDP4Bit Hadamard int8/int4) by bucket-group class swap.

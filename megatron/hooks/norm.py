@@ -1,33 +1,96 @@
-"""Sequence parallelism with torch's LayerNorm/RMSNorm when apex and Transformer Engine are absent.
+"""What megatron-core's torch-norm fallback (``WrappedTorchNorm``: the local spec's norm without apex, and its
+RMSNorm always) refuses to build: sequence parallelism and zero-centered gamma.
 
-megatron-core's local-spec fallback (``WrappedTorchNorm``) refuses ``sequence_parallel`` although a
-norm over the hidden dimension is exact on a sequence shard. The only extra duty under SP is that the
-norm's weight and bias carry ``param.sequence_parallel = True``, so ``finalize_model_grads`` sums their
-gradients over the tensor-parallel group (as apex's FusedLayerNorm tags them).
+- Sequence parallelism: a norm over the hidden dimension is exact on a sequence shard. The only extra duty
+  under SP is that the norm's weight and bias carry ``param.sequence_parallel = True``, so
+  ``finalize_model_grads`` sums their gradients over the tensor-parallel group (as apex's FusedLayerNorm
+  tags them).
+- Zero-centered gamma (``layernorm_zero_centered_gamma``, Megatron-LM's ``--apply-layernorm-1p``): the weight
+  is stored as gamma - 1, initialized to 0, and applied as 1 + weight, as apex's FusedLayerNorm and
+  Transformer Engine's norms do.
+
+Each hook builds the norm with its option off (megatron-core asserts it off) and then applies it.
 """
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
 
 from megatron.core.transformer import torch_norm
 
-_applied = False
+_sequence_parallel_applied = False
+_zero_centered_gamma_applied = False
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` whose weight is gamma - 1."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` whose weight is gamma - 1."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+ZERO_CENTERED = {torch.nn.LayerNorm: ZeroCenteredLayerNorm, torch.nn.RMSNorm: ZeroCenteredRMSNorm}
+
+
+@contextlib.contextmanager
+def _option_off(config, name: str):
+    """Turn ``config.<name>`` off while megatron-core builds the norm; yields its value."""
+    value = getattr(config, name)
+    setattr(config, name, False)
+    try:
+        yield value
+    finally:
+        setattr(config, name, value)
 
 
 def allow_sequence_parallel_torch_norm() -> None:
     """Let ``WrappedTorchNorm`` build under ``sequence_parallel=True``. Idempotent."""
-    global _applied
-    if _applied:
+    global _sequence_parallel_applied
+    if _sequence_parallel_applied:
         return
     build_norm = torch_norm.WrappedTorchNorm.__new__
 
     def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        sequence_parallel = config.sequence_parallel
-        config.sequence_parallel = False
-        try:
+        with _option_off(config, "sequence_parallel") as sequence_parallel:
             norm = build_norm(cls, config, hidden_size, eps, **kwargs)
-        finally:
-            config.sequence_parallel = sequence_parallel
         for param in norm.parameters():
             param.sequence_parallel = sequence_parallel
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
-    _applied = True
+    _sequence_parallel_applied = True
+
+
+def allow_zero_centered_gamma_torch_norm() -> None:
+    """Let ``WrappedTorchNorm`` build under ``layernorm_zero_centered_gamma=True``. Idempotent."""
+    global _zero_centered_gamma_applied
+    if _zero_centered_gamma_applied:
+        return
+    build_norm = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        with _option_off(config, "layernorm_zero_centered_gamma") as zero_centered_gamma:
+            norm = build_norm(cls, config, hidden_size, eps, **kwargs)
+        if zero_centered_gamma:
+            norm.__class__ = ZERO_CENTERED[type(norm)]
+            norm.reset_parameters()
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+    _zero_centered_gamma_applied = True

@@ -64,6 +64,8 @@ class ModelArgs:
     rotary_percent: float = arg(1.0, "Fraction of head dims rotated by RoPE.")
     normalization: str = arg("LayerNorm", "Norm layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = arg(1e-5, "Norm epsilon.")
+    apply_layernorm_1p: bool = arg(False, "Zero-centered norm weight (LayerNorm and RMSNorm): stored as gamma - 1, "
+                                   "initialized to 0, applied as 1 + weight.")
     swiglu: bool = arg(False, "SwiGLU MLP.")
     untie_embeddings_and_output_weights: bool = arg(False, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = arg(True, "Biases in linear layers.", flag="disable-bias-linear")
@@ -86,6 +88,12 @@ class ModelArgs:
     bias_gelu_fusion: bool = arg(True, "Fused bias+GeLU.", flag="no-bias-gelu-fusion")
     bias_swiglu_fusion: bool = arg(True, "Fused bias+SwiGLU.", flag="no-bias-swiglu-fusion")
     bias_dropout_fusion: bool = arg(True, "Fused bias+dropout+add.", flag="no-bias-dropout-fusion")
+    cross_entropy_loss_fusion: bool = arg(False, "Fused vocab-parallel cross entropy: two TP all-reduces instead of "
+                                          "three, torch.compile'd (the first iteration compiles it; on CPU with a C++ "
+                                          "compiler). Its backward rounds the logits' gradient to bf16, also in fp32 "
+                                          "runs (megatron-core's kernel).")
+    cross_entropy_fusion_impl: str = arg("native", "Implementation of --cross-entropy-loss-fusion: megatron-core's "
+                                         "(native) or Transformer Engine's (te).", choices=["native", "te"])
 
 
 @dataclass(kw_only=True)
@@ -164,11 +172,15 @@ class DataArgs:
     mock_data: bool = arg(False, "Synthetic data (MockGPTDataset).")
     builtin_corpus: Optional[str] = arg(None, "Real text shipped with Python, byte-tokenized.", choices=["python-stdlib"])
     data_cache_path: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "megatron-compressed-comm"), "Dataset cache.")
-    tokenizer_type: str = arg("ByteTokenizer", "Tokenizer.", choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+    tokenizer_type: str = arg("ByteTokenizer", "Tokenizer (TikTokenizer: an error naming the alternatives).",
+                              choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                                       "TikTokenizer"])
     tokenizer_model: Optional[str] = arg(None, "Tokenizer model path (HuggingFaceTokenizer).")
     vocab_file: Optional[str] = arg(None, "Vocabulary file (GPT2BPETokenizer).")
     merge_file: Optional[str] = arg(None, "BPE merges file (GPT2BPETokenizer).")
     vocab_size: Optional[int] = arg(None, "Vocabulary size (NullTokenizer).")
+    tiktoken_pattern: Optional[str] = arg(None, "TikTokenizer's pre-tokenization pattern; other tokenizers ignore it "
+                                          "(as in Megatron-LM).", choices=["v1", "v2"])
     num_workers: int = arg(0, "Data-loader workers.")
     mmap_bin_files: bool = arg(True, "Memory-map the dataset's .bin files.", flag="no-mmap-bin-files")
     reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document.")
@@ -491,6 +503,9 @@ def _validate_model(args) -> None:
     if args.recompute_granularity == "full":
         _check(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
     _validate_transformer_impl(args)
+    _check(args.cross_entropy_fusion_impl != "te" or _transformer_engine_installed(),
+           "--cross-entropy-fusion-impl te runs Transformer Engine's parallel cross entropy, and Transformer Engine is "
+           "not installed: use --cross-entropy-fusion-impl native (the default) or pip install '.[te]'")
 
 
 def _validate_transformer_impl(args) -> None:
@@ -599,6 +614,13 @@ def _validate_training_exit(args) -> None:
 def _validate_data(args) -> None:
     _check(args.data_path is not None or args.mock_data or args.builtin_corpus is not None,
            "no training data: give --data-path PREFIX, --mock-data or --builtin-corpus python-stdlib")
+    # Megatron-LM's TikTokenizer reads its own JSON vocabulary format through the tiktoken package; Megatron-LM's
+    # Llama 3 script uses HuggingFaceTokenizer for real data and NullTokenizer for mock data.
+    _check(args.tokenizer_type != "TikTokenizer",
+           "--tokenizer-type TikTokenizer is not implemented here: Megatron-LM's reads a tiktoken vocabulary through "
+           "the `tiktoken` package (pip install tiktoken), which this trainer does not use. Give the model's "
+           "tokenizer.json instead: --tokenizer-type HuggingFaceTokenizer --tokenizer-model FILE (as Megatron-LM's "
+           "Llama 3 script does for real data), or use GPT2BPETokenizer, ByteTokenizer or NullTokenizer")
 
 
 def _validate_compression(args) -> None:

@@ -48,15 +48,20 @@ def install_cpu_support() -> bool:
     return True
 
 
-def allow_torch_norm_under_sequence_parallel(args) -> None:
-    """The local spec falls back to torch norms without apex, and those refuse SP although a norm
-    over the hidden dimension is exact on a sequence shard (megatron.hooks.norm)."""
+def allow_torch_norm_options(args) -> None:
+    """The local spec's norms are torch's without apex (its RMSNorm also with apex), and those refuse SP
+    although a norm over the hidden dimension is exact on a sequence shard, and refuse zero-centered gamma
+    (--apply-layernorm-1p) although it is one addition (megatron.hooks.norm)."""
     import importlib.util
 
-    if args.sequence_parallel and args.transformer_impl == "local" and importlib.util.find_spec("apex") is None:
-        from megatron.hooks import norm
+    if args.transformer_impl != "local":
+        return
+    from megatron.hooks import norm
 
+    if args.sequence_parallel and importlib.util.find_spec("apex") is None:
         norm.allow_sequence_parallel_torch_norm()
+    if args.apply_layernorm_1p:
+        norm.allow_zero_centered_gamma_torch_norm()
 
 
 def set_deterministic_mode(args) -> None:
@@ -117,7 +122,7 @@ def initialize_megatron(args) -> None:
     from megatron.hooks import compat
 
     compat.apply()
-    allow_torch_norm_under_sequence_parallel(args)
+    allow_torch_norm_options(args)
     set_deterministic_mode(args)
     initialize_distributed(args)
     # The hooks report what they installed (swapped layers, TP thresholds, CIERA selection) on rank 0.

@@ -31,6 +31,7 @@ def core_transformer_config(args):
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, add_bias_linear=args.add_bias_linear,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -48,6 +49,8 @@ def core_transformer_config(args):
         masked_softmax_fusion=args.masked_softmax_fusion and (dtype == torch.float32 or _has_fused_softmax()),
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         # Megatron-LM's p2p defaults: unbatched, overlapped for the interleaved schedule (batched p2p
         # with PP=2 pairs the wrong messages on gloo: megatron-core-cpu.md item 3).
         batch_p2p_comm=not interleaved, batch_p2p_sync=not on_cpu, overlap_p2p_comm=interleaved and args.overlap_p2p_comm,
