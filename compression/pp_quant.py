@@ -147,7 +147,8 @@ class TahQuantCodec(TensorCodec):
         """bool [T]: the K tokens with the largest sum of squared tile maxima (``amax`` [T, tiles])."""
         tokens = amax.shape[0]
         high = torch.zeros(tokens, dtype=torch.bool, device=amax.device)
-        high[amax.square().sum(dim=1).topk(self.high_tokens(tokens)).indices] = True
+        # the set, not its order: unsorted saves CUDA's sort of the K scores (21 us of 178 for 16M values)
+        high[amax.square().sum(dim=1).topk(self.high_tokens(tokens), sorted=False).indices] = True
         return high
 
     def _qmax(self, high: torch.Tensor) -> torch.Tensor:
@@ -170,13 +171,13 @@ class TahQuantCodec(TensorCodec):
     def _encode_kernels(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
         c = self.config
         amax = tahquant_kernels.tile_maxima(x, self.hidden_size, c.tile_size, c.rotate)
-        high = self._high_tokens_mask(amax)
+        high = self._high_tokens_mask(amax).to(torch.uint8)
         scale_bytes, low_bytes, high_bytes, map_bytes = self._sections(tokens)
-        wire = torch.empty(scale_bytes + low_bytes + high_bytes + map_bytes, dtype=torch.uint8, device=x.device)
-        tahquant_kernels.quantize_tiles(x, amax, high.to(torch.uint8), self._high_ranks(high), wire,
-                                        self.hidden_size, c.tile_size, c.rotate, c.bits, low_at=scale_bytes,
-                                        high_at=scale_bytes + low_bytes)
-        wire[scale_bytes + low_bytes + high_bytes:] = self._token_map(high)
+        map_at = scale_bytes + low_bytes + high_bytes
+        wire = torch.empty(map_at + map_bytes, dtype=torch.uint8, device=x.device)
+        high_rank = tahquant_kernels.token_ranks(high, wire[map_at:], encode=True)
+        tahquant_kernels.quantize_tiles(x, amax, high, high_rank, wire, self.hidden_size, c.tile_size, c.rotate,
+                                        c.bits, low_at=scale_bytes, high_at=scale_bytes + low_bytes)
         return wire
 
     @staticmethod
@@ -208,15 +209,16 @@ class TahQuantCodec(TensorCodec):
             raise ValueError(f"TahQuant wire for {tokens} tokens of hidden size {self.hidden_size} must be "
                              f"{sum(sections)} uint8 bytes, got {wire.numel()} of {wire.dtype}")
         wire = wire.reshape(-1)
-        high = unpack_bits(wire[sum(sections[:3]):], 1)[:tokens].bool()
+        token_map = wire[sum(sections[:3]):]
         if use_triton(wire, self.triton):
             c = self.config
+            high = torch.empty(tokens, dtype=torch.uint8, device=wire.device)
+            high_rank = tahquant_kernels.token_ranks(high, token_map, encode=False)
             out = torch.empty(numel, dtype=dtype, device=wire.device)
-            tahquant_kernels.dequantize_tiles(wire, high.to(torch.uint8), self._high_ranks(high), out,
-                                              self.hidden_size, c.tile_size, c.rotate, c.bits,
-                                              low_at=sections[0], high_at=sections[0] + sections[1])
+            tahquant_kernels.dequantize_tiles(wire, high, high_rank, out, self.hidden_size, c.tile_size, c.rotate,
+                                              c.bits, low_at=sections[0], high_at=sections[0] + sections[1])
             return out
-        return self._decode_reference(wire, high, sections, dtype)
+        return self._decode_reference(wire, unpack_bits(token_map, 1)[:tokens].bool(), sections, dtype)
 
     def _decode_reference(self, wire, high, sections, dtype) -> torch.Tensor:
         tokens = high.numel()

@@ -31,6 +31,7 @@ except ImportError:  # CPU-only installs: the reference runs everywhere
 
 TILE_VALUES = 4096  # values per program: ROWS = TILE_VALUES / G tiles
 NUM_WARPS = 8
+FWHT_IN_PLACE = True
 BF16_NAN = 0x7FC0  # the one NaN a scale is stored as (float -> bfloat16 conversions differ by device)
 
 
@@ -38,13 +39,18 @@ if triton is not None:
     _BF16_NAN = tl.constexpr(BF16_NAN)
 
     @triton.jit
-    def _fwht(z, ROWS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr):
+    def _fwht(z, ROWS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr, IN_PLACE: tl.constexpr):
         """Unnormalized Walsh-Hadamard of each row of z [ROWS, G], as ``fwht_reference``: stage k pairs the
-        values whose indices differ in bit k. Pairing neighbours (2i, 2i + 1) and writing their sum and
-        difference to i and i + G / 2 does exactly that, stage after stage, and ends in natural order."""
-        for _ in tl.static_range(LOG_G):
-            a, b = tl.split(tl.reshape(z, (ROWS, G // 2, 2)))
-            z = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, G))
+        values whose indices differ in bit k."""
+        for k in tl.static_range(LOG_G):
+            if IN_PLACE:
+                a, b = tl.split(tl.permute(tl.reshape(z, (ROWS, G >> (k + 1), 2, 1 << k)), (0, 1, 3, 2)))
+                z = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, G))
+            else:
+                # pairing neighbours (2i, 2i + 1) and writing their sum and difference to i and i + G / 2 does
+                # the same, stage after stage, and ends in natural order
+                a, b = tl.split(tl.reshape(z, (ROWS, G // 2, 2)))
+                z = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, G))
         return z
 
     @triton.jit
@@ -60,11 +66,11 @@ if triton is not None:
 
     @triton.jit
     def _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G: tl.constexpr, LOG_G: tl.constexpr,
-                       EVEN: tl.constexpr, ROTATE: tl.constexpr):
+                       EVEN: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr):
         offs, exists = _tile_values(x_ptr, f, H, TILES, G, EVEN)
         x = tl.load(x_ptr + offs, mask=exists & (f < n_tiles)[:, None], other=0.0).to(tl.float32)
         if ROTATE:
-            x = _fwht(x, f.shape[0], G, LOG_G) * scale
+            x = _fwht(x, f.shape[0], G, LOG_G, IN_PLACE) * scale
         return x
 
     @triton.jit
@@ -75,9 +81,9 @@ if triton is not None:
 
     @triton.jit
     def _tile_maxima_kernel(x_ptr, amax_ptr, n_tiles, H, TILES, scale, G: tl.constexpr, LOG_G: tl.constexpr,
-                            ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
+                            ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr):
         f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE)
+        h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE, IN_PLACE)
         tl.store(amax_ptr + f, _abs_max(h), mask=f < n_tiles)
 
     @triton.jit
@@ -91,10 +97,10 @@ if triton is not None:
     @triton.jit
     def _quantize_kernel(x_ptr, amax_ptr, high_ptr, high_rank_ptr, wire_ptr, n_tiles, H, TILES, scale,
                          low_at, high_at, QMAX_LOW: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                         LOG_G: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
+                         LOG_G: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr):
         f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = f < n_tiles
-        h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE)
+        h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE, IN_PLACE)
         t = f // TILES
         tile = f - t * TILES
         high = tl.load(high_ptr + t, mask=live, other=0) != 0
@@ -133,7 +139,7 @@ if triton is not None:
     @triton.jit
     def _dequantize_kernel(wire_ptr, high_ptr, high_rank_ptr, out_ptr, n_tiles, H, TILES, scale, low_at, high_at,
                            QMAX_LOW: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr,
-                           ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
+                           ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr):
         f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = f < n_tiles
         t = f // TILES
@@ -167,10 +173,32 @@ if triton is not None:
         qmax = tl.where(high, 127.0, QMAX_LOW)
         h = (codes.to(tl.float32) - qmax[:, None]) * s[:, None]
         if ROTATE:
-            h = _fwht(h, ROWS, G, LOG_G) * scale
+            h = _fwht(h, ROWS, G, LOG_G, IN_PLACE) * scale
         offs, exists = _tile_values(out_ptr, f, H, TILES, G, EVEN)
         tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=exists & live[:, None])
 
+
+    @triton.jit
+    def _token_ranks_kernel(high_ptr, rank_ptr, map_ptr, tokens, ENCODE: tl.constexpr, CHUNK: tl.constexpr,
+                            N_CHUNKS: tl.constexpr):
+        """One program: each token's count of 8-bit tokens before it, and the token map (bit t % 8 of byte t // 8)
+        written from ``high`` (ENCODE) or read into it. The chunk count is a constant (one compile per message
+        shape, which pipeline training keeps) because Triton's interpreter cannot loop to a runtime bound."""
+        before = 0
+        for chunk in range(N_CHUNKS):
+            start = chunk * CHUNK
+            t = start + tl.arange(0, CHUNK)
+            if ENCODE:
+                high = tl.load(high_ptr + t, mask=t < tokens, other=0).to(tl.int32)
+                byte = tl.sum(tl.reshape(high, (CHUNK // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
+                at = start // 8 + tl.arange(0, CHUNK // 8)
+                tl.store(map_ptr + at, byte.to(tl.uint8), mask=at * 8 < tokens)
+            else:
+                byte = tl.load(map_ptr + t // 8, mask=t < tokens, other=0).to(tl.int32)
+                high = (byte >> (t % 8)) & 1
+                tl.store(high_ptr + t, high.to(tl.uint8), mask=t < tokens)
+            tl.store(rank_ptr + t, before + tl.cumsum(high, axis=0) - high, mask=t < tokens)
+            before += tl.sum(high, axis=0)
 
 def _launch_args(n_tiles: int, hidden: int, tiles: int, tile_size: int, rotate: bool) -> tuple:
     """Grid and the constants every kernel takes: ROWS tiles per program, the normalization as the
@@ -178,7 +206,7 @@ def _launch_args(n_tiles: int, hidden: int, tiles: int, tile_size: int, rotate: 
     rows = max(1, TILE_VALUES // tile_size)
     scale = float(torch.tensor(1.0 / math.sqrt(tile_size), dtype=torch.float32))
     consts = dict(G=tile_size, LOG_G=int(math.log2(tile_size)), ROWS=rows, EVEN=hidden % tile_size == 0,
-                  ROTATE=rotate, num_warps=NUM_WARPS, enable_fp_fusion=False)
+                  ROTATE=rotate, IN_PLACE=FWHT_IN_PLACE, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return (triton.cdiv(n_tiles, rows),), scale, consts
 
 
@@ -212,3 +240,13 @@ def dequantize_tiles(wire, high, high_rank, out, hidden: int, tile_size: int, ro
     grid, scale, consts = _launch_args(n_tiles, hidden, tiles, tile_size, rotate)
     _dequantize_kernel[grid](wire, high, high_rank, out, n_tiles, hidden, tiles, scale, low_at, high_at,
                              QMAX_LOW=float(2 ** (bits - 1) - 1), BITS=bits, **consts)
+
+
+def token_ranks(high: torch.Tensor, token_map: torch.Tensor, encode: bool) -> torch.Tensor:
+    """int32 [T]: how many 8-bit tokens precede each token; writes the token map from ``high`` (uint8 [T], 1 =
+    8-bit) if ``encode``, else ``high`` from the map."""
+    ranks = torch.empty(high.numel(), dtype=torch.int32, device=high.device)
+    chunk = 4096
+    _token_ranks_kernel[(1,)](high, ranks, token_map, high.numel(), ENCODE=encode, CHUNK=chunk,
+                              N_CHUNKS=triton.cdiv(high.numel(), chunk), num_warps=8)
+    return ranks

@@ -148,10 +148,11 @@ def test_codec_on_cuda():
 
 
 # (bits, tile, rotate, hidden, tokens, fraction): hidden sizes that are and are not whole tiles, odd token
-# counts, no 8-bit token, every token 8-bit, and every tile size's program shape.
+# counts, no 8-bit token, every token 8-bit, every tile size's program shape, and more tokens than the
+# token-rank kernel's chunk (4096).
 KERNEL_CASES = [(4, 64, True, 128, 9, 0.125), (3, 16, True, 100, 7, 0.3), (8, 32, False, 64, 5, 0.125),
                 (5, 64, True, 70, 11, 0.0), (2, 1024, True, 1500, 3, 1.0), (7, 128, True, 256, 33, 0.125),
-                (6, 256, False, 300, 4, 0.5)]
+                (6, 256, False, 300, 4, 0.5), (4, 16, True, 16, 9001, 0.125)]
 
 
 def _message(tokens, hidden, seed):
