@@ -41,7 +41,6 @@ def parse_args(argv=None):
     p.add_argument("--tile-values", type=int, default=None,
                    help="values per kernel program (kernels.tahquant.TILE_VALUES) for a launch sweep")
     p.add_argument("--num-warps", type=int, default=None, help="warps per kernel program (kernels.tahquant.NUM_WARPS)")
-    p.add_argument("--fwht", choices=["in-place", "self-sorting"], default=None, help="kernels.tahquant.FWHT_IN_PLACE")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, wall-clock timing")
     return p.parse_args(argv)
 
@@ -84,8 +83,6 @@ def main(argv=None):
     device = "cpu" if args.dry_run else "cuda"
     if args.tile_values:
         tahquant_kernels.TILE_VALUES = args.tile_values
-    if args.fwht:
-        tahquant_kernels.FWHT_IN_PLACE = args.fwht == "in-place"
     if args.num_warps:
         tahquant_kernels.NUM_WARPS = args.num_warps
     shapes = ["64x256"] if args.dry_run else args.shapes.split(",")
@@ -101,7 +98,7 @@ def main(argv=None):
                   f"{r['sqnr_db_gradient']:>9.2f} {r['copy_ms']:>8.3f} {r['encode_ms']:>8.3f} {r['decode_ms']:>8.3f} "
                   f"{r['encode_reference_ms']:>8.3f} {r['decode_reference_ms']:>8.3f} {r['encode_vs_copy']:>8.3f} "
                   f"{r['decode_vs_copy']:>8.3f}")
-    env = dict(fwht_in_place=tahquant_kernels.FWHT_IN_PLACE, tile_values=tahquant_kernels.TILE_VALUES, num_warps=tahquant_kernels.NUM_WARPS, device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
+    env = dict(tile_values=tahquant_kernels.TILE_VALUES, num_warps=tahquant_kernels.NUM_WARPS, device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                command="python -m benchmarks.bench_pp_quant " + " ".join(sys.argv[1:] if argv is None else argv))
     if device == "cuda":
         import triton

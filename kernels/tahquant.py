@@ -2,21 +2,23 @@
 
 The message is T tokens of H channels; each token is zero-padded to whole tiles of G channels, and the
 kernels see the flat list of the T * (Hp / G) tiles (tile f is tile f % tiles of token f // tiles), a
-program a [ROWS, G] slab of them. Three kernels, each a pass over the message:
+program a [ROWS, G] slab of them. Encode and decode are one pass over the message each, but the encode
+needs the 8-bit tokens, a top-K over all tiles' maxima, before it can quantize:
 
 - ``tile_maxima``: rotate each tile (normalized Walsh-Hadamard), max |h| per tile (NaN propagates);
-  the codec ranks the tokens on these (the same torch ops as the reference) to pick the 8-bit ones;
+  the codec ranks the tokens on these with the reference's torch ops (``TahQuantCodec._high_tokens_mask``);
+- ``token_ranks``: one program counting the 8-bit tokens before each token and writing the token map
+  (decode: reading it);
 - ``quantize_tiles``: rotate again (recomputing costs a read of the input; storing h would cost a
-  write and a read of 4 bytes per value), scale = max / Qmax rounded up to bf16, codes, and every
-  section of the wire but the token map, each tile's codes at its token's rank among the low-bit
-  or the 8-bit tokens;
+  write and a read of 4 bytes per value), scale = max / Qmax rounded up to bf16, codes, and the scale
+  and code sections of the wire, each tile's codes at its token's rank among the low-bit or the 8-bit
+  tokens;
 - ``dequantize_tiles``: codes times scale, rotated back, into the output dtype.
 
-Bit-identical to the reference (``tests/test_pp_quant.py`` compares bytes): the rotation is the
-reference's stages in the reference's order (the pair of indices differing in bit k at stage k, as
-(a + b, a - b)), divisions are IEEE-rounded (``div_rn``), rounding is to nearest even (by adding and
-subtracting 1.5 * 2**23, exact below 2**22), and the kernels
-are compiled without multiply-add fusion.
+Bit-identical to the reference (``tests/test_pp_quant.py`` compares bytes, on CPU under Triton's
+interpreter and on the GPU): the rotation is the reference's stages in the reference's order,
+divisions are IEEE-rounded (``div_rn``), rounding is to nearest even (by adding and subtracting
+1.5 * 2**23, exact below 2**22), and the kernels are compiled without multiply-add fusion.
 """
 
 import math
@@ -31,7 +33,6 @@ except ImportError:  # CPU-only installs: the reference runs everywhere
 
 TILE_VALUES = 4096  # values per program: ROWS = TILE_VALUES / G tiles
 NUM_WARPS = 8
-FWHT_IN_PLACE = True
 BF16_NAN = 0x7FC0  # the one NaN a scale is stored as (float -> bfloat16 conversions differ by device)
 
 
@@ -39,18 +40,14 @@ if triton is not None:
     _BF16_NAN = tl.constexpr(BF16_NAN)
 
     @triton.jit
-    def _fwht(z, ROWS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr, IN_PLACE: tl.constexpr):
-        """Unnormalized Walsh-Hadamard of each row of z [ROWS, G], as ``fwht_reference``: stage k pairs the
-        values whose indices differ in bit k."""
+    def _fwht(z, ROWS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr):
+        """Unnormalized Walsh-Hadamard of each row of z [ROWS, G], as ``fwht_reference``: stage k turns the pair
+        of values whose indices differ in bit k into (a + b, a - b), a the one with the bit clear. (Pairing
+        neighbours and writing sums and differences to i and i + G / 2, the self-sorting form, does the same
+        arithmetic and measured 2-7% slower: results/gpu/README.md, session 16.)"""
         for k in tl.static_range(LOG_G):
-            if IN_PLACE:
-                a, b = tl.split(tl.permute(tl.reshape(z, (ROWS, G >> (k + 1), 2, 1 << k)), (0, 1, 3, 2)))
-                z = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, G))
-            else:
-                # pairing neighbours (2i, 2i + 1) and writing their sum and difference to i and i + G / 2 does
-                # the same, stage after stage, and ends in natural order
-                a, b = tl.split(tl.reshape(z, (ROWS, G // 2, 2)))
-                z = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, G))
+            a, b = tl.split(tl.permute(tl.reshape(z, (ROWS, G >> (k + 1), 2, 1 << k)), (0, 1, 3, 2)))
+            z = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, G))
         return z
 
     @triton.jit
@@ -66,11 +63,11 @@ if triton is not None:
 
     @triton.jit
     def _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G: tl.constexpr, LOG_G: tl.constexpr,
-                       EVEN: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr):
+                       EVEN: tl.constexpr, ROTATE: tl.constexpr):
         offs, exists = _tile_values(x_ptr, f, H, TILES, G, EVEN)
         x = tl.load(x_ptr + offs, mask=exists & (f < n_tiles)[:, None], other=0.0).to(tl.float32)
         if ROTATE:
-            x = _fwht(x, f.shape[0], G, LOG_G, IN_PLACE) * scale
+            x = _fwht(x, f.shape[0], G, LOG_G) * scale
         return x
 
     @triton.jit
@@ -81,9 +78,9 @@ if triton is not None:
 
     @triton.jit
     def _tile_maxima_kernel(x_ptr, amax_ptr, n_tiles, H, TILES, scale, G: tl.constexpr, LOG_G: tl.constexpr,
-                            ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr):
+                            ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
         f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE, IN_PLACE)
+        h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE)
         tl.store(amax_ptr + f, _abs_max(h), mask=f < n_tiles)
 
     @triton.jit
@@ -97,10 +94,10 @@ if triton is not None:
     @triton.jit
     def _quantize_kernel(x_ptr, amax_ptr, high_ptr, high_rank_ptr, wire_ptr, n_tiles, H, TILES, scale,
                          low_at, high_at, QMAX_LOW: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                         LOG_G: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr):
+                         LOG_G: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
         f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = f < n_tiles
-        h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE, IN_PLACE)
+        h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE)
         t = f // TILES
         tile = f - t * TILES
         high = tl.load(high_ptr + t, mask=live, other=0) != 0
@@ -139,7 +136,7 @@ if triton is not None:
     @triton.jit
     def _dequantize_kernel(wire_ptr, high_ptr, high_rank_ptr, out_ptr, n_tiles, H, TILES, scale, low_at, high_at,
                            QMAX_LOW: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr,
-                           ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr):
+                           ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
         f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = f < n_tiles
         t = f // TILES
@@ -173,7 +170,7 @@ if triton is not None:
         qmax = tl.where(high, 127.0, QMAX_LOW)
         h = (codes.to(tl.float32) - qmax[:, None]) * s[:, None]
         if ROTATE:
-            h = _fwht(h, ROWS, G, LOG_G, IN_PLACE) * scale
+            h = _fwht(h, ROWS, G, LOG_G) * scale
         offs, exists = _tile_values(out_ptr, f, H, TILES, G, EVEN)
         tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=exists & live[:, None])
 
@@ -206,7 +203,7 @@ def _launch_args(n_tiles: int, hidden: int, tiles: int, tile_size: int, rotate: 
     rows = max(1, TILE_VALUES // tile_size)
     scale = float(torch.tensor(1.0 / math.sqrt(tile_size), dtype=torch.float32))
     consts = dict(G=tile_size, LOG_G=int(math.log2(tile_size)), ROWS=rows, EVEN=hidden % tile_size == 0,
-                  ROTATE=rotate, IN_PLACE=FWHT_IN_PLACE, num_warps=NUM_WARPS, enable_fp_fusion=False)
+                  ROTATE=rotate, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return (triton.cdiv(n_tiles, rows),), scale, consts
 
 
