@@ -34,7 +34,11 @@ Wire (one uint8 buffer), little-endian, sections in this order:
     token map   ceil(T / 8) bytes              (bit t % 8 of byte t // 8 set: token t is 8-bit)
 
 Special values (lossy path): a tile holding NaN or +-Inf, or whose scale overflows bf16 (|x| above
-~3e38), decodes to all NaN; an all-zero tile decodes to exact zeros; -0.0 decodes to +0.0.
+~3e38), decodes to all NaN (a NaN scale is stored as 0x7FC0 on every device); an all-zero tile decodes to
+exact zeros; -0.0 decodes to +0.0.
+
+The torch code here is the CPU path and the oracle; on CUDA the kernels of ``kernels/tahquant.py`` write
+the same bytes and decode to the same bits.
 
 Not implemented from the paper: pivot swapping. With a +-1 Hadamard matrix, max|H x| of a tile
 with one or two dominant values does not depend on where in the tile they sit, so an in-tile swap
@@ -92,6 +96,13 @@ def _round_up_bf16(s: torch.Tensor) -> torch.Tensor:
     below = (rounded.float() < s).to(torch.int16)  # positive bf16: the next value up is bits + 1
     bits = torch.where(s.isnan(), BF16_NAN, rounded.view(torch.int16) + below)
     return bits.to(torch.int16).view(torch.bfloat16)
+
+
+def _token_map(high: torch.Tensor) -> torch.Tensor:
+    """The wire's token map of the bool [T] mask of 8-bit tokens (bit t % 8 of byte t // 8)."""
+    token_map = torch.zeros(-(-high.numel() // 8) * 8, dtype=torch.uint8, device=high.device)
+    token_map[:high.numel()] = high.to(torch.uint8)
+    return pack_bits(token_map, 1)
 
 
 class TahQuantCodec(TensorCodec):
@@ -154,12 +165,6 @@ class TahQuantCodec(TensorCodec):
     def _qmax(self, high: torch.Tensor) -> torch.Tensor:
         return torch.where(high, float(_qmax(HIGH_BITS)), float(_qmax(self.config.bits)))
 
-    @staticmethod
-    def _high_ranks(high: torch.Tensor) -> torch.Tensor:
-        """int32 [T]: how many 8-bit tokens precede each token (its slot if it is one)."""
-        counts = high.to(torch.int32)
-        return torch.cumsum(counts, 0, dtype=torch.int32) - counts
-
     def encode(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
         if x.dtype not in _INPUT_DTYPES:
             raise ValueError(f"TahQuant encodes float32/bfloat16/float16 tensors, got {x.dtype}")
@@ -180,12 +185,6 @@ class TahQuantCodec(TensorCodec):
                                         c.bits, low_at=scale_bytes, high_at=scale_bytes + low_bytes)
         return wire
 
-    @staticmethod
-    def _token_map(high: torch.Tensor) -> torch.Tensor:
-        token_map = torch.zeros(-(-high.numel() // 8) * 8, dtype=torch.uint8, device=high.device)
-        token_map[:high.numel()] = high.to(torch.uint8)
-        return pack_bits(token_map, 1)
-
     def _encode_reference(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
         h = self._rotate(self._tiles(x, tokens))
         amax = h.abs().amax(dim=2)  # [T, tiles]; NaN propagates
@@ -200,7 +199,7 @@ class TahQuantCodec(TensorCodec):
         codes = codes[order]
         return torch.cat([scales.reshape(-1).view(torch.uint8),
                           pack_bits(codes[:tokens - k].reshape(-1), self.config.bits),
-                          codes[tokens - k:].reshape(-1), self._token_map(high)])
+                          codes[tokens - k:].reshape(-1), _token_map(high)])
 
     def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, rows: int = 1) -> torch.Tensor:
         tokens = self._tokens(numel, rows)

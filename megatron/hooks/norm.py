@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer import torch_norm
 
-_sequence_parallel_applied = False
-_zero_centered_gamma_applied = False
+_allowed_options = set()  # the config options WrappedTorchNorm now builds under
 
 
 class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
@@ -59,38 +58,39 @@ def _option_off(config, name: str):
         setattr(config, name, value)
 
 
-def allow_sequence_parallel_torch_norm() -> None:
-    """Let ``WrappedTorchNorm`` build under ``sequence_parallel=True``. Idempotent."""
-    global _sequence_parallel_applied
-    if _sequence_parallel_applied:
+def _allow_option(name: str, finish) -> None:
+    """Let ``WrappedTorchNorm`` build under ``config.<name>``: built with it off, then ``finish(norm, value)``.
+    Idempotent per option; the wrappers of several options nest."""
+    if name in _allowed_options:
         return
     build_norm = torch_norm.WrappedTorchNorm.__new__
 
     def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        with _option_off(config, "sequence_parallel") as sequence_parallel:
+        with _option_off(config, name) as value:
             norm = build_norm(cls, config, hidden_size, eps, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = sequence_parallel
+        finish(norm, value)
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
-    _sequence_parallel_applied = True
+    _allowed_options.add(name)
+
+
+def _tag_sequence_parallel(norm, sequence_parallel: bool) -> None:
+    for param in norm.parameters():
+        param.sequence_parallel = sequence_parallel
+
+
+def _center_gamma(norm, zero_centered_gamma: bool) -> None:
+    if zero_centered_gamma:
+        norm.__class__ = ZERO_CENTERED[type(norm)]
+        norm.reset_parameters()
+
+
+def allow_sequence_parallel_torch_norm() -> None:
+    """Let ``WrappedTorchNorm`` build under ``sequence_parallel=True``. Idempotent."""
+    _allow_option("sequence_parallel", _tag_sequence_parallel)
 
 
 def allow_zero_centered_gamma_torch_norm() -> None:
     """Let ``WrappedTorchNorm`` build under ``layernorm_zero_centered_gamma=True``. Idempotent."""
-    global _zero_centered_gamma_applied
-    if _zero_centered_gamma_applied:
-        return
-    build_norm = torch_norm.WrappedTorchNorm.__new__
-
-    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        with _option_off(config, "layernorm_zero_centered_gamma") as zero_centered_gamma:
-            norm = build_norm(cls, config, hidden_size, eps, **kwargs)
-        if zero_centered_gamma:
-            norm.__class__ = ZERO_CENTERED[type(norm)]
-            norm.reset_parameters()
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
-    _zero_centered_gamma_applied = True
+    _allow_option("layernorm_zero_centered_gamma", _center_gamma)
