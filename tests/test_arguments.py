@@ -148,6 +148,9 @@ ERRORS = [
     ("--seq-length 64 --max-position-embeddings 32", 1, "--seq-length 64 exceeds --max-position-embeddings 32"),
     ("--finetune", 1, "--finetune loads pretrained weights: add --load DIR"),
     ("--finetune --load /tmp/pretrained --save /tmp/pretrained/", 1, "give --save a new directory"),
+    ("--no-position-embedding", 1, "use --position-embedding-type rope or none instead"),
+    ("--fp32-residual-connection", 1, "--fp32-residual-connection keeps the residual stream in fp32 under --bf16/--fp16"),
+    ("--fp32-residual-connection --bf16", 1, "--fp32-residual-connection needs --transformer-impl transformer_engine"),
 ]
 
 

@@ -2,8 +2,9 @@
 
 Each section is a dataclass; every field becomes the flag ``--field-name`` (dashes for underscores)
 with the field's default, type and help text, unless its metadata names another flag (e.g.
-``--no-masked-softmax-fusion`` for ``masked_softmax_fusion``); every other boolean also takes ``--no-X``,
-so that a YAML config's ``X: true`` can be turned off on the command line. The result is one flat
+``--no-masked-softmax-fusion`` for ``masked_softmax_fusion``, which also takes ``--masked-softmax-fusion``);
+every other boolean also takes ``--no-X``, so that a YAML config's setting can be undone on the command
+line. The result is one flat
 ``argparse.Namespace`` whose attributes are Megatron-LM's ``args`` names (the project's shared contract).
 
 Precedence: explicit CLI flags > ``--config FILE.yaml`` (a flat mapping of flag names without ``--``)
@@ -60,18 +61,42 @@ class ModelArgs:
     max_position_embeddings: Optional[int] = arg(None, "Position table size (default --seq-length).")
     position_embedding_type: str = arg("learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
     use_rotary_position_embeddings: bool = arg(False, "Megatron-LM's older spelling of --position-embedding-type rope.")
+    add_position_embedding: bool = arg(True, "Megatron-LM's deprecated way to drop the learned position embedding: "
+                                       "accepted with --position-embedding-type rope or none (where it changes "
+                                       "nothing), an error with learned_absolute.", flag="no-position-embedding")
     rotary_base: int = arg(10000, "RoPE base.")
     rotary_percent: float = arg(1.0, "Fraction of head dims rotated by RoPE.")
+    rotary_seq_len_interpolation_factor: Optional[int] = arg(None, "RoPE position interpolation: divide the positions "
+                                                             "by this factor (a model trained on sequences this many "
+                                                             "times shorter).")
+    use_rope_scaling: bool = arg(False, "Llama 3.1's RoPE frequency scaling: the low frequencies divided by "
+                                 "--rope-scaling-factor, the middle ones interpolated (as for an 8192-token original "
+                                 "context).")
+    rope_scaling_factor: float = arg(8.0, "Divisor of the low RoPE frequencies with --use-rope-scaling (Llama 3.1: 8).")
     normalization: str = arg("LayerNorm", "Norm layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = arg(1e-5, "Norm epsilon.")
     apply_layernorm_1p: bool = arg(False, "Zero-centered norm weight (LayerNorm and RMSNorm): stored as gamma - 1, "
                                    "initialized to 0, applied as 1 + weight.")
+    qk_layernorm: bool = arg(False, "Normalize each head's queries and keys (with --normalization's norm) before "
+                             "the attention scores (OLMoE, Qwen3).")
+    apply_query_key_layer_scaling: bool = arg(False, "Divide the attention scores by the layer number before the "
+                                              "softmax and multiply them back inside it, against fp16 overflow; "
+                                              "implies --attention-softmax-in-fp32.")
+    attention_softmax_in_fp32: bool = arg(False, "With --bf16/--fp16: attention masking and softmax in fp32. Off "
+                                          "(Megatron-LM's default), the local spec's unfused softmax (no apex) runs "
+                                          "in the half type.")
+    fp32_residual_connection: bool = arg(False, "With --bf16/--fp16: keep the residual stream (the embedding output "
+                                         "and every residual add) in fp32.")
     swiglu: bool = arg(False, "SwiGLU MLP.")
     untie_embeddings_and_output_weights: bool = arg(False, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = arg(True, "Biases in linear layers.", flag="disable-bias-linear")
     attention_dropout: float = arg(0.1, "Attention dropout.")
     hidden_dropout: float = arg(0.1, "Hidden dropout.")
     init_method_std: float = arg(0.02, "Std of the normal weight init.")
+    init_method_xavier_uniform: bool = arg(False, "Xavier-uniform init of every weight matrix instead of the normal "
+                                           "one of --init-method-std (fans of the full, unsharded matrix).")
+    use_cpu_initialization: bool = arg(False, "Create the weights on the CPU, then move them to the GPU (different, "
+                                       "equally valid random draws; always so without CUDA).")
     make_vocab_size_divisible_by: int = arg(128, "Pad the vocabulary to a multiple of this x TP.")
     transformer_impl: Optional[str] = arg(None, "Layer implementation (default transformer_engine if installed, else local).",
                                           choices=["local", "transformer_engine"])
@@ -295,6 +320,8 @@ ALREADY_SO = {
                                               "needs none)",
     "log-throughput": "every log line shows tokens/s and TFLOP/s/GPU",
     "grad-reduce-in-bf16": "gradients are reduced in the parameters' dtype unless --accumulate-allreduce-grads-in-fp32",
+    "no-persist-layer-norm": "apex's persistent LayerNorm kernel is never used here (persist_layer_norm stays off; "
+                             "without apex the local spec's norms are torch's)",
 }
 # Megatron-LM flags this trainer does not implement: an error that names the flag and the fix (number of values).
 NOT_IMPLEMENTED = {
@@ -316,15 +343,18 @@ def _value_type(annotation):
 def _add_field(group, f) -> None:
     meta = f.metadata
     value_type, is_list = _value_type(f.type)
+    name = "--" + f.name.replace("_", "-")
     if value_type is bool:
-        if meta["flag"] is not None:  # Megatron-LM's own negative flag (--no-masked-softmax-fusion)
+        if meta["flag"] is not None:  # Megatron-LM's own negative flag (--no-masked-softmax-fusion), and --X
             group.add_argument("--" + meta["flag"], dest=f.name, action="store_false", default=f.default,
                                help=meta["help"])
+            group.add_argument(name, dest=f.name, action="store_true", default=f.default,
+                               help=f"Undo --{meta['flag']} (e.g. one that a --config file gives).")
         else:  # --X and --no-X: a YAML config's true can be turned off on the command line
-            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=f.default, help=meta["help"])
+            group.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=meta["help"])
         return
-    flags = ["--" + f.name.replace("_", "-")] + ["--" + a for a in meta["aliases"]]
+    flags = [name] + ["--" + a for a in meta["aliases"]]
     group.add_argument(*flags, dest=f.name, type=value_type, default=f.default, choices=meta["choices"],
                        nargs="+" if is_list else None, help=meta["help"])
 
@@ -389,7 +419,7 @@ def load_yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
             raise ValueError(f"--config {path}: unknown key '{key}' (not a flag of this trainer)")
         value = _yaml_value(action, key, value, path)
         if name not in by_flag and isinstance(action, argparse._StoreFalseAction):
-            value = not value  # the destination itself was named (masked-softmax-fusion: false), not --no-...
+            value = not value  # the destination of an extra_args_provider's --no-X flag was named (X: false)
         if isinstance(action, argparse.BooleanOptionalAction) and action.option_strings[0] != "--" + name:
             value = not value  # the --no- form was named (no-overlap-param-gather: true)
         defaults[action.dest] = value
@@ -469,6 +499,9 @@ def _validate_megatron_lm_spellings(args) -> None:
         _check(getattr(args, "not_implemented_" + flag.replace("-", "_")) in (None, False), f"--{flag}: {reason}")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    _check(args.add_position_embedding or args.position_embedding_type != "learned_absolute",
+           "--no-position-embedding (Megatron-LM's deprecated spelling) contradicts --position-embedding-type "
+           "learned_absolute (the default): use --position-embedding-type rope or none instead")
     if args.use_flash_attn:
         args.attention_backend = "flash"
     if args.recompute_activations:
@@ -499,10 +532,15 @@ def _validate_model(args) -> None:
                f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     _check(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive: pick one")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True  # megatron-core's rule, shown in args as Megatron-LM does
+    if not args.add_bias_linear:
+        args.bias_gelu_fusion = False  # no bias to fuse (Megatron-LM's rule; megatron-core refuses the combination)
     _check(args.spec is None or len(args.spec) == 2, f"--spec takes MODULE NAME, got {args.spec}")
     if args.recompute_granularity == "full":
         _check(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
     _validate_transformer_impl(args)
+    _validate_fp32_residual_connection(args)
     _check(args.cross_entropy_fusion_impl != "te" or _transformer_engine_installed(),
            "--cross-entropy-fusion-impl te runs Transformer Engine's parallel cross entropy, and Transformer Engine is "
            "not installed: use --cross-entropy-fusion-impl native (the default) or pip install '.[te]'")
@@ -520,6 +558,18 @@ def _validate_transformer_impl(args) -> None:
                f"--attention-backend {args.attention_backend} (or --use-flash-attn) runs Transformer Engine's attention "
                f"kernels, and --transformer-impl local uses megatron-core's unfused attention: drop the flag (or use "
                f"--attention-backend auto), or use --transformer-impl transformer_engine")
+
+
+def _validate_fp32_residual_connection(args) -> None:
+    if not args.fp32_residual_connection:
+        return
+    _check(args.bf16 or args.fp16, "--fp32-residual-connection keeps the residual stream in fp32 under --bf16/--fp16: "
+                                   "add one of them, or drop the flag (an fp32 run's residual stream is fp32 anyway)")
+    # Without apex the local spec's norms are torch's: the fp32 residual stream with half-precision weights fails
+    # in them (LayerNorm) or in the linear after them (RMSNorm); Transformer Engine's layers cast their input.
+    _check(args.transformer_impl == "transformer_engine",
+           "--fp32-residual-connection needs --transformer-impl transformer_engine: the local spec's torch norms "
+           "pass the fp32 residual stream on to the bf16/fp16 linears unconverted; drop the flag")
 
 
 def _validate_moe(args) -> None:

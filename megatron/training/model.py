@@ -26,14 +26,18 @@ def core_transformer_config(args):
     dtype = args.params_dtype
     on_cpu = not torch.cuda.is_available()
     interleaved = args.virtual_pipeline_model_parallel_size is not None
+    xavier = torch.nn.init.xavier_uniform_ if args.init_method_xavier_uniform else None  # None: megatron-core's normal
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, add_bias_linear=args.add_bias_linear,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        fp32_residual_connection=args.fp32_residual_connection,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
-        init_method_std=args.init_method_std,
+        init_method_std=args.init_method_std, init_method=xavier, output_layer_init_method=xavier,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -41,8 +45,10 @@ def core_transformer_config(args):
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
-        pipeline_dtype=dtype if args.pipeline_model_parallel_size > 1 else None,
-        use_cpu_initialization=on_cpu,
+        # what crosses pipeline stages is the residual stream
+        pipeline_dtype=(torch.float32 if args.fp32_residual_connection else dtype)
+        if args.pipeline_model_parallel_size > 1 else None,
+        use_cpu_initialization=args.use_cpu_initialization or on_cpu,
         gradient_accumulation_fusion=False,  # needs a CUDA extension that the pip wheel does not ship
         # the fused softmax is an apex CUDA extension, selected for bf16/fp16: without it megatron-core
         # fails at the first forward, so use the unfused softmax (same math)
@@ -83,9 +89,9 @@ def layer_spec(args, config, vp_stage):
     if args.num_experts is not None:
         return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                           normalization=args.normalization, vp_stage=vp_stage)
-    if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()  # TE reads the norm from config
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=args.normalization)
+    if use_te:  # TE reads the norm from config
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
 
 
 def build_gpt_chunk(args, config, vp_stage):
@@ -100,7 +106,8 @@ def build_gpt_chunk(args, config, vp_stage):
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, vp_stage=vp_stage,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, vp_stage=vp_stage,
     )
 
 
