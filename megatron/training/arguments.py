@@ -15,17 +15,41 @@ Precedence: explicit CLI flags > ``--config FILE.yaml`` (a flat mapping of flag 
 import argparse
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 
-def arg(default, help, *, choices=None, flag=None, aliases=()):
+def arg(default, help, *, choices=None, flag=None, aliases=(), type=None):
     """A field that declares a flag. ``flag`` overrides the derived name: for a bool that defaults to
-    True it is the negative flag (``--no-...``) that sets it False."""
-    return field(default=default, metadata=dict(help=help, choices=choices, flag=flag, aliases=aliases))
+    True it is the negative flag (``--no-...``) that sets it False. ``type`` converts the value where the
+    annotation is not one plain type (``--moe-layer-freq``: an int or a list)."""
+    return field(default=default, metadata=dict(help=help, choices=choices, flag=flag, aliases=aliases, type=type))
+
+
+def _eval_layer_pattern(text: str):
+    """Megatron-LM's layer pattern: a Python list expression of digits, commas, brackets, + and *; None if not one."""
+    if re.search(r"[^,\d\[\]\(\)\+\*\s]", text):
+        return None
+    try:
+        return eval(text)  # only list arithmetic on integer literals gets here
+    except (SyntaxError, TypeError):
+        return None
+
+
+def moe_layer_freq_type(value):
+    """--moe-layer-freq: an int N (an MoE layer every N layers, from the first), or one 0 (dense) or 1 (MoE) per
+    layer, written as a Python list expression ("([0]*1+[1]*3)", Megatron-LM's syntax) or, in --config, a YAML list."""
+    pattern = value
+    if isinstance(value, str):
+        pattern = _eval_layer_pattern(value) if "[" in value else int(value) if value.strip().isdigit() else None
+    if not (isinstance(pattern, int) or isinstance(pattern, list) and all(isinstance(x, int) for x in pattern)):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq takes an int or a list expression such as "
+                                         f"\"([0]*1+[1]*3)\", got {value!r}")
+    return pattern
 
 
 @dataclass(kw_only=True)
@@ -130,6 +154,44 @@ class MoEArgs:
     moe_router_load_balancing_type: str = arg("aux_loss", "Load balancing.", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"])
     moe_ffn_hidden_size: Optional[int] = arg(None, "Expert MLP hidden size (default --ffn-hidden-size).")
     moe_grouped_gemm: bool = arg(False, "Grouped GEMM experts (CUDA only).")
+    moe_layer_freq: Union[int, list[int]] = arg(1, "Which layers are MoE: N puts one every N layers (from the first), "
+                                                "or a Python list expression with a 1 (MoE) or 0 (dense) per layer, "
+                                                "e.g. \"([0]*1+[1]*3)\": the first layer dense.",
+                                                type=moe_layer_freq_type)
+    moe_shared_expert_intermediate_size: Optional[int] = arg(None, "Hidden size of the shared expert MLP that every "
+                                                             "token also goes through (number of shared experts x "
+                                                             "each one's size); default none.")
+    moe_shared_expert_overlap: bool = arg(False, "Overlap the shared expert with the alltoall dispatcher's "
+                                          "communication.")
+    moe_router_score_function: str = arg("softmax", "Router score function.", choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool = arg(False, "Apply the score function before the top-k choice (else softmax over "
+                                       "the chosen k; needed for --moe-router-topk 1 with softmax).")
+    moe_router_topk_scaling_factor: Optional[float] = arg(None, "Multiply the chosen experts' routing weights by "
+                                                          "this (DeepSeek-V2/V3).")
+    moe_router_num_groups: Optional[int] = arg(None, "Group-limited routing: split the experts into this many "
+                                               "groups (e.g. the EP size, or the nodes of the EP group).")
+    moe_router_group_topk: Optional[int] = arg(None, "Group-limited routing: each token picks its experts from this "
+                                               "many groups (those with the highest top scores).")
+    moe_router_dtype: Optional[str] = arg(None, "Routing and the weighting of the experts' outputs in this dtype "
+                                          "(default: the model's).", choices=["fp32", "fp64"])
+    moe_router_enable_expert_bias: bool = arg(False, "Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias "
+                                              "on the scores chooses the experts; after every step it moves by "
+                                              "--moe-router-bias-update-rate towards even token counts (needs "
+                                              "--moe-router-score-function sigmoid).")
+    moe_router_bias_update_rate: float = arg(1e-3, "Step of the expert bias per iteration.")
+    moe_z_loss_coeff: Optional[float] = arg(None, "Router z-loss coefficient (1e-3 is a good start); logged as "
+                                            "moe_z_loss.")
+    moe_expert_capacity_factor: Optional[float] = arg(None, "Each expert takes at most this many times its even "
+                                                      "share of the tokens; the rest are dropped (default: none "
+                                                      "dropped).")
+    moe_pad_expert_input_to_capacity: bool = arg(False, "Pad every expert's input to its capacity (needs "
+                                                 "--moe-expert-capacity-factor).")
+    moe_token_drop_policy: str = arg("probs", "Which tokens an expert over capacity drops: those of lowest routing "
+                                     "probability (probs) or the last in the sequence (position).",
+                                     choices=["probs", "position"])
+    moe_per_layer_logging: bool = arg(False, "Also log each layer's MoE losses (moe/<loss>_layer_<i> in TensorBoard "
+                                      "and W&B, moe_per_layer in the metrics file).")
+    moe_permute_fusion: bool = arg(False, "Transformer Engine's fused token permutation (needs Transformer Engine).")
 
 
 @dataclass(kw_only=True)
@@ -355,8 +417,8 @@ def _add_field(group, f) -> None:
                                help=meta["help"])
         return
     flags = [name] + ["--" + a for a in meta["aliases"]]
-    group.add_argument(*flags, dest=f.name, type=value_type, default=f.default, choices=meta["choices"],
-                       nargs="+" if is_list else None, help=meta["help"])
+    group.add_argument(*flags, dest=f.name, type=meta["type"] or value_type, default=f.default,
+                       choices=meta["choices"], nargs="+" if is_list else None, help=meta["help"])
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -394,6 +456,8 @@ def _yaml_value(action, key, value, path):
         if action.nargs == "+":
             return [convert(v) for v in (value if isinstance(value, list) else [value])]
         result = convert(value)
+    except argparse.ArgumentTypeError as error:  # a converter's own message (--moe-layer-freq)
+        raise ValueError(f"--config {path}: '{key}': {error}") from error
     except (TypeError, ValueError) as error:
         raise ValueError(f"--config {path}: '{key}' expects {convert.__name__}, got {value!r}") from error
     if action.choices is not None and result not in action.choices:
@@ -595,6 +659,54 @@ def _validate_moe(args) -> None:
         _check(torch.cuda.is_available(), "--moe-grouped-gemm needs CUDA: drop it on CPU")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
+    _validate_moe_layer_freq(args)
+    _validate_moe_router(args)
+    _validate_moe_capacity_and_shared_expert(args)
+
+
+def _validate_moe_layer_freq(args) -> None:
+    freq, layers = args.moe_layer_freq, args.num_layers
+    if isinstance(freq, int):
+        _check(freq >= 1, f"--moe-layer-freq must be >= 1 (an MoE layer every N layers), got {freq}")
+        return
+    _check(len(freq) == layers and set(freq) <= {0, 1},
+           f"--moe-layer-freq gives {len(freq)} layers {freq}: give one 1 (MoE) or 0 (dense) per layer, "
+           f"--num-layers {layers} in all")
+
+
+def _validate_moe_router(args) -> None:
+    """The routing combinations megatron-core's TransformerConfig refuses, as flag-naming errors."""
+    sigmoid = args.moe_router_score_function == "sigmoid"
+    _check(not args.moe_router_enable_expert_bias or sigmoid,
+           "--moe-router-enable-expert-bias (aux-loss-free routing) needs --moe-router-score-function sigmoid: add it")
+    # softmax over the one chosen expert is 1, which gives the router no gradient
+    _check(args.moe_router_topk > 1 or sigmoid or args.moe_router_pre_softmax
+           or args.moe_router_load_balancing_type == "sinkhorn",
+           "--moe-router-topk 1 with the softmax score function leaves the router without a gradient: add "
+           "--moe-router-pre-softmax (or use --moe-router-score-function sigmoid)")
+    groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
+    if group_topk is None:
+        return
+    _check(groups is not None, "--moe-router-group-topk limits routing to groups: add --moe-router-num-groups")
+    _check(args.num_experts % groups == 0,
+           f"--num-experts {args.num_experts} is not divisible by --moe-router-num-groups {groups}")
+    _check(group_topk <= groups, f"--moe-router-group-topk {group_topk} exceeds --moe-router-num-groups {groups}")
+
+
+def _validate_moe_capacity_and_shared_expert(args) -> None:
+    _check(args.moe_expert_capacity_factor is None or args.moe_router_load_balancing_type != "sinkhorn",
+           "--moe-expert-capacity-factor does not work with --moe-router-load-balancing-type sinkhorn: use aux_loss, "
+           "seq_aux_loss or none")
+    _check(not args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor is not None,
+           "--moe-pad-expert-input-to-capacity pads to the capacity of --moe-expert-capacity-factor: add it")
+    shared = args.moe_shared_expert_intermediate_size
+    _check(shared is None or shared > 0, f"--moe-shared-expert-intermediate-size must be positive, got {shared}")
+    _check(not args.moe_shared_expert_overlap or args.moe_token_dispatcher_type == "alltoall",
+           "--moe-shared-expert-overlap overlaps the shared expert with the alltoall dispatcher's communication: add "
+           "--moe-token-dispatcher-type alltoall")
+    _check(not args.moe_permute_fusion or _transformer_engine_installed(),
+           "--moe-permute-fusion runs Transformer Engine's fused permutation kernels, and Transformer Engine is not "
+           "installed: drop --moe-permute-fusion or pip install '.[te]'")
 
 
 def _validate_batch_and_schedule(args) -> None:

@@ -5,7 +5,7 @@ Record fields: ``iteration``, ``loss`` (json.dumps of the Python float, so it ro
 ``lr``, ``grad_norm``, ``iter_time_s``, ``tokens_per_s``, ``tflops_per_gpu``, ``comm`` (per class of
 ``compression.telemetry.COMM_CLASSES``: ``{"raw_bytes", "sent_bytes"}`` summed over all ranks),
 ``comm_counters`` (declared extra counters, summed), and optionally ``eval_loss``, ``moe_aux_loss``,
-``params_checksum``.
+``moe_z_loss``, ``moe_per_layer`` (MoE loss name -> one value per layer), ``params_checksum``.
 """
 
 import hashlib
@@ -22,14 +22,23 @@ def gpt_flops_per_iteration(args) -> float:
     """Forward + backward FLOPs of one global batch (Megatron-LM's GPT formula: 2 FLOPs per MAC,
     backward = 2 x forward, attention scores, and the output layer)."""
     gated = 1.5 if args.swiglu else 1.0
-    ffn, routed = args.ffn_hidden_size, 1
-    if args.num_experts is not None:
-        ffn, routed = args.moe_ffn_hidden_size, args.moe_router_topk
     query_ratio = args.kv_channels * args.num_attention_heads / args.hidden_size
     h, s, layers = args.hidden_size, args.seq_length, args.num_layers
     per_layer = ((1 + args.num_query_groups / args.num_attention_heads + s / h) * query_ratio
-                 + ffn / h * routed * gated + args.padded_vocab_size / (2 * layers * h))
+                 + _mean_mlp_width(args) / h * gated + args.padded_vocab_size / (2 * layers * h))
     return 12 * args.global_batch_size * s * layers * h * h * per_layer
+
+
+def _mean_mlp_width(args) -> float:
+    """MLP hidden units a token passes through, averaged over the layers: an MoE layer's routed experts plus its
+    shared expert, a dense layer's MLP (--moe-layer-freq mixes them)."""
+    layers = args.num_layers
+    if args.num_experts is None:
+        return args.ffn_hidden_size
+    freq = args.moe_layer_freq
+    moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))  # layers 0, N, 2N, ...
+    moe_width = args.moe_ffn_hidden_size * args.moe_router_topk + (args.moe_shared_expert_intermediate_size or 0)
+    return (moe_layers * moe_width + (layers - moe_layers) * args.ffn_hidden_size) / layers
 
 
 def reduce_telemetry() -> dict:
@@ -108,9 +117,13 @@ class MetricsWriter:
 
 
 def _scalars(record: dict):
-    for key in ("loss", "lr", "grad_norm", "iter_time_s", "tokens_per_s", "tflops_per_gpu", "eval_loss", "moe_aux_loss"):
+    for key in ("loss", "lr", "grad_norm", "iter_time_s", "tokens_per_s", "tflops_per_gpu", "eval_loss", "moe_aux_loss",
+                "moe_z_loss"):
         if record.get(key) is not None:
             yield key, record[key]
+    for name, values in record.get("moe_per_layer", {}).items():  # Megatron-LM's names
+        for layer, value in enumerate(values):
+            yield f"moe/{name}_layer_{layer}", value
     for name, counts in record["comm"].items():
         yield f"comm/{name}/raw_bytes", counts["raw_bytes"]
         yield f"comm/{name}/sent_bytes", counts["sent_bytes"]

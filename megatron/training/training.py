@@ -127,18 +127,41 @@ def evaluate(args, ddp_chunks, data_iterators) -> float:
     return global_mean_loss(total)
 
 
-def moe_aux_loss(args):
-    """Mean load-balancing loss per MoE layer of this iteration (megatron-core's tracker), or None."""
-    name = AUX_LOSS_NAMES.get(args.moe_router_load_balancing_type)
-    if args.num_experts is None or name is None or args.moe_aux_loss_coeff == 0:
-        return None
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
+class _ScalarCollector:
+    """Stands in for the TensorBoard writer of megatron-core's ``track_moe_metrics``: keeps what it logs."""
 
-    totals = {}
-    track_moe_metrics(loss_scale=1.0 / args.num_micro_batches, iteration=0, total_loss_dict=totals,
-                      force_initialize=True, track_names=[name], num_layers=args.num_layers)
-    clear_aux_losses_tracker()
-    return totals[name].item()
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, name, value, iteration):
+        self.scalars[name] = float(value)
+
+
+def moe_metrics(args) -> dict:
+    """This iteration's MoE losses from megatron-core's tracker, as Megatron-LM logs them: the mean per MoE layer of
+    the load-balancing loss (``moe_aux_loss``) and of the z-loss (``moe_z_loss``), and with --moe-per-layer-logging
+    every layer's value (``moe_per_layer``: loss name -> one value per layer, 0 for dense layers)."""
+    if args.num_experts is None:
+        return {}
+    keys = {}  # tracker name -> record key
+    balancing = AUX_LOSS_NAMES.get(args.moe_router_load_balancing_type)
+    if balancing is not None and args.moe_aux_loss_coeff != 0:
+        keys[balancing] = "moe_aux_loss"
+    if args.moe_z_loss_coeff is not None:
+        keys["z_loss"] = "moe_z_loss"
+    if not keys:
+        return {}
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    writer = _ScalarCollector()
+    track_moe_metrics(loss_scale=1.0 / args.num_micro_batches, iteration=0, writer=writer,
+                      per_layer_logging=args.moe_per_layer_logging, force_initialize=True, track_names=list(keys),
+                      num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq)
+    record = {key: writer.scalars[name] for name, key in keys.items()}
+    if args.moe_per_layer_logging:
+        record["moe_per_layer"] = {name: [writer.scalars[f"moe/{name}_layer_{i}"] for i in range(args.num_layers)]
+                                   for name in keys}
+    return record
 
 
 def split_per_chunk(iterator, num_chunks: int) -> list:
@@ -262,9 +285,7 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
                 record[key] = t.compressing
                 t.after_iteration(iteration, iter_time, default_device())
         record.update(metrics.reduce_telemetry())
-        aux = moe_aux_loss(args)
-        if aux is not None:
-            record["moe_aux_loss"] = aux
+        record.update(moe_metrics(args))
         if args.eval_interval and iteration % args.eval_interval == 0 and valid_iters[0] is not None:
             record["eval_loss"] = evaluate(args, ddp_chunks, valid_iters)
         if args.params_checksum_interval and iteration % args.params_checksum_interval == 0:
