@@ -106,9 +106,11 @@ class ModelArgs:
     apply_query_key_layer_scaling: bool = arg(False, "Divide the attention scores by the layer number before the "
                                               "softmax and multiply them back inside it, against fp16 overflow; "
                                               "implies --attention-softmax-in-fp32.")
-    attention_softmax_in_fp32: bool = arg(False, "With --bf16/--fp16: attention masking and softmax in fp32. Off "
-                                          "(Megatron-LM's default), the local spec's unfused softmax (no apex) runs "
-                                          "in the half type.")
+    # On by default, unlike Megatron-LM's argparse default: there the softmax is Transformer Engine's or apex's
+    # fused kernel, which computes in fp32 either way; the local spec without apex runs torch's softmax, which
+    # this flag alone keeps out of bf16 (megatron-core's own default; every run here so far used it).
+    attention_softmax_in_fp32: bool = arg(True, "With --bf16/--fp16: attention masking and softmax in fp32 "
+                                          "(--no-attention-softmax-in-fp32: in the half type).")
     fp32_residual_connection: bool = arg(False, "With --bf16/--fp16: keep the residual stream (the embedding output "
                                          "and every residual add) in fp32.")
     swiglu: bool = arg(False, "SwiGLU MLP.")
