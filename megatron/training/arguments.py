@@ -320,6 +320,9 @@ def _add_field(group, f) -> None:
         if meta["flag"] is not None:  # Megatron-LM's own negative flag (--no-masked-softmax-fusion)
             group.add_argument("--" + meta["flag"], dest=f.name, action="store_false", default=f.default,
                                help=meta["help"])
+        elif f.name.startswith("no_"):  # Megatron-LM's --no-load-optim: argparse reads a --no-X of --X as False
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true", default=f.default,
+                               help=meta["help"])
         else:  # --X and --no-X: a YAML config's true can be turned off on the command line
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction,
                                default=f.default, help=meta["help"])
