@@ -170,6 +170,59 @@ ERRORS = [
     ("--num-experts 4 --disable-bias-linear --moe-shared-expert-intermediate-size 0", 1,
      "--moe-shared-expert-intermediate-size must be positive"),
     ("--num-experts 4 --disable-bias-linear --moe-shared-expert-overlap", 1, "add --moe-token-dispatcher-type alltoall"),
+    # Megatron-LM's run flags (tests/test_megatron_lm_run_flags.py covers what they do)
+    ("--pretrained-checkpoint /tmp/pretrained --save /tmp/pretrained/", 1, "give --save (and --load) a new directory"),
+    ("--use-checkpoint-args", 1, "--use-checkpoint-args reads a checkpoint: add --load DIR"),
+    ("--ckpt-step 5", 1, "--ckpt-step reads a checkpoint: add --load DIR"),
+    ("--exit-on-missing-checkpoint", 1, "--exit-on-missing-checkpoint reads a checkpoint: add --load DIR"),
+    ("--load /tmp/x --dist-ckpt-strictness return_all", 1, "use log_unexpected or log_all to see them"),
+    ("--non-persistent-save-interval 10", 1, "--non-persistent-save-interval: non-persistent checkpoints are not "
+     "implemented"),
+    ("--non-persistent-ckpt-type global", 1, "--non-persistent-ckpt-type: non-persistent checkpoints"),
+    ("--s3-cache-path /c", 1, "--s3-cache-path: data is read from local files only"),
+    ("--object-storage-cache-path /c", 1, "--object-storage-cache-path: data is read from local files only"),
+    ("--overlap-param-gather-with-optimizer-step", 1, "only with --ckpt-format torch"),
+    ("--use-torch-fsdp2", 1, "--use-torch-fsdp2: FSDP is not implemented: use --use-distributed-optimizer"),
+    ("--use-custom-fsdp", 1, "--use-custom-fsdp: FSDP is not implemented"),
+    ("--use-megatron-fsdp", 1, "--use-megatron-fsdp: FSDP is not implemented"),
+    ("--tp-comm-overlap", 1, "--tp-comm-overlap: Transformer Engine's userbuffer TP overlap is not implemented"),
+    ("--defer-embedding-wgrad-compute", 1, "--defer-embedding-wgrad-compute: it needs gradient accumulation fusion"),
+    ("--delay-wgrad-compute", 1, "--delay-wgrad-compute: delaying the weight-gradient GEMMs"),
+    ("--skip-train", 1, "--skip-train: evaluation-only runs are not implemented"),
+    ("--eval-only", 1, "--eval-only: not a Megatron-LM flag (its evaluation-only run is --skip-train)"),
+    ("--dataloader-type cyclic", 1, "--dataloader-type cyclic is not implemented"),
+    ("--num-dataset-builder-threads 0", 1, "--num-dataset-builder-threads must be positive"),
+    ("--train-data-path a --data-path b", 1, "give either --data-path (or --data-args-path), divided by --split"),
+    ("--train-data-path a --per-split-data-args-path s.json", 1, "give only one of --train/valid/test-data-path and "
+     "--per-split-data-args-path"),
+    ("--data-path a --data-args-path d.txt", 1, "give only one of --data-path and --data-args-path"),
+    ("--train-data-path a --split 90,10,0", 1, "with --train/valid/test-data-path each split has its own data: drop "
+     "--split"),
+    ("--start-weight-decay 0.0 --end-weight-decay 0.1", 1, "add --weight-decay-incr-style linear or cosine"),
+    ("--weight-decay-incr-style linear --start-weight-decay 0.0", 1, "--weight-decay-incr-style linear needs "
+     "--start-weight-decay and --end-weight-decay"),
+    ("--ddp-average-in-collective --calculate-per-token-loss", 1, "--ddp-average-in-collective averages the DP"),
+    ("--tensorboard-log-interval 0", 1, "--tensorboard-log-interval must be positive"),
+    ("--tensorboard-queue-size 0", 1, "--tensorboard-queue-size must be positive"),
+    ("--log-progress", 1, "--log-progress writes progress.txt into --save: add --save DIR"),
+    ("--decoder-first-pipeline-num-layers 1", 1, "add --pipeline-model-parallel-size > 1"),
+    ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1 "
+     "--account-for-loss-in-pipeline-split", 2, "not both"),
+    ("--pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 1", 3,
+     "--num-layers 4 leaves 3 layers for 2 middle pipeline stages"),
+    ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 4", 2,
+     "--num-layers 4 leaves 0 layers for 1 middle pipeline stages"),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --decoder-last-pipeline-num-layers 1 "
+     "--global-batch-size 4", 2, "--decoder-last-pipeline-num-layers 1 must be positive and divisible by the 2"),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --decoder-first-pipeline-num-layers 1",
+     2, "give the virtual stages as --num-virtual-stages-per-pipeline-rank"),
+    ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split", 2,
+     "--num-layers 4 + 1 (--account-for-embedding-in-pipeline-split) is not divisible by PP 2"),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8 "
+     "--microbatch-group-size-per-virtual-pipeline-stage 3", 2, "leaves a last group of 1, fewer than PP"),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8 "
+     "--microbatch-group-size-per-virtual-pipeline-stage 5", 2, "--microbatch-group-size-per-virtual-pipeline-stage 5 "
+     "must lie between PP=2 and the 4 micro-batches"),
 ]
 
 

@@ -22,11 +22,15 @@ from typing import Optional, Union
 
 import torch
 
+DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's legacy --split
+
 
 def arg(default, help, *, choices=None, flag=None, aliases=(), type=None):
     """A field that declares a flag. ``flag`` overrides the derived name: for a bool that defaults to
-    True it is the negative flag (``--no-...``) that sets it False. ``type`` converts the value where the
-    annotation is not one plain type (``--moe-layer-freq``: an int or a list)."""
+    True it is the negative flag (``--no-...``) that sets it False; for other types it is the flag whose
+    value the field holds (Megatron-LM's ``--microbatch-group-size-per-virtual-pipeline-stage`` for
+    ``microbatch_group_size_per_vp_stage``). ``type`` converts the value where the annotation is not one plain
+    type (``--moe-layer-freq``: an int or a list)."""
     return field(default=default, metadata=dict(help=help, choices=choices, flag=flag, aliases=aliases, type=type))
 
 
@@ -69,7 +73,30 @@ class ParallelArgs:
     overlap_p2p_comm: bool = arg(True, "Overlap pipeline p2p with compute (interleaved schedule only).",
                                  flag="no-overlap-p2p-communication")
     ddp_bucket_size: Optional[int] = arg(None, "DP bucket size in elements (default: megatron-core's).")
+    ddp_average_in_collective: bool = arg(False, "Average the DP gradients in the collective (ReduceOp.AVG) instead "
+                                          "of scaling them by 1/DP before a sum.")
+    align_param_gather: bool = arg(True, "With --overlap-param-gather and the interleaved schedule: the pipeline "
+                                   "schedule dispatches the param all-gathers, aligned across pipeline stages "
+                                   "(--no-align-param-gather: each stage as it needs them).")
+    data_parallel_sharding_strategy: str = arg("optim_grads_params", "Megatron FSDP's sharding; without FSDP (not "
+                                               "implemented here) it changes nothing, as in Megatron-LM.",
+                                               choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    decoder_first_pipeline_num_layers: Optional[int] = arg(None, "Transformer layers on the first pipeline stage "
+                                                           "(default: an even split).")
+    decoder_last_pipeline_num_layers: Optional[int] = arg(None, "Transformer layers on the last pipeline stage "
+                                                          "(default: an even split).")
+    account_for_embedding_in_pipeline_split: bool = arg(False, "Count the input embedding as one layer of the first "
+                                                        "pipeline stage when splitting the layers.")
+    account_for_loss_in_pipeline_split: bool = arg(False, "Count the output layer and loss as one layer of the last "
+                                                   "pipeline stage when splitting the layers.")
+    microbatch_group_size_per_vp_stage: Optional[int] = arg(
+        None, "Interleaved schedule: micro-batches run per virtual stage before moving on (default: PP).",
+        flag="microbatch-group-size-per-virtual-pipeline-stage")
     distributed_timeout_minutes: int = arg(10, "Timeout of the process groups' collectives, in minutes.")
+    distributed_backend: Optional[str] = arg(None, "torch.distributed backend (default: nccl with CUDA, gloo "
+                                             "without).", choices=["nccl", "gloo"])
+    local_rank: Optional[int] = arg(None, "This process's GPU on its node; torchrun's LOCAL_RANK wins when set "
+                                    "(as in Megatron-LM).")
 
 
 @dataclass(kw_only=True)
@@ -226,6 +253,10 @@ class TrainingArgs:
     manual_gc_interval: int = arg(0, "With --manual-gc: iterations between collections (0: none during training).")
     calculate_per_token_loss: bool = arg(False, "Scale gradients by the global batch's token count (summed over "
                                          "micro-batches and DP ranks) instead of averaging per micro-batch.")
+    check_for_nan_in_loss_and_grad: bool = arg(True, "Stop with an error at a NaN or Inf loss of a micro-batch or "
+                                               "gradient norm of a DP bucket (off with fp16 dynamic loss scaling, "
+                                               "whose overflows are expected).")
+    check_for_spiky_loss: bool = arg(False, "Warn when a micro-batch's loss exceeds 10x the largest of the first 100.")
     empty_unused_memory_level: int = arg(0, "Release the CUDA caching allocator's unused memory: 1 after the "
                                          "forward-backward, 2 also after the optimizer step (0: never).",
                                          choices=[0, 1, 2])
@@ -246,7 +277,13 @@ class OptimizerArgs:
     decoupled_lr: Optional[float] = arg(None, "Peak learning rate of the input embedding and output layer (default --lr).")
     decoupled_min_lr: Optional[float] = arg(None, "Minimum learning rate of the input embedding and output layer "
                                             "(default --min-lr), with --decoupled-lr.")
-    weight_decay: float = arg(0.01, "Weight decay.")
+    weight_decay: float = arg(0.01, "Weight decay (with --weight-decay-incr-style constant).")
+    start_weight_decay: Optional[float] = arg(None, "Weight decay at the start of training (with "
+                                              "--weight-decay-incr-style linear or cosine).")
+    end_weight_decay: Optional[float] = arg(None, "Weight decay at the end of training (with "
+                                            "--weight-decay-incr-style linear or cosine).")
+    weight_decay_incr_style: str = arg("constant", "How the weight decay goes from --start-weight-decay to "
+                                       "--end-weight-decay over training.", choices=["constant", "linear", "cosine"])
     clip_grad: float = arg(1.0, "Gradient-norm clipping (0 = off).")
     adam_beta1: float = arg(0.9, "Adam beta1.")
     adam_beta2: float = arg(0.999, "Adam beta2.")
@@ -257,7 +294,13 @@ class OptimizerArgs:
 @dataclass(kw_only=True)
 class DataArgs:
     data_path: Optional[list[str]] = arg(None, "Dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ...")
-    split: str = arg("969,30,1", "Train,valid,test split weights.")
+    split: str = arg(DEFAULT_SPLIT, "Train,valid,test split weights of --data-path.")
+    train_data_path: Optional[list[str]] = arg(None, "The training split's own dataset prefixes, as --data-path.")
+    valid_data_path: Optional[list[str]] = arg(None, "The validation split's own dataset prefixes, as --data-path.")
+    test_data_path: Optional[list[str]] = arg(None, "The test split's own dataset prefixes, as --data-path.")
+    data_args_path: Optional[str] = arg(None, "A file holding --data-path's value (whitespace-separated).")
+    per_split_data_args_path: Optional[str] = arg(None, "A JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} "
+                                                  "holding the per-split prefixes, each a list or a string.")
     mock_data: bool = arg(False, "Synthetic data (MockGPTDataset).")
     builtin_corpus: Optional[str] = arg(None, "Real text shipped with Python, byte-tokenized.", choices=["python-stdlib"])
     data_cache_path: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "megatron-compressed-comm"), "Dataset cache.")
@@ -271,7 +314,10 @@ class DataArgs:
     tiktoken_pattern: Optional[str] = arg(None, "TikTokenizer's pre-tokenization pattern; other tokenizers ignore it "
                                           "(as in Megatron-LM).", choices=["v1", "v2"])
     num_workers: int = arg(0, "Data-loader workers.")
-    mmap_bin_files: bool = arg(True, "Memory-map the dataset's .bin files.", flag="no-mmap-bin-files")
+    dataloader_type: Optional[str] = arg(None, "Data loader: single (one pass in order from the consumed samples on, "
+                                         "the only one here; the default).", choices=["single", "cyclic", "external"])
+    num_dataset_builder_threads: int = arg(1, "Threads per rank that build the datasets' indices.")
+    mmap_bin_files: bool = arg(True, "Memory-map the dataset's .bin files (--no-mmap-bin-files: read them).")
     reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document.")
     reset_attention_mask: bool = arg(False, "Block attention across documents.")
     eod_mask_loss: bool = arg(False, "Mask the loss on end-of-document tokens.")
@@ -282,19 +328,61 @@ class CheckpointArgs:
     save: Optional[str] = arg(None, "Checkpoint directory to save to.")
     load: Optional[str] = arg(None, "Checkpoint directory to resume from.")
     save_interval: Optional[int] = arg(None, "Iterations between saves.")
+    no_save_optim: bool = arg(False, "Save no optimizer and LR-scheduler state (a run loading it starts them afresh).")
+    no_save_rng: bool = arg(False, "Save no RNG states (a run loading it keeps its own seeded RNG).")
     no_load_optim: bool = arg(False, "Do not load the optimizer state.")
     no_load_rng: bool = arg(False, "Do not load the RNG states.")
     finetune: bool = arg(False, "Load only the model weights from --load (no optimizer or RNG state) and start "
                          "at iteration 0 with no samples consumed: fine-tuning from a pretrained checkpoint.")
+    pretrained_checkpoint: Optional[str] = arg(None, "Where --load holds no checkpoint yet: fine-tune (as --finetune) "
+                                               "from this directory's checkpoint; later runs resume from --load.")
+    ckpt_step: Optional[int] = arg(None, "Load this iteration instead of the tracker file's latest.")
+    exit_on_missing_checkpoint: bool = arg(False, "Stop with an error when --load holds no checkpoint, instead of "
+                                           "training from a random initialization.")
+    use_checkpoint_args: bool = arg(False, "Take the model's shape and tokenizer flags from the --load (or "
+                                    "--pretrained-checkpoint) checkpoint's saved arguments: those given on the "
+                                    "command line that Megatron-LM keeps win, the rest are overridden.")
     ckpt_format: str = arg("torch_dist", "Checkpoint format.", choices=["torch_dist"])
+    ckpt_fully_parallel_save: bool = arg(True, "Do not spread the writing of DP-replicated tensors over the DP "
+                                         "replicas (DP rank 0 writes them).", flag="no-ckpt-fully-parallel-save")
+    ckpt_fully_parallel_load: bool = arg(False, "Each DP replica reads part of the checkpoint and they exchange "
+                                         "the rest, instead of every rank reading all it needs.")
+    ckpt_assume_constant_structure: bool = arg(False, "Every save has the same structure: reuse the first save's "
+                                               "plan and skip re-validating it.")
+    dist_ckpt_strictness: str = arg("assume_ok_unexpected", "How a load treats keys that differ between the checkpoint "
+                                    "and the model (megatron-core's StrictHandling).",
+                                    choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                                             "raise_all", "return_unexpected", "return_all", "ignore_all"])
 
 
 @dataclass(kw_only=True)
 class LoggingArgs:
     log_interval: int = arg(100, "Iterations between log lines.")
+    log_params_norm: bool = arg(False, "Log the L2 norm of the parameters (fp32 main parameters with bf16) every "
+                                "iteration.")
+    log_num_zeros_in_grad: bool = arg(False, "Log the number of zero entries in the (clipped) gradients.")
+    log_progress: bool = arg(False, "Append start-ups and saved checkpoints, with throughput, FLOPs and tokens so "
+                             "far, to progress.txt in --save.")
+    timing_log_level: int = arg(0, "Timers logged every --log-interval: 0 none, 1 once-per-iteration steps "
+                                "(forward-backward, grads sync, optimizer), 2 also per-micro-batch steps.",
+                                choices=[0, 1, 2])
+    timing_log_option: str = arg("minmax", "Timers across ranks: the max, min and max, or every rank's.",
+                                 choices=["max", "minmax", "all"])
     eval_interval: Optional[int] = arg(None, "Iterations between evaluations (default: none).")
     eval_iters: int = arg(100, "Iterations per evaluation.")
     tensorboard_dir: Optional[str] = arg(None, "TensorBoard log directory.")
+    tensorboard_log_interval: int = arg(1, "Iterations between TensorBoard (and Weights & Biases) writes.")
+    tensorboard_queue_size: int = arg(1000, "TensorBoard events held before a write to disk.")
+    log_timers_to_tensorboard: bool = arg(False, "Write the --timing-log-level timers to TensorBoard (and Weights & "
+                                          "Biases).")
+    log_loss_scale_to_tensorboard: bool = arg(True, "Log the loss scale.")
+    log_validation_ppl_to_tensorboard: bool = arg(False, "Log the validation perplexity, exp(min(20, loss)).")
+    log_memory_to_tensorboard: bool = arg(False, "Log the CUDA caching allocator's reserved, allocated, peak "
+                                          "allocated bytes and allocation count (CUDA only).")
+    log_world_size_to_tensorboard: bool = arg(False, "Log the world size.")
+    record_memory_history: bool = arg(False, "Record the CUDA allocator's history and dump a snapshot every "
+                                      "--log-interval to --memory-snapshot-path, suffixed _RANK (CUDA only).")
+    memory_snapshot_path: str = arg("snapshot.pickle", "Where --record-memory-history dumps its snapshots.")
     metrics_file: Optional[str] = arg(None, "Per-iteration JSON-lines metrics file.")
     wandb_project: Optional[str] = arg(None, "Weights & Biases project: log the per-iteration metrics there too "
                                        "(needs the wandb package).")
@@ -386,12 +474,43 @@ ALREADY_SO = {
     "grad-reduce-in-bf16": "gradients are reduced in the parameters' dtype unless --accumulate-allreduce-grads-in-fp32",
     "no-persist-layer-norm": "apex's persistent LayerNorm kernel is never used here (persist_layer_norm stays off; "
                              "without apex the local spec's norms are torch's)",
+    "use-dist-ckpt": "Megatron-LM's older spelling of --ckpt-format torch_dist, the only format here",
+    "auto-detect-ckpt-format": "a load reads the checkpoint's format from its directory: torch_dist loads, another "
+                               "format is an error naming it",
 }
 # Megatron-LM flags this trainer does not implement: an error that names the flag and the fix (number of values).
 NOT_IMPLEMENTED = {
     "rampup-batch-size": (3, "batch-size ramp-up is not implemented: drop --rampup-batch-size and train at a "
                              "constant --global-batch-size"),
     "async-save": (0, "checkpoints are saved synchronously here: drop --async-save"),
+    "non-persistent-save-interval": (1, "non-persistent checkpoints are not implemented: save with --save-interval "
+                                        "(every save here is persistent)"),
+    "non-persistent-ckpt-type": (1, "non-persistent checkpoints are not implemented: save with --save-interval "
+                                    "(every save here is persistent)"),
+    "object-storage-cache-path": (1, "data is read from local files only (no object storage): copy the dataset to a "
+                                     "filesystem and give --data-path"),
+    "s3-cache-path": (1, "data is read from local files only (no S3): copy the dataset to a filesystem and give "
+                         "--data-path"),
+    "overlap-param-gather-with-optimizer-step": (0, "Megatron-LM supports it only with --ckpt-format torch, and "
+                                                    "this trainer saves torch_dist only: drop it "
+                                                    "(--overlap-param-gather still overlaps the gather with the "
+                                                    "forward pass)"),
+    "use-torch-fsdp2": (0, "FSDP is not implemented: use --use-distributed-optimizer (ZeRO-1: optimizer state "
+                           "sharded over DP)"),
+    "use-custom-fsdp": (0, "FSDP is not implemented: use --use-distributed-optimizer (ZeRO-1: optimizer state "
+                           "sharded over DP)"),
+    "use-megatron-fsdp": (0, "FSDP is not implemented: use --use-distributed-optimizer (ZeRO-1: optimizer state "
+                             "sharded over DP)"),
+    "tp-comm-overlap": (0, "Transformer Engine's userbuffer TP overlap is not implemented: drop it (TP "
+                           "communication can be compressed with --tp-comm-compression taco)"),
+    "defer-embedding-wgrad-compute": (0, "it needs gradient accumulation fusion, an apex CUDA extension never used "
+                                         "here: drop it"),
+    "delay-wgrad-compute": (0, "delaying the weight-gradient GEMMs needs Transformer Engine's split backward, which "
+                               "this trainer does not wire up: drop it"),
+    "skip-train": (0, "evaluation-only runs are not implemented: evaluate during training with --eval-interval and "
+                      "--eval-iters"),
+    "eval-only": (0, "not a Megatron-LM flag (its evaluation-only run is --skip-train), and evaluation-only runs are "
+                     "not implemented: evaluate during training with --eval-interval and --eval-iters"),
 }
 
 
@@ -414,11 +533,14 @@ def _add_field(group, f) -> None:
                                help=meta["help"])
             group.add_argument(name, dest=f.name, action="store_true", default=f.default,
                                help=f"Undo --{meta['flag']} (e.g. one that a --config file gives).")
+        elif f.name.startswith("no_"):  # Megatron-LM's --no-load-optim: argparse reads a --no-X of --X as False
+            group.add_argument(name, dest=f.name, action="store_true", default=f.default,
+                               help=meta["help"])
         else:  # --X and --no-X: a YAML config's true can be turned off on the command line
             group.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=meta["help"])
         return
-    flags = [name] + ["--" + a for a in meta["aliases"]]
+    flags = ["--" + meta["flag"] if meta["flag"] else name] + ["--" + a for a in meta["aliases"]]
     group.add_argument(*flags, dest=f.name, type=meta["type"] or value_type, default=f.default,
                        choices=meta["choices"], nargs="+" if is_list else None, help=meta["help"])
 
@@ -541,22 +663,62 @@ def _validate_virtual_pipeline(args) -> None:
     per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     _check(per_stage is None or per_rank is None,
            "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank")
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    split_layers, layers_text = _layers_to_split(args)
     vp = per_rank
     if per_stage is not None:
-        _check(args.num_layers % (pp * per_stage) == 0,
-               f"--num-layers {args.num_layers} is not divisible by PP {pp} x "
-               f"--num-layers-per-virtual-pipeline-stage {per_stage}")
-        vp = args.num_layers // pp // per_stage
+        _check(not uneven, "with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give the "
+                           "virtual stages as --num-virtual-stages-per-pipeline-rank (Megatron-LM's rule)")
+        _check(split_layers % (pp * per_stage) == 0,
+               f"{layers_text} is not divisible by PP {pp} x --num-layers-per-virtual-pipeline-stage {per_stage}")
+        vp = split_layers // pp // per_stage
     if vp is not None and vp > 1:
         _check(pp > 1, "the interleaved schedule needs --pipeline-model-parallel-size > 1: drop the virtual-stage flag")
         args.virtual_pipeline_model_parallel_size = vp
     else:
         args.virtual_pipeline_model_parallel_size = None
         args.overlap_p2p_comm = False  # only the interleaved schedule overlaps p2p (as Megatron-LM)
-    stages = pp * (args.virtual_pipeline_model_parallel_size or 1)
-    _check(args.num_layers % stages == 0,
-           f"--num-layers {args.num_layers} is not divisible by PP {pp} x virtual stages "
-           f"{args.virtual_pipeline_model_parallel_size or 1}: change --num-layers or the pipeline sizes")
+    if uneven:
+        _validate_uneven_pipeline_split(args)
+        return
+    vp = args.virtual_pipeline_model_parallel_size or 1
+    _check(split_layers % (pp * vp) == 0,
+           f"{layers_text} is not divisible by PP {pp} x virtual stages {vp}: change --num-layers or the pipeline "
+           f"sizes")
+
+
+def _layers_to_split(args) -> tuple[int, str]:
+    """The layer count the pipeline split divides, and how to name it: the input embedding and the loss each
+    count as one layer with their --account-for-*-in-pipeline-split flag (megatron-core's rule)."""
+    flags = (("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
+             ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split))
+    accounted = [flag for flag, on in flags if on]
+    text = f"--num-layers {args.num_layers}" + "".join(f" + 1 ({flag})" for flag in accounted)
+    return args.num_layers + len(accounted), text
+
+
+def _validate_uneven_pipeline_split(args) -> None:
+    """--decoder-first/last-pipeline-num-layers: those stages get that many layers, the middle stages the rest
+    evenly; with virtual stages every stage's layers split evenly over them (megatron-core's rules)."""
+    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
+    _check(pp > 1, "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers split the layers over "
+                   "pipeline stages: add --pipeline-model-parallel-size > 1")
+    _check(not (args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split),
+           "give either --decoder-first/last-pipeline-num-layers or --account-for-embedding/loss-in-pipeline-split, "
+           "not both")
+    middle_layers, middle_stages = args.num_layers, pp
+    for flag, layers in (("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers),
+                         ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers)):
+        if layers is None:
+            continue
+        _check(layers > 0 and layers % vp == 0,
+               f"{flag} {layers} must be positive and divisible by the {vp} virtual stages per pipeline rank")
+        middle_layers -= layers
+        middle_stages -= 1
+    _check(middle_layers >= 0 and (middle_layers > 0) == (middle_stages > 0)
+           and (middle_stages == 0 or middle_layers % (middle_stages * vp) == 0),
+           f"--num-layers {args.num_layers} leaves {middle_layers} layers for {middle_stages} middle pipeline stages "
+           f"x {vp} virtual stages: change --decoder-first/last-pipeline-num-layers or --num-layers")
 
 
 def _validate_megatron_lm_spellings(args) -> None:
@@ -719,18 +881,43 @@ def _validate_batch_and_schedule(args) -> None:
            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}: change the batch sizes")
     args.num_micro_batches = args.global_batch_size // micro_dp
-    pp = args.pipeline_model_parallel_size
     if args.virtual_pipeline_model_parallel_size is not None:
-        _check(args.num_micro_batches % pp == 0,
-               f"the interleaved schedule runs micro-batches in groups of PP={pp}, but --global-batch-size / "
-               f"(--micro-batch-size x DP) = {args.num_micro_batches}: make it a multiple of {pp}")
+        _validate_microbatch_groups(args)
     _validate_lr_schedule(args)
-    if not args.overlap_param_gather:
-        args.align_param_gather = False
-    else:
-        args.align_param_gather = args.virtual_pipeline_model_parallel_size is not None
+    _validate_weight_decay_schedule(args)
+    # Megatron-LM's: only the interleaved schedule dispatches aligned param all-gathers
+    args.align_param_gather = (args.align_param_gather and args.overlap_param_gather
+                               and args.virtual_pipeline_model_parallel_size is not None)
     _check(not args.overlap_param_gather or args.use_distributed_optimizer,
            "--overlap-param-gather needs --use-distributed-optimizer: add it")
+
+
+def _validate_microbatch_groups(args) -> None:
+    """The interleaved schedule runs the micro-batches in groups of G per virtual stage; a last group smaller
+    than PP would stall the pipeline (megatron-core refuses it)."""
+    pp, micro = args.pipeline_model_parallel_size, args.num_micro_batches
+    group = args.microbatch_group_size_per_vp_stage or pp
+    _check(pp <= group <= micro,
+           f"--microbatch-group-size-per-virtual-pipeline-stage {group} must lie between PP={pp} and the "
+           f"{micro} micro-batches per iteration (--global-batch-size / (--micro-batch-size x DP))")
+    _check(micro % group == 0 or micro % group >= pp,
+           f"the interleaved schedule runs micro-batches in groups of {group} (--microbatch-group-size-per-virtual-"
+           f"pipeline-stage, default PP={pp}), but --global-batch-size / (--micro-batch-size x DP) = {micro} leaves "
+           f"a last group of {micro % group}, fewer than PP: make it a multiple of {group}")
+
+
+def _validate_weight_decay_schedule(args) -> None:
+    """Megatron-LM's rule: constant decay is --weight-decay; linear and cosine go from --start-weight-decay to
+    --end-weight-decay over the training length."""
+    if args.weight_decay_incr_style == "constant":
+        _check(args.start_weight_decay is None and args.end_weight_decay is None,
+               "--start-weight-decay / --end-weight-decay set a changing weight decay: add --weight-decay-incr-style "
+               "linear or cosine (a constant one is --weight-decay)")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+        return
+    _check(args.start_weight_decay is not None and args.end_weight_decay is not None,
+           f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+           f"--end-weight-decay")
 
 
 def _validate_lr_schedule(args) -> None:
@@ -776,8 +963,25 @@ def _validate_training_exit(args) -> None:
 
 
 def _validate_data(args) -> None:
-    _check(args.data_path is not None or args.mock_data or args.builtin_corpus is not None,
+    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    _check(args.data_path is None or args.data_args_path is None, "give only one of --data-path and --data-args-path")
+    _check(not any(per_split) or args.per_split_data_args_path is None,
+           "give only one of --train/valid/test-data-path and --per-split-data-args-path")
+    whole, split = (args.data_path or args.data_args_path), (any(per_split) or args.per_split_data_args_path)
+    _check(not (whole and split), "give either --data-path (or --data-args-path), divided by --split, or each split's "
+                                  "own data (--train/valid/test-data-path or --per-split-data-args-path), not both")
+    _check(not split or args.split == DEFAULT_SPLIT,
+           "--split divides --data-path into splits; with --train/valid/test-data-path each split has its own data: "
+           "drop --split")
+    _check(whole or split or args.mock_data or args.builtin_corpus is not None,
            "no training data: give --data-path PREFIX, --mock-data or --builtin-corpus python-stdlib")
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"
+    _check(args.dataloader_type == "single",
+           f"--dataloader-type {args.dataloader_type} is not implemented: this trainer's loader is Megatron-LM's "
+           f"single (one pass in order, resumed at the consumed samples): drop the flag")
+    _check(args.num_dataset_builder_threads > 0,
+           f"--num-dataset-builder-threads must be positive, got {args.num_dataset_builder_threads}")
     # Megatron-LM's TikTokenizer reads its own JSON vocabulary format through the tiktoken package; Megatron-LM's
     # Llama 3 script uses HuggingFaceTokenizer for real data and NullTokenizer for mock data.
     _check(args.tokenizer_type != "TikTokenizer",
@@ -838,30 +1042,77 @@ def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = 
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     args.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
     _validate_megatron_lm_spellings(args)
+    _validate_checkpointing(args)
     _validate_model(args)
     _validate_parallel(args)  # sets expert_tensor_parallel_size, used by _validate_moe
     _validate_moe(args)
     _validate_batch_and_schedule(args)
     _validate_training_exit(args)
+    _validate_run_control(args)
     _validate_data(args)
     _validate_compression(args)
-    _validate_checkpointing(args)
+    _validate_logging(args)
     _validate_profile(args)
     args.consumed_train_samples = getattr(args, "consumed_train_samples", 0)
     args.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)
+    args.num_floating_point_operations_so_far = getattr(args, "num_floating_point_operations_so_far", 0)
     args.padded_vocab_size = getattr(args, "padded_vocab_size", None)
     return args
 
 
 def _validate_checkpointing(args) -> None:
-    if not args.finetune:
-        return
-    _check(args.load is not None, "--finetune loads pretrained weights: add --load DIR")
+    loads = args.load is not None or args.pretrained_checkpoint is not None
+    for flag, given in (("--use-checkpoint-args", args.use_checkpoint_args),
+                        ("--ckpt-step", args.ckpt_step is not None),
+                        ("--exit-on-missing-checkpoint", args.exit_on_missing_checkpoint)):
+        _check(not given or loads, f"{flag} reads a checkpoint: add --load DIR (or --pretrained-checkpoint DIR)")
+    _check(not args.dist_ckpt_strictness.startswith("return_"),
+           f"--dist-ckpt-strictness {args.dist_ckpt_strictness} hands the mismatched keys back to the caller, and this "
+           f"trainer has no use for them: use log_unexpected or log_all to see them, raise_unexpected or raise_all "
+           f"to stop on them")
     # A fine-tuning run counts from iteration 0: saving into the pretrained directory would overwrite its
     # iterations (and the tracker file) with the new run's.
-    _check(args.save is None or os.path.realpath(args.save) != os.path.realpath(args.load),
-           f"--finetune with --save equal to --load ({args.load}) would overwrite the pretrained checkpoint's "
-           f"iterations with the fine-tuning run's: give --save a new directory")
+    if args.finetune:
+        _check(args.load is not None, "--finetune loads pretrained weights: add --load DIR")
+        _check(args.save is None or os.path.realpath(args.save) != os.path.realpath(args.load),
+               f"--finetune with --save equal to --load ({args.load}) would overwrite the pretrained checkpoint's "
+               f"iterations with the fine-tuning run's: give --save a new directory")
+    if args.pretrained_checkpoint is not None:
+        _check(args.save is None or os.path.realpath(args.save) != os.path.realpath(args.pretrained_checkpoint),
+               f"--save equal to --pretrained-checkpoint ({args.pretrained_checkpoint}) would overwrite the pretrained "
+               f"checkpoint's iterations with the fine-tuning run's: give --save (and --load) a new directory")
+
+
+def _validate_logging(args) -> None:
+    _check(args.tensorboard_log_interval > 0,
+           f"--tensorboard-log-interval must be positive, got {args.tensorboard_log_interval}")
+    _check(args.tensorboard_queue_size > 0,
+           f"--tensorboard-queue-size must be positive, got {args.tensorboard_queue_size}")
+    _check(not args.log_progress or args.save is not None,
+           "--log-progress writes progress.txt into --save: add --save DIR")
+    for flag, on in (("--log-memory-to-tensorboard", args.log_memory_to_tensorboard),
+                     ("--record-memory-history", args.record_memory_history)):
+        _check(not on or torch.cuda.is_available(),
+               f"{flag} reads the CUDA caching allocator, and this run has no CUDA device: drop it on CPU")
+
+
+def _validate_run_control(args) -> None:
+    """Backend, local rank, NaN checks and DP averaging (Megatron-LM's rules)."""
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    _check(args.distributed_backend != "nccl" or torch.cuda.is_available(),
+           "--distributed-backend nccl needs CUDA devices, and this run has none: use --distributed-backend gloo "
+           "(or drop the flag: gloo is the default without CUDA)")
+    if "LOCAL_RANK" in os.environ:  # torchrun's wins over the flag (Megatron-LM)
+        args.local_rank = int(os.environ["LOCAL_RANK"])
+    elif args.local_rank is None:
+        args.local_rank = 0
+    if args.fp16 and args.loss_scale is None:
+        # dynamic loss scaling expects overflows: they lower the scale and skip the step
+        args.check_for_nan_in_loss_and_grad = False
+    _check(not (args.ddp_average_in_collective and args.calculate_per_token_loss),
+           "--ddp-average-in-collective averages the DP gradients, and --calculate-per-token-loss sums them to divide "
+           "by the global token count: drop one")
 
 
 def _validate_profile(args) -> None:

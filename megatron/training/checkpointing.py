@@ -4,7 +4,9 @@ Directory layout (Megatron-LM's):
     <save>/iter_0000100/                       one torch_dist checkpoint per saved iteration
     <save>/latest_checkpointed_iteration.txt   the iteration ``load_checkpoint`` resumes from
 
-Saving is fully parallel (each DP-replicated tensor written by one replica, Megatron-LM's default).
+Saving is fully parallel (each DP-replicated tensor written by one replica, Megatron-LM's default;
+``--no-ckpt-fully-parallel-save``: DP rank 0 writes them); with ``--ckpt-assume-constant-structure`` later
+saves reuse the first save's plan (``context`` keeps it).
 Crash safety: every rank writes into ``iter_0000100.tmp``; after a barrier rank 0 renames it to
 ``iter_0000100`` and only then rewrites the tracker (atomically). A crash at any point mid-save leaves
 the tracker pointing at the previous complete checkpoint.
@@ -20,10 +22,18 @@ Checkpoint contents (one dist_checkpointing state dict):
     iteration, consumed_train_samples, consumed_valid_samples, num_floating_point_operations_so_far,
     parallel_sizes, args (the plain-valued flags, for inspection)
 
+``--no-save-optim`` leaves out the optimizer and scheduler state, ``--no-save-rng`` the RNG states; the saved
+args record it, and a load then skips them (Megatron-LM's rule).
+
 Loading restores all of it bit-exactly, except what ``--no-load-optim`` (optimizer and scheduler) or
 ``--no-load-rng`` skip; ``--finetune`` loads the weights only and starts at iteration 0 with no samples
 consumed. Model weights reshard freely across TP/PP/DP; optimizer state needs the same TP, PP and EP
 sizes, RNG state the same TP, PP and DP sizes (clear errors name the flag that skips them).
+Which checkpoint: ``--load``'s latest (or ``--ckpt-step``'s iteration) when it holds one, else
+``--pretrained-checkpoint``'s as a fine-tuning start; none is a fresh start unless
+``--exit-on-missing-checkpoint``. A directory in another format (Megatron-LM's legacy torch or torch_dcp) is
+an error naming it. ``load_args_from_checkpoint`` (``--use-checkpoint-args``) reads the saved args before
+``validate_args``.
 Exact resume also needs the caller not to draw from the global torch RNG between ``load_checkpoint``
 and the first step (on CPU that RNG also drives dropout; a DataLoader without its own ``generator``
 draws from it on every ``iter()``).
@@ -33,6 +43,8 @@ Apex nor Transformer Engine is installed) in the distributed optimizer's checkpo
 functions in ``megatron.hooks.optimizer_state`` work around it.
 """
 
+import dataclasses
+import logging
 import os
 import random
 import shutil
@@ -42,11 +54,20 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
 from megatron.core.distributed import DistributedDataParallel
 
 from megatron.hooks.optimizer_state import materialize_adam_state, restore_adam_steps
+from megatron.training.arguments import CheckpointArgs
+
+logger = logging.getLogger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 SAVE_BACKEND = "torch_dist"  # megatron-core save strategy, at its default version (0.19 takes no version)
@@ -54,6 +75,26 @@ SAVE_BACKEND = "torch_dist"  # megatron-core save strategy, at its default versi
 DISTRIB_OPTIM_SHARDING_TYPE = "dp_reshardable"
 # Differ per rank; kept out of the saved args so the common state is identical on every rank.
 RANK_LOCAL_ARGS = ("rank", "local_rank")
+# Callers may pass an args namespace without the newer checkpoint flags (tests build minimal ones): their defaults.
+CHECKPOINT_ARG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CheckpointArgs)}
+# Megatron-LM's load_args_from_checkpoint (--use-checkpoint-args): the model's shape and tokenizer flags. The
+# first group keeps a value given on the command line, the second takes the checkpoint's always; names this
+# trainer does not have are skipped.
+CHECKPOINT_ARGS_UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+                                "kv_channels", "max_position_embeddings", "moe_token_dispatcher_type", "ckpt_format")
+CHECKPOINT_ARGS_ALWAYS = (
+    "num_query_groups", "group_query_attention", "position_embedding_type", "add_position_embedding",
+    "use_rotary_position_embeddings", "rotary_base", "rotary_percent", "rotary_interleaved", "add_bias_linear",
+    "add_qkv_bias", "squared_relu", "swiglu", "untie_embeddings_and_output_weights", "apply_layernorm_1p",
+    "normalization", "apply_query_key_layer_scaling", "attention_dropout", "hidden_dropout", "spec", "num_experts",
+    "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax", "moe_grouped_gemm",
+    "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor", "tokenizer_model", "tokenizer_type", "tiktoken_pattern",
+)
+
+
+def _option(args, name: str):
+    return getattr(args, name, CHECKPOINT_ARG_DEFAULTS[name])
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -73,8 +114,9 @@ def read_tracker(root: str) -> int | None:
 
 
 def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_scheduler,
-                    num_floating_point_operations_so_far=0):
-    """Save the full training state of ``iteration`` to ``args.save`` (collective: call on every rank)."""
+                    num_floating_point_operations_so_far=0, context=None):
+    """Save the training state of ``iteration`` to ``args.save`` (collective: call on every rank). ``context``, a
+    dict kept across a run's saves, holds the reused save plan of --ckpt-assume-constant-structure."""
     _check_format(args)
     final_dir = checkpoint_dir(args.save, iteration)
     staging_dir = final_dir + ".tmp"
@@ -83,9 +125,10 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
         os.makedirs(staging_dir)
     dist.barrier()
 
-    state = _sharded_state_dict(model_chunks, optimizer, with_optimizer=optimizer is not None,
-                                with_rng=True, is_loading=False)
-    if opt_param_scheduler is not None:
+    with_optimizer = optimizer is not None and not _option(args, "no_save_optim")
+    state = _sharded_state_dict(model_chunks, optimizer, with_optimizer=with_optimizer,
+                                with_rng=not _option(args, "no_save_rng"), is_loading=False)
+    if opt_param_scheduler is not None and not _option(args, "no_save_optim"):
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     state.update(
         iteration=iteration,
@@ -95,7 +138,10 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
         parallel_sizes=_parallel_sizes(),
         args=_plain_args(args),
     )
-    dist_checkpointing.save(state, staging_dir, sharded_strategy=_save_strategy())
+    context = {} if context is None else context
+    reused = "save_strategy" in context  # its plan was validated at the first save
+    dist_checkpointing.save(state, staging_dir, sharded_strategy=_save_strategy(args, context),
+                            validate_access_integrity=not reused)
 
     dist.barrier()  # every rank's shards are on disk before the checkpoint is published
     if dist.get_rank() == 0:
@@ -105,23 +151,28 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
 
 @torch.no_grad()  # the optimizer copies into views of parameters that require grad
 def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
-    """Restore the state saved under ``args.load``; return its iteration (0 if there is nothing to load).
-    Sets ``args.consumed_train_samples``, ``args.consumed_valid_samples`` and
+    """Restore the checkpoint that ``checkpoint_to_load`` picks; return its iteration (0 if there is nothing to
+    load, or for a fine-tuning start). Sets ``args.consumed_train_samples``, ``args.consumed_valid_samples`` and
     ``args.num_floating_point_operations_so_far``."""
     _check_format(args)
-    iteration = read_tracker(args.load) if args.load else None
-    if iteration is None:
+    found = checkpoint_to_load(args)
+    if found is None:
         return 0
-    ckpt_dir = checkpoint_dir(args.load, iteration)
+    ckpt_dir, finetune = found
+    logger.info(f"loading {ckpt_dir}" + (" (fine-tuning: weights only, from iteration 0)" if finetune else ""))
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-    finetune = getattr(args, "finetune", False)
-    load_optim = optimizer is not None and not (args.no_load_optim or finetune)
-    load_rng = not (args.no_load_rng or finetune)
+    saved_args = common.get("args", {})
+    for flag, state in (("no_save_optim", "optimizer and LR-scheduler state"), ("no_save_rng", "RNG states")):
+        if saved_args.get(flag):
+            logger.info(f"{ckpt_dir} was saved with --{flag.replace('_', '-')}: this run starts its {state} afresh")
+    load_optim = optimizer is not None and not (args.no_load_optim or finetune or saved_args.get("no_save_optim"))
+    load_rng = not (args.no_load_rng or finetune or saved_args.get("no_save_rng"))
     _check_topology(common["parallel_sizes"], load_optim, load_rng)
 
     request = _sharded_state_dict(model_chunks, optimizer, with_optimizer=load_optim,
                                   with_rng=load_rng, is_loading=True)
-    state = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=None)
+    state = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_load_strategy(args, ckpt_dir),
+                                    strict=_option(args, "dist_ckpt_strictness"))
 
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         chunk.load_state_dict(state[key], strict=True)
@@ -146,12 +197,83 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
     return state["iteration"]
 
 
-def _save_strategy():
-    """torch_dist, with each replicated tensor written by one of its DP replicas in turn rather than
-    all by DP rank 0 (Megatron-LM's default --ckpt-fully-parallel-save)."""
-    base = get_default_save_sharded_strategy(SAVE_BACKEND)
+def checkpoint_to_load(args) -> tuple[str, bool] | None:
+    """(directory, fine-tune) of the checkpoint to load: --load's when it holds one (a resume), else
+    --pretrained-checkpoint's as a fine-tuning start (Megatron-LM's rule); the latest iteration or --ckpt-step's.
+    None when there is none (an error with --ckpt-step or --exit-on-missing-checkpoint)."""
+    step = _option(args, "ckpt_step")
+    sources = [(args.load, _option(args, "finetune"), "--load"),
+               (_option(args, "pretrained_checkpoint"), True, "--pretrained-checkpoint")]
+    for root, finetune, _ in sources:
+        iteration = step if step is not None else (read_tracker(root) if root else None)
+        if root and iteration is not None and os.path.isdir(checkpoint_dir(root, iteration)):
+            ckpt_dir = checkpoint_dir(root, iteration)
+            _check_is_torch_dist(ckpt_dir)
+            return ckpt_dir, finetune
+        if root and iteration is not None and step is None:
+            raise ValueError(f"{root}/{TRACKER_FILENAME} names iteration {iteration}, but "
+                             f"{checkpoint_dir(root, iteration)} does not exist: fix the tracker or restore the "
+                             f"directory")
+    where = " or ".join(f"{flag} {root}" for root, _, flag in sources if root)
+    if step is not None:
+        raise ValueError(f"--ckpt-step {step}: there is no iter_{step:07d} under {where}")
+    if _option(args, "exit_on_missing_checkpoint"):
+        raise ValueError(f"--exit-on-missing-checkpoint: no checkpoint under {where} (no {TRACKER_FILENAME}): fix the "
+                         f"path, or drop the flag to start from a random initialization")
+    return None
+
+
+def _check_is_torch_dist(ckpt_dir: str) -> None:
+    if dist_checkpointing.check_is_distributed_checkpoint(ckpt_dir):
+        return
+    names = os.listdir(ckpt_dir)
+    found = ("Megatron-LM's legacy torch format (mp_rank_*)" if any(n.startswith("mp_rank_") for n in names)
+             else "the torch_dcp format (.metadata)" if ".metadata" in names else "no known format")
+    raise ValueError(f"{ckpt_dir} holds {found}; this trainer reads torch_dist checkpoints only: convert it with "
+                     f"Megatron-LM (--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and load DIR")
+
+
+def _save_strategy(args, context: dict):
+    """torch_dist, by default with each replicated tensor written by one of its DP replicas in turn rather than
+    all by DP rank 0 (Megatron-LM's default --ckpt-fully-parallel-save). With --ckpt-assume-constant-structure
+    the strategy (which holds the plan and distribution of the first save) is kept in ``context`` and reused."""
+    if "save_strategy" in context:
+        return context["save_strategy"]
+    constant = _option(args, "ckpt_assume_constant_structure")
+    strategy = get_default_save_sharded_strategy(SAVE_BACKEND)
+    strategy.use_cached_ckpt_structure = constant
+    if _option(args, "ckpt_fully_parallel_save"):
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        strategy = FullyParallelSaveStrategyWrapper(strategy, dp_group, do_cache_distribution=constant)
+    if constant:
+        context["save_strategy"] = strategy
+    return strategy
+
+
+def _load_strategy(args, ckpt_dir: str):
+    """megatron-core's default (every rank reads what it needs), or with --ckpt-fully-parallel-load each DP
+    replica reads a part and they exchange the rest."""
+    if not _option(args, "ckpt_fully_parallel_load"):
+        return None
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return FullyParallelSaveStrategyWrapper(base, dp_group)
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir), dp_group)
+
+
+def load_args_from_checkpoint(args) -> None:
+    """--use-checkpoint-args (Megatron-LM's): before ``validate_args``, set the model's shape and tokenizer flags
+    from the saved args of the checkpoint that will load (``checkpoint_to_load``). No checkpoint changes nothing."""
+    found = checkpoint_to_load(args)
+    if found is None:
+        logger.warning(f"--use-checkpoint-args: no checkpoint under --load {args.load} (or --pretrained-checkpoint): "
+                       f"the command line's arguments stay")
+        return
+    saved = dist_checkpointing.load_common_state_dict(found[0]).get("args", {})
+    for name in CHECKPOINT_ARGS_UNLESS_GIVEN + CHECKPOINT_ARGS_ALWAYS:
+        keep_given = name in CHECKPOINT_ARGS_UNLESS_GIVEN and getattr(args, name, None) is not None
+        if hasattr(args, name) and saved.get(name) is not None and not keep_given:
+            setattr(args, name, saved[name])
+    if saved.get("num_experts") is None and hasattr(args, "moe_ffn_hidden_size"):
+        args.moe_ffn_hidden_size = None
 
 
 def _check_format(args) -> None:

@@ -145,12 +145,14 @@ def split_sizes(args) -> list[int]:
     return [train, valid, test]
 
 
-def _dataset_config(args, tokenizer, blend) -> GPTDatasetConfig:
+def _dataset_config(args, tokenizer, blend, blend_per_split=None) -> GPTDatasetConfig:
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=blend,
-        split=args.split,
+        blend_per_split=blend_per_split,
+        split=None if blend_per_split else args.split,
+        num_dataset_builder_threads=getattr(args, "num_dataset_builder_threads", 1),
         path_to_cache=data_cache_path(args),
         tokenizer=tokenizer,
         reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
@@ -163,6 +165,12 @@ def _dataset_config(args, tokenizer, blend) -> GPTDatasetConfig:
 
 def check_splits_have_documents(config: GPTDatasetConfig, sizes: list[int]) -> None:
     """megatron-core loops forever on a split with no documents: fail first, naming the fix."""
+    if config.blend_per_split:
+        for name, size, blend in zip(("train", "valid", "test"), sizes, config.blend_per_split):
+            for prefix in (blend[0] if blend and size > 0 else ()):
+                if len(IndexedDataset(prefix).sequence_lengths) == 0:
+                    raise ValueError(f"--{name}-data-path {prefix} has no documents: give it a dataset with documents")
+        return
     for prefix in config.blend[0]:
         num_documents = len(IndexedDataset(prefix).sequence_lengths)
         for name, size, bounds in zip(("train", "valid", "test"), sizes, config.split_matrix):
@@ -175,20 +183,47 @@ def check_splits_have_documents(config: GPTDatasetConfig, sizes: list[int]) -> N
                 )
 
 
+def _read_words(path: str) -> list[str]:
+    with open(path) as f:
+        return f.read().split()
+
+
+def blends(args) -> tuple:
+    """(blend, blend_per_split) as Megatron-LM reads them: --data-path or the file --data-args-path names, divided
+    by --split; or each split's own --train/valid/test-data-path, or the JSON file --per-split-data-args-path names
+    (each split a list of words or one string). A split without data gets None (it is not built)."""
+    import json
+
+    data_path = _read_words(args.data_args_path) if getattr(args, "data_args_path", None) else args.data_path
+    if data_path:
+        return get_blend_from_list(data_path), None
+    if getattr(args, "per_split_data_args_path", None):
+        with open(args.per_split_data_args_path) as f:
+            per_split = json.load(f)
+        paths = [per_split.get(name) for name in ("train", "valid", "test")]
+        paths = [path.split() if isinstance(path, str) else path for path in paths]
+    else:
+        paths = [getattr(args, f"{name}_data_path", None) for name in ("train", "valid", "test")]
+    return None, [get_blend_from_list(path) for path in paths]
+
+
 def build_datasets(args, tokenizer) -> list:
     """[train, valid, test] GPT datasets (None for an empty split). Sets ``args.data_path`` for the
     built-in corpus. Call on every rank."""
+    blend = blend_per_split = None
     if getattr(args, "mock_data", False):
-        dataset_class, blend = MockGPTDataset, None
+        dataset_class = MockGPTDataset
     else:
         if getattr(args, "builtin_corpus", None):
             args.data_path = [ensure_builtin_corpus(args, tokenizer)]
-        if not args.data_path:
-            raise ValueError("no training data: give --data-path PREFIX, --builtin-corpus python-stdlib or --mock-data")
-        dataset_class, blend = GPTDataset, get_blend_from_list(args.data_path)
+        blend, blend_per_split = blends(args)
+        if blend is None and blend_per_split[0] is None:
+            raise ValueError("no training data: give --data-path PREFIX (or each split's, with --train-data-path "
+                             "PREFIX), --builtin-corpus python-stdlib or --mock-data")
+        dataset_class = GPTDataset
     sizes = split_sizes(args)
-    config = _dataset_config(args, tokenizer, blend)
-    if blend is not None:
+    config = _dataset_config(args, tokenizer, blend, blend_per_split)
+    if dataset_class is GPTDataset:
         check_splits_have_documents(config, sizes)
     datasets = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
     return [dataset if size > 0 else None for dataset, size in zip(datasets, sizes)]

@@ -1,8 +1,9 @@
 """Process start-up: check the installed packages, start torch.distributed and megatron-core's
 parallel state, seed every RNG, and set up the micro-batch calculator.
 
-Backend choice: NCCL with one GPU per process (LOCAL_RANK) when CUDA is present, gloo on CPU (with the
-CPU shim of ``megatron.hooks.cpu`` installed first, since megatron-core assumes CUDA in places).
+Backend choice (--distributed-backend): by default NCCL with one GPU per process (--local-rank, torchrun's
+LOCAL_RANK) when CUDA is present, gloo on CPU (with the CPU shim of ``megatron.hooks.cpu`` installed first, since
+megatron-core assumes CUDA in places).
 """
 
 import logging
@@ -81,10 +82,32 @@ def initialize_distributed(args) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend, world_size=args.world_size, rank=args.rank,
+        torch.cuda.set_device(args.local_rank)
+    torch.distributed.init_process_group(args.distributed_backend, world_size=args.world_size, rank=args.rank,
                                          timeout=timedelta(minutes=args.distributed_timeout_minutes))
+
+
+def initialize_rerun_state_machine() -> None:
+    """megatron-core's rerun state machine checks the losses and gradients of --check-for-nan-in-loss-and-grad
+    (and --check-for-spiky-loss); disabled, it checks without re-running: a NaN or Inf stops with an error naming
+    the rank and iteration, a spike is a warning."""
+    from megatron.core.rerun_state_machine import RerunMode
+    from megatron.core.rerun_state_machine import initialize_rerun_state_machine as initialize
+
+    initialize(mode=RerunMode.DISABLED)
+
+
+def records_memory_history(args) -> bool:
+    """Whether this rank records with --record-memory-history: the --profile-ranks, by default every rank
+    (Megatron-LM's)."""
+    return args.record_memory_history and (not args.profile_ranks or args.rank in args.profile_ranks)
+
+
+def record_memory_history(args) -> None:
+    """--record-memory-history: the CUDA caching allocator records its last 100k allocations and frees with their
+    stacks from here on (Megatron-LM's setting)."""
+    if records_memory_history(args):
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
 
 
 def initialize_model_parallel(args) -> None:
@@ -129,6 +152,8 @@ def initialize_megatron(args) -> None:
     logging.basicConfig(level=logging.INFO if args.rank == 0 else logging.WARNING,
                         format="[%(name)s] %(message)s")
     initialize_model_parallel(args)
+    initialize_rerun_state_machine()
+    record_memory_history(args)
     set_random_seed(args.seed)
     init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
                                      args.data_parallel_size)

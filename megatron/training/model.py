@@ -80,6 +80,11 @@ def core_transformer_config(args):
         moe_permute_fusion=args.moe_permute_fusion,
         deterministic_mode=args.deterministic_mode, attention_backend=AttnBackend[args.attention_backend],
         calculate_per_token_loss=args.calculate_per_token_loss,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
     )
 
 
@@ -210,14 +215,15 @@ def wrap_ddp(args, config, chunks) -> list:
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.align_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
-        bucket_size=args.ddp_bucket_size,
+        bucket_size=args.ddp_bucket_size, average_in_collective=args.ddp_average_in_collective,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
     )
     # Only the first chunk's buckets may be skipped for overlap (Megatron-LM's bucketing rule).
     return [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
             for index, chunk in enumerate(chunks)]
 
 
-def build_optimizer(args, ddp_chunks):
+def build_optimizer(args, ddp_chunks, timers=None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -230,15 +236,17 @@ def build_optimizer(args, ddp_chunks):
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,  # embedding and output layer groups
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad, timers=timers, barrier_with_L1_time=True,
     )
     optimizer = get_megatron_optimizer(config, ddp_chunks)
-    # The scheduler counts samples, stepped by the global batch size each iteration (Megatron-LM).
-    gbs = args.global_batch_size
+    # The scheduler counts samples, stepped by the global batch size each iteration (Megatron-LM); the weight
+    # decay goes from start to end over the training length.
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_samples or args.train_iters * args.global_batch_size,
+        wd_incr_style=args.weight_decay_incr_style,
     )
     return optimizer, scheduler
 
@@ -246,7 +254,12 @@ def build_optimizer(args, ddp_chunks):
 def setup_model_and_optimizer(args):
     """Returns (ddp_chunks, optimizer, scheduler, config). Compression hooks are imported only when
     asked for, so with every compression off the run is stock megatron-core."""
+    from megatron.core.timers import Timers
+
     config = core_transformer_config(args)
+    # --timing-log-level's timers, which megatron-core's schedules, grad finalization and optimizer start and stop
+    # (Megatron-LM's setup: a barrier before each level-1 timer)
+    config.timers = Timers(args.timing_log_level, args.timing_log_option)
     chunks = build_model_chunks(args, config)
     if args.tp_comm_compression != "none":
         from megatron.hooks.tp import apply_tp_compression
@@ -257,7 +270,7 @@ def setup_model_and_optimizer(args):
 
         apply_pp_compression(config, args)
     ddp_chunks = wrap_ddp(args, config, chunks)
-    optimizer, scheduler = build_optimizer(args, ddp_chunks)
+    optimizer, scheduler = build_optimizer(args, ddp_chunks, config.timers)
     if args.param_gather_compression != "none" or args.grad_reduce_compression != "none":
         from megatron.hooks.param_gather import apply_dp_compression
 

@@ -4,11 +4,15 @@ one metrics record; evaluation and checkpoints happen at their intervals.
 
 Loss: each micro-batch returns (sum of masked token losses, token count); megatron-core divides by
 both for the gradient, and the reported loss is the token-weighted mean over the global batch
-(all micro-batches of all DP ranks), summed in float64 on the last pipeline stage.
+(all micro-batches of all DP ranks), summed in float64 on the last pipeline stage. With
+--check-for-nan-in-loss-and-grad (on by default, as in Megatron-LM) each micro-batch's loss, and in megatron-core's
+DDP each bucket's gradient norm, is checked for NaN and Inf on its own rank before any reduction.
 """
 
 import gc
 import itertools
+import math
+import os
 import signal
 import time
 from functools import partial
@@ -19,11 +23,12 @@ from compression.collective_graphs import release_all_graphs
 from compression.timing import default_device
 from megatron.training import metrics
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
-from megatron.training.initialize import initialize_megatron
+from megatron.training.initialize import initialize_megatron, records_memory_history
 from megatron.training.model import setup_model_and_optimizer
 from megatron.training.profiling import IterationProfiler
 
 AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+SPIKY_LOSS_FACTOR = 10  # --check-for-spiky-loss: Megatron-LM's pretrain_gpt.py
 
 
 def get_batch(data_iterator):
@@ -34,18 +39,36 @@ def get_batch(data_iterator):
     return {key: value.to(device, non_blocking=True) for key, value in batch.items() if value is not None}
 
 
-def loss_func(loss_mask, output_tensor):
+def check_loss(args, loss_sum) -> None:
+    """--check-for-nan-in-loss-and-grad and --check-for-spiky-loss on one micro-batch's loss, before the DP
+    reduction so that the error names this rank (Megatron-LM's checks, through megatron-core's rerun state
+    machine)."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(result=loss_sum, rejection_func=reject, tolerance=0.0, fatal=True,
+                                    message=f"found {what} in local forward loss calculation")
+    if args.check_for_spiky_loss:
+        is_spike = partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss")
+        machine.validate_result(result=loss_sum, rejection_func=is_spike, message="Spiky loss", tolerance=0.0,
+                                fatal=False)
+
+
+def loss_func(args, loss_mask, output_tensor):
     losses = output_tensor.float().view(-1)
     loss_mask = loss_mask.float().view(-1)
     loss_sum = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().to(torch.int)
+    check_loss(args, loss_sum)
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, *, args):
     batch = get_batch(data_iterator)
     output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output_tensor, partial(loss_func, batch["loss_mask"])
+    return output_tensor, partial(loss_func, args, batch["loss_mask"])
 
 
 def global_mean_loss(losses_reduced) -> float:
@@ -87,7 +110,7 @@ def run_schedule(args, ddp_chunks, data_iterators, forward_only: bool):
 
     forward_backward = get_forward_backward_func()
     return forward_backward(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step, args=args),
         data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
         model=ddp_chunks, num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=forward_only,
@@ -101,16 +124,19 @@ def empty_unused_memory(args, level: int) -> None:
 
 
 def train_step(args, ddp_chunks, optimizer, scheduler, data_iterators) -> dict:
+    timers = ddp_chunks[0].config.timers  # --timing-log-level's (model.setup_model_and_optimizer)
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses_reduced = run_schedule(args, ddp_chunks, data_iterators, forward_only=False)
     empty_unused_memory(args, level=1)
-    update_successful, grad_norm, _ = optimizer.step()
+    timers("optimizer", log_level=1).start(barrier=True)
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    timers("optimizer").stop()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
     empty_unused_memory(args, level=2)
-    return {"loss": global_mean_loss(losses_reduced), "grad_norm": grad_norm,
+    return {"loss": global_mean_loss(losses_reduced), "grad_norm": grad_norm, "num_zeros_in_grad": num_zeros_in_grad,
             "skipped": not update_successful}
 
 
@@ -191,17 +217,30 @@ def param_gather_schedule(args, ddp_chunks, tp_trial):
     return build_selection_schedule(ddp_chunks, args, after_iters=tp_trial.iters if tp_trial is not None else 0)
 
 
-def save(args, iteration, ddp_chunks, optimizer, scheduler) -> None:
-    from megatron.training.checkpointing import save_checkpoint
+class Saver:
+    """Saves the training state to --save: keeps megatron-core's save plan across saves (reused with
+    --ckpt-assume-constant-structure) and with --log-progress appends each save to progress.txt."""
 
-    # With overlapped param gathers the model params may be stale: finish the gather first (Megatron-LM).
-    if args.overlap_param_gather:
-        for chunk in ddp_chunks:
-            chunk.disable_forward_pre_hook(param_sync=True)
-    save_checkpoint(args, iteration, ddp_chunks, optimizer, scheduler)
-    if args.overlap_param_gather:
-        for chunk in ddp_chunks:
-            chunk.enable_forward_pre_hook()
+    def __init__(self, args, start_time: float):
+        from megatron.training.progress import ProgressLog
+
+        self.args = args
+        self.context = {}
+        self.progress = ProgressLog(args, start_time)
+
+    def save(self, iteration, ddp_chunks, optimizer, scheduler) -> None:
+        from megatron.training.checkpointing import save_checkpoint
+
+        # With overlapped param gathers the model params may be stale: finish the gather first (Megatron-LM).
+        if self.args.overlap_param_gather:
+            for chunk in ddp_chunks:
+                chunk.disable_forward_pre_hook(param_sync=True)
+        save_checkpoint(self.args, iteration, ddp_chunks, optimizer, scheduler,
+                        self.args.num_floating_point_operations_so_far, context=self.context)
+        if self.args.overlap_param_gather:
+            for chunk in ddp_chunks:
+                chunk.enable_forward_pre_hook()
+        self.progress.checkpoint_saved(iteration)
 
 
 def load(args, ddp_chunks, optimizer, scheduler) -> int:
@@ -218,13 +257,38 @@ def load(args, ddp_chunks, optimizer, scheduler) -> int:
 def iteration_record(args, iteration, step, iter_time, optimizer) -> dict:
     tokens = args.global_batch_size * args.seq_length
     grad_norm = step["grad_norm"]
-    return {
+    record = {
         "iteration": iteration, "consumed_samples": args.consumed_train_samples, "loss": step["loss"],
         "lr": optimizer.param_groups[0]["lr"], "grad_norm": None if grad_norm is None else float(grad_norm),
         "iter_time_s": iter_time, "tokens_per_s": tokens / iter_time,
         "tflops_per_gpu": metrics.gpt_flops_per_iteration(args) / iter_time / args.world_size / 1e12,
         "skipped": step["skipped"],
     }
+    if args.log_num_zeros_in_grad:  # None when the step was skipped (an fp16 overflow)
+        zeros = step["num_zeros_in_grad"]
+        record["num_zeros_in_grad"] = None if zeros is None else int(zeros)
+    if args.log_loss_scale_to_tensorboard:
+        record["loss_scale"] = optimizer.get_loss_scale().item()
+    if args.log_world_size_to_tensorboard:
+        record["world_size"] = args.world_size
+    if args.log_memory_to_tensorboard:
+        record.update(metrics.cuda_memory_stats())
+    return record
+
+
+def evaluation_record(args, ddp_chunks, valid_iters) -> dict:
+    loss = evaluate(args, ddp_chunks, valid_iters)
+    if not args.log_validation_ppl_to_tensorboard:
+        return {"eval_loss": loss}
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(20, loss))}  # Megatron-LM's cap
+
+
+def dump_memory_snapshot(args) -> None:
+    """--record-memory-history: this rank's CUDA allocator history, to --memory-snapshot-path suffixed _RANK."""
+    if not records_memory_history(args):
+        return
+    base, extension = os.path.splitext(args.memory_snapshot_path)
+    torch.cuda.memory._dump_snapshot(f"{base}_{args.rank}{extension}")
 
 
 class ExitSignal:
@@ -254,9 +318,11 @@ def exit_requested(args, iteration: int, start_time: float, exit_signal: ExitSig
 
 
 def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_iteration: int,
-          start_time: float) -> int:
+          start_time: float, saver: Saver) -> int:
     """Train from ``start_iteration`` to --train-iters, or to an exit that --exit-interval, --exit-duration-in-mins
     (counted from ``start_time``, a ``time.time()``) or --exit-signal-handler asks for. Returns the last iteration."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
     train_iters, valid_iters = iterators
     wire_config_hooks(config, ddp_chunks, optimizer, args)
     writer = metrics.MetricsWriter(args)
@@ -273,13 +339,17 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
             if t is not None:
                 t.before_iteration(iteration + 1)
         profiler.before(iteration + 1)
+        get_rerun_state_machine().current_iteration = iteration + 1  # the iteration its NaN errors name
         start = time.perf_counter()
         step = train_step(args, ddp_chunks, optimizer, scheduler, train_iters)
         iteration += 1
         args.consumed_train_samples += args.global_batch_size
+        args.num_floating_point_operations_so_far += metrics.gpt_flops_per_iteration(args)
         iter_time = time.perf_counter() - start
         profiler.after(iteration)
         record = iteration_record(args, iteration, step, iter_time, optimizer)
+        if args.log_params_norm:
+            record["params_norm"] = metrics.params_l2_norm(ddp_chunks, args.bf16)
         for key, t in (("tp_comm_compressed", trial), ("param_gather_compressed", gather_trial)):
             if t is not None:
                 record[key] = t.compressing
@@ -287,12 +357,15 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
         record.update(metrics.reduce_telemetry())
         record.update(moe_metrics(args))
         if args.eval_interval and iteration % args.eval_interval == 0 and valid_iters[0] is not None:
-            record["eval_loss"] = evaluate(args, ddp_chunks, valid_iters)
+            record.update(evaluation_record(args, ddp_chunks, valid_iters))
         if args.params_checksum_interval and iteration % args.params_checksum_interval == 0:
             record["params_checksum"] = metrics.params_checksum(ddp_chunks)
         writer.write(record)
+        if iteration % args.log_interval == 0:
+            writer.log_timers(config.timers, iteration)
+            dump_memory_snapshot(args)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save(args, iteration, ddp_chunks, optimizer, scheduler)
+            saver.save(iteration, ddp_chunks, optimizer, scheduler)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
         if exit_requested(args, iteration, start_time, exit_signal):
@@ -305,27 +378,35 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     """Parse, initialize, build, (resume,) train, save. Returns the last iteration.
     ``args_defaults`` override flag defaults (CLI and --config still win); ``model_type`` 'moe'
     requires --num-experts."""
+    from megatron.training.checkpointing import load_args_from_checkpoint
     from megatron.training.data import build_train_valid_test_data_iterators
+    from megatron.training.progress import log_job_start
     from megatron.training.tokenizer import build_tokenizer
 
     start_time = time.time()  # --exit-duration-in-mins counts start-up too (a job's time limit does)
     args = parse_args(argv, extra_args_provider, defaults=args_defaults)
+    if args.use_checkpoint_args:
+        load_args_from_checkpoint(args)
     validate_args(args)
     if model_type == "moe" and args.num_experts is None:
         raise ValueError("pretrain_moe.py trains a mixture of experts: add --num-experts N")
     initialize_megatron(args)
+    log_job_start(args)
     tokenizer = build_tokenizer(args)
     set_padded_vocab_size(args, tokenizer.vocab_size)
     ddp_chunks, optimizer, scheduler, config = setup_model_and_optimizer(args)
-    start = load(args, ddp_chunks, optimizer, scheduler) if args.load else 0
+    loads = args.load is not None or args.pretrained_checkpoint is not None
+    start = load(args, ddp_chunks, optimizer, scheduler) if loads else 0
+    saver = Saver(args, start_time)  # after the load: --log-progress counts this job's FLOPs from there
     train_iter, valid_iter, _ = build_train_valid_test_data_iterators(args, tokenizer)
     chunks = len(ddp_chunks)
     iteration = train(args, ddp_chunks, optimizer, scheduler, config,
-                      (split_per_chunk(train_iter, chunks), split_per_chunk(valid_iter, chunks)), start, start_time)
+                      (split_per_chunk(train_iter, chunks), split_per_chunk(valid_iter, chunks)), start, start_time,
+                      saver)
     # an exit before --train-iters saves here too, so the run can resume from where it stopped
     saved_by_interval = args.save_interval and iteration % args.save_interval == 0
     if args.save and iteration > start and not saved_by_interval:
-        save(args, iteration, ddp_chunks, optimizer, scheduler)
+        saver.save(iteration, ddp_chunks, optimizer, scheduler)
     release_all_graphs()  # graphs holding NCCL kernels make destroy_process_group hang
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

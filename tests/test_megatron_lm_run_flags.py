@@ -1,0 +1,433 @@
+"""Megatron-LM's logging, checkpoint, data and run-control flags (their bad inputs are in test_arguments.py's
+ERRORS list).
+
+Fast checks run in this process (parsing, derived values, the uneven pipeline split, the progress log, the
+choice of checkpoint to load, per-split data, the TensorBoard interval) or in one spawned process (the weight-decay
+schedule, the bf16 params norm, the NaN and spike checks). Two 2-process runs of the real driver (pretrain_gpt.py):
+
+- A: TP=2, fp32, with --log-params-norm --log-num-zeros-in-grad, the NaN check (on by default), a linear weight-decay
+  schedule, level-1 timers, --log-progress and saves at iterations 2 and 4 with --no-save-optim --no-save-rng
+  --ckpt-assume-constant-structure (the second save reuses the first one's plan). The logged params norm equals the
+  norm of the checkpoint's weights read back on one process (same bits, summed in another order: rel 1e-6), which
+  checks that every TP-sharded weight counts once and every replicated one once.
+- B: resumes A at TP=1 x DP=2 with the distributed optimizer, --use-checkpoint-args (no model-shape flags),
+  --no-load-optim, --ckpt-fully-parallel-load, --dist-ckpt-strictness raise_all, --ddp-average-in-collective and
+  its own per-split data (--train-data-path / --valid-data-path), and saves with --no-ckpt-fully-parallel-save;
+  its last params norm is its checkpoint's.
+A reads its data through --data-args-path; both use small indexed datasets (--mock-data's indices of two million
+samples take most of a run's time to build here).
+"""
+
+import importlib.util
+import json
+import logging
+import math
+import os
+
+import pytest
+import torch
+
+from dist_utils import launch_training, run_on_ranks
+from test_parallel_training import GPT
+
+from megatron.training.arguments import parse_args, validate_args
+
+BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--lr 1e-3 --train-iters 10 --mock-data --transformer-impl local")
+
+
+def make(flags="", world_size=1):
+    return validate_args(parse_args((BASE + " " + flags).split()), world_size=world_size, rank=0)
+
+
+def test_megatron_lm_names_and_defaults():
+    args = parse_args([])
+    assert (args.log_params_norm, args.log_num_zeros_in_grad, args.log_progress) == (False, False, False)
+    assert (args.tensorboard_log_interval, args.tensorboard_queue_size) == (1, 1000)
+    assert args.log_loss_scale_to_tensorboard and not args.log_timers_to_tensorboard
+    assert (args.timing_log_level, args.timing_log_option, args.memory_snapshot_path) == (0, "minmax", "snapshot.pickle")
+    assert args.check_for_nan_in_loss_and_grad and not args.check_for_spiky_loss
+    assert args.ckpt_fully_parallel_save and not args.ckpt_fully_parallel_load
+    assert args.dist_ckpt_strictness == "assume_ok_unexpected" and args.weight_decay_incr_style == "constant"
+    assert args.num_dataset_builder_threads == 1 and args.mmap_bin_files and args.align_param_gather
+    assert args.data_parallel_sharding_strategy == "optim_grads_params"
+    assert parse_args(["--ckpt-fully-parallel-save"]).ckpt_fully_parallel_save  # Megatron-LM's default, spelled
+    spelled = parse_args("--no-save-optim --no-save-rng --no-load-optim --no-load-rng --no-ckpt-fully-parallel-save "
+                         "--use-dist-ckpt --auto-detect-ckpt-format --no-mmap-bin-files "
+                         "--no-check-for-nan-in-loss-and-grad --no-log-loss-scale-to-tensorboard "
+                         "--no-align-param-gather --microbatch-group-size-per-virtual-pipeline-stage 3".split())
+    assert spelled.no_save_optim and spelled.no_save_rng and spelled.no_load_optim and spelled.no_load_rng
+    assert not spelled.ckpt_fully_parallel_save and not spelled.mmap_bin_files
+    assert not spelled.check_for_nan_in_loss_and_grad and not spelled.log_loss_scale_to_tensorboard
+    assert not spelled.align_param_gather and spelled.microbatch_group_size_per_vp_stage == 3
+    assert parse_args(["--mmap-bin-files", "--check-for-nan-in-loss-and-grad"]).mmap_bin_files
+
+
+def test_yaml_config_takes_the_new_flags(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("log-params-norm: true\nno-save-optim: true\nno-check-for-nan-in-loss-and-grad: true\n"
+                      "microbatch-group-size-per-virtual-pipeline-stage: 2\nno-ckpt-fully-parallel-save: true\n"
+                      "train-data-path: [a, b]\n")
+    args = parse_args(["--config", str(config)])
+    assert args.log_params_norm and args.no_save_optim and not args.check_for_nan_in_loss_and_grad
+    assert args.microbatch_group_size_per_vp_stage == 2 and not args.ckpt_fully_parallel_save
+    assert args.train_data_path == ["a", "b"]
+
+
+def test_derived_run_control(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    args = make("--local-rank 3")
+    assert (args.distributed_backend, args.local_rank, args.dataloader_type) == ("gloo", 3, "single")
+    assert (args.start_weight_decay, args.end_weight_decay) == (0.01, 0.01)  # constant: --weight-decay
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert make("--local-rank 3").local_rank == 1  # torchrun's wins, as in Megatron-LM
+    assert not make("--fp16").check_for_nan_in_loss_and_grad  # dynamic loss scaling expects overflows
+    assert make("--fp16 --loss-scale 1024").check_for_nan_in_loss_and_grad
+    wd = make("--weight-decay-incr-style cosine --start-weight-decay 0.0 --end-weight-decay 0.1")
+    assert (wd.start_weight_decay, wd.end_weight_decay) == (0.0, 0.1)
+    interleaved = ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 "
+                   "--use-distributed-optimizer --overlap-param-gather")
+    assert make(interleaved, world_size=2).align_param_gather
+    assert not make(interleaved + " --no-align-param-gather", world_size=2).align_param_gather
+    assert not make("--use-distributed-optimizer --overlap-param-gather").align_param_gather  # no interleaving
+    with pytest.raises(ValueError, match="--distributed-backend nccl needs CUDA devices"):
+        make("--distributed-backend nccl")
+    for flag in ("--log-memory-to-tensorboard", "--record-memory-history"):
+        with pytest.raises(ValueError, match=f"{flag} reads the CUDA caching allocator.*drop it on CPU"):
+            make(flag)
+
+
+def test_uneven_pipeline_split_reaches_megatron_core():
+    """--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split become megatron-core's
+    TransformerConfig fields, whose layer counts and offsets per stage the model builder uses."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron.training.model import core_transformer_config
+
+    def layers_per_stage(flags, pp):
+        """(first layer, layer count) of each pipeline stage of the 4-layer model."""
+        config = core_transformer_config(make(f"--pipeline-model-parallel-size {pp} {flags}", world_size=pp))
+        return [(get_transformer_layer_offset(config, None, rank), get_num_layers_to_build(config, None, rank))
+                for rank in range(pp)]
+
+    assert layers_per_stage("--decoder-first-pipeline-num-layers 1", 2) == [(0, 1), (1, 3)]
+    assert layers_per_stage("--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1", 3) == [
+        (0, 1), (1, 2), (3, 1)]
+    # the embedding and the loss count as a layer each: 4 + 2 = 6 over 2 stages, 3 each
+    assert layers_per_stage("--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", 2) == [
+        (0, 2), (2, 2)]
+    args = make("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 12 "
+                "--microbatch-group-size-per-virtual-pipeline-stage 3", world_size=2)
+    assert core_transformer_config(args).microbatch_group_size_per_vp_stage == 3
+
+
+def _write_checkpoint_dir(root, iteration, files):
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    os.makedirs(directory)
+    for name, text in files.items():
+        with open(os.path.join(directory, name), "w") as f:
+            f.write(text)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+    return directory
+
+
+TORCH_DIST = {"metadata.json": json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                           "common_backend": "torch", "common_backend_version": 1})}
+
+
+def test_checkpoint_to_load(tmp_path):
+    """--load's checkpoint resumes; an empty --load falls back to --pretrained-checkpoint as a fine-tuning start;
+    --ckpt-step picks an iteration; a missing checkpoint is a fresh start or, with the flags that ask for one, an
+    error; other formats are refused naming them."""
+    from megatron.training.checkpointing import checkpoint_to_load
+
+    load, pretrained, legacy = (str(tmp_path / name) for name in ("load", "pretrained", "legacy"))
+    os.makedirs(load)
+    base = "--num-layers 4"
+
+    def pick(flags):
+        return checkpoint_to_load(parse_args(f"{base} {flags}".split()))
+
+    assert pick(f"--load {load}") is None
+    with pytest.raises(ValueError, match="--exit-on-missing-checkpoint: no checkpoint under --load"):
+        pick(f"--load {load} --exit-on-missing-checkpoint")
+    pretrained_dir = _write_checkpoint_dir(pretrained, 7, TORCH_DIST)
+    assert pick(f"--load {load} --pretrained-checkpoint {pretrained}") == (pretrained_dir, True)
+    load_dir = _write_checkpoint_dir(load, 3, TORCH_DIST)
+    assert pick(f"--load {load} --pretrained-checkpoint {pretrained}") == (load_dir, False)
+    assert pick(f"--load {load} --finetune") == (load_dir, True)
+    assert pick(f"--load {load} --pretrained-checkpoint {pretrained} --ckpt-step 7") == (pretrained_dir, True)
+    with pytest.raises(ValueError, match="--ckpt-step 9: there is no iter_0000009 under --load"):
+        pick(f"--load {load} --ckpt-step 9")
+    with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("5")
+    with pytest.raises(ValueError, match="names iteration 5, but .*iter_0000005 does not exist"):
+        pick(f"--load {load}")
+    _write_checkpoint_dir(legacy, 2, {"mp_rank_00": ""})
+    with pytest.raises(ValueError, match="legacy torch format .*--ckpt-convert-format torch_dist"):
+        pick(f"--load {legacy}")
+
+
+def test_progress_log_cumulative_start(tmp_path):
+    """--log-progress's cumulative throughput counts from the first start of the last run of jobs with this world
+    size, and from the FLOPs saved before it."""
+    from megatron.training.progress import cumulative_start
+
+    def saved(flops):
+        return (f"Saved checkpoint\tIteration: 1\tJob throughput: 1.0 TFLOP/s/GPU\tCumulative throughput: 1.0 "
+                f"TFLOP/s/GPU\tFloating-point operations: {flops:.2e}\tTokens (in billions): 0.00")
+
+    lines = [("2025-01-01 10:00:00", 8, "Starting job"), ("2025-01-01 10:30:00", 8, saved(1e15)),
+             ("2025-01-01 11:00:00", 4, "Starting job"), ("2025-01-01 11:30:00", 4, saved(2e15)),
+             ("2025-01-01 12:00:00", 8, "Starting job"), ("2025-01-01 12:30:00", 8, saved(3e15)),
+             ("2025-01-01 13:00:00", 8, "Starting job")]
+    path = tmp_path / "progress.txt"
+    path.write_text("".join(f"{when}\tJob ID: 7\t# GPUs: {gpus}\t{what}\n" for when, gpus, what in lines))
+    start, flops = cumulative_start(str(path), 8)
+    assert (str(start), flops) == ("2025-01-01 12:00:00", 2e15)
+    with pytest.raises(ValueError, match="records no 'Starting job' at world size 4"):  # 8 GPUs since
+        cumulative_start(str(path), 4)
+
+
+def test_per_split_data_and_data_args_files(tmp_path):
+    """--train/valid/test-data-path (and the files --data-args-path and --per-split-data-args-path name) give
+    megatron-core's blend_per_split: each split is built from its own prefixes, a split without any is not built."""
+    import numpy as np
+
+    from megatron.training import data
+    from megatron.training.tokenizer import build_tokenizer
+
+    rng = np.random.default_rng(0)
+    for name, documents in (("train", 40), ("valid", 10)):
+        data.write_documents(str(tmp_path / name), (rng.integers(1, 250, 50).tolist() for _ in range(documents)),
+                             256, eod=0)
+    common = (f"--tokenizer-type NullTokenizer --vocab-size 255 --eval-interval 5 --eval-iters 1 "
+              f"--data-cache-path {tmp_path / 'cache'}").split()
+    base = BASE.replace("--mock-data", "").split() + common
+    args = validate_args(parse_args(base + ["--train-data-path", str(tmp_path / "train"), "--valid-data-path",
+                                            "1", str(tmp_path / "valid")]), world_size=1, rank=0)
+    assert data.blends(args) == (None, [([str(tmp_path / "train")], None), ([str(tmp_path / "valid")], [1.0]), None])
+    train, valid, test = data.build_datasets(args, build_tokenizer(args))
+    assert test is None and len(train) >= 20 and len(valid) >= 6
+    assert (train.dataset_path, valid.dataset_path) == (str(tmp_path / "train"), str(tmp_path / "valid"))
+
+    (tmp_path / "split.json").write_text(json.dumps({"train": f"0.3 {tmp_path}/a 0.7 {tmp_path}/b",
+                                                     "valid": [str(tmp_path / "v")], "test": None}))
+    (tmp_path / "data.txt").write_text(f"0.5 {tmp_path}/a\n0.5 {tmp_path}/b\n")
+    per_split = parse_args(base + ["--per-split-data-args-path", str(tmp_path / "split.json")])
+    assert data.blends(per_split) == (None, [([f"{tmp_path}/a", f"{tmp_path}/b"], [0.3, 0.7]),
+                                             ([str(tmp_path / "v")], None), None])
+    whole = parse_args(base + ["--data-args-path", str(tmp_path / "data.txt")])
+    assert data.blends(whole) == (([f"{tmp_path}/a", f"{tmp_path}/b"], [0.5, 0.5]), None)
+
+
+def test_tensorboard_interval_and_log_line(tmp_path):
+    """--tensorboard-log-interval: scalars every N iterations (evaluations always); the log line shows Megatron-LM's
+    loss scale, num zeros, params norm and validation PPL."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron.training import metrics
+    from test_parallel_training import comm_totals
+
+    args = make(f"--tensorboard-dir {tmp_path} --tensorboard-log-interval 2 --tensorboard-queue-size 5 "
+                f"--log-interval 1")
+    writer = metrics.MetricsWriter(args)
+    for iteration in (1, 2, 3):
+        record = {"iteration": iteration, "consumed_samples": 2 * iteration, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0,
+                  "iter_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_gpu": 0.0, "comm": comm_totals(0),
+                  "comm_counters": {}, "loss_scale": 1.0, "num_zeros_in_grad": 7, "params_norm": 12.5}
+        if iteration == 3:
+            record.update(eval_loss=2.0, eval_ppl=math.exp(2.0))
+        writer.write(record)
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [event.step for event in events.Scalars("params_norm")] == [2]
+    assert [event.step for event in events.Scalars("eval_ppl")] == [3]
+    line = metrics.log_line(record, args)
+    assert "lm loss: 5.000000E+00 | loss scale: 1.0 | grad norm: 1.0000 | num zeros: 7 | params norm: 12.500" in line
+    assert "validation lm loss PPL: 7.389056E+00" in line
+
+
+def _single_rank_checks():
+    """The weight-decay schedule, the bf16 params norm, and the loss and gradient checks on one rank."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    from megatron.training import metrics
+    from megatron.training.arguments import set_padded_vocab_size
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.model import setup_model_and_optimizer
+    from megatron.training.training import check_loss
+
+    args = validate_args(parse_args((GPT + " --bf16 --use-distributed-optimizer --weight-decay-incr-style cosine "
+                                     "--start-weight-decay 0.0 --end-weight-decay 0.1 --check-for-spiky-loss").split()),
+                         world_size=1, rank=0)
+    initialize_megatron(args)
+    set_padded_vocab_size(args, 255)
+    ddp_chunks, optimizer, scheduler, _ = setup_model_and_optimizer(args)
+    out = {"weight_decays": []}
+    for _ in range(args.train_iters):
+        scheduler.step(increment=args.global_batch_size)
+        out["weight_decays"].append(sorted({group["weight_decay"] for group in optimizer.param_groups}))
+
+    main_params = [main for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+                   for group in sub.shard_fp32_from_float16_groups for main in group]
+    for main in main_params:  # below bf16's resolution: the fp32 main params now differ from the model's
+        main.add_(1e-4)
+    out["params_norm"] = metrics.params_l2_norm(ddp_chunks, bf16=True)
+    out["main_params_norm"] = torch.sqrt(sum(p.double().pow(2).sum() for p in main_params)).item()
+    out["model_params_norm"] = torch.sqrt(sum(p.double().pow(2).sum() for p in ddp_chunks[0].parameters())).item()
+    out["main_params_dtype"] = str(main_params[0].dtype)
+
+    for value in ("nan", "inf"):
+        try:
+            check_loss(args, torch.tensor(float(value)))
+        except RuntimeError as error:
+            out[f"loss_{value}"] = str(error)
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("megatron.core.rerun_state_machine").addHandler(handler)
+    for loss in [1.0] * 100 + [5.0, 50.0]:  # the max of the first 100, then 5x and 50x it
+        check_loss(args, torch.tensor(loss))
+    out["spike_warnings"] = [message for message in warnings if "Spiky loss" in message]
+
+    chunk = ddp_chunks[0]
+    out["ddp_checks_grads"] = chunk.ddp_config.check_for_nan_in_grad
+    chunk.buffers[0].grad_data.fill_(float("nan"))
+    get_rerun_state_machine().current_iteration = 7
+    try:
+        chunk.start_grad_sync()
+    except RuntimeError as error:
+        out["grad_nan"] = str(error)
+    args.check_for_nan_in_loss_and_grad = False
+    check_loss(args, torch.tensor(float("nan")))  # unchecked: no error
+    return out
+
+
+def test_weight_decay_schedule_params_norm_and_nan_checks():
+    (out,) = run_on_ranks(_single_rank_checks, 1)
+    # cosine from 0 to 0.1 over the 4 iterations; biases and norms have no weight decay
+    expected = [0.05 * (math.cos(math.pi * (1 - k / 4)) + 1) for k in range(1, 5)]
+    assert [decays[0] for decays in out["weight_decays"]] == [0.0] * 4
+    assert [decays[1] for decays in out["weight_decays"]] == pytest.approx(expected, rel=1e-12)
+    # bf16 with the distributed optimizer: the norm of the fp32 main parameters
+    assert out["main_params_dtype"] == "torch.float32"
+    assert out["params_norm"] == pytest.approx(out["main_params_norm"], rel=1e-6)
+    assert out["params_norm"] != pytest.approx(out["model_params_norm"], rel=1e-6)
+    assert "found NaN in local forward loss calculation" in out["loss_nan"]
+    assert "found Inf in local forward loss calculation" in out["loss_inf"]
+    assert len(out["spike_warnings"]) == 1 and "Unexpected result 50.0" in out["spike_warnings"][0]
+    assert out["ddp_checks_grads"]
+    assert "iteration 7" in out["grad_nan"] and "found NaN in local grad norm for bucket #0" in out["grad_nan"]
+
+
+def _checkpoint_norm(ckpt_dir, tmp_path) -> tuple[float, list[str]]:
+    """The L2 norm of a torch_dist checkpoint's model weights, read back whole on this process, and its keys."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = tmp_path / (os.path.basename(ckpt_dir) + ".pt")
+    dcp_to_torch_save(ckpt_dir, whole)
+    state = torch.load(whole, weights_only=False)
+    weights = [value for key, value in state.items()
+               if torch.is_tensor(value) and value.is_floating_point() and not key.startswith("optimizer.")]
+    return torch.sqrt(sum(w.double().pow(2).sum() for w in weights)).item(), sorted(state)
+
+
+RUN_A = (GPT.replace("--mock-data", "--split 90,10,0") + " --tensor-model-parallel-size 2 --log-params-norm "
+         "--log-num-zeros-in-grad --check-for-nan-in-loss-and-grad --weight-decay-incr-style linear "
+         "--start-weight-decay 0.0 --end-weight-decay 0.1 --timing-log-level 1 --log-validation-ppl-to-tensorboard "
+         "--save-interval 2 --no-save-optim --no-save-rng --ckpt-assume-constant-structure --log-progress "
+         "--log-timers-to-tensorboard --log-world-size-to-tensorboard")
+
+
+def write_corpus(prefix, documents: int, seed: int) -> None:
+    """A small indexed dataset of random documents of 40 tokens below the GPT runs' vocabulary of 255."""
+    import numpy as np
+
+    from megatron.training import data
+
+    rng = np.random.default_rng(seed)
+    data.write_documents(str(prefix), (rng.integers(1, 250, 40).tolist() for _ in range(documents)), 256, eod=0)
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory):
+    """Run A, its data given through the file that --data-args-path names."""
+    tmp_path = tmp_path_factory.mktemp("run_a")
+    write_corpus(tmp_path / "corpus", 300, seed=0)
+    (tmp_path / "data_args.txt").write_text(f"{tmp_path / 'corpus'}\n")
+    save = tmp_path / "ckpt"
+    flags = RUN_A + f" --data-args-path {tmp_path / 'data_args.txt'} --save {save} --tensorboard-dir {tmp_path / 'tb'}"
+    return tmp_path, save, launch_training(tmp_path, "a", "pretrain_gpt.py", 2, flags)
+
+
+@pytest.mark.slow
+def test_logged_params_norm_equals_the_checkpoints(run_a):
+    tmp_path, save, records = run_a
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert isinstance(record["num_zeros_in_grad"], int) and 0 <= record["num_zeros_in_grad"] < 10**6
+        assert record["loss_scale"] == 1.0 and math.isfinite(record["loss"])
+    assert records[1]["eval_ppl"] == pytest.approx(math.exp(records[1]["eval_loss"]), rel=1e-12)
+    for iteration in (2, 4):  # the second save reused the first one's plan
+        norm, keys = _checkpoint_norm(str(save / f"iter_{iteration:07d}"), tmp_path)
+        assert records[iteration - 1]["params_norm"] == pytest.approx(norm, rel=1e-6)
+        assert not any(key.startswith(("optimizer.", "rng_state")) for key in keys)  # --no-save-optim/--no-save-rng
+    common = torch.load(save / "iter_0000004" / "common.pt", weights_only=False)
+    assert "optimizer" not in common and "opt_param_scheduler" not in common
+    assert common["num_floating_point_operations_so_far"] > 0
+    progress = [line.split("\t") for line in (save / "progress.txt").read_text().splitlines()]
+    assert [fields[2:4] for fields in progress] == [["# GPUs: 2", "Starting job"], ["# GPUs: 2", "Saved checkpoint"],
+                                                    ["# GPUs: 2", "Saved checkpoint"]]
+    last = progress[-1]
+    assert last[4] == "Iteration: 4" and last[5].startswith("Job throughput: ") and last[8] == "Tokens (in billions): 0.00"
+    assert float(last[7].removeprefix("Floating-point operations: ")) == pytest.approx(
+        common["num_floating_point_operations_so_far"], rel=1e-2)
+    rank0 = next((tmp_path / "a_logs").glob("*/attempt_*/0"))
+    log = (rank0 / "stdout.log").read_text() + (rank0 / "stderr.log").read_text()
+    assert "params norm:" in log and "num zeros:" in log
+    assert "(min, max) time across ranks (ms):" in log and "optimizer ....." in log
+    if importlib.util.find_spec("tensorboard") is not None:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        assert {"params_norm", "num_zeros_in_grad", "loss_scale", "world_size", "eval_ppl", "forward-backward-time",
+                "optimizer-time"} <= set(events.Tags()["scalars"])
+
+
+@pytest.mark.slow
+def test_resume_with_checkpoint_args_and_per_split_data(run_a, tmp_path):
+    """A's model shape and tokenizer come from its checkpoint (--use-checkpoint-args, none given here but the
+    vocabulary size NullTokenizer needs); the weights load at TP=1 x DP=2, read by the DP replicas in parts
+    (--ckpt-fully-parallel-load), and hold exactly the model (--dist-ckpt-strictness raise_all); A saved no
+    optimizer state (--no-load-optim says so too). B trains on its own per-split data, averages the DP gradients in
+    the collective, and saves without spreading the writes over DP; its last params norm is its checkpoint's."""
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    _, save, a_records = run_a
+    write_corpus(tmp_path / "train", 60, seed=1)
+    write_corpus(tmp_path / "valid", 30, seed=2)
+    flags = (f"--use-checkpoint-args --load {save} --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 "
+             f"--train-iters 6 --vocab-size 255 --transformer-impl local --no-bias-gelu-fusion --no-bias-dropout-fusion "
+             f"--train-data-path {tmp_path / 'train'} --valid-data-path {tmp_path / 'valid'} --eval-interval 2 "
+             f"--eval-iters 1 --log-interval 1 --no-load-optim --use-distributed-optimizer --ckpt-fully-parallel-load "
+             f"--dist-ckpt-strictness raise_all --ddp-average-in-collective --log-params-norm "
+             f"--save {tmp_path / 'ckpt'} --no-ckpt-fully-parallel-save")
+    given = parse_args((flags + " --num-layers 2").split())
+    load_args_from_checkpoint(given)
+    assert (given.num_layers, given.hidden_size, given.num_attention_heads, given.seq_length) == (2, 64, 4, 32)
+    assert (given.tokenizer_type, given.hidden_dropout, given.untie_embeddings_and_output_weights) == (
+        "NullTokenizer", 0.0, False)
+
+    records = launch_training(tmp_path, "b", "pretrain_gpt.py", 2, flags)
+    assert [r["iteration"] for r in records] == [5, 6]
+    assert records[0]["consumed_samples"] == a_records[-1]["consumed_samples"] + 8
+    assert all(math.isfinite(r["loss"]) and r["params_norm"] > 0 for r in records) and "eval_loss" in records[1]
+    norm, _ = _checkpoint_norm(str(tmp_path / "ckpt" / "iter_0000006"), tmp_path)
+    assert records[-1]["params_norm"] == pytest.approx(norm, rel=1e-6)
