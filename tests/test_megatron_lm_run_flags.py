@@ -431,3 +431,34 @@ def test_resume_with_checkpoint_args_and_per_split_data(run_a, tmp_path):
     assert all(math.isfinite(r["loss"]) and r["params_norm"] > 0 for r in records) and "eval_loss" in records[1]
     norm, _ = _checkpoint_norm(str(tmp_path / "ckpt" / "iter_0000006"), tmp_path)
     assert records[-1]["params_norm"] == pytest.approx(norm, rel=1e-6)
+
+
+def _scheduler(max_lr, **flags):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=max_lr)
+    return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=max_lr, min_lr=0.0, lr_warmup_steps=0,
+                                   lr_decay_steps=10, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
+                                   wd_incr_steps=10, wd_incr_style="constant", **flags)
+
+
+def test_schedule_on_load_follows_megatron_lm():
+    """A resume whose LR schedule differs from the checkpoint's stops with the two flags named, unless one of
+    them says which wins (Megatron-LM's defaults: neither, so they must agree); both at once is an error."""
+    from megatron.training.checkpointing import _load_scheduler
+
+    args = make("--override-opt_param-scheduler")
+    assert args.override_opt_param_scheduler and not args.use_checkpoint_opt_param_scheduler
+    assert make("--use-checkpoint-opt_param-scheduler").use_checkpoint_opt_param_scheduler
+    with pytest.raises(ValueError, match="are exclusive: pick one"):
+        make("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler")
+    saved = _scheduler(1e-3).state_dict()
+    same = _scheduler(1e-3, use_checkpoint_opt_param_scheduler=False)
+    _load_scheduler(same, saved)
+    with pytest.raises(ValueError, match="pass --override-opt_param-scheduler to use the command line's"):
+        _load_scheduler(_scheduler(2e-3, use_checkpoint_opt_param_scheduler=False), saved)
+    override = _scheduler(2e-3, use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+    _load_scheduler(override, saved)
+    checkpoint = _scheduler(2e-3, use_checkpoint_opt_param_scheduler=True)
+    _load_scheduler(checkpoint, saved)
+    assert (override.max_lr, checkpoint.max_lr) == (2e-3, 1e-3)

@@ -332,6 +332,12 @@ class CheckpointArgs:
     no_save_rng: bool = arg(False, "Save no RNG states (a run loading it keeps its own seeded RNG).")
     no_load_optim: bool = arg(False, "Do not load the optimizer state.")
     no_load_rng: bool = arg(False, "Do not load the RNG states.")
+    # Megatron-LM's spellings keep an underscore (--override-opt_param-scheduler); both are accepted.
+    override_opt_param_scheduler: bool = arg(False, "On load, take the LR/WD schedule from the command line, not "
+                                             "the checkpoint.", aliases=("override-opt_param-scheduler",))
+    use_checkpoint_opt_param_scheduler: bool = arg(False, "On load, take the LR/WD schedule from the checkpoint. "
+                                                   "Neither flag: they must agree (as in Megatron-LM).",
+                                                   aliases=("use-checkpoint-opt_param-scheduler",))
     finetune: bool = arg(False, "Load only the model weights from --load (no optimizer or RNG state) and start "
                          "at iteration 0 with no samples consumed: fine-tuning from a pretrained checkpoint.")
     pretrained_checkpoint: Optional[str] = arg(None, "Where --load holds no checkpoint yet: fine-tune (as --finetune) "
@@ -537,8 +543,8 @@ def _add_field(group, f) -> None:
             group.add_argument(name, dest=f.name, action="store_true", default=f.default,
                                help=meta["help"])
         else:  # --X and --no-X: a YAML config's true can be turned off on the command line
-            group.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=meta["help"])
+            group.add_argument(name, *["--" + a for a in meta["aliases"]], dest=f.name,
+                               action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
         return
     flags = ["--" + meta["flag"] if meta["flag"] else name] + ["--" + a for a in meta["aliases"]]
     group.add_argument(*flags, dest=f.name, type=meta["type"] or value_type, default=f.default,
@@ -1062,6 +1068,9 @@ def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = 
 
 def _validate_checkpointing(args) -> None:
     loads = args.load is not None or args.pretrained_checkpoint is not None
+    _check(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+           "--override-opt_param-scheduler (the command line's LR/WD schedule) and --use-checkpoint-opt_param-scheduler "
+           "(the checkpoint's) are exclusive: pick one")
     for flag, given in (("--use-checkpoint-args", args.use_checkpoint_args),
                         ("--ckpt-step", args.ckpt_step is not None),
                         ("--exit-on-missing-checkpoint", args.exit_on_missing_checkpoint)):

@@ -150,6 +150,16 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
 
 
 @torch.no_grad()  # the optimizer copies into views of parameters that require grad
+def _load_scheduler(opt_param_scheduler, state) -> None:
+    """megatron-core asserts that the command line's schedule equals the checkpoint's unless told which wins."""
+    try:
+        opt_param_scheduler.load_state_dict(state)
+    except AssertionError as error:
+        raise ValueError(f"the LR/WD schedule on the command line differs from the checkpoint's ({error}): pass "
+                         f"--override-opt_param-scheduler to use the command line's, or "
+                         f"--use-checkpoint-opt_param-scheduler to use the checkpoint's") from error
+
+
 def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
     """Restore the checkpoint that ``checkpoint_to_load`` picks; return its iteration (0 if there is nothing to
     load, or for a fine-tuning start). Sets ``args.consumed_train_samples``, ``args.consumed_valid_samples`` and
@@ -180,7 +190,7 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
         optimizer.load_state_dict(state["optimizer"])
         restore_adam_steps(optimizer)
         if opt_param_scheduler is not None:
-            opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+            _load_scheduler(opt_param_scheduler, state["opt_param_scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()  # fresh fp32 main params from the loaded weights
     if load_rng:

@@ -247,6 +247,8 @@ def build_optimizer(args, ddp_chunks, timers=None):
         lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
         wd_incr_steps=args.train_samples or args.train_iters * args.global_batch_size,
         wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
     return optimizer, scheduler
 
