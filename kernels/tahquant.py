@@ -51,7 +51,7 @@ if triton is not None:
         return z
 
     @triton.jit
-    def _tile_values(x_ptr, f, H, TILES, G: tl.constexpr, EVEN: tl.constexpr):
+    def _tile_values(f, H, TILES, G: tl.constexpr, EVEN: tl.constexpr):
         """Offsets [ROWS, G] of tiles ``f`` [ROWS] in the [T, H] message, and which exist (channel < H)."""
         j = tl.arange(0, G)[None, :]
         if EVEN:  # H a multiple of G: the tiles are contiguous
@@ -64,7 +64,7 @@ if triton is not None:
     @triton.jit
     def _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G: tl.constexpr, LOG_G: tl.constexpr,
                        EVEN: tl.constexpr, ROTATE: tl.constexpr):
-        offs, exists = _tile_values(x_ptr, f, H, TILES, G, EVEN)
+        offs, exists = _tile_values(f, H, TILES, G, EVEN)
         x = tl.load(x_ptr + offs, mask=exists & (f < n_tiles)[:, None], other=0.0).to(tl.float32)
         if ROTATE:
             x = _fwht(x, f.shape[0], G, LOG_G) * scale
@@ -92,16 +92,36 @@ if triton is not None:
         return tl.where(s != s, _BF16_NAN, bits)
 
     @triton.jit
+    def _code_slots(f, live, high_ptr, high_rank_ptr, TILES, low_at, high_at, BITS: tl.constexpr, G: tl.constexpr):
+        """Where tiles ``f`` keep their codes in the wire: whether each is an 8-bit token's, the byte offsets of its
+        8-bit slot [ROWS, G] and of its low-bit slot ([ROWS, G] for 8 bits, else [ROWS, G / 8, 8]: group g's
+        BITS bytes, k < BITS of 8) and the two masks (a tile writes or reads one of them)."""
+        t = f // TILES
+        tile = (f - t * TILES).to(tl.int64)
+        high = tl.load(high_ptr + t, mask=live, other=0) != 0
+        high_rank = tl.load(high_rank_ptr + t, mask=live, other=0).to(tl.int64)  # 8-bit tokens before t
+        low_rank = t.to(tl.int64) - high_rank
+        j = tl.arange(0, G)[None, :]
+        high_slot = high_at + (high_rank * TILES + tile)[:, None] * G + j
+        if BITS == 8:
+            low_slot = low_at + (low_rank * TILES + tile)[:, None] * G + j
+            in_low = (live & ~high)[:, None]
+        else:
+            k = tl.arange(0, 8)[None, None, :]
+            low_slot = (low_at + (low_rank * TILES + tile) * (G * BITS // 8))[:, None, None] \
+                + (tl.arange(0, G // 8) * BITS)[None, :, None] + k
+            in_low = (live & ~high)[:, None, None] & (k < BITS)
+        return high, high_slot, (live & high)[:, None], low_slot, in_low
+
+    @triton.jit
     def _quantize_kernel(x_ptr, amax_ptr, high_ptr, high_rank_ptr, wire_ptr, n_tiles, H, TILES, scale,
                          low_at, high_at, QMAX_LOW: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                          LOG_G: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
         f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = f < n_tiles
         h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE)
-        t = f // TILES
-        tile = f - t * TILES
-        high = tl.load(high_ptr + t, mask=live, other=0) != 0
-        high_rank = tl.load(high_rank_ptr + t, mask=live, other=0).to(tl.int64)  # 8-bit tokens before t
+        high, high_slot, in_high, low_slot, in_low = _code_slots(f, live, high_ptr, high_rank_ptr, TILES, low_at,
+                                                                 high_at, BITS, G)
         qmax = tl.where(high, 127.0, QMAX_LOW)
         s_bits = _round_up_bf16(tl.math.div_rn(tl.load(amax_ptr + f, mask=live, other=0.0), qmax))
         tl.store(wire_ptr.to(tl.pointer_type(tl.int16)) + f, s_bits.to(tl.int16), mask=live)
@@ -110,15 +130,9 @@ if triton is not None:
         q = (tl.math.div_rn(h, s[:, None]) + 12582912.0) - 12582912.0
         q = tl.where((q == q) & (tl.abs(q) != float("inf")), q, 0.0)  # zero tiles (0/0), non-finite tiles
         codes = (q + qmax[:, None]).to(tl.int32)
-        j = tl.arange(0, G)[None, :]
-        TOKEN_HIGH = TILES * G
-        tl.store(wire_ptr + high_at + high_rank[:, None] * TOKEN_HIGH + tile[:, None] * G + j, codes.to(tl.uint8),
-                 mask=(live & high)[:, None])
-        low_rank = t.to(tl.int64) - high_rank
-        low = live & ~high
+        tl.store(wire_ptr + high_slot, codes.to(tl.uint8), mask=in_high)
         if BITS == 8:
-            tl.store(wire_ptr + low_at + low_rank[:, None] * TOKEN_HIGH + tile[:, None] * G + j, codes.to(tl.uint8),
-                     mask=low[:, None])
+            tl.store(wire_ptr + low_slot, codes.to(tl.uint8), mask=in_low)
         else:
             # 8 codes of BITS bits make BITS bytes: code i at bit BITS * i of their little-endian word
             WIDE: tl.constexpr = BITS > 4
@@ -128,10 +142,7 @@ if triton is not None:
             word = tl.sum(groups << (tl.arange(0, 8) * BITS)[None, None, :], axis=2)  # disjoint bits: sum = OR
             k = tl.arange(0, 8)[None, None, :]
             shift = 8 * k if WIDE else tl.minimum(8 * k, 24)  # bytes k >= BITS are not stored
-            byte = ((word[:, :, None] >> shift) & 0xFF).to(tl.uint8)
-            at = (low_at + low_rank * (TILES * G * BITS // 8) + tile * (G * BITS // 8))[:, None, None] \
-                + (tl.arange(0, G // 8) * BITS)[None, :, None] + k
-            tl.store(wire_ptr + at, byte, mask=low[:, None, None] & (k < BITS))
+            tl.store(wire_ptr + low_slot, ((word[:, :, None] >> shift) & 0xFF).to(tl.uint8), mask=in_low)
 
     @triton.jit
     def _dequantize_kernel(wire_ptr, high_ptr, high_rank_ptr, out_ptr, n_tiles, H, TILES, scale, low_at, high_at,
@@ -139,25 +150,15 @@ if triton is not None:
                            ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
         f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = f < n_tiles
-        t = f // TILES
-        tile = f - t * TILES
-        high = tl.load(high_ptr + t, mask=live, other=0) != 0
-        high_rank = tl.load(high_rank_ptr + t, mask=live, other=0).to(tl.int64)
-        j = tl.arange(0, G)[None, :]
-        TOKEN_HIGH = TILES * G
-        codes = tl.load(wire_ptr + high_at + high_rank[:, None] * TOKEN_HIGH + tile[:, None] * G + j,
-                        mask=(live & high)[:, None], other=0).to(tl.int32)
-        low_rank = t.to(tl.int64) - high_rank
-        low = live & ~high
+        high, high_slot, in_high, low_slot, in_low = _code_slots(f, live, high_ptr, high_rank_ptr, TILES, low_at,
+                                                                 high_at, BITS, G)
+        codes = tl.load(wire_ptr + high_slot, mask=in_high, other=0).to(tl.int32)
         if BITS == 8:
-            codes += tl.load(wire_ptr + low_at + low_rank[:, None] * TOKEN_HIGH + tile[:, None] * G + j,
-                             mask=low[:, None], other=0).to(tl.int32)
+            codes += tl.load(wire_ptr + low_slot, mask=in_low, other=0).to(tl.int32)
         else:
             WIDE: tl.constexpr = BITS > 4
             k = tl.arange(0, 8)[None, None, :]
-            at = (low_at + low_rank * (TILES * G * BITS // 8) + tile * (G * BITS // 8))[:, None, None] \
-                + (tl.arange(0, G // 8) * BITS)[None, :, None] + k
-            byte = tl.load(wire_ptr + at, mask=low[:, None, None] & (k < BITS), other=0)
+            byte = tl.load(wire_ptr + low_slot, mask=in_low, other=0)
             if WIDE:
                 byte = byte.to(tl.int64)
             else:
@@ -171,9 +172,8 @@ if triton is not None:
         h = (codes.to(tl.float32) - qmax[:, None]) * s[:, None]
         if ROTATE:
             h = _fwht(h, ROWS, G, LOG_G) * scale
-        offs, exists = _tile_values(out_ptr, f, H, TILES, G, EVEN)
+        offs, exists = _tile_values(f, H, TILES, G, EVEN)
         tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=exists & live[:, None])
-
 
     @triton.jit
     def _token_ranks_kernel(high_ptr, rank_ptr, map_ptr, tokens, ENCODE: tl.constexpr, CHUNK: tl.constexpr,
