@@ -66,21 +66,31 @@ def _split_compare_variant(bits_ptr, exp_ptr, sm_ptr, flags_ptr, n, npad, nblock
 
 
 @triton.jit
-def _split_lookback(bits_ptr, cache_ptr, sm_ptr, bitmap_ptr, exp_out_ptr, status_ptr, ticket_ptr, n, npad, nblocks,
-                    B: tl.constexpr, BPP: tl.constexpr, WINDOW: tl.constexpr):
+def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_ptr, status_ptr, ticket_ptr, n,
+                    npad, nblocks, B: tl.constexpr, BPP: tl.constexpr, WINDOW: tl.constexpr, HASH: tl.constexpr,
+                    RELEASE: tl.constexpr):
     # Tickets in start order: every program waits only on programs that started before it, so none waits
     # on a program that cannot be scheduled. status[t] = count << 2 | 1 (this tile's changed blocks) or
     # | 2 (changed blocks of tiles 0..t); 0 while unpublished. The walk back reads WINDOW predecessors per
     # step (one load each, no atomics: a published word is final for what it says, so a plain volatile
     # read is enough) and stops at the nearest inclusive prefix before the nearest unpublished one.
+    # A status word carries its own data, so publishing needs no ordering with the program's other
+    # stores (RELEASE=False: relaxed; session 7 published with release semantics, which waits for the
+    # program's sign+mantissa stores to drain before its successors can see its count).
     t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
     rows = t * BPP + tl.arange(0, BPP)
     offs, exp = K._split_tile(bits_ptr, sm_ptr, rows, n, B)
     in_pad = offs < npad
-    prev = tl.load(cache_ptr + offs, mask=in_pad, other=0).to(tl.int32)
-    changed = tl.max((exp != prev).to(tl.int32), axis=1) * (rows < nblocks).to(tl.int32)
+    if HASH:
+        changed = K._hash_blocks(hashes_ptr, rows, nblocks, exp, B, BPP, True) * (rows < nblocks).to(tl.int32)
+    else:
+        prev = tl.load(cache_ptr + offs, mask=in_pad, other=0).to(tl.int32)
+        changed = tl.max((exp != prev).to(tl.int32), axis=1) * (rows < nblocks).to(tl.int32)
     local = tl.sum(changed, axis=0)
-    tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="release")
+    if RELEASE:
+        tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="release")
+    else:
+        tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="relaxed")
     prefix = local * 0
     j = t - 1
     back = tl.arange(0, WINDOW)
@@ -95,60 +105,79 @@ def _split_lookback(bits_ptr, cache_ptr, sm_ptr, bitmap_ptr, exp_out_ptr, status
         prefix += tl.sum(tl.where(back < limit, s >> 2, 0), axis=0)
         j = tl.where(done, -1, j - unpublished)  # nothing usable yet (unpublished == 0): read again
     if t > 0:
-        tl.atomic_xchg(status_ptr + t, ((prefix + local) << 2) | 2, sem="release")
+        tl.atomic_xchg(status_ptr + t, ((prefix + local) << 2) | 2, sem="relaxed")
     slot = (prefix + tl.cumsum(changed, axis=0) - changed).to(tl.int64)
     keep = (changed[:, None] != 0) & in_pad
     tl.store(exp_out_ptr + slot[:, None] * B + tl.arange(0, B)[None, :], exp.to(tl.uint8), mask=keep)
-    tl.store(cache_ptr + offs, exp.to(tl.uint8), mask=keep)
+    if not HASH:
+        tl.store(cache_ptr + offs, exp.to(tl.uint8), mask=keep)
     byte = tl.sum(tl.reshape(changed, (BPP // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
     first = t * (BPP // 8) + tl.arange(0, BPP // 8)
     tl.store(bitmap_ptr + first, byte.to(tl.uint8), mask=first * 8 < nblocks)
 
 
-def encode_paths(bits, cache, payload, n, B, window=32):
-    """(production, fused): callables that encode ``bits`` against ``cache`` into ``payload``'s sections the
-    way CieraCodec._encode_fused does (raw exponents), and return the number of changed blocks' tensor."""
+# (window, values per program, release-ordered publish): session 7's kernel first, then relaxed publishing
+# with wider windows and larger tiles
+LOOKBACK_VARIANTS = ((32, 4096, True), (32, 4096, False), (256, 4096, False), (1024, 4096, False),
+                     (256, 8192, False), (1024, 8192, False))
+
+
+def encode_paths(bits, state, payload, n, B, window=32, tile=None, hash_mode=False, release=False):
+    """(production, fused, sections): callables that encode ``bits`` against ``state`` (previous exponents, or
+    block hashes int64 [nblocks, 2] in hash mode) into ``payload``'s sections the way CieraCodec._split_fused
+    does on a sparse encode (raw exponents), and return the changed-block count's tensor. ``tile``: values per
+    program of the fused kernel (default kernels.ciera.TILE_VALUES)."""
     from compression.ciera import HEADER_BYTES, sections
     from kernels.ciera import LAYOUTS
 
     sec = sections(n, B, LAYOUTS[torch.bfloat16])
     nblocks = -(-n // B)
-    bpp = K._blocks_per_program(B)
+    bpp = max(1, (tile or K.TILE_VALUES) // B)
     if bpp % 8:
-        raise ValueError(f"the fused variant writes whole bitmap bytes: needs >= 8 blocks per program (B <= "
-                         f"{K.TILE_VALUES // 8}), got B={B}")
-    nprog = K._grid(nblocks, B)[0]
+        raise ValueError(f"the fused variant writes whole bitmap bytes: needs >= 8 blocks per program, got "
+                         f"{bpp} (tile {tile}, B={B})")
+    nprog = -(-nblocks // bpp)
+    scratch = torch.empty(nblocks * B, dtype=torch.uint8, device=bits.device) if hash_mode else None
 
     def production():
-        flags = K.split_blocks(bits, cache, True, payload[sec.sm:], B)
+        exp = scratch if hash_mode else state
+        flags = K.split_blocks(bits, exp, True, payload[sec.sm:], B, state if hash_mode else None)
         ranks = torch.cumsum(flags, 0, dtype=torch.int32)
-        K.gather_exponents(flags, ranks, cache, payload[HEADER_BYTES:sec.sm], payload[sec.exp:], B)
+        K.gather_exponents(flags, ranks, exp, payload[HEADER_BYTES:sec.sm], payload[sec.exp:], B)
         return ranks[-1]
 
     def fused():
         status = torch.zeros(nprog + 1, dtype=torch.int32, device=bits.device)  # [nprog] is the ticket counter
-        _split_lookback[(nprog,)](bits, cache, payload[sec.sm:], payload[HEADER_BYTES:sec.sm], payload[sec.exp:],
-                                  status, status[nprog:], n, cache.numel(), nblocks, B=B, BPP=bpp, WINDOW=window,
-                                  num_warps=K.NUM_WARPS)
+        _split_lookback[(nprog,)](bits, state, state, payload[sec.sm:], payload[HEADER_BYTES:sec.sm],
+                                  payload[sec.exp:], status, status[nprog:], n, nblocks * B, nblocks, B=B, BPP=bpp,
+                                  WINDOW=window, HASH=hash_mode, RELEASE=release, num_warps=K.NUM_WARPS)
         return status[nprog - 1] >> 2
 
     return production, fused, sec
 
 
-def check_fused(previous, new, B, device, window=32):
-    """Payload sections and cache of the fused kernel (look-back ``window``) equal the production path's
-    (bits compared). Returns the changed-block count."""
+def _start_state(old_bits, B, hash_mode):
+    """The sender state after encoding ``old_bits``: its exponents, or (hash mode) its blocks' hashes."""
+    n, device = old_bits.numel(), old_bits.device
+    exp = torch.zeros(-(-n // B) * B, dtype=torch.uint8, device=device)
+    hashes = torch.zeros(exp.numel() // B, 2, dtype=torch.int64, device=device) if hash_mode else None
+    K.split_blocks(old_bits, exp, False, torch.empty(n, dtype=torch.uint8, device=device), B, hashes)
+    return hashes if hash_mode else exp
+
+
+def check_fused(previous, new, B, device, **variant):
+    """Payload sections and sender state of the fused kernel (``variant``: encode_paths' keywords) equal the
+    production path's (bits compared). Returns the changed-block count."""
     n = new.numel()
     bits, old_bits = new.view(torch.int16), previous.view(torch.int16)
-    start = torch.zeros(-(-n // B) * B, dtype=torch.uint8, device=device)
-    K.split_blocks(old_bits, start, False, torch.empty(n, dtype=torch.uint8, device=device), B)
+    start = _start_state(old_bits, B, variant.get("hash_mode", False))
     outputs = []
     for which in (0, 1):
-        cache = start.clone()
+        state = start.clone()
         payload = torch.zeros(n * 2 + 4096, dtype=torch.uint8, device=device)
-        *paths, sec = encode_paths(bits, cache, payload, n, B, window)
+        *paths, sec = encode_paths(bits, state, payload, n, B, **variant)
         changed = int(paths[which]())
-        outputs.append((changed, payload[:sec.exp + changed * B].clone(), cache))
+        outputs.append((changed, payload[:sec.exp + changed * B].clone(), state))
     (c0, p0, k0), (c1, p1, k1) = outputs
     assert c0 == c1, (c0, c1)
     assert torch.equal(p0, p1), int((p0 != p1).nonzero()[0])
@@ -200,21 +229,24 @@ def main():
             ops = device_op_seconds(fn, args.repeats, setup=reset)
             row["us"][name] = 1e6 * sum(seconds for op, seconds in ops.items() if "split" in op)
         row["changed_block_fraction"] = float(reference[0].float().mean())
-        # the whole encode's kernels: production (split, prefix sum, gather) vs the fused look-back kernel,
-        # walking back one predecessor per step (session 6: 293 us) or a window of 32
-        cache = start_exp.clone()
-        payload = torch.zeros(n * 2 + 4096, dtype=torch.uint8, device="cuda")
-        for window in (1, 32):
-            check_fused(previous, new, B, "cuda", window)
-            production, fused, _ = encode_paths(bits, cache, payload, n, B, window)
-            timed = [(f"encode_lookback_{window}", fused)]
-            if window == 1:
-                timed.insert(0, ("encode_production", production))
+        # the whole encode's kernels: production (split, prefix sum, gather) vs the fused look-back kernel
+        for hash_mode in (False, True):
+            mode = "hash" if hash_mode else "compare"
+            start_state = _start_state(old_bits, B, hash_mode)
+            state = start_state.clone()
+            payload = torch.zeros(n * 2 + 4096, dtype=torch.uint8, device="cuda")
+            production = encode_paths(bits, state, payload, n, B, hash_mode=hash_mode)[0]
+            timed = [(f"encode_production_{mode}", production)]
+            for window, tile, release in LOOKBACK_VARIANTS:
+                variant = dict(window=window, tile=tile, hash_mode=hash_mode, release=release)
+                name = f"encode_lookback_{mode}_w{window}_t{tile}{'_release' if release else ''}"
+                check_fused(previous, new, B, "cuda", **variant)
+                row["exact"][name] = True  # check_fused raised otherwise
+                timed.append((name, encode_paths(bits, state, payload, n, B, **variant)[1]))
             for name, fn in timed:
-                ops = device_op_seconds(fn, args.repeats, setup=lambda: cache.copy_(start_exp))
+                ops = device_op_seconds(fn, args.repeats, setup=lambda: state.copy_(start_state))
                 row["us"][name] = 1e6 * sum(ops.values())
-                row.setdefault("ops_us", {})[name] = {op: 1e6 * sec for op, sec in ops.items()}
-            row["exact"][f"encode_lookback_{window}"] = True  # check_fused raised otherwise
+                row.setdefault("ops_us", {})[name] = {op[:60]: 1e6 * sec for op, sec in ops.items()}
         dst = torch.empty_like(new)
         row["us"]["copy"] = 1e6 * sum(device_op_seconds(lambda: dst.copy_(new), args.repeats).values())
         row["vs_copy"] = {k: row["us"]["copy"] / v for k, v in row["us"].items() if k != "copy"}
