@@ -68,7 +68,7 @@ def _split_compare_variant(bits_ptr, exp_ptr, sm_ptr, flags_ptr, n, npad, nblock
 @triton.jit
 def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_ptr, status_ptr, ticket_ptr, n,
                     npad, nblocks, B: tl.constexpr, BPP: tl.constexpr, WINDOW: tl.constexpr, HASH: tl.constexpr,
-                    RELEASE: tl.constexpr):
+                    RELEASE: tl.constexpr, RELOAD: tl.constexpr):
     # Tickets in start order: every program waits only on programs that started before it, so none waits
     # on a program that cannot be scheduled. status[t] = count << 2 | 1 (this tile's changed blocks) or
     # | 2 (changed blocks of tiles 0..t); 0 while unpublished. The walk back reads WINDOW predecessors per
@@ -77,6 +77,9 @@ def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out
     # A status word carries its own data, so publishing needs no ordering with the program's other
     # stores (RELEASE=False: relaxed; session 7 published with release semantics, which waits for the
     # program's sign+mantissa stores to drain before its successors can see its count).
+    # RELOAD: nothing of the tile is held in registers across the walk; the changed blocks' values are
+    # read again after it (from L2: the tile was read a few microseconds before), so that a program
+    # waiting on its predecessors holds few registers and more programs keep loads in flight.
     t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
     rows = t * BPP + tl.arange(0, BPP)
     offs, exp = K._split_tile(bits_ptr, sm_ptr, rows, n, B)
@@ -107,22 +110,36 @@ def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out
     if t > 0:
         tl.atomic_xchg(status_ptr + t, ((prefix + local) << 2) | 2, sem="relaxed")
     slot = (prefix + tl.cumsum(changed, axis=0) - changed).to(tl.int64)
-    keep = (changed[:, None] != 0) & in_pad
+    if RELOAD:
+        # offsets within the tile, int32, from a scalar base: nothing [BPP, B]-shaped lives across the walk
+        base = t.to(tl.int64) * (BPP * B)
+        local = tl.arange(0, BPP)[:, None] * B + tl.arange(0, B)[None, :]
+        keep = (changed[:, None] != 0) & (base + local < npad)
+        w = tl.load(bits_ptr + base + local, mask=keep & (base + local < n), other=0).to(tl.int32) & 0xFFFF
+        exp = (w >> 7) & 0xFF
+        if not HASH:
+            tl.store(cache_ptr + base + local, exp.to(tl.uint8), mask=keep)
+    else:
+        keep = (changed[:, None] != 0) & in_pad
+        if not HASH:
+            tl.store(cache_ptr + offs, exp.to(tl.uint8), mask=keep)
     tl.store(exp_out_ptr + slot[:, None] * B + tl.arange(0, B)[None, :], exp.to(tl.uint8), mask=keep)
-    if not HASH:
-        tl.store(cache_ptr + offs, exp.to(tl.uint8), mask=keep)
     byte = tl.sum(tl.reshape(changed, (BPP // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
     first = t * (BPP // 8) + tl.arange(0, BPP // 8)
     tl.store(bitmap_ptr + first, byte.to(tl.uint8), mask=first * 8 < nblocks)
 
 
-# (window, values per program, release-ordered publish): session 7's kernel first, then relaxed publishing
+# (window, values per program, release-ordered publish, reload, warps): session 7's kernel first, then relaxed publishing
 # with wider windows and larger tiles
-LOOKBACK_VARIANTS = ((32, 4096, True), (32, 4096, False), (256, 4096, False), (1024, 4096, False),
-                     (256, 8192, False), (1024, 8192, False))
+# (session 17, call 1: release 317 -> relaxed 230 -> window 256 171 -> tile 8192 140 us at lr 1e-4, production
+# 116), then the tile re-read after the walk (reload) instead of held in registers across it.
+LOOKBACK_VARIANTS = ((32, 4096, True, False, 8), (256, 8192, False, False, 8), (128, 8192, False, True, 8),
+                     (256, 8192, False, True, 8), (256, 8192, False, True, 4), (256, 16384, False, True, 8),
+                     (256, 16384, False, True, 16), (512, 16384, False, True, 8), (256, 4096, False, True, 8))
 
 
-def encode_paths(bits, state, payload, n, B, window=32, tile=None, hash_mode=False, release=False):
+def encode_paths(bits, state, payload, n, B, window=32, tile=None, hash_mode=False, release=False, reload=False,
+                 warps=None):
     """(production, fused, sections): callables that encode ``bits`` against ``state`` (previous exponents, or
     block hashes int64 [nblocks, 2] in hash mode) into ``payload``'s sections the way CieraCodec._split_fused
     does on a sparse encode (raw exponents), and return the changed-block count's tensor. ``tile``: values per
@@ -150,7 +167,8 @@ def encode_paths(bits, state, payload, n, B, window=32, tile=None, hash_mode=Fal
         status = torch.zeros(nprog + 1, dtype=torch.int32, device=bits.device)  # [nprog] is the ticket counter
         _split_lookback[(nprog,)](bits, state, state, payload[sec.sm:], payload[HEADER_BYTES:sec.sm],
                                   payload[sec.exp:], status, status[nprog:], n, nblocks * B, nblocks, B=B, BPP=bpp,
-                                  WINDOW=window, HASH=hash_mode, RELEASE=release, num_warps=K.NUM_WARPS)
+                                  WINDOW=window, HASH=hash_mode, RELEASE=release, RELOAD=reload,
+                                  num_warps=warps or K.NUM_WARPS)
         return status[nprog - 1] >> 2
 
     return production, fused, sec
@@ -237,9 +255,11 @@ def main():
             payload = torch.zeros(n * 2 + 4096, dtype=torch.uint8, device="cuda")
             production = encode_paths(bits, state, payload, n, B, hash_mode=hash_mode)[0]
             timed = [(f"encode_production_{mode}", production)]
-            for window, tile, release in LOOKBACK_VARIANTS:
-                variant = dict(window=window, tile=tile, hash_mode=hash_mode, release=release)
-                name = f"encode_lookback_{mode}_w{window}_t{tile}{'_release' if release else ''}"
+            for window, tile, release, reload, warps in LOOKBACK_VARIANTS:
+                variant = dict(window=window, tile=tile, hash_mode=hash_mode, release=release, reload=reload,
+                               warps=warps)
+                name = (f"encode_lookback_{mode}_w{window}_t{tile}_nw{warps}{'_release' if release else ''}"
+                        f"{'_reload' if reload else ''}")
                 check_fused(previous, new, B, "cuda", **variant)
                 row["exact"][name] = True  # check_fused raised otherwise
                 timed.append((name, encode_paths(bits, state, payload, n, B, **variant)[1]))
