@@ -66,9 +66,10 @@ def _split_compare_variant(bits_ptr, exp_ptr, sm_ptr, flags_ptr, n, npad, nblock
 
 
 @triton.jit
-def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_ptr, status_ptr, ticket_ptr, n,
-                    npad, nblocks, B: tl.constexpr, BPP: tl.constexpr, WINDOW: tl.constexpr, HASH: tl.constexpr,
-                    RELEASE: tl.constexpr, RELOAD: tl.constexpr):
+def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_ptr, status_ptr, ticket_ptr,
+                    oracle_ptr, n, npad, nblocks, B: tl.constexpr, BPP: tl.constexpr, WINDOW: tl.constexpr,
+                    HASH: tl.constexpr, RELEASE: tl.constexpr, RELOAD: tl.constexpr, ORACLE: tl.constexpr,
+                    TICKETS: tl.constexpr):
     # Tickets in start order: every program waits only on programs that started before it, so none waits
     # on a program that cannot be scheduled. status[t] = count << 2 | 1 (this tile's changed blocks) or
     # | 2 (changed blocks of tiles 0..t); 0 while unpublished. The walk back reads WINDOW predecessors per
@@ -80,7 +81,12 @@ def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out
     # RELOAD: nothing of the tile is held in registers across the walk; the changed blocks' values are
     # read again after it (from L2: the tile was read a few microseconds before), so that a program
     # waiting on its predecessors holds few registers and more programs keep loads in flight.
-    t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+    # ORACLE (a bound, not an encoder): the tiles' prefixes are read from oracle_ptr (computed beforehand),
+    # no walk: what the kernel would cost if the look-back were free. TICKETS=False: t = program id.
+    if TICKETS:
+        t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+    else:
+        t = tl.program_id(0)
     rows = t * BPP + tl.arange(0, BPP)
     offs, exp = K._split_tile(bits_ptr, sm_ptr, rows, n, B)
     in_pad = offs < npad
@@ -90,25 +96,28 @@ def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out
         prev = tl.load(cache_ptr + offs, mask=in_pad, other=0).to(tl.int32)
         changed = tl.max((exp != prev).to(tl.int32), axis=1) * (rows < nblocks).to(tl.int32)
     local = tl.sum(changed, axis=0)
-    if RELEASE:
-        tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="release")
+    if ORACLE:
+        prefix = tl.load(oracle_ptr + t)
     else:
-        tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="relaxed")
-    prefix = local * 0
-    j = t - 1
-    back = tl.arange(0, WINDOW)
-    while j >= 0:
-        k = j - back  # nearest first; before tile 0 reads as an inclusive prefix of 0
-        s = tl.load(status_ptr + k, mask=k >= 0, other=2, volatile=True)
-        flag = s & 3
-        unpublished = tl.min(tl.where(flag == 0, back, WINDOW), axis=0)
-        inclusive = tl.min(tl.where(flag == 2, back, WINDOW), axis=0)
-        done = inclusive < unpublished
-        limit = tl.where(done, inclusive + 1, unpublished)
-        prefix += tl.sum(tl.where(back < limit, s >> 2, 0), axis=0)
-        j = tl.where(done, -1, j - unpublished)  # nothing usable yet (unpublished == 0): read again
-    if t > 0:
-        tl.atomic_xchg(status_ptr + t, ((prefix + local) << 2) | 2, sem="relaxed")
+        if RELEASE:
+            tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="release")
+        else:
+            tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="relaxed")
+        prefix = local * 0
+        j = t - 1
+        back = tl.arange(0, WINDOW)
+        while j >= 0:
+            k = j - back  # nearest first; before tile 0 reads as an inclusive prefix of 0
+            s = tl.load(status_ptr + k, mask=k >= 0, other=2, volatile=True)
+            flag = s & 3
+            unpublished = tl.min(tl.where(flag == 0, back, WINDOW), axis=0)
+            inclusive = tl.min(tl.where(flag == 2, back, WINDOW), axis=0)
+            done = inclusive < unpublished
+            limit = tl.where(done, inclusive + 1, unpublished)
+            prefix += tl.sum(tl.where(back < limit, s >> 2, 0), axis=0)
+            j = tl.where(done, -1, j - unpublished)  # nothing usable yet (unpublished == 0): read again
+        if t > 0:
+            tl.atomic_xchg(status_ptr + t, ((prefix + local) << 2) | 2, sem="relaxed")
     slot = (prefix + tl.cumsum(changed, axis=0) - changed).to(tl.int64)
     if RELOAD:
         # offsets within the tile, int32, from a scalar base: nothing [BPP, B]-shaped lives across the walk
@@ -129,17 +138,28 @@ def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out
     tl.store(bitmap_ptr + first, byte.to(tl.uint8), mask=first * 8 < nblocks)
 
 
-# (window, values per program, release-ordered publish, reload, warps): session 7's kernel first, then relaxed publishing
-# with wider windows and larger tiles
-# (session 17, call 1: release 317 -> relaxed 230 -> window 256 171 -> tile 8192 140 us at lr 1e-4, production
-# 116), then the tile re-read after the walk (reload) instead of held in registers across it.
-LOOKBACK_VARIANTS = ((32, 4096, True, False, 8), (256, 8192, False, False, 8), (128, 8192, False, True, 8),
-                     (256, 8192, False, True, 8), (256, 8192, False, True, 4), (256, 16384, False, True, 8),
-                     (256, 16384, False, True, 16), (512, 16384, False, True, 8), (256, 4096, False, True, 8))
+# Session 17 (results/gpu/session17/): call 1 release 317 -> relaxed 230 -> window 256 171 -> tile 8192 140 us at
+# lr 1e-4 (production 116); call 2 with the tile re-read after the walk, tile 16384: 124 us (lr 1e-5: 115 vs 99).
+# Call 3: larger tiles, program ids instead of tickets, and the oracle bound (no walk at all).
+LOOKBACK_VARIANTS = (
+    dict(window=256, tile=16384, reload=True),
+    dict(window=256, tile=16384, reload=True, oracle=True),
+    dict(window=256, tile=16384, reload=False, oracle=True),
+    dict(window=256, tile=16384, reload=True, tickets=False),
+    dict(window=256, tile=32768, reload=True),
+    dict(window=256, tile=32768, reload=True, warps=16),
+    dict(window=256, tile=32768, reload=True, oracle=True),
+    dict(window=256, tile=65536, reload=True, warps=16),
+)
+
+
+def variant_name(mode, window=32, tile=None, release=False, reload=False, warps=None, oracle=False, tickets=True):
+    return (f"encode_lookback_{mode}_w{window}_t{tile}_nw{warps or K.NUM_WARPS}{'_release' if release else ''}"
+            f"{'_reload' if reload else ''}{'_oracle' if oracle else ''}{'' if tickets else '_pid'}")
 
 
 def encode_paths(bits, state, payload, n, B, window=32, tile=None, hash_mode=False, release=False, reload=False,
-                 warps=None):
+                 warps=None, oracle=False, tickets=True):
     """(production, fused, sections): callables that encode ``bits`` against ``state`` (previous exponents, or
     block hashes int64 [nblocks, 2] in hash mode) into ``payload``'s sections the way CieraCodec._split_fused
     does on a sparse encode (raw exponents), and return the changed-block count's tensor. ``tile``: values per
@@ -163,13 +183,26 @@ def encode_paths(bits, state, payload, n, B, window=32, tile=None, hash_mode=Fal
         K.gather_exponents(flags, ranks, exp, payload[HEADER_BYTES:sec.sm], payload[sec.exp:], B)
         return ranks[-1]
 
+    oracle_prefix = oracle_total = None
+    if oracle:  # the tiles' exclusive prefixes, from the production path's flags on a copy of the state
+        scratch_exp = torch.empty(nblocks * B, dtype=torch.uint8, device=bits.device)
+        scratch_sm = torch.empty(n, dtype=torch.uint8, device=bits.device)
+        if hash_mode:
+            flags = K.split_blocks(bits, scratch_exp, True, scratch_sm, B, state.clone())
+        else:
+            flags = K.split_blocks(bits, scratch_exp.copy_(state), True, scratch_sm, B)
+        per_tile = torch.nn.functional.pad(flags, (0, nprog * bpp - nblocks)).view(nprog, bpp).sum(1)
+        oracle_prefix = (torch.cumsum(per_tile, 0) - per_tile).to(torch.int32)
+        oracle_total = per_tile.sum()
+
     def fused():
         status = torch.zeros(nprog + 1, dtype=torch.int32, device=bits.device)  # [nprog] is the ticket counter
         _split_lookback[(nprog,)](bits, state, state, payload[sec.sm:], payload[HEADER_BYTES:sec.sm],
-                                  payload[sec.exp:], status, status[nprog:], n, nblocks * B, nblocks, B=B, BPP=bpp,
-                                  WINDOW=window, HASH=hash_mode, RELEASE=release, RELOAD=reload,
+                                  payload[sec.exp:], status, status[nprog:], status if oracle_prefix is None
+                                  else oracle_prefix, n, nblocks * B, nblocks, B=B, BPP=bpp, WINDOW=window,
+                                  HASH=hash_mode, RELEASE=release, RELOAD=reload, ORACLE=oracle, TICKETS=tickets,
                                   num_warps=warps or K.NUM_WARPS)
-        return status[nprog - 1] >> 2
+        return (status[nprog - 1] >> 2) if oracle_prefix is None else oracle_total
 
     return production, fused, sec
 
@@ -255,14 +288,11 @@ def main():
             payload = torch.zeros(n * 2 + 4096, dtype=torch.uint8, device="cuda")
             production = encode_paths(bits, state, payload, n, B, hash_mode=hash_mode)[0]
             timed = [(f"encode_production_{mode}", production)]
-            for window, tile, release, reload, warps in LOOKBACK_VARIANTS:
-                variant = dict(window=window, tile=tile, hash_mode=hash_mode, release=release, reload=reload,
-                               warps=warps)
-                name = (f"encode_lookback_{mode}_w{window}_t{tile}_nw{warps}{'_release' if release else ''}"
-                        f"{'_reload' if reload else ''}")
-                check_fused(previous, new, B, "cuda", **variant)
+            for variant in LOOKBACK_VARIANTS:
+                name = variant_name(mode, **variant)
+                check_fused(previous, new, B, "cuda", hash_mode=hash_mode, **variant)
                 row["exact"][name] = True  # check_fused raised otherwise
-                timed.append((name, encode_paths(bits, state, payload, n, B, **variant)[1]))
+                timed.append((name, encode_paths(bits, state, payload, n, B, hash_mode=hash_mode, **variant)[1]))
             for name, fn in timed:
                 ops = device_op_seconds(fn, args.repeats, setup=lambda: state.copy_(start_state))
                 row["us"][name] = 1e6 * sum(ops.values())
