@@ -138,28 +138,96 @@ def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out
     tl.store(bitmap_ptr + first, byte.to(tl.uint8), mask=first * 8 < nblocks)
 
 
+@triton.jit
+def _encode_tiles(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_ptr, flags_ptr, status_ptr, ticket_ptr,
+                  n, npad, nblocks, ntiles, B: tl.constexpr, BPP: tl.constexpr, SUB: tl.constexpr,
+                  WINDOW: tl.constexpr, HASH: tl.constexpr):
+    # Persistent programs take tiles of SUB sub-tiles (BPP blocks each, the production split's shape) in
+    # ticket order. Per tile: (A) the production split of each sub-tile (sign+mantissa into the payload,
+    # changed flags to flags_ptr, bitmap bytes, and in compare mode the changed blocks' exponents into the
+    # sender's cache), (B) the tile's changed-block count published and its prefix found by the look-back
+    # of _split_lookback, (C) each sub-tile's changed exponents copied to their payload slots, read back from
+    # L2 (the cache in compare mode, the values in hash mode), which the tile left there microseconds before.
+    # Large tiles keep the walk short; sub-tiles keep the split's registers and shape.
+    t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+    cols = tl.arange(0, B)[None, :]
+    back = tl.arange(0, WINDOW)
+    while t < ntiles:
+        local = t * 0
+        for i in range(SUB):
+            rows = (t * SUB + i) * BPP + tl.arange(0, BPP)
+            offs, exp = K._split_tile(bits_ptr, sm_ptr, rows, n, B)
+            in_pad = offs < npad
+            if HASH:
+                changed = K._hash_blocks(hashes_ptr, rows, nblocks, exp, B, BPP, True) * (rows < nblocks).to(tl.int32)
+            else:
+                prev = tl.load(cache_ptr + offs, mask=in_pad, other=0).to(tl.int32)
+                changed = tl.max((exp != prev).to(tl.int32), axis=1) * (rows < nblocks).to(tl.int32)
+                tl.store(cache_ptr + offs, exp.to(tl.uint8), mask=in_pad & (changed[:, None] != 0))
+            tl.store(flags_ptr + rows, changed, mask=rows < nblocks)
+            byte = tl.sum(tl.reshape(changed, (BPP // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
+            first = (t * SUB + i) * (BPP // 8) + tl.arange(0, BPP // 8)
+            tl.store(bitmap_ptr + first, byte.to(tl.uint8), mask=first * 8 < nblocks)
+            local += tl.sum(changed, axis=0)
+        tl.debug_barrier()  # (C) reads flags and cache bytes that other threads of the program stored in (A)
+        tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="relaxed")
+        prefix = local * 0
+        j = t - 1
+        while j >= 0:
+            k = j - back
+            s = tl.load(status_ptr + k, mask=k >= 0, other=2, volatile=True)
+            flag = s & 3
+            unpublished = tl.min(tl.where(flag == 0, back, WINDOW), axis=0)
+            inclusive = tl.min(tl.where(flag == 2, back, WINDOW), axis=0)
+            done = inclusive < unpublished
+            limit = tl.where(done, inclusive + 1, unpublished)
+            prefix += tl.sum(tl.where(back < limit, s >> 2, 0), axis=0)
+            j = tl.where(done, -1, j - unpublished)
+        if t > 0:
+            tl.atomic_xchg(status_ptr + t, ((prefix + local) << 2) | 2, sem="relaxed")
+        for i in range(SUB):
+            rows = (t * SUB + i) * BPP + tl.arange(0, BPP)
+            changed = tl.load(flags_ptr + rows, mask=rows < nblocks, other=0)
+            slot = (prefix + tl.cumsum(changed, axis=0) - changed).to(tl.int64)
+            prefix += tl.sum(changed, axis=0)
+            offs = rows.to(tl.int64)[:, None] * B + cols
+            keep = (changed[:, None] != 0) & (offs < npad)
+            if HASH:
+                w = tl.load(bits_ptr + offs, mask=keep & (offs < n), other=0).to(tl.int32) & 0xFFFF
+                exp = ((w >> 7) & 0xFF).to(tl.uint8)
+            else:
+                exp = tl.load(cache_ptr + offs, mask=keep, other=0)
+            tl.store(exp_out_ptr + slot[:, None] * B + cols, exp, mask=keep)
+        t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+
+
 # Session 17 (results/gpu/session17/): call 1 release 317 -> relaxed 230 -> window 256 171 -> tile 8192 140 us at
 # lr 1e-4 (production 116); call 2 with the tile re-read after the walk, tile 16384: 124 us (lr 1e-5: 115 vs 99).
-# Call 3: larger tiles, program ids instead of tickets, and the oracle bound (no walk at all).
+# Call 3: larger tiles, program ids instead of tickets, and the oracle bound (no walk at all): at tile 16384
+# the oracle 94-97 us (lr 1e-5) against the walk's 115, but larger tiles slow the split itself (oracle at 32768:
+# 131 us). Call 4: _encode_tiles, persistent programs over tiles of SUB production-shaped sub-tiles.
 LOOKBACK_VARIANTS = (
     dict(window=256, tile=16384, reload=True),
     dict(window=256, tile=16384, reload=True, oracle=True),
-    dict(window=256, tile=16384, reload=False, oracle=True),
-    dict(window=256, tile=16384, reload=True, tickets=False),
-    dict(window=256, tile=32768, reload=True),
-    dict(window=256, tile=32768, reload=True, warps=16),
-    dict(window=256, tile=32768, reload=True, oracle=True),
-    dict(window=256, tile=65536, reload=True, warps=16),
+    dict(window=128, sub=4, programs_per_sm=8),
+    dict(window=128, sub=8, programs_per_sm=8),
+    dict(window=128, sub=16, programs_per_sm=8),
+    dict(window=128, sub=8, programs_per_sm=4),
+    dict(window=128, sub=8, programs_per_sm=16),
+    dict(window=128, sub=8, programs_per_sm=8, warps=4),
 )
 
 
-def variant_name(mode, window=32, tile=None, release=False, reload=False, warps=None, oracle=False, tickets=True):
+def variant_name(mode, window=32, tile=None, release=False, reload=False, warps=None, oracle=False, tickets=True,
+                 sub=0, programs_per_sm=0):
+    if sub:
+        return f"encode_tiles_{mode}_w{window}_sub{sub}_p{programs_per_sm}_nw{warps or K.NUM_WARPS}"
     return (f"encode_lookback_{mode}_w{window}_t{tile}_nw{warps or K.NUM_WARPS}{'_release' if release else ''}"
             f"{'_reload' if reload else ''}{'_oracle' if oracle else ''}{'' if tickets else '_pid'}")
 
 
 def encode_paths(bits, state, payload, n, B, window=32, tile=None, hash_mode=False, release=False, reload=False,
-                 warps=None, oracle=False, tickets=True):
+                 warps=None, oracle=False, tickets=True, sub=0, programs_per_sm=0):
     """(production, fused, sections): callables that encode ``bits`` against ``state`` (previous exponents, or
     block hashes int64 [nblocks, 2] in hash mode) into ``payload``'s sections the way CieraCodec._split_fused
     does on a sparse encode (raw exponents), and return the changed-block count's tensor. ``tile``: values per
@@ -169,7 +237,7 @@ def encode_paths(bits, state, payload, n, B, window=32, tile=None, hash_mode=Fal
 
     sec = sections(n, B, LAYOUTS[torch.bfloat16])
     nblocks = -(-n // B)
-    bpp = max(1, (tile or K.TILE_VALUES) // B)
+    bpp = max(1, (K.TILE_VALUES if sub else tile or K.TILE_VALUES) // B)
     if bpp % 8:
         raise ValueError(f"the fused variant writes whole bitmap bytes: needs >= 8 blocks per program, got "
                          f"{bpp} (tile {tile}, B={B})")
@@ -194,6 +262,21 @@ def encode_paths(bits, state, payload, n, B, window=32, tile=None, hash_mode=Fal
         per_tile = torch.nn.functional.pad(flags, (0, nprog * bpp - nblocks)).view(nprog, bpp).sum(1)
         oracle_prefix = (torch.cumsum(per_tile, 0) - per_tile).to(torch.int32)
         oracle_total = per_tile.sum()
+
+    if sub:  # the persistent tiled kernel
+        ntiles = -(-nprog // sub)
+        flags = torch.empty(ntiles * sub * bpp, dtype=torch.int32, device=bits.device)
+        grid = min(ntiles, programs_per_sm * torch.cuda.get_device_properties(bits.device).multi_processor_count
+                   if bits.is_cuda else 2)
+
+        def tiles():
+            status = torch.zeros(ntiles + 1, dtype=torch.int32, device=bits.device)
+            _encode_tiles[(grid,)](bits, state, state, payload[sec.sm:], payload[HEADER_BYTES:sec.sm], payload[sec.exp:],
+                                   flags, status, status[ntiles:], n, nblocks * B, nblocks, ntiles, B=B, BPP=bpp,
+                                   SUB=sub, WINDOW=window, HASH=hash_mode, num_warps=warps or K.NUM_WARPS)
+            return status[ntiles - 1] >> 2
+
+        return production, tiles, sec
 
     def fused():
         status = torch.zeros(nprog + 1, dtype=torch.int32, device=bits.device)  # [nprog] is the ticket counter

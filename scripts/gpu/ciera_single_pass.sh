@@ -2,6 +2,7 @@
 # + gather, compare and hash modes, with relaxed publishing, look-back windows of 32/256/1024 tiles and
 # Call 2 (CALL=_reload): the tile re-read after the walk instead of held across it, warps 4/8/16, tiles to 16384.
 # Call 3 (CALL=_oracle): tiles to 65536, program ids for tickets, the oracle bound (prefixes given, no walk).
+# Call 4 (CALL=_tiles): _encode_tiles, persistent programs over tiles of SUB production-shaped sub-tiles.
 # tiles of 4096/8192 values (benchmarks/diag_ciera_split.py; every variant checked byte for byte first).
 #   rm -rf /tmp/res; source scripts/gpu/setup_device.sh && bash scripts/gpu/ciera_single_pass.sh
 timeout 400 python3 benchmarks/diag_ciera_split.py --lrs 1e-4,1e-5,1e-6 --out $RES/ciera_single_pass${CALL:-}.json 2>&1 \
