@@ -26,8 +26,11 @@ sender's cache: no second pass over the exponents. Checked byte for byte against
 read 2 + 1 (cache), write 1 (sign+mantissa) + 1 (payload exponents) + 1 (cache) = 6 bytes against a
 copy's 4, so even at the copy's bandwidth compare mode reaches ~67% of copy when every block changes
 (more at lower change rates). Session 6 timed it at 293 us against the production encode's 169 us with
-a walk back of one predecessor per step (the prefixes serialize); it now also runs with a window of 32
-predecessors read per step (``encode_lookback_32``, the way CUB's scan looks back).
+a walk back of one predecessor per step; session 17 (results/gpu/session17/, LOOKBACK_VARIANTS below)
+published counts with relaxed ordering, widened the walk's window, grew the tiles, re-read a tile after the
+walk instead of holding it, bounded the kernel with the prefixes given (``oracle``: no walk), and tried
+persistent programs over tiles of production-shaped sub-tiles (``_encode_tiles``), in compare and hash
+mode: none beat the production encode (docs/ciera.md).
 
 Only a diagnostic: the production kernel changes after a GPU run of this script shows a variant both
 exact and faster.
