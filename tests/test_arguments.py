@@ -122,6 +122,9 @@ ERRORS = [
     ("--fp16 --bf16", 1, "--fp16 and --bf16 are exclusive"),
     ("--param-gather-compression ciera", 1, "add --use-distributed-optimizer"),
     ("--overlap-param-gather", 1, "--overlap-param-gather needs --use-distributed-optimizer"),
+    ("--use-distributed-optimizer --overlap-param-gather", 1, "--overlap-param-gather needs --overlap-grad-reduce"),
+    ("--data-path a", 1, "give one source of training data, not --mock-data and --data-path"),
+    ("--builtin-corpus python-stdlib", 1, "not --mock-data and --builtin-corpus"),
     ("--taco-block-size 100", 1, "--taco-block-size must be a power of two in 32..1024, got 100"),
     ("--taco-block-size 2048", 1, "--taco-block-size must be a power of two in 32..1024, got 2048"),
     ("--ciera-block-size 16", 1, "--ciera-block-size must be a power of two in 64..65536, got 16"),
@@ -314,6 +317,20 @@ def test_yaml_config_precedence_and_types(tmp_path):
     assert args.recompute_activations and not args.mmap_bin_files
     assert parse_args(f"--config {config}".split()).lr == 3e-4
     assert parse_args(f"--config {config}".split(), defaults={"seed": 7}).seed == 7
+
+
+def test_data_source_on_the_command_line_replaces_the_configs(tmp_path):
+    """The model configs name the built-in corpus; a data source given on the command line takes its place (it
+    used to be overridden by the corpus) and two given on the command line are an error."""
+    config = tmp_path / "c.yaml"
+    config.write_text("builtin-corpus: python-stdlib\nlr: 0.001\n")
+    assert parse_args(f"--config {config}".split()).builtin_corpus == "python-stdlib"
+    args = parse_args(f"--config {config} --data-path 1.0 mine".split())
+    assert args.builtin_corpus is None and args.data_path == ["1.0", "mine"] and args.lr == 0.001
+    assert parse_args(f"--config {config} --mock-data".split()).builtin_corpus is None
+    assert parse_args(f"--config {config} --train-data-path t".split()).builtin_corpus is None
+    with pytest.raises(ValueError, match="not --data-path and --builtin-corpus"):
+        make(f"--config {config} --data-path p --builtin-corpus python-stdlib", base=BASE.replace("--mock-data", ""))
 
 
 def test_yaml_true_turned_off_on_the_command_line(tmp_path):

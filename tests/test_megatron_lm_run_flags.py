@@ -87,10 +87,10 @@ def test_derived_run_control(monkeypatch):
     wd = make("--weight-decay-incr-style cosine --start-weight-decay 0.0 --end-weight-decay 0.1")
     assert (wd.start_weight_decay, wd.end_weight_decay) == (0.0, 0.1)
     interleaved = ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 "
-                   "--use-distributed-optimizer --overlap-param-gather")
+                   "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather")
     assert make(interleaved, world_size=2).align_param_gather
     assert not make(interleaved + " --no-align-param-gather", world_size=2).align_param_gather
-    assert not make("--use-distributed-optimizer --overlap-param-gather").align_param_gather  # no interleaving
+    assert not make("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather").align_param_gather
     with pytest.raises(ValueError, match="--distributed-backend nccl needs CUDA devices"):
         make("--distributed-backend nccl")
     for flag in ("--log-memory-to-tensorboard", "--record-memory-history"):

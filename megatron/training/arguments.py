@@ -620,6 +620,10 @@ def load_yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
     return defaults
 
 
+DATA_SOURCES = ("mock_data", "data_path", "data_args_path", "train_data_path", "valid_data_path", "test_data_path",
+                "per_split_data_args_path", "builtin_corpus")
+
+
 def parse_args(argv=None, extra_args_provider=None, defaults=None) -> argparse.Namespace:
     """Parse flags (and ``--config``) into Megatron-LM's flat ``args``; not yet validated.
     ``defaults`` (dest -> value) replace field defaults; the YAML file and the CLI still win."""
@@ -628,7 +632,12 @@ def parse_args(argv=None, extra_args_provider=None, defaults=None) -> argparse.N
         parser.set_defaults(**defaults)
     known, _ = parser.parse_known_args(argv)
     if known.config is not None:
-        parser.set_defaults(**load_yaml_defaults(parser, known.config))
+        from_config = load_yaml_defaults(parser, known.config)
+        if any(getattr(known, dest) not in (None, False) for dest in DATA_SOURCES):
+            # a data source on the command line replaces the config's (the model configs name the built-in corpus,
+            # so that `--config configs/gpt_350m.yaml --data-path P` trains on P)
+            from_config = {dest: value for dest, value in from_config.items() if dest not in DATA_SOURCES}
+        parser.set_defaults(**from_config)
     return parser.parse_args(argv)
 
 
@@ -896,6 +905,11 @@ def _validate_batch_and_schedule(args) -> None:
                                and args.virtual_pipeline_model_parallel_size is not None)
     _check(not args.overlap_param_gather or args.use_distributed_optimizer,
            "--overlap-param-gather needs --use-distributed-optimizer: add it")
+    # Megatron-LM's rule: the overlapped gather is dispatched from the bucket groups that the overlapped grad
+    # reduce sets up, and its launch scripts always pass both
+    _check(not args.overlap_param_gather or args.overlap_grad_reduce,
+           "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM): add it, or drop "
+           "--overlap-param-gather")
 
 
 def _validate_microbatch_groups(args) -> None:
@@ -979,6 +993,11 @@ def _validate_data(args) -> None:
     _check(not split or args.split == DEFAULT_SPLIT,
            "--split divides --data-path into splits; with --train/valid/test-data-path each split has its own data: "
            "drop --split")
+    sources = {"--mock-data": args.mock_data, "--data-path": whole, "--train/valid/test-data-path": split,
+               "--builtin-corpus": args.builtin_corpus is not None}
+    given = [flag for flag, present in sources.items() if present]
+    _check(len(given) <= 1, f"give one source of training data, not {' and '.join(given)} (as in Megatron-LM): "
+                            f"drop all but one")
     _check(whole or split or args.mock_data or args.builtin_corpus is not None,
            "no training data: give --data-path PREFIX, --mock-data or --builtin-corpus python-stdlib")
     if args.dataloader_type is None:
