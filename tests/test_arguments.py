@@ -124,6 +124,13 @@ ERRORS = [
     ("--overlap-param-gather", 1, "--overlap-param-gather needs --use-distributed-optimizer"),
     ("--use-distributed-optimizer --overlap-param-gather", 1, "--overlap-param-gather needs --overlap-grad-reduce"),
     ("--data-path a", 1, "give one source of training data, not --mock-data and --data-path"),
+    ("--rope-type yarn", 1, "--rope-type yarn is for --multi-latent-attention"),
+    ("--multi-latent-attention --group-query-attention", 1, "--group-query-attention and --multi-latent-attention are "
+                                                            "exclusive"),
+    ("--multi-latent-attention --kv-lora-rank 30 --qk-pos-emb-head-dim 3 --tensor-model-parallel-size 2", 2,
+     "--kv-lora-rank + --qk-pos-emb-head-dim = 33 is not divisible by --tensor-model-parallel-size 2"),
+    ("--multi-latent-attention --q-lora-rank 33 --tensor-model-parallel-size 2", 2,
+     "--q-lora-rank = 33 is not divisible by --tensor-model-parallel-size 2"),
     ("--builtin-corpus python-stdlib", 1, "not --mock-data and --builtin-corpus"),
     ("--taco-block-size 100", 1, "--taco-block-size must be a power of two in 32..1024, got 100"),
     ("--taco-block-size 2048", 1, "--taco-block-size must be a power of two in 32..1024, got 2048"),
@@ -239,7 +246,7 @@ def test_bad_input_is_a_clear_error(flags, world_size, message):
 def test_taco_requires_local_transformer_impl(monkeypatch):
     import megatron.training.arguments as arguments
 
-    monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: True)
+    monkeypatch.setattr(arguments, "transformer_engine_installed", lambda: True)
     with pytest.raises(ValueError, match="TACO hooks replace the local-spec linears.*add --transformer-impl local"):
         make("--tp-comm-compression taco --transformer-impl transformer_engine")
     assert make("--tp-comm-compression taco").tp_comm_compression == "taco"
@@ -257,18 +264,18 @@ def test_missing_data_and_required_flags():
 def test_transformer_engine_missing_or_default(monkeypatch):
     import megatron.training.arguments as arguments
 
-    monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: False)
+    monkeypatch.setattr(arguments, "transformer_engine_installed", lambda: False)
     assert make(base=BASE.replace("--transformer-impl local", "")).transformer_impl == "local"
     with pytest.raises(ValueError, match="Transformer Engine, which is not installed"):
         make("--transformer-impl transformer_engine")
-    monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: True)
+    monkeypatch.setattr(arguments, "transformer_engine_installed", lambda: True)
     assert make(base=BASE.replace("--transformer-impl local", "")).transformer_impl == "transformer_engine"
 
 
 def test_transformer_engine_cross_entropy_and_tiktokenizer_refused(monkeypatch):
     import megatron.training.arguments as arguments
 
-    monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: False)
+    monkeypatch.setattr(arguments, "transformer_engine_installed", lambda: False)
     with pytest.raises(ValueError, match="--cross-entropy-fusion-impl te runs Transformer Engine's .* use "
                                          "--cross-entropy-fusion-impl native"):
         make("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te")
@@ -317,6 +324,24 @@ def test_yaml_config_precedence_and_types(tmp_path):
     assert args.recompute_activations and not args.mmap_bin_files
     assert parse_args(f"--config {config}".split()).lr == 3e-4
     assert parse_args(f"--config {config}".split(), defaults={"seed": 7}).seed == 7
+
+
+def test_multi_latent_attention_config():
+    """--multi-latent-attention and its sizes reach megatron-core's MLATransformerConfig (YaRN rope by default)."""
+    from megatron.training.model import core_transformer_config
+
+    mla = ("--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+           "--v-head-dim 24 --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707 --normalization RMSNorm")
+    config = core_transformer_config(make(mla))
+    assert type(config).__name__ == "MLATransformerConfig" and config.multi_latent_attention
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
+            config.v_head_dim) == (32, 16, 16, 8, 24)
+    assert (config.rotary_scaling_factor, config.mscale, config.mscale_all_dim, config.rope_type) == (40, 0.707, 0.707,
+                                                                                                     "yarn")
+    assert core_transformer_config(make(mla + " --rope-type rope")).rope_type == "rope"
+    assert not core_transformer_config(make(mla + " --no-rope-fusion")).apply_rope_fusion
+    plain = core_transformer_config(make())
+    assert type(plain).__name__ == "TransformerConfig" and not plain.multi_latent_attention
 
 
 def test_data_source_on_the_command_line_replaces_the_configs(tmp_path):

@@ -318,17 +318,20 @@ def test_fused_path_matches_reference_interpreted():
 
 def _check_lookback_diagnostic():
     from benchmarks.delta_wire_ratio import simulated_step
-    from benchmarks.diag_ciera_split import check_fused
+    from benchmarks.diag_ciera_split import LOOKBACK_VARIANTS, check_fused
 
-    for n, lr in ((40_961, 1e-4), (50_000, 1e-5), (4096 * 3, 1e-6)):  # partial last tile; few changed blocks
+    # a partial last tile (several tiles of every variant), many and few changed blocks, both detection modes
+    for n, lr, hash_mode in ((40_961, 1e-4, False), (50_000, 1e-5, True), (4096 * 3, 1e-6, False)):
         previous, new = simulated_step(n, lr, 5, device="cpu")
-        for window in (1, 32):
-            check_fused(previous, new, 512, "cpu", window)
+        for variant in ({"window": 1}, {"window": 32, "release": True}, *LOOKBACK_VARIANTS):
+            variant = {k: v for k, v in variant.items() if k != "warps"}  # the interpreter has no warps
+            check_fused(previous, new, 512, "cpu", hash_mode=hash_mode, **variant)
 
 
 def test_lookback_diagnostic_matches_production_interpreted():
-    """benchmarks/diag_ciera_split.py's fused look-back encoder (a GPU experiment, not the codec's path)
-    writes the production path's payload sections and cache, under the interpreter (programs in order)."""
+    """benchmarks/diag_ciera_split.py's one-kernel encoders (GPU experiments, not the codec's path: the look-back
+    variants, their oracle bound and the persistent tiled kernel) write the production path's payload sections and
+    sender state, under the interpreter (programs in order)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     code = "import test_ciera; test_ciera._check_lookback_diagnostic()"

@@ -48,6 +48,10 @@ SIGNATURES = [
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", ["new_state"]),
     ("megatron.core.transformer.utils", "get_default_causal_mask", ["sq"]),
     ("megatron.core.fusions.fused_softmax", "get_default_causal_mask", ["sq"]),
+    # megatron/hooks/mla.py: LatentDotProductAttention passes these on by keyword.
+    ("megatron.core.transformer.dot_product_attention", "DotProductAttention.__init__",
+     ["self", "config", "layer_number", "attn_mask_type", "attention_type", "attention_dropout", "softmax_scale",
+      "cp_comm_type", "pg_collection"]),
     # megatron/training/checkpointing.py passes only the backend (0.19 dropped the version argument).
     ("megatron.core.dist_checkpointing.serialization", "get_default_save_sharded_strategy", ["backend"]),
 ]
@@ -71,6 +75,12 @@ SOURCE_CONTAINS = [
     ("megatron.core.tensor_parallel.layers", "VocabParallelEmbedding.forward", "reduce_from_tensor_model_parallel_region("),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher", "maybe_move_tensor_to_cpu("),
     ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker", "_set_cuda_rng_state("),
+    # megatron/hooks/mla.py: MLA builds its core attention with separate key and value head sizes, and the local
+    # attention's context reshape is the one size it sets from kv_channels.
+    ("megatron.core.transformer.multi_latent_attention", "MultiLatentAttention.__init__",
+     "v_channels=self.config.v_head_dim"),
+    ("megatron.core.transformer.dot_product_attention", "DotProductAttention.forward",
+     "(self.hidden_size_per_partition,)"),
     # megatron/hooks/pp.py swaps the communicator class the pipelined schedules construct.
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving",
      "P2PCommunicator("),
@@ -112,6 +122,8 @@ INSTANCE_ATTRIBUTES = [
       "intra_distributed_optimizer_instance_group", "intra_distributed_optimizer_instance_size",
       "intra_distributed_optimizer_instance_rank"]),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", ["param_dtype", "buckets"]),
+    ("megatron.core.transformer.dot_product_attention", "DotProductAttention",
+     ["hidden_size_per_partition", "hidden_size_per_attention_head", "num_attention_heads_per_partition"]),
     ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator",
      ["pp_group", "config", "next_rank", "prev_rank"]),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucket", ["param_data", "bucket_id"]),

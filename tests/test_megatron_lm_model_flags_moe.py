@@ -140,7 +140,7 @@ def test_flops_count_dense_layers_and_the_shared_expert():
 def test_moe_permute_fusion_needs_transformer_engine(monkeypatch):
     import megatron.training.arguments as arguments
 
-    monkeypatch.setattr(arguments, "_transformer_engine_installed", lambda: False)
+    monkeypatch.setattr(arguments, "transformer_engine_installed", lambda: False)
     with pytest.raises(ValueError, match="--moe-permute-fusion runs Transformer Engine's fused permutation"):
         make(f"{MOE_BASE} --moe-permute-fusion")
 

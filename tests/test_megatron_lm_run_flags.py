@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -323,7 +324,8 @@ def test_weight_decay_schedule_params_norm_and_nan_checks():
     assert "found Inf in local forward loss calculation" in out["loss_inf"]
     assert len(out["spike_warnings"]) == 1 and "Unexpected result 50.0" in out["spike_warnings"][0]
     assert out["ddp_checks_grads"]
-    assert "iteration 7" in out["grad_nan"] and "found NaN in local grad norm for bucket #0" in out["grad_nan"]
+    # megatron-core's report names the iteration (7 on 0.16, 8 on 0.19, which counts from 1) and the bucket
+    assert re.search(r"iteration [78]:", out["grad_nan"]) and "found NaN in local grad norm for bucket #0" in out["grad_nan"]
 
 
 def _checkpoint_norm(ckpt_dir, tmp_path) -> tuple[float, list[str]]:
@@ -378,7 +380,10 @@ def test_logged_params_norm_equals_the_checkpoints(run_a):
         norm, keys = _checkpoint_norm(str(save / f"iter_{iteration:07d}"), tmp_path)
         assert records[iteration - 1]["params_norm"] == pytest.approx(norm, rel=1e-6)
         assert not any(key.startswith(("optimizer.", "rng_state")) for key in keys)  # --no-save-optim/--no-save-rng
-    common = torch.load(save / "iter_0000004" / "common.pt", weights_only=False)
+    from megatron.core import dist_checkpointing
+
+    # its own file (common.pt) on megatron-core 0.16, inside the torch_dist shards on 0.19
+    common = dist_checkpointing.load_common_state_dict(save / "iter_0000004")
     assert "optimizer" not in common and "opt_param_scheduler" not in common
     assert common["num_floating_point_operations_so_far"] > 0
     progress = [line.split("\t") for line in (save / "progress.txt").read_text().splitlines()]

@@ -175,6 +175,26 @@ class ModelArgs:
 
 
 @dataclass(kw_only=True)
+class MLAArgs:
+    """DeepSeek-V2/V3's multi-latent attention (megatron-core's MLASelfAttention and MLATransformerConfig)."""
+    multi_latent_attention: bool = arg(False, "Multi-latent attention: queries, keys and values projected through "
+                                       "low-rank latents; its own rotary embedding (--rope-type).")
+    q_lora_rank: Optional[int] = arg(None, "Rank of the queries' latent (None: one full-rank query projection).")
+    kv_lora_rank: int = arg(32, "Rank of the keys' and values' shared latent.")
+    qk_head_dim: int = arg(128, "Per-head query/key size without the rotary part.")
+    qk_pos_emb_head_dim: int = arg(64, "Per-head size of the rotary part of queries and keys.")
+    v_head_dim: int = arg(128, "Per-head value size.")
+    rotary_scaling_factor: float = arg(1.0, "YaRN: context extension factor of the rotary embedding.")
+    mscale: float = arg(1.0, "YaRN: attention scale factor.")
+    mscale_all_dim: float = arg(0.0, "YaRN: attention scale factor of all dimensions.")
+    rope_type: Optional[str] = arg(None, "Rotary embedding of multi-latent attention (default yarn); other attention "
+                                   "takes rope only.", choices=["rope", "yarn"])
+    # Megatron-LM's default is on; its kernel is Transformer Engine's, so without TE the unfused rotation runs (same math)
+    apply_rope_fusion: bool = arg(True, "Fused RoPE (Transformer Engine's kernel; unfused without it).",
+                                  flag="no-rope-fusion")
+
+
+@dataclass(kw_only=True)
 class MoEArgs:
     num_experts: Optional[int] = arg(None, "Experts per MoE layer (MoE when set).")
     moe_router_topk: int = arg(2, "Experts per token.")
@@ -467,7 +487,7 @@ class CompressionArgs:
     pp_comm_high_bit_fraction: float = arg(0.125, "Fraction of each message's tokens that TahQuant sends with 8 bits.")
 
 
-SECTIONS = (ParallelArgs, ModelArgs, MoEArgs, TrainingArgs, OptimizerArgs, DataArgs, CheckpointArgs,
+SECTIONS = (ParallelArgs, ModelArgs, MLAArgs, MoEArgs, TrainingArgs, OptimizerArgs, DataArgs, CheckpointArgs,
             LoggingArgs, CompressionArgs)
 
 # Megatron-LM flags that launch scripts pass and that ask for what this trainer always does: accepted, no effect.
@@ -646,7 +666,7 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _transformer_engine_installed() -> bool:
+def transformer_engine_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("transformer_engine") is not None
@@ -784,16 +804,34 @@ def _validate_model(args) -> None:
         _check(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
     _validate_transformer_impl(args)
     _validate_fp32_residual_connection(args)
-    _check(args.cross_entropy_fusion_impl != "te" or _transformer_engine_installed(),
+    _validate_mla(args)
+    _check(args.cross_entropy_fusion_impl != "te" or transformer_engine_installed(),
            "--cross-entropy-fusion-impl te runs Transformer Engine's parallel cross entropy, and Transformer Engine is "
            "not installed: use --cross-entropy-fusion-impl native (the default) or pip install '.[te]'")
 
 
+def _validate_mla(args) -> None:
+    """Megatron-LM's rules for --multi-latent-attention, and the TP splits the local spec's projections need."""
+    if not args.multi_latent_attention:
+        _check(args.rope_type in (None, "rope"), f"--rope-type {args.rope_type} is for --multi-latent-attention; "
+                                                 f"other attention takes --rope-type rope only")
+        return
+    _check(not args.group_query_attention, "--group-query-attention and --multi-latent-attention are exclusive "
+                                           "(as in Megatron-LM): drop one")
+    tp = args.tensor_model_parallel_size
+    # the local spec's down projections are column-parallel linears, split over TP like the up projections
+    for flag, size in (("--kv-lora-rank + --qk-pos-emb-head-dim", args.kv_lora_rank + args.qk_pos_emb_head_dim),
+                       ("--q-lora-rank", args.q_lora_rank)):
+        _check(size is None or size % tp == 0,
+               f"{flag} = {size} is not divisible by --tensor-model-parallel-size {tp}: the local spec splits the "
+               f"down projections over TP")
+
+
 def _validate_transformer_impl(args) -> None:
     if args.transformer_impl is None:
-        args.transformer_impl = "transformer_engine" if _transformer_engine_installed() else "local"
+        args.transformer_impl = "transformer_engine" if transformer_engine_installed() else "local"
     if args.transformer_impl == "transformer_engine":
-        _check(_transformer_engine_installed(),
+        _check(transformer_engine_installed(),
                "--transformer-impl transformer_engine asks for Transformer Engine, which is not installed: "
                "pip install '.[te]' or use --transformer-impl local")
     else:
@@ -883,7 +921,7 @@ def _validate_moe_capacity_and_shared_expert(args) -> None:
     _check(not args.moe_shared_expert_overlap or args.moe_token_dispatcher_type == "alltoall",
            "--moe-shared-expert-overlap overlaps the shared expert with the alltoall dispatcher's communication: add "
            "--moe-token-dispatcher-type alltoall")
-    _check(not args.moe_permute_fusion or _transformer_engine_installed(),
+    _check(not args.moe_permute_fusion or transformer_engine_installed(),
            "--moe-permute-fusion runs Transformer Engine's fused permutation kernels, and Transformer Engine is not "
            "installed: drop --moe-permute-fusion or pip install '.[te]'")
 

@@ -20,14 +20,24 @@ import torch.nn.functional as F
 
 
 def core_transformer_config(args):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+    from megatron.training.arguments import transformer_engine_installed
     from megatron.core.transformer.enums import AttnBackend
 
     dtype = args.params_dtype
     on_cpu = not torch.cuda.is_available()
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     xavier = torch.nn.init.xavier_uniform_ if args.init_method_xavier_uniform else None  # None: megatron-core's normal
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if args.multi_latent_attention:
+        config_class = MLATransformerConfig
+        mla = dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                   qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+                   rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+                   rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale,
+                   mscale_all_dim=args.mscale_all_dim, **({"rope_type": args.rope_type} if args.rope_type else {}))
+    return config_class(
+        **mla,
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
@@ -53,6 +63,7 @@ def core_transformer_config(args):
         # the fused softmax is an apex CUDA extension, selected for bf16/fp16: without it megatron-core
         # fails at the first forward, so use the unfused softmax (same math)
         masked_softmax_fusion=args.masked_softmax_fusion and (dtype == torch.float32 or _has_fused_softmax()),
+        apply_rope_fusion=args.apply_rope_fusion and transformer_engine_installed(),
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
@@ -103,12 +114,20 @@ def layer_spec(args, config, vp_stage):
         spec = getattr(importlib.import_module(module), name)
         return spec() if callable(spec) else spec
     use_te = args.transformer_impl == "transformer_engine"
-    if args.num_experts is not None:
-        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+    if args.num_experts is not None:  # reads multi_latent_attention from config
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                           normalization=args.normalization, vp_stage=vp_stage)
-    if use_te:  # TE reads the norm from config
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    elif use_te:  # TE reads the norm from config
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+                                                        multi_latent_attention=args.multi_latent_attention)
+    if args.multi_latent_attention and not use_te:
+        from megatron.hooks.mla import use_latent_dot_product_attention
+
+        spec = use_latent_dot_product_attention(spec)
+    return spec
 
 
 def build_gpt_chunk(args, config, vp_stage):
