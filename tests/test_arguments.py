@@ -125,6 +125,7 @@ ERRORS = [
     ("--use-distributed-optimizer --overlap-param-gather", 1, "--overlap-param-gather needs --overlap-grad-reduce"),
     ("--data-path a", 1, "give one source of training data, not --mock-data and --data-path"),
     ("--rope-type yarn", 1, "--rope-type yarn is for --multi-latent-attention"),
+    ("--swiglu --squared-relu", 1, "--swiglu and --squared-relu are exclusive activations"),
     ("--multi-latent-attention --group-query-attention", 1, "--group-query-attention and --multi-latent-attention are "
                                                             "exclusive"),
     ("--multi-latent-attention --kv-lora-rank 30 --qk-pos-emb-head-dim 3 --tensor-model-parallel-size 2", 2,
@@ -324,6 +325,22 @@ def test_yaml_config_precedence_and_types(tmp_path):
     assert args.recompute_activations and not args.mmap_bin_files
     assert parse_args(f"--config {config}".split()).lr == 3e-4
     assert parse_args(f"--config {config}".split(), defaults={"seed": 7}).seed == 7
+
+
+def test_activation_flags():
+    """Megatron-LM's activation flags; megatron-core fuses the bias into GeLU and SwiGLU only."""
+    import torch.nn.functional as F
+    from megatron.core.activations import squared_relu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    from megatron.training.model import core_transformer_config
+
+    expected = {"": (F.gelu, False, True), "--swiglu": (F.silu, True, True),
+                "--squared-relu": (squared_relu, False, False), "--quick-geglu": (quick_gelu, True, False)}
+    for flag, activation in expected.items():
+        config = core_transformer_config(make(flag))
+        assert (config.activation_func, config.gated_linear_unit, config.bias_activation_fusion) == activation, flag
+    assert make("--quick-geglu").ffn_hidden_size == 4 * 64  # Megatron-LM shrinks only SwiGLU's default width
 
 
 def test_multi_latent_attention_config():

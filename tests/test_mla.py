@@ -5,6 +5,8 @@
 - Training: a tiny MLA GPT at TP=2 with sequence parallelism follows the single-process run (the layout-independent
   initialization covers MLA's projections), and with TACO it tracks it within the bound of test_tp_hooks.py's GPT
   check, with MLA's projections among the compressed linears.
+- The FLOP count behind TFLOP/s/GPU (megatron/training/metrics.py) against torch's FlopCounterMode on the model's
+  forward: MLA, GQA + SwiGLU, and the squared-ReLU and quick-GeGLU activations.
 """
 
 import pytest
@@ -78,3 +80,43 @@ def test_mla_tp2_sp_follows_single_process_and_taco_tracks_it(tmp_path):
     # MLA's own all-gathers of the down projections' latents stay uncompressed and are not counted (docs/taco.md);
     # all that is counted went through TACO (fp32: 3.88x at B=256, less the stock-sent small tensors)
     assert tp["raw_bytes"] > 3 * tp["sent_bytes"] > 0
+
+
+def _counted_and_formula_flops():
+    """For a GQA SwiGLU GPT, quick-GeGLU and squared-ReLU GPTs (their biases added unfused) and MLA with and
+    without a query latent: the forward FLOPs that
+    torch's FlopCounterMode counts in the model's matrix products, and a third of gpt_flops_per_iteration (which
+    counts forward + backward) for the same tokens."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.training import metrics
+    from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.model import build_model_chunks, core_transformer_config
+
+    variants = {
+        "gqa_swiglu": " --group-query-attention --num-query-groups 2 --swiglu",
+        "quick_geglu": " --quick-geglu",
+        "squared_relu": " --squared-relu",
+        "mla": MLA,
+        "mla_no_q_latent": MLA.replace("--q-lora-rank 32 ", ""),
+    }
+    results = {}
+    for name, flags in variants.items():
+        args = validate_args(parse_args((GPT + flags + " --global-batch-size 2").split()), world_size=1, rank=0)
+        if not results:
+            initialize_megatron(args)
+        set_padded_vocab_size(args, 255)
+        model = build_model_chunks(args, core_transformer_config(args))[0]
+        tokens = torch.randint(0, 255, (args.global_batch_size, args.seq_length))
+        position_ids = torch.arange(args.seq_length).expand(args.global_batch_size, -1)
+        with FlopCounterMode(display=False) as counter:
+            model(tokens, position_ids, None)
+        results[name] = (counter.get_total_flops(), metrics.gpt_flops_per_iteration(args) / 3)
+    return results
+
+
+def test_flop_formula_counts_the_models_matrix_products():
+    (results,) = run_on_ranks(_counted_and_formula_flops, 1)
+    for name, (counted, formula) in results.items():
+        assert counted == pytest.approx(formula, rel=1e-12), name

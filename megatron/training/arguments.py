@@ -141,6 +141,8 @@ class ModelArgs:
     fp32_residual_connection: bool = arg(False, "With --bf16/--fp16: keep the residual stream (the embedding output "
                                          "and every residual add) in fp32.")
     swiglu: bool = arg(False, "SwiGLU MLP.")
+    squared_relu: bool = arg(False, "Squared-ReLU MLP (Nemotron) instead of GeLU.")
+    quick_geglu: bool = arg(False, "Gated MLP with quick GeLU, x * sigmoid(1.702 x) (gpt-oss), instead of GeLU.")
     untie_embeddings_and_output_weights: bool = arg(False, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = arg(True, "Biases in linear layers.", flag="disable-bias-linear")
     attention_dropout: float = arg(0.1, "Attention dropout.")
@@ -785,6 +787,9 @@ def _validate_model(args) -> None:
         _check(args.hidden_size % heads == 0,
                f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}: set --kv-channels")
         args.kv_channels = args.hidden_size // heads
+    activations = [flag for flag in ("swiglu", "squared_relu", "quick_geglu") if getattr(args, flag)]
+    _check(len(activations) <= 1, f"--{' and --'.join(a.replace('_', '-') for a in activations)} are exclusive "
+                                  f"activations: pick one")
     if args.ffn_hidden_size is None:
         # SwiGLU keeps the MLP's parameter count of a 4h GeLU MLP, rounded down to a multiple of 64.
         args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size

@@ -25,14 +25,30 @@ from compression.timing import default_device
 
 
 def gpt_flops_per_iteration(args) -> float:
-    """Forward + backward FLOPs of one global batch (Megatron-LM's GPT formula: 2 FLOPs per MAC,
-    backward = 2 x forward, attention scores, and the output layer)."""
-    gated = 1.5 if args.swiglu else 1.0
-    query_ratio = args.kv_channels * args.num_attention_heads / args.hidden_size
-    h, s, layers = args.hidden_size, args.seq_length, args.num_layers
-    per_layer = ((1 + args.num_query_groups / args.num_attention_heads + s / h) * query_ratio
-                 + _mean_mlp_width(args) / h * gated + args.padded_vocab_size / (2 * layers * h))
-    return 12 * args.global_batch_size * s * layers * h * h * per_layer
+    """Forward + backward FLOPs of one global batch (Megatron-LM's GPT formula: 2 FLOPs per multiply-add,
+    backward = 2 x forward; the attention scores over the whole sequence; the output layer)."""
+    per_token = args.num_layers * (_attention_macs(args) + _mlp_macs(args)) + args.padded_vocab_size * args.hidden_size
+    return 6 * args.global_batch_size * args.seq_length * per_token
+
+
+def _attention_macs(args) -> float:
+    """Forward multiply-adds of one layer's attention per token: projections, scores and context."""
+    h, s, heads = args.hidden_size, args.seq_length, args.num_attention_heads
+    if args.multi_latent_attention:
+        qk = args.qk_head_dim + args.qk_pos_emb_head_dim
+        q = h * heads * qk if args.q_lora_rank is None else args.q_lora_rank * (h + heads * qk)
+        kv = h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + args.kv_lora_rank * heads * (args.qk_head_dim
+                                                                                                + args.v_head_dim)
+        return q + kv + s * heads * (qk + args.v_head_dim) + heads * args.v_head_dim * h
+    d = args.kv_channels
+    return h * d * (2 * heads + 2 * args.num_query_groups) + 2 * s * heads * d
+
+
+def _mlp_macs(args) -> float:
+    """Forward multiply-adds of one layer's MLP per token, averaged over the layers (a gated MLP's fc1 is twice as
+    wide; Megatron-LM's formula counts SwiGLU's gate, and here also quick GeGLU's)."""
+    gated = 1.5 if args.swiglu or args.quick_geglu else 1.0
+    return 2 * args.hidden_size * _mean_mlp_width(args) * gated
 
 
 def _mean_mlp_width(args) -> float:

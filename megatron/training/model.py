@@ -46,7 +46,7 @@ def core_transformer_config(args):
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         fp32_residual_connection=args.fp32_residual_connection,
-        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        **_activation(args),
         init_method_std=args.init_method_std, init_method=xavier, output_layer_init_method=xavier,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -64,7 +64,6 @@ def core_transformer_config(args):
         # fails at the first forward, so use the unfused softmax (same math)
         masked_softmax_fusion=args.masked_softmax_fusion and (dtype == torch.float32 or _has_fused_softmax()),
         apply_rope_fusion=args.apply_rope_fusion and transformer_engine_installed(),
-        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
@@ -97,6 +96,21 @@ def core_transformer_config(args):
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
     )
+
+
+def _activation(args) -> dict:
+    """The MLP's activation as Megatron-LM maps the flags. megatron-core fuses the bias into GeLU and SwiGLU only
+    (its MLP refuses the fusion otherwise), so the bias of a squared-ReLU or quick-GeGLU MLP is added unfused."""
+    from megatron.core.activations import squared_relu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    if args.swiglu:
+        return dict(activation_func=F.silu, gated_linear_unit=True, bias_activation_fusion=args.bias_swiglu_fusion)
+    if args.squared_relu:
+        return dict(activation_func=squared_relu, gated_linear_unit=False, bias_activation_fusion=False)
+    if args.quick_geglu:
+        return dict(activation_func=quick_gelu, gated_linear_unit=True, bias_activation_fusion=False)
+    return dict(activation_func=F.gelu, gated_linear_unit=False, bias_activation_fusion=args.bias_gelu_fusion)
 
 
 def _has_fused_softmax() -> bool:
