@@ -6,7 +6,7 @@ Engine's attention accepts (0.16.1 to 0.19): the local spec's ``DotProductAttent
 arithmetic already handles them (scores and context are batched matmuls over whatever head size the query, key
 and value carry); only its constructor and the context's final reshape assume ``kv_channels``.
 ``LatentDotProductAttention`` takes the two sizes, and ``use_latent_dot_product_attention`` puts it into an MLA
-layer spec. MLA passes its own softmax scale (YaRN's mscale included), so the head size's default scale is not used.
+layer spec.
 
 megatron-core 0.16.1 also takes Transformer Engine for installed in ``multi_latent_attention`` whenever its TE
 extension module imports, which it does without TE (with stand-ins for the TE classes), and then fails on
@@ -25,12 +25,15 @@ class LatentDotProductAttention(DotProductAttention):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        k_channels, v_channels = k_channels or config.kv_channels, v_channels or config.kv_channels
+        if softmax_scale is None:  # the default scale, from the query/key head size (MLA passes its own)
+            softmax_scale = k_channels ** -0.5
         super().__init__(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
                          attention_type=attention_type, attention_dropout=attention_dropout,
                          softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        self.hidden_size_per_attention_head = k_channels
         # the context [sq, b, heads of this partition, v_channels] is reshaped to [sq, b, this]
-        self.hidden_size_per_partition = self.num_attention_heads_per_partition * (v_channels or config.kv_channels)
-        self.hidden_size_per_attention_head = k_channels or config.kv_channels
+        self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
 
 
 def use_latent_dot_product_attention(spec):
@@ -38,7 +41,7 @@ def use_latent_dot_product_attention(spec):
     replaced by ``LatentDotProductAttention``; changed in place and returned."""
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
-    layers = getattr(getattr(spec, "submodules", None), "self_attention", None) is None and spec.layer_specs or [spec]
+    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]  # a block spec (MoE) or a layer spec
     for layer in layers:
         attention = layer.submodules.self_attention
         if attention.module is MLASelfAttention and attention.submodules.core_attention is DotProductAttention:

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 def core_transformer_config(args):
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-    from megatron.training.arguments import transformer_engine_installed
     from megatron.core.transformer.enums import AttnBackend
+
+    from megatron.training.arguments import transformer_engine_installed
 
     dtype = args.params_dtype
     on_cpu = not torch.cuda.is_available()
@@ -130,7 +131,7 @@ def layer_spec(args, config, vp_stage):
     use_te = args.transformer_impl == "transformer_engine"
     if args.num_experts is not None:  # reads multi_latent_attention from config
         spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                                          normalization=args.normalization, vp_stage=vp_stage)
+                                                        normalization=args.normalization, vp_stage=vp_stage)
     elif use_te:  # TE reads the norm from config
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention)
