@@ -824,6 +824,8 @@ def _validate_mla(args) -> None:
     _check(not args.group_query_attention, "--group-query-attention and --multi-latent-attention are exclusive "
                                            "(as in Megatron-LM): drop one")
     tp = args.tensor_model_parallel_size
+    if args.transformer_impl != "local":  # Transformer Engine's down projections are replicated over TP
+        return
     # the local spec's down projections are column-parallel linears, split over TP like the up projections
     for flag, size in (("--kv-lora-rank + --qk-pos-emb-head-dim", args.kv_lora_rank + args.qk_pos_emb_head_dim),
                        ("--q-lora-rank", args.q_lora_rank)):
