@@ -320,10 +320,10 @@ def _check_lookback_diagnostic():
     from benchmarks.delta_wire_ratio import simulated_step
     from benchmarks.diag_ciera_split import LOOKBACK_VARIANTS, check_fused
 
-    # a partial last tile (several tiles of every variant), many and few changed blocks, both detection modes
-    for n, lr, hash_mode in ((40_961, 1e-4, False), (50_000, 1e-5, True), (4096 * 3, 1e-6, False)):
+    # a partial last tile (several tiles of every variant), most and about half of the blocks changed, both modes
+    for n, lr, hash_mode in ((40_961, 1e-4, False), (50_000, 1e-5, True)):
         previous, new = simulated_step(n, lr, 5, device="cpu")
-        for variant in ({"window": 1}, {"window": 32, "release": True}, *LOOKBACK_VARIANTS):
+        for variant in ({"window": 1, "release": True}, *LOOKBACK_VARIANTS):
             variant = {k: v for k, v in variant.items() if k != "warps"}  # the interpreter has no warps
             check_fused(previous, new, 512, "cpu", hash_mode=hash_mode, **variant)
 
