@@ -69,18 +69,42 @@ def _split_compare_variant(bits_ptr, exp_ptr, sm_ptr, flags_ptr, n, npad, nblock
 
 
 @triton.jit
+def _publish_and_look_back(status_ptr, t, local, WINDOW: tl.constexpr, RELEASE: tl.constexpr):
+    """Tile t's exclusive prefix of changed blocks by decoupled look-back. status[t] = count << 2 | 1 (this tile's
+    changed blocks) or | 2 (changed blocks of tiles 0..t); 0 while unpublished. The walk reads WINDOW predecessors
+    per step (one load each, no atomics: a published word is final for what it says, so a volatile read is enough)
+    and stops at the nearest inclusive prefix before the nearest unpublished one. A status word carries its own data,
+    so publishing needs no ordering with the program's other stores (RELEASE: session 7's release ordering, which
+    waits for the program's earlier stores to drain before its successors can see its count)."""
+    if RELEASE:
+        tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="release")
+    else:
+        tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="relaxed")
+    prefix = local * 0
+    j = t - 1
+    back = tl.arange(0, WINDOW)
+    while j >= 0:
+        k = j - back  # nearest first; before tile 0 reads as an inclusive prefix of 0
+        s = tl.load(status_ptr + k, mask=k >= 0, other=2, volatile=True)
+        flag = s & 3
+        unpublished = tl.min(tl.where(flag == 0, back, WINDOW), axis=0)
+        inclusive = tl.min(tl.where(flag == 2, back, WINDOW), axis=0)
+        done = inclusive < unpublished
+        limit = tl.where(done, inclusive + 1, unpublished)
+        prefix += tl.sum(tl.where(back < limit, s >> 2, 0), axis=0)
+        j = tl.where(done, -1, j - unpublished)  # nothing usable yet (unpublished == 0): read again
+    if t > 0:
+        tl.atomic_xchg(status_ptr + t, ((prefix + local) << 2) | 2, sem="relaxed")
+    return prefix
+
+
+@triton.jit
 def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_ptr, status_ptr, ticket_ptr,
                     oracle_ptr, n, npad, nblocks, B: tl.constexpr, BPP: tl.constexpr, WINDOW: tl.constexpr,
                     HASH: tl.constexpr, RELEASE: tl.constexpr, RELOAD: tl.constexpr, ORACLE: tl.constexpr,
                     TICKETS: tl.constexpr):
-    # Tickets in start order: every program waits only on programs that started before it, so none waits
-    # on a program that cannot be scheduled. status[t] = count << 2 | 1 (this tile's changed blocks) or
-    # | 2 (changed blocks of tiles 0..t); 0 while unpublished. The walk back reads WINDOW predecessors per
-    # step (one load each, no atomics: a published word is final for what it says, so a plain volatile
-    # read is enough) and stops at the nearest inclusive prefix before the nearest unpublished one.
-    # A status word carries its own data, so publishing needs no ordering with the program's other
-    # stores (RELEASE=False: relaxed; session 7 published with release semantics, which waits for the
-    # program's sign+mantissa stores to drain before its successors can see its count).
+    # Tickets in start order: every program waits only on programs that started before it, so none waits on a
+    # program that cannot be scheduled; the walk is _publish_and_look_back's.
     # RELOAD: nothing of the tile is held in registers across the walk; the changed blocks' values are
     # read again after it (from L2: the tile was read a few microseconds before), so that a program
     # waiting on its predecessors holds few registers and more programs keep loads in flight.
@@ -102,25 +126,7 @@ def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out
     if ORACLE:
         prefix = tl.load(oracle_ptr + t)
     else:
-        if RELEASE:
-            tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="release")
-        else:
-            tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="relaxed")
-        prefix = local * 0
-        j = t - 1
-        back = tl.arange(0, WINDOW)
-        while j >= 0:
-            k = j - back  # nearest first; before tile 0 reads as an inclusive prefix of 0
-            s = tl.load(status_ptr + k, mask=k >= 0, other=2, volatile=True)
-            flag = s & 3
-            unpublished = tl.min(tl.where(flag == 0, back, WINDOW), axis=0)
-            inclusive = tl.min(tl.where(flag == 2, back, WINDOW), axis=0)
-            done = inclusive < unpublished
-            limit = tl.where(done, inclusive + 1, unpublished)
-            prefix += tl.sum(tl.where(back < limit, s >> 2, 0), axis=0)
-            j = tl.where(done, -1, j - unpublished)  # nothing usable yet (unpublished == 0): read again
-        if t > 0:
-            tl.atomic_xchg(status_ptr + t, ((prefix + local) << 2) | 2, sem="relaxed")
+        prefix = _publish_and_look_back(status_ptr, t, local, WINDOW, RELEASE)
     slot = (prefix + tl.cumsum(changed, axis=0) - changed).to(tl.int64)
     if RELOAD:
         # offsets within the tile, int32, from a scalar base: nothing [BPP, B]-shaped lives across the walk
@@ -154,7 +160,6 @@ def _encode_tiles(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_p
     # Large tiles keep the walk short; sub-tiles keep the split's registers and shape.
     t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
     cols = tl.arange(0, B)[None, :]
-    back = tl.arange(0, WINDOW)
     while t < ntiles:
         local = t * 0
         for i in range(SUB):
@@ -173,21 +178,7 @@ def _encode_tiles(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_p
             tl.store(bitmap_ptr + first, byte.to(tl.uint8), mask=first * 8 < nblocks)
             local += tl.sum(changed, axis=0)
         tl.debug_barrier()  # (C) reads flags and cache bytes that other threads of the program stored in (A)
-        tl.atomic_xchg(status_ptr + t, (local << 2) | tl.where(t == 0, 2, 1), sem="relaxed")
-        prefix = local * 0
-        j = t - 1
-        while j >= 0:
-            k = j - back
-            s = tl.load(status_ptr + k, mask=k >= 0, other=2, volatile=True)
-            flag = s & 3
-            unpublished = tl.min(tl.where(flag == 0, back, WINDOW), axis=0)
-            inclusive = tl.min(tl.where(flag == 2, back, WINDOW), axis=0)
-            done = inclusive < unpublished
-            limit = tl.where(done, inclusive + 1, unpublished)
-            prefix += tl.sum(tl.where(back < limit, s >> 2, 0), axis=0)
-            j = tl.where(done, -1, j - unpublished)
-        if t > 0:
-            tl.atomic_xchg(status_ptr + t, ((prefix + local) << 2) | 2, sem="relaxed")
+        prefix = _publish_and_look_back(status_ptr, t, local, WINDOW, False)
         for i in range(SUB):
             rows = (t * SUB + i) * BPP + tl.arange(0, BPP)
             changed = tl.load(flags_ptr + rows, mask=rows < nblocks, other=0)
