@@ -99,6 +99,29 @@ def _publish_and_look_back(status_ptr, t, local, WINDOW: tl.constexpr, RELEASE: 
 
 
 @triton.jit
+def _split_and_flag(bits_ptr, sm_ptr, cache_ptr, hashes_ptr, rows, n, npad, nblocks, B: tl.constexpr,
+                    BPP: tl.constexpr, HASH: tl.constexpr):
+    """The production split of blocks ``rows`` (sign+mantissa stored) and their changed flags against the sender
+    state (previous exponents at cache_ptr, or block hashes at hashes_ptr, which are updated). Returns (offsets,
+    exponents, flags); the cache is left as it was."""
+    offs, exp = K._split_tile(bits_ptr, sm_ptr, rows, n, B)
+    if HASH:
+        changed = K._hash_blocks(hashes_ptr, rows, nblocks, exp, B, BPP, True)
+    else:
+        prev = tl.load(cache_ptr + offs, mask=offs < npad, other=0).to(tl.int32)
+        changed = tl.max((exp != prev).to(tl.int32), axis=1)
+    return offs, exp, changed * (rows < nblocks).to(tl.int32)
+
+
+@triton.jit
+def _store_bitmap_bytes(bitmap_ptr, changed, first_block, nblocks, BPP: tl.constexpr):
+    """The bitmap bytes of BPP blocks from first_block (a multiple of 8), one bit per block, LSB first."""
+    byte = tl.sum(tl.reshape(changed, (BPP // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
+    first = first_block // 8 + tl.arange(0, BPP // 8)
+    tl.store(bitmap_ptr + first, byte.to(tl.uint8), mask=first * 8 < nblocks)
+
+
+@triton.jit
 def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_ptr, status_ptr, ticket_ptr,
                     oracle_ptr, n, npad, nblocks, B: tl.constexpr, BPP: tl.constexpr, WINDOW: tl.constexpr,
                     HASH: tl.constexpr, RELEASE: tl.constexpr, RELOAD: tl.constexpr, ORACLE: tl.constexpr,
@@ -115,13 +138,8 @@ def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out
     else:
         t = tl.program_id(0)
     rows = t * BPP + tl.arange(0, BPP)
-    offs, exp = K._split_tile(bits_ptr, sm_ptr, rows, n, B)
-    in_pad = offs < npad
-    if HASH:
-        changed = K._hash_blocks(hashes_ptr, rows, nblocks, exp, B, BPP, True) * (rows < nblocks).to(tl.int32)
-    else:
-        prev = tl.load(cache_ptr + offs, mask=in_pad, other=0).to(tl.int32)
-        changed = tl.max((exp != prev).to(tl.int32), axis=1) * (rows < nblocks).to(tl.int32)
+    offs, exp, changed = _split_and_flag(bits_ptr, sm_ptr, cache_ptr, hashes_ptr, rows, n, npad, nblocks, B, BPP,
+                                         HASH)
     local = tl.sum(changed, axis=0)
     if ORACLE:
         prefix = tl.load(oracle_ptr + t)
@@ -131,20 +149,18 @@ def _split_lookback(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out
     if RELOAD:
         # offsets within the tile, int32, from a scalar base: nothing [BPP, B]-shaped lives across the walk
         base = t.to(tl.int64) * (BPP * B)
-        local = tl.arange(0, BPP)[:, None] * B + tl.arange(0, B)[None, :]
-        keep = (changed[:, None] != 0) & (base + local < npad)
-        w = tl.load(bits_ptr + base + local, mask=keep & (base + local < n), other=0).to(tl.int32) & 0xFFFF
+        in_tile = tl.arange(0, BPP)[:, None] * B + tl.arange(0, B)[None, :]
+        keep = (changed[:, None] != 0) & (base + in_tile < npad)
+        w = tl.load(bits_ptr + base + in_tile, mask=keep & (base + in_tile < n), other=0).to(tl.int32) & 0xFFFF
         exp = (w >> 7) & 0xFF
         if not HASH:
-            tl.store(cache_ptr + base + local, exp.to(tl.uint8), mask=keep)
+            tl.store(cache_ptr + base + in_tile, exp.to(tl.uint8), mask=keep)
     else:
-        keep = (changed[:, None] != 0) & in_pad
+        keep = (changed[:, None] != 0) & (offs < npad)
         if not HASH:
             tl.store(cache_ptr + offs, exp.to(tl.uint8), mask=keep)
     tl.store(exp_out_ptr + slot[:, None] * B + tl.arange(0, B)[None, :], exp.to(tl.uint8), mask=keep)
-    byte = tl.sum(tl.reshape(changed, (BPP // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
-    first = t * (BPP // 8) + tl.arange(0, BPP // 8)
-    tl.store(bitmap_ptr + first, byte.to(tl.uint8), mask=first * 8 < nblocks)
+    _store_bitmap_bytes(bitmap_ptr, changed, t * BPP, nblocks, BPP)
 
 
 @triton.jit
@@ -154,8 +170,8 @@ def _encode_tiles(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_p
     # Persistent programs take tiles of SUB sub-tiles (BPP blocks each, the production split's shape) in
     # ticket order. Per tile: (A) the production split of each sub-tile (sign+mantissa into the payload,
     # changed flags to flags_ptr, bitmap bytes, and in compare mode the changed blocks' exponents into the
-    # sender's cache), (B) the tile's changed-block count published and its prefix found by the look-back
-    # of _split_lookback, (C) each sub-tile's changed exponents copied to their payload slots, read back from
+    # sender's cache), (B) the tile's changed-block count published and its prefix found by
+    # _publish_and_look_back, (C) each sub-tile's changed exponents copied to their payload slots, read back from
     # L2 (the cache in compare mode, the values in hash mode), which the tile left there microseconds before.
     # Large tiles keep the walk short; sub-tiles keep the split's registers and shape.
     t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
@@ -164,18 +180,12 @@ def _encode_tiles(bits_ptr, cache_ptr, hashes_ptr, sm_ptr, bitmap_ptr, exp_out_p
         local = t * 0
         for i in range(SUB):
             rows = (t * SUB + i) * BPP + tl.arange(0, BPP)
-            offs, exp = K._split_tile(bits_ptr, sm_ptr, rows, n, B)
-            in_pad = offs < npad
-            if HASH:
-                changed = K._hash_blocks(hashes_ptr, rows, nblocks, exp, B, BPP, True) * (rows < nblocks).to(tl.int32)
-            else:
-                prev = tl.load(cache_ptr + offs, mask=in_pad, other=0).to(tl.int32)
-                changed = tl.max((exp != prev).to(tl.int32), axis=1) * (rows < nblocks).to(tl.int32)
-                tl.store(cache_ptr + offs, exp.to(tl.uint8), mask=in_pad & (changed[:, None] != 0))
+            offs, exp, changed = _split_and_flag(bits_ptr, sm_ptr, cache_ptr, hashes_ptr, rows, n, npad, nblocks, B,
+                                                 BPP, HASH)
+            if not HASH:
+                tl.store(cache_ptr + offs, exp.to(tl.uint8), mask=(offs < npad) & (changed[:, None] != 0))
             tl.store(flags_ptr + rows, changed, mask=rows < nblocks)
-            byte = tl.sum(tl.reshape(changed, (BPP // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
-            first = (t * SUB + i) * (BPP // 8) + tl.arange(0, BPP // 8)
-            tl.store(bitmap_ptr + first, byte.to(tl.uint8), mask=first * 8 < nblocks)
+            _store_bitmap_bytes(bitmap_ptr, changed, (t * SUB + i) * BPP, nblocks, BPP)
             local += tl.sum(changed, axis=0)
         tl.debug_barrier()  # (C) reads flags and cache bytes that other threads of the program stored in (A)
         prefix = _publish_and_look_back(status_ptr, t, local, WINDOW, False)
