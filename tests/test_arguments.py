@@ -234,6 +234,19 @@ ERRORS = [
     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8 "
      "--microbatch-group-size-per-virtual-pipeline-stage 5", 2, "--microbatch-group-size-per-virtual-pipeline-stage 5 "
      "must lie between PP=2 and the 4 micro-batches"),
+    ("--recompute-modules mlp", 1, "chooses what --recompute-granularity selective recomputes: add it"),
+    ("--recompute-granularity selective --recompute-modules moe_act", 1, "add --moe-grouped-gemm"),
+    ("--recompute-granularity selective --recompute-modules mla_up_proj", 1, "add --multi-latent-attention"),
+    ("--recompute-granularity selective --recompute-modules core_attn mlp", 1, "add --disable-bias-linear"),
+    ("--window-attn-skip-freq 2", 1, "--window-attn-skip-freq picks the layers of --window-size's"),
+    ("--window-size 8,0 --window-attn-skip-freq [1,0]", 1, "lists 2 layers, the model has --num-layers 4"),
+    ("--softmax-type learnable --tensor-model-parallel-size 2", 2, "use TP=1 or Transformer Engine"),
+    ("--check-weight-hash-across-dp-replicas-interval 0", 1, "must be a positive number of iterations, got 0"),
+    ("--fp8-format hybrid", 1, "--fp8-format: FP8/FP4 training (Transformer Engine's low-precision GEMMs) is not"),
+    ("--fp8-param-gather", 1, "drop the --fp8-*/--fp4-* flags and train with --bf16"),
+    ("--mtp-num-layers 1", 1, "--mtp-num-layers: multi-token prediction is not implemented"),
+    ("--cuda-graph-modules attn mlp", 1, "--cuda-graph-modules: CUDA graphs of whole layers are not implemented"),
+    ("--pipeline-model-parallel-layout E|t*4|L", 1, "custom pipeline layouts are not implemented"),
 ]
 
 

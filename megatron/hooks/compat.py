@@ -12,3 +12,19 @@ def apply() -> None:
     # with TE: every MoE forward raises NameError without TE (found on H200 without TE, and on CPU).
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+    import megatron.core.tensor_parallel.random as tp_random
+
+    # 0.16.1 and 0.19.2: CheckpointWithoutOutput(fp8=False) sets self.fp8 = (fp8 is not None), i.e. True, and its
+    # forward then reads Transformer Engine's FP8 state, a NameError without TE: every --recompute-modules layernorm
+    # (and moe_act) forward fails. Without TE there is no FP8 to restore, so the flag is False.
+    if not hasattr(tp_random, "FP8GlobalStateManager") and not getattr(tp_random.CheckpointWithoutOutput,
+                                                                        "_fp8_needs_te", False):
+        original_init = tp_random.CheckpointWithoutOutput.__init__
+
+        def init_without_te(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self.fp8 = False
+
+        tp_random.CheckpointWithoutOutput.__init__ = init_without_te
+        tp_random.CheckpointWithoutOutput._fp8_needs_te = True

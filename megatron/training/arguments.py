@@ -44,16 +44,41 @@ def _eval_layer_pattern(text: str):
         return None
 
 
-def moe_layer_freq_type(value):
-    """--moe-layer-freq: an int N (an MoE layer every N layers, from the first), or one 0 (dense) or 1 (MoE) per
-    layer, written as a Python list expression ("([0]*1+[1]*3)", Megatron-LM's syntax) or, in --config, a YAML list."""
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
+
+
+def window_size_type(value):
+    """--window-size: two ints, "L,R" or "(L,R)" (Megatron-LM's tuple syntax), or in --config a YAML list."""
+    parts = value if isinstance(value, (list, tuple)) else str(value).strip("()[] ").split(",")
+    try:
+        window = tuple(int(part) for part in parts)
+    except ValueError:
+        window = ()
+    if len(window) != 2:
+        raise argparse.ArgumentTypeError(f"--window-size takes two ints LEFT,RIGHT such as 128,0, got {value!r}")
+    return window
+
+
+def _layer_freq(value, flag: str):
+    """An int N (every Nth layer, from the first) or one 0 or 1 per layer, written as a Python list expression
+    ("([0]*1+[1]*3)", Megatron-LM's syntax) or, in --config, a YAML list."""
     pattern = value
     if isinstance(value, str):
         pattern = _eval_layer_pattern(value) if "[" in value else int(value) if value.strip().isdigit() else None
     if not (isinstance(pattern, int) or isinstance(pattern, list) and all(isinstance(x, int) for x in pattern)):
-        raise argparse.ArgumentTypeError(f"--moe-layer-freq takes an int or a list expression such as "
+        raise argparse.ArgumentTypeError(f"{flag} takes an int or a list expression such as "
                                          f"\"([0]*1+[1]*3)\", got {value!r}")
     return pattern
+
+
+def moe_layer_freq_type(value):
+    """--moe-layer-freq: an MoE layer every N layers, or a 0 (dense) or 1 (MoE) per layer."""
+    return _layer_freq(value, "--moe-layer-freq")
+
+
+def window_attn_skip_freq_type(value):
+    """--window-attn-skip-freq: layers N, 2N, ... with full attention, or a 1 (window) or 0 (full) per layer."""
+    return _layer_freq(value, "--window-attn-skip-freq")
 
 
 @dataclass(kw_only=True)
@@ -145,6 +170,20 @@ class ModelArgs:
     quick_geglu: bool = arg(False, "Gated MLP with quick GeLU, x * sigmoid(1.702 x) (gpt-oss), instead of GeLU.")
     untie_embeddings_and_output_weights: bool = arg(False, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = arg(True, "Biases in linear layers.", flag="disable-bias-linear")
+    add_qkv_bias: bool = arg(False, "Biases on the query/key/value projection, also with --disable-bias-linear "
+                             "(Qwen2).")
+    window_size: Optional[tuple] = arg(None, "Sliding-window attention: (left, right) tokens each query sees, "
+                                       "written L,R or (L,R), -1 for no limit; causal attention takes (L,0) "
+                                       "(default: full attention).",
+                                       type=window_size_type)
+    window_attn_skip_freq: Union[int, list[int], None] = arg(None, "With --window-size: which layers keep full "
+                                                             "attention: N makes layers N, 2N, ... full, or a list "
+                                                             "expression with a 1 (window) or 0 (full) per layer, "
+                                                             "as for --moe-layer-freq (default: every layer "
+                                                             "windowed).", type=window_attn_skip_freq_type)
+    softmax_type: str = arg("vanilla", "Attention softmax: vanilla, off-by-one (an extra zero logit per query: "
+                            "softmax1) or learnable (a learned per-head logit, gpt-oss's attention sinks).",
+                            choices=["vanilla", "off-by-one", "learnable"])
     attention_dropout: float = arg(0.1, "Attention dropout.")
     hidden_dropout: float = arg(0.1, "Hidden dropout.")
     init_method_std: float = arg(0.02, "Std of the normal weight init.")
@@ -164,6 +203,10 @@ class ModelArgs:
     recompute_activations: bool = arg(False, "Megatron-LM's shorthand for --recompute-granularity selective.")
     recompute_method: Optional[str] = arg(None, "Full recompute method.", choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = arg(None, "Layers per recompute unit.")
+    recompute_modules: Optional[list[str]] = arg(None, "With --recompute-granularity selective: the parts of each "
+                                                 "layer whose activations are recomputed in the backward pass "
+                                                 "(default core_attn; moe_act needs --moe-grouped-gemm, mla_up_proj "
+                                                 "--multi-latent-attention).", choices=list(RECOMPUTE_MODULES))
     masked_softmax_fusion: bool = arg(True, "Fused masked softmax.", flag="no-masked-softmax-fusion")
     bias_gelu_fusion: bool = arg(True, "Fused bias+GeLU.", flag="no-bias-gelu-fusion")
     bias_swiglu_fusion: bool = arg(True, "Fused bias+SwiGLU.", flag="no-bias-swiglu-fusion")
@@ -243,6 +286,8 @@ class MoEArgs:
     moe_per_layer_logging: bool = arg(False, "Also log each layer's MoE losses (moe/<loss>_layer_<i> in TensorBoard "
                                       "and W&B, moe_per_layer in the metrics file).")
     moe_permute_fusion: bool = arg(False, "Transformer Engine's fused token permutation (needs Transformer Engine).")
+    moe_router_force_load_balancing: bool = arg(False, "Route by random scores, so every expert gets about the same "
+                                                "tokens (for measuring speed only: the router does not learn).")
 
 
 @dataclass(kw_only=True)
@@ -417,6 +462,13 @@ class LoggingArgs:
     wandb_exp_name: Optional[str] = arg(None, "Weights & Biases run name.")
     wandb_save_dir: Optional[str] = arg(None, "Weights & Biases local directory (default: wandb's).")
     params_checksum_interval: int = arg(0, "Iterations between params sha256 checksums in the metrics (0 = off).")
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = arg(None, "Iterations between checks that every "
+                                                                       "data-parallel replica holds the same "
+                                                                       "weights (SHA-1 of each parameter; the run "
+                                                                       "stops on a difference); also checked at "
+                                                                       "start.")
+    logging_level: Optional[int] = arg(None, "Python logging level of every logger (e.g. 10 debug, 20 info, 30 "
+                                       "warning); the environment's MEGATRON_LOGGING_LEVEL if not given.")
     profile: bool = arg(False, "Profile iterations --profile-step-start..--profile-step-end (nsys range, or the "
                         "PyTorch profiler with --use-pytorch-profiler).")
     use_pytorch_profiler: bool = arg(False, "With --profile: the PyTorch profiler; trace and op table go to "
@@ -505,6 +557,7 @@ ALREADY_SO = {
     "use-dist-ckpt": "Megatron-LM's older spelling of --ckpt-format torch_dist, the only format here",
     "auto-detect-ckpt-format": "a load reads the checkpoint's format from its directory: torch_dist loads, another "
                                "format is an error naming it",
+    "use-persistent-ckpt-worker": "it keeps a process for --async-save, and checkpoints are saved synchronously here",
 }
 # Megatron-LM flags this trainer does not implement: an error that names the flag and the fix (number of values).
 NOT_IMPLEMENTED = {
@@ -539,6 +592,35 @@ NOT_IMPLEMENTED = {
                       "--eval-iters"),
     "eval-only": (0, "not a Megatron-LM flag (its evaluation-only run is --skip-train), and evaluation-only runs are "
                      "not implemented: evaluate during training with --eval-interval and --eval-iters"),
+    **{flag: (nargs, "FP8/FP4 training (Transformer Engine's low-precision GEMMs) is not wired up here: drop the "
+                     "--fp8-*/--fp4-* flags and train with --bf16 (--tp-comm-compression taco sends the TP "
+                     "collectives in 8 bits)")
+       for flag, nargs in (("fp8-format", 1), ("fp8-recipe", 1), ("fp8-margin", 1), ("fp8-interval", 1),
+                           ("fp8-amax-history-len", 1), ("fp8-amax-compute-algo", 1), ("fp8-param-gather", 0),
+                           ("first-last-layers-bf16", 0), ("fp4-format", 1), ("fp4-recipe", 1),
+                           ("fp4-param-gather", 0))},
+    **{flag: (1, "multi-token prediction is not implemented: drop --mtp-num-layers and --mtp-loss-scaling-factor")
+       for flag in ("mtp-num-layers", "mtp-loss-scaling-factor")},
+    **{flag: (nargs, "CUDA graphs of whole layers are not implemented: drop --cuda-graph-impl/--cuda-graph-modules "
+                     "(--tp-comm-cuda-graphs captures the compressed TP collectives)")
+       for flag, nargs in (("cuda-graph-impl", 1), ("cuda-graph-modules", "+"), ("cuda-graph-scope", "+"))},
+    "use-precision-aware-optimizer": (0, "it needs Transformer Engine's FusedAdam, which is not wired up here: drop "
+                                         "it (fp32 main parameters and Adam moments)"),
+    "overlap-moe-expert-parallel-comm": (0, "overlapping the MoE all-to-all with another micro-batch's compute is not "
+                                            "implemented: drop it (--moe-shared-expert-overlap overlaps the shared "
+                                            "expert with the dispatch)"),
+    "moe-router-fusion": (0, "Transformer Engine's fused router kernels are not wired up here: drop it (the same "
+                             "routing runs unfused)"),
+    "moe-flex-dispatcher-backend": (1, "the flex token dispatcher (DeepEP, HybridEP) is not wired up here: use "
+                                       "--moe-token-dispatcher-type alltoall or allgather"),
+    "init-model-with-meta-device": (0, "it is for FSDP, which is not implemented: drop it"),
+    "pipeline-model-parallel-layout": (1, "custom pipeline layouts are not implemented: split the layers with "
+                                          "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers "
+                                          "(and --account-for-embedding-in-pipeline-split, "
+                                          "--account-for-loss-in-pipeline-split)"),
+    "dist-ckpt-optim-fully-reshardable": (0, "the distributed optimizer's state is saved in Megatron-LM's default "
+                                             "dp_reshardable form (it reshards across DP; the weights reshard "
+                                             "freely): drop it, and to change TP or PP resume with --no-load-optim"),
 }
 
 
@@ -807,12 +889,54 @@ def _validate_model(args) -> None:
     _check(args.spec is None or len(args.spec) == 2, f"--spec takes MODULE NAME, got {args.spec}")
     if args.recompute_granularity == "full":
         _check(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
+    _validate_recompute_modules(args)
+    _validate_attention_window(args)
     _validate_transformer_impl(args)
+    _validate_softmax_type(args)
     _validate_fp32_residual_connection(args)
     _validate_mla(args)
     _check(args.cross_entropy_fusion_impl != "te" or transformer_engine_installed(),
            "--cross-entropy-fusion-impl te runs Transformer Engine's parallel cross entropy, and Transformer Engine is "
            "not installed: use --cross-entropy-fusion-impl native (the default) or pip install '.[te]'")
+
+
+def _validate_recompute_modules(args) -> None:
+    modules = args.recompute_modules
+    if not modules:
+        return
+    _check(args.recompute_granularity == "selective",
+           f"--recompute-modules {' '.join(modules)} chooses what --recompute-granularity selective recomputes: add it")
+    _check("moe_act" not in modules or args.moe_grouped_gemm,
+           "--recompute-modules moe_act recomputes the grouped-GEMM experts' activation: add --moe-grouped-gemm")
+    # megatron-core's MLP recompute returns the output layer's bias parameter from its checkpoint function, which
+    # gives that leaf a backward of its own: the backward then recomputes the MLP without end (0.16.1, 0.19.2)
+    _check("mlp" not in modules or not args.add_bias_linear,
+           "--recompute-modules mlp works on MLPs without biases only (megatron-core's MLP recompute recurses without "
+           "end when the MLP returns its bias): add --disable-bias-linear, or recompute core_attn/layernorm only")
+    _check("mla_up_proj" not in modules or args.multi_latent_attention,
+           "--recompute-modules mla_up_proj recomputes multi-latent attention's up projections: add "
+           "--multi-latent-attention")
+
+
+def _validate_attention_window(args) -> None:
+    if args.window_size is None:
+        _check(args.window_attn_skip_freq is None, "--window-attn-skip-freq picks the layers of --window-size's "
+                                                   "sliding-window attention: add --window-size")
+        return
+    freq = args.window_attn_skip_freq
+    _check(not isinstance(freq, list) or len(freq) == args.num_layers,
+           f"--window-attn-skip-freq lists {len(freq) if isinstance(freq, list) else 0} layers, the model has "
+           f"--num-layers {args.num_layers}")
+    _check(not isinstance(freq, int) or freq > 0, f"--window-attn-skip-freq {freq} must be positive")
+
+
+def _validate_softmax_type(args) -> None:
+    # megatron-core's local attention keeps a TP rank's slice of the learnable per-head logits in a parameter it does
+    # not mark as TP-sharded: the gradient norm (and its clipping) would count TP rank 0's slice only
+    _check(args.softmax_type != "learnable" or args.tensor_model_parallel_size == 1
+           or args.transformer_impl == "transformer_engine",
+           "--softmax-type learnable with --transformer-impl local needs --tensor-model-parallel-size 1 (megatron-core's "
+           "local attention does not mark its per-head logits as TP-sharded): use TP=1 or Transformer Engine")
 
 
 def _validate_mla(args) -> None:
@@ -1167,6 +1291,9 @@ def _validate_logging(args) -> None:
                      ("--record-memory-history", args.record_memory_history)):
         _check(not on or torch.cuda.is_available(),
                f"{flag} reads the CUDA caching allocator, and this run has no CUDA device: drop it on CPU")
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    _check(interval is None or interval > 0,
+           f"--check-weight-hash-across-dp-replicas-interval must be a positive number of iterations, got {interval}")
 
 
 def _validate_run_control(args) -> None:

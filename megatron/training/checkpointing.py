@@ -90,9 +90,10 @@ CHECKPOINT_ARGS_ALWAYS = (
     "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax", "moe_grouped_gemm",
     "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_enable_expert_bias",
     "moe_router_topk_scaling_factor", "tokenizer_model", "tokenizer_type", "tiktoken_pattern",
-    # beyond Megatron-LM's list, the shape flags of its newer activations and of multi-latent attention
-    "quick_geglu", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-    "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+    # beyond Megatron-LM's list, the shape flags of its newer activations, attention forms and multi-latent attention
+    "quick_geglu", "window_size", "window_attn_skip_freq", "softmax_type", "multi_latent_attention", "q_lora_rank",
+    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
+    "mscale_all_dim",
 )
 
 

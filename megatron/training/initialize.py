@@ -136,6 +136,15 @@ def set_random_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def set_logging_level(args) -> None:
+    """--logging-level, else the environment's MEGATRON_LOGGING_LEVEL (Megatron-LM's): every logger's level."""
+    level = args.logging_level
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL"):
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+    if level is not None:
+        logging.getLogger().setLevel(level)
+
+
 def initialize_megatron(args) -> None:
     """Everything before the model is built. ``args`` must have passed ``validate_args``."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
@@ -151,6 +160,7 @@ def initialize_megatron(args) -> None:
     # The hooks report what they installed (swapped layers, TP thresholds, CIERA selection) on rank 0.
     logging.basicConfig(level=logging.INFO if args.rank == 0 else logging.WARNING,
                         format="[%(name)s] %(message)s")
+    set_logging_level(args)
     initialize_model_parallel(args)
     initialize_rerun_state_machine()
     record_memory_history(args)

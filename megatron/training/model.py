@@ -43,6 +43,8 @@ def core_transformer_config(args):
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias, window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
+        softmax_type=args.softmax_type,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
@@ -62,8 +64,10 @@ def core_transformer_config(args):
         use_cpu_initialization=args.use_cpu_initialization or on_cpu,
         gradient_accumulation_fusion=False,  # needs a CUDA extension that the pip wheel does not ship
         # the fused softmax is an apex CUDA extension, selected for bf16/fp16: without it megatron-core
-        # fails at the first forward, so use the unfused softmax (same math)
-        masked_softmax_fusion=args.masked_softmax_fusion and (dtype == torch.float32 or _has_fused_softmax()),
+        # fails at the first forward, so use the unfused softmax (same math). megatron-core's fused kernel
+        # ignores --window-size (it masks causally only), so a sliding window takes the unfused softmax too.
+        masked_softmax_fusion=args.masked_softmax_fusion and args.window_size is None
+        and (dtype == torch.float32 or _has_fused_softmax()),
         apply_rope_fusion=args.apply_rope_fusion and transformer_engine_installed(),
         bias_dropout_fusion=args.bias_dropout_fusion,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
@@ -73,6 +77,7 @@ def core_transformer_config(args):
         batch_p2p_comm=not interleaved, batch_p2p_sync=not on_cpu, overlap_p2p_comm=interleaved and args.overlap_p2p_comm,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        **({"recompute_modules": args.recompute_modules} if args.recompute_modules else {}),
         num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
@@ -88,7 +93,7 @@ def core_transformer_config(args):
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=args.moe_token_drop_policy, moe_per_layer_logging=args.moe_per_layer_logging,
-        moe_permute_fusion=args.moe_permute_fusion,
+        moe_permute_fusion=args.moe_permute_fusion, moe_router_force_load_balancing=args.moe_router_force_load_balancing,
         deterministic_mode=args.deterministic_mode, attention_backend=AttnBackend[args.attention_backend],
         calculate_per_token_loss=args.calculate_per_token_loss,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,

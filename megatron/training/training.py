@@ -9,8 +9,10 @@ both for the gradient, and the reported loss is the token-weighted mean over the
 DDP each bucket's gradient norm, is checked for NaN and Inf on its own rank before any reduction.
 """
 
+import contextlib
 import gc
 import itertools
+import logging
 import math
 import os
 import signal
@@ -29,6 +31,7 @@ from megatron.training.profiling import IterationProfiler
 
 AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 SPIKY_LOSS_FACTOR = 10  # --check-for-spiky-loss: Megatron-LM's pretrain_gpt.py
+logger = logging.getLogger(__name__)
 
 
 def get_batch(data_iterator):
@@ -217,6 +220,32 @@ def param_gather_schedule(args, ddp_chunks, tp_trial):
     return build_selection_schedule(ddp_chunks, args, after_iters=tp_trial.iters if tp_trial is not None else 0)
 
 
+@contextlib.contextmanager
+def params_in_sync(args, ddp_chunks):
+    """With overlapped param gathers the model params may be stale until the next forward: finish the gather first,
+    and gather again from the next forward on (Megatron-LM, before a save or a weight-hash check)."""
+    if args.overlap_param_gather:
+        for chunk in ddp_chunks:
+            chunk.disable_forward_pre_hook(param_sync=True)
+    yield
+    if args.overlap_param_gather:
+        for chunk in ddp_chunks:
+            chunk.enable_forward_pre_hook()
+
+
+def check_weight_hashes(args, ddp_chunks, iteration: int) -> None:
+    """--check-weight-hash-across-dp-replicas-interval: every data-parallel replica holds the same weights
+    (megatron-core hashes each parameter and compares the hashes over the DP and expert-DP groups)."""
+    from megatron.core.utils import check_param_hashes_across_dp_replicas
+
+    with params_in_sync(args, ddp_chunks):
+        same = check_param_hashes_across_dp_replicas(ddp_chunks, cross_check=True)
+    if not same:  # the same answer on every rank: each compared every replica's hashes
+        raise RuntimeError(f"after iteration {iteration} the data-parallel replicas hold different weights "
+                           f"(--check-weight-hash-across-dp-replicas-interval)")
+    logger.info("weight hashes match across data-parallel replicas after %d iterations", iteration)
+
+
 class Saver:
     """Saves the training state to --save: keeps megatron-core's save plan across saves (reused with
     --ckpt-assume-constant-structure) and with --log-progress appends each save to progress.txt."""
@@ -231,15 +260,9 @@ class Saver:
     def save(self, iteration, ddp_chunks, optimizer, scheduler) -> None:
         from megatron.training.checkpointing import save_checkpoint
 
-        # With overlapped param gathers the model params may be stale: finish the gather first (Megatron-LM).
-        if self.args.overlap_param_gather:
-            for chunk in ddp_chunks:
-                chunk.disable_forward_pre_hook(param_sync=True)
-        save_checkpoint(self.args, iteration, ddp_chunks, optimizer, scheduler,
-                        self.args.num_floating_point_operations_so_far, context=self.context)
-        if self.args.overlap_param_gather:
-            for chunk in ddp_chunks:
-                chunk.enable_forward_pre_hook()
+        with params_in_sync(self.args, ddp_chunks):
+            save_checkpoint(self.args, iteration, ddp_chunks, optimizer, scheduler,
+                            self.args.num_floating_point_operations_so_far, context=self.context)
         self.progress.checkpoint_saved(iteration)
 
 
@@ -334,6 +357,9 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
         gc.disable()
         gc.collect()
     iteration = start_iteration
+    hash_interval = args.check_weight_hash_across_dp_replicas_interval
+    if hash_interval:
+        check_weight_hashes(args, ddp_chunks, iteration)
     while iteration < args.train_iters:
         for t in (trial, gather_trial):
             if t is not None:
@@ -360,6 +386,8 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
             record.update(evaluation_record(args, ddp_chunks, valid_iters))
         if args.params_checksum_interval and iteration % args.params_checksum_interval == 0:
             record["params_checksum"] = metrics.params_checksum(ddp_chunks)
+        if hash_interval and iteration % hash_interval == 0:
+            check_weight_hashes(args, ddp_chunks, iteration)
         writer.write(record)
         if iteration % args.log_interval == 0:
             writer.log_timers(config.timers, iteration)

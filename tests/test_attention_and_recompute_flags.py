@@ -1,0 +1,150 @@
+"""Megatron-LM's attention-form, recompute and replica-check flags, as gpt-oss, Qwen2 and Mistral launch scripts give
+them: --window-size with --window-attn-skip-freq (sliding-window attention per layer), --softmax-type, --add-qkv-bias,
+--recompute-modules, --moe-router-force-load-balancing and --check-weight-hash-across-dp-replicas-interval.
+
+In one process: which layers get a window and which softmax, the projections' biases, what reaches megatron-core's
+config, and that a window changes the logits only when it is shorter than the sequence. Two driver runs: selective
+recompute of attention, MLP and norms gives the same loss and gradient-norm bits as no recompute (the backward
+recomputes the same operations); and a DP=2 run with every new attention form, overlapped delta-coded parameter
+gathers and the weight-hash check at start and every 2 iterations, which stops the run on any difference between
+replicas.
+"""
+
+import pytest
+import torch
+
+from dist_utils import launch_training, run_on_ranks
+from test_parallel_training import GPT
+
+WINDOWED = "--window-size 8,0 --window-attn-skip-freq 2"
+
+
+def _build(flags: str, initialize: bool):
+    from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.model import build_model_chunks, core_transformer_config
+
+    args = validate_args(parse_args((GPT + " " + flags).split()), world_size=1, rank=0)
+    if initialize:
+        initialize_megatron(args)
+    set_padded_vocab_size(args, 255)
+    config = core_transformer_config(args)
+    return args, config, build_model_chunks(args, config)[0]
+
+
+def _core_attentions(model):
+    return [layer.self_attention.core_attention for layer in model.decoder.layers]
+
+
+def _logits(model, tokens):
+    position_ids = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        return model(tokens, position_ids, None)
+
+
+def _layer_forms() -> dict:
+    from megatron.training import model as model_module
+
+    _, _, plain = _build("", initialize=True)
+    results = {}
+    for name, flags in {"every_2nd_full": WINDOWED, "listed": "--window-size (8,0) --window-attn-skip-freq ([1]*3+[0])",
+                        "window_past_sequence": "--window-size 32,0", "window_2": "--window-size 2,0"}.items():
+        args, _, windowed = _build(flags, initialize=False)
+        windowed.load_state_dict(plain.state_dict())
+        tokens = torch.randint(0, 255, (2, args.seq_length), generator=torch.Generator().manual_seed(0))
+        results[name] = ([a.scale_mask_softmax.window_size for a in _core_attentions(windowed)],
+                         torch.equal(_logits(windowed, tokens), _logits(plain, tokens)))
+    for softmax_type in ("off-by-one", "learnable"):
+        _, config, model = _build(f"--softmax-type {softmax_type}", initialize=False)
+        offsets = [a.softmax_offset for a in _core_attentions(model)]
+        results[softmax_type] = (config.softmax_type, [type(o).__name__ for o in offsets],
+                                 [o.shape[0] for o in offsets], all(torch.equal(o, torch.zeros_like(o)) for o in offsets))
+    _, config, model = _build("--add-qkv-bias --disable-bias-linear", initialize=False)
+    attention = model.decoder.layers[0].self_attention
+    results["qkv_bias"] = (config.add_qkv_bias, attention.linear_qkv.bias is not None, attention.linear_proj.bias)
+    args, config, _ = _build("--disable-bias-linear --recompute-granularity selective --recompute-modules mlp layernorm "
+                             "--moe-router-force-load-balancing", initialize=False)
+    results["config"] = (config.recompute_modules, config.moe_router_force_load_balancing)
+    # megatron-core's fused softmax masks causally only, so a window keeps it off even where the kernel is installed
+    model_module._has_fused_softmax = lambda: True
+    results["fused_softmax"] = [model_module.core_transformer_config(_build(flags + " --bf16", False)[0])
+                                .masked_softmax_fusion for flags in ("", WINDOWED)]
+    return results
+
+
+def test_window_softmax_and_bias_flags_build_what_they_ask():
+    (results,) = run_on_ranks(_layer_forms, 1)
+    window = (8, 0)
+    assert results["every_2nd_full"] == ([window, None, window, None], False)  # layers 2 and 4 full
+    assert results["listed"] == ([window] * 3 + [None], False)
+    assert results["window_past_sequence"] == ([(32, 0)] * 4, True)  # every key of a 32-token causal row is in it
+    assert results["window_2"] == ([(2, 0)] * 4, False)
+    assert results["off-by-one"] == ("off-by-one", ["Tensor"] * 4, [4] * 4, True)  # a fixed zero logit per head
+    assert results["learnable"][:3] == ("learnable", ["Parameter"] * 4, [4] * 4)
+    assert not results["learnable"][3]  # initialized with --init-method-std
+    assert results["qkv_bias"] == (True, True, None)
+    assert results["config"] == (["mlp", "layernorm"], True)
+    assert results["fused_softmax"] == [True, False]
+
+
+@pytest.mark.slow
+def test_selective_recompute_of_every_module_gives_the_same_bits(tmp_path):
+    plain = launch_training(tmp_path, "plain", "pretrain_gpt.py", 1, GPT + " --disable-bias-linear")
+    recomputed = launch_training(tmp_path, "recomputed", "pretrain_gpt.py", 1,
+                                 GPT + " --disable-bias-linear --recompute-granularity selective "
+                                       "--recompute-modules core_attn mlp layernorm")
+    keys = ("iteration", "loss", "grad_norm", "eval_loss")
+    assert [{k: r.get(k) for k in keys} for r in recomputed] == [{k: r.get(k) for k in keys} for r in plain]
+
+
+@pytest.mark.slow
+def test_new_attention_forms_train_with_replicas_checked(tmp_path):
+    flags = (GPT + f" {WINDOWED} --softmax-type learnable --add-qkv-bias --disable-bias-linear --train-iters 6 --bf16 "
+             "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --param-gather-compression delta "
+             "--check-weight-hash-across-dp-replicas-interval 2")
+    records = launch_training(tmp_path, "forms", "pretrain_gpt.py", 2, flags)
+    assert [r["iteration"] for r in records] == list(range(1, 7))
+    assert records[-1]["loss"] < records[0]["loss"]
+    rank0 = next((tmp_path / "forms_logs").glob("*/attempt_*/0"))
+    log = (rank0 / "stdout.log").read_text() + (rank0 / "stderr.log").read_text()
+    checked = [int(line.rsplit(" ", 2)[-2]) for line in log.splitlines()
+               if "weight hashes match across data-parallel replicas after" in line]
+    assert checked == [0, 2, 4, 6]
+
+
+def _mismatch_raises() -> str:
+    from megatron.core import utils
+    from megatron.training import training
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(GPT.split())
+    utils.check_param_hashes_across_dp_replicas = lambda model, cross_check: False
+    try:
+        training.check_weight_hashes(args, [], 4)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_weight_hash_mismatch_stops_the_run():
+    (message,) = run_on_ranks(_mismatch_raises, 1)
+    assert message == ("after iteration 4 the data-parallel replicas hold different weights "
+                       "(--check-weight-hash-across-dp-replicas-interval)")
+
+
+@pytest.mark.parametrize("value, window", [("128,0", (128, 0)), ("(128, 0)", (128, 0)), ([64, 0], (64, 0)),
+                                           ("-1,0", (-1, 0))])
+def test_window_size_forms(value, window):
+    from megatron.training.arguments import window_size_type
+
+    assert window_size_type(value) == window
+
+
+@pytest.mark.parametrize("value", ["8", "8,0,1", "a,b"])
+def test_window_size_needs_two_ints(value):
+    import argparse
+
+    from megatron.training.arguments import window_size_type
+
+    with pytest.raises(argparse.ArgumentTypeError, match="--window-size takes two ints LEFT,RIGHT"):
+        window_size_type(value)
