@@ -1,6 +1,7 @@
 """Megatron-LM's attention-form, recompute and replica-check flags, as gpt-oss, Qwen2 and Mistral launch scripts give
-them: --window-size with --window-attn-skip-freq (sliding-window attention per layer), --softmax-type, --add-qkv-bias,
---recompute-modules, --moe-router-force-load-balancing and --check-weight-hash-across-dp-replicas-interval.
+them: --window-size with --window-attn-skip-freq (sliding-window attention per layer), --softmax-type,
+--rotary-interleaved, --add-qkv-bias, --recompute-modules, --moe-router-force-load-balancing and
+--check-weight-hash-across-dp-replicas-interval.
 
 In one process: which layers get a window and which softmax, the projections' biases, what reaches megatron-core's
 config, and that a window changes the logits only when it is shorter than the sequence. Two driver runs: selective
@@ -59,6 +60,12 @@ def _layer_forms() -> dict:
         offsets = [a.softmax_offset for a in _core_attentions(model)]
         results[softmax_type] = (config.softmax_type, [type(o).__name__ for o in offsets],
                                  [o.shape[0] for o in offsets], all(torch.equal(o, torch.zeros_like(o)) for o in offsets))
+    _, _, halves = _build("--position-embedding-type rope", initialize=False)
+    args, config, interleaved = _build("--position-embedding-type rope --rotary-interleaved", initialize=False)
+    interleaved.load_state_dict(halves.state_dict())
+    tokens = torch.randint(0, 255, (2, args.seq_length), generator=torch.Generator().manual_seed(0))
+    results["rotary_interleaved"] = (config.rotary_interleaved,
+                                     torch.equal(_logits(interleaved, tokens), _logits(halves, tokens)))
     _, config, model = _build("--add-qkv-bias --disable-bias-linear", initialize=False)
     attention = model.decoder.layers[0].self_attention
     results["qkv_bias"] = (config.add_qkv_bias, attention.linear_qkv.bias is not None, attention.linear_proj.bias)
@@ -82,6 +89,7 @@ def test_window_softmax_and_bias_flags_build_what_they_ask():
     assert results["off-by-one"] == ("off-by-one", ["Tensor"] * 4, [4] * 4, True)  # a fixed zero logit per head
     assert results["learnable"][:3] == ("learnable", ["Parameter"] * 4, [4] * 4)
     assert not results["learnable"][3]  # initialized with --init-method-std
+    assert results["rotary_interleaved"] == (True, False)  # other pairs rotated: other logits
     assert results["qkv_bias"] == (True, True, None)
     assert results["config"] == (["mlp", "layernorm"], True)
     assert results["fused_softmax"] == [True, False]

@@ -151,8 +151,8 @@ def test_wandb_sink(tmp_path, monkeypatch):
     from megatron.training import metrics
     from megatron.training.arguments import parse_args, validate_args
 
-    args = validate_args(parse_args((GPT + f" --wandb-project p --wandb-exp-name run1 --wandb-save-dir {tmp_path}").split()),
-                         world_size=1, rank=0)
+    args = validate_args(parse_args((GPT + f" --wandb-project p --wandb-entity team --wandb-exp-name run1 "
+                                          f"--wandb-save-dir {tmp_path}").split()), world_size=1, rank=0)
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(RuntimeError, match="pip install wandb"):
         metrics.MetricsWriter(args)
@@ -177,7 +177,8 @@ def test_wandb_sink(tmp_path, monkeypatch):
                   "comm_counters": {}})
     writer.close()
     (_, init_kwargs), (_, logged, step), finish = calls
-    assert (init_kwargs["project"], init_kwargs["name"], init_kwargs["dir"]) == ("p", "run1", str(tmp_path))
+    assert (init_kwargs["project"], init_kwargs["entity"], init_kwargs["name"], init_kwargs["dir"]) == (
+        "p", "team", "run1", str(tmp_path))
     assert init_kwargs["config"]["num_layers"] == 4 and step == 3 and finish == ("finish",)
     assert logged["loss"] == 5.0 and logged["comm/tp/raw_bytes"] == 1
 

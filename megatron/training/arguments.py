@@ -142,6 +142,8 @@ class ModelArgs:
                                        "nothing), an error with learned_absolute.", flag="no-position-embedding")
     rotary_base: int = arg(10000, "RoPE base.")
     rotary_percent: float = arg(1.0, "Fraction of head dims rotated by RoPE.")
+    rotary_interleaved: bool = arg(False, "RoPE rotates interleaved pairs (dims 0,1 / 2,3 / ...) instead of the two "
+                                   "halves of each head (GPT-NeoX's, the default).")
     rotary_seq_len_interpolation_factor: Optional[int] = arg(None, "RoPE position interpolation: divide the positions "
                                                              "by this factor (a model trained on sequences this many "
                                                              "times shorter).")
@@ -460,6 +462,7 @@ class LoggingArgs:
     wandb_project: Optional[str] = arg(None, "Weights & Biases project: log the per-iteration metrics there too "
                                        "(needs the wandb package).")
     wandb_exp_name: Optional[str] = arg(None, "Weights & Biases run name.")
+    wandb_entity: Optional[str] = arg(None, "Weights & Biases team or user that owns the run (default: wandb's).")
     wandb_save_dir: Optional[str] = arg(None, "Weights & Biases local directory (default: wandb's).")
     params_checksum_interval: int = arg(0, "Iterations between params sha256 checksums in the metrics (0 = off).")
     check_weight_hash_across_dp_replicas_interval: Optional[int] = arg(None, "Iterations between checks that every "
@@ -558,6 +561,7 @@ ALREADY_SO = {
     "auto-detect-ckpt-format": "a load reads the checkpoint's format from its directory: torch_dist loads, another "
                                "format is an error naming it",
     "use-persistent-ckpt-worker": "it keeps a process for --async-save, and checkpoints are saved synchronously here",
+    "openai-gelu": "Megatron-LM parses it and uses it nowhere: its GeLU, and this trainer's, is torch's",
 }
 # Megatron-LM flags this trainer does not implement: an error that names the flag and the fix (number of values).
 NOT_IMPLEMENTED = {

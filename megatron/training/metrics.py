@@ -197,7 +197,8 @@ class MetricsWriter:
                 import wandb
             except ImportError as error:
                 raise RuntimeError("--wandb-project needs the wandb package: pip install wandb") from error
-            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
+            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.wandb_exp_name,
+                                    dir=args.wandb_save_dir,
                                     config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
 
     def write(self, record: dict) -> None:

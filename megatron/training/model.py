@@ -44,7 +44,7 @@ def core_transformer_config(args):
         kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias, window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
-        softmax_type=args.softmax_type,
+        softmax_type=args.softmax_type, rotary_interleaved=args.rotary_interleaved,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
