@@ -81,14 +81,30 @@ SOURCE_CONTAINS = [
      "v_channels=self.config.v_head_dim"),
     ("megatron.core.transformer.dot_product_attention", "DotProductAttention.forward",
      "(self.hidden_size_per_partition,)"),
+    # megatron/hooks/tp.py routes MLA's latent collectives while get_query_key_value_tensors runs.
+    ("megatron.core.transformer.multi_latent_attention", "MLASelfAttention.get_query_key_value_tensors",
+     "gather_from_tensor_model_parallel_region(kv_combined)"),
+    ("megatron.core.transformer.multi_latent_attention", "MLASelfAttention.get_query_key_value_tensors",
+     "scatter_to_sequence_parallel_region(kv_compressed)"),
     # megatron/hooks/pp.py swaps the communicator class the pipelined schedules construct.
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving",
      "P2PCommunicator("),
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving",
      "P2PCommunicator("),
 ]
+# MLA's query latent: gathered in get_query_key_value_tensors, from 0.19 in the _qkv_down_projection it calls.
+Q_LATENT_GATHER = ("MLASelfAttention._qkv_down_projection" if ON_0_19
+                   else "MLASelfAttention.get_query_key_value_tensors")
+SOURCE_CONTAINS += [
+    ("megatron.core.transformer.multi_latent_attention", Q_LATENT_GATHER,
+     "gather_from_tensor_model_parallel_region(q_compressed)"),
+    ("megatron.core.transformer.multi_latent_attention", Q_LATENT_GATHER,
+     "scatter_to_sequence_parallel_region(q_compressed)"),
+]
 if ON_0_19:
     SOURCE_CONTAINS += [
+        ("megatron.core.transformer.multi_latent_attention", "MLASelfAttention.get_query_key_value_tensors",
+         "self._qkv_down_projection(hidden_states)"),
         # Generalized TP, rejected by megatron/hooks/tp.py, reaches the linears through this keyword.
         ("megatron.core.tensor_parallel.layers", "ColumnParallelLinear.forward", "gtp_remat_size=self.gtp_remat_size"),
         ("megatron.core.tensor_parallel.layers", "RowParallelLinear.forward", "gtp_remat_size=self.gtp_remat_size"),
@@ -167,3 +183,17 @@ def test_instance_attributes(module_name, cls, attrs):
     # "self.a = ..." or a tuple target "(self.a, self.b) = ..."; not "self.a == ...".
     missing = [a for a in attrs if not re.search(rf"self\.{a}\b[^=\n]*=(?!=)", source)]
     assert not missing, f"{module_name}.{cls}.__init__ no longer sets {missing}"
+
+
+def test_mla_imports_only_the_tp_collectives_we_route():
+    """megatron/hooks/tp.py rebinds, while MLA runs, two of the mapping functions multi_latent_attention imported
+    (the third, gather_from_sequence_parallel_region, runs only when the kv down projection is not tensor-parallel,
+    never with the local spec); a new one would go uncompressed, so it fails here."""
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    imported = {name for name, obj in vars(mla).items()
+                if getattr(obj, "__module__", None) == "megatron.core.tensor_parallel.mappings"}
+    assert imported == {"gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region",
+                        "gather_from_sequence_parallel_region"}
+    # and no mapping reached through the package (only the recompute helper is)
+    source = inspect.getsource(mla)
+    assert set(re.findall(r"tensor_parallel\.(\w+)\(", source)) == {"CheckpointWithoutOutput"}

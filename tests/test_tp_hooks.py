@@ -4,7 +4,9 @@ Two spawned gloo worlds carry all the distributed checks (process start dominate
 - TP=2: each compressed autograd Function against megatron-core's own Function / mapping, forward and
   backward, SP on and off. An identity codec must reproduce megatron bit for bit; TACO must stay within
   ``TACO_REL_ERR``. Also: codec determinism (the SP re-gather in backward), the small-tensor and
-  non-float fallbacks, telemetry.
+  non-float fallbacks, telemetry. And an MLA layer (with and without a query latent, SP on and off):
+  bit-identical through the identity codec, its latent collectives within ``TACO_REL_ERR`` and counted
+  to the byte.
 - TP=2 and TP=4 (world 4): a small GPTModel trained with Adam on fixed tokens, stock vs swapped.
 Plus argument/model errors (no process group) and one driver run (pretrain_gpt.py, TP=2 + SP + TACO).
 """
@@ -166,6 +168,8 @@ def _function_checks():
     report["auto_min_bytes_all_ranks"] = [None] * group.size()
     torch.distributed.all_gather_object(report["auto_min_bytes_all_ranks"], report["auto_min_bytes"], group=group)
 
+    report["mla"] = _mla_checks()
+
     # The SP re-gather in backward must reproduce the forward gather exactly.
     comm = TpComm(taco, group, {op: 0 for op in OPS})
     x = torch.randn(8, 2, 64)
@@ -176,6 +180,100 @@ def _function_checks():
     ints = torch.arange(4096, dtype=torch.int64) * (group.rank() + 1)
     report["int_all_reduce_exact"] = torch.equal(comm.all_reduce(ints), ints // (group.rank() + 1) * 3)
     return report
+
+
+# A small MLA layer (tests/test_mla.py's shapes): hidden 64, 4 heads, [seq, batch] = [16, 2], fp32.
+MLA_SHAPES = dict(hidden_size=64, num_attention_heads=4, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                  v_head_dim=24)
+MLA_SEQ, MLA_BATCH = 16, 2
+
+
+def _build_mla(q_lora_rank, sequence_parallel: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron.hooks.mla import use_latent_dot_product_attention
+
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    config = MLATransformerConfig(
+        num_layers=1, q_lora_rank=q_lora_rank, rope_type="rope", normalization="RMSNorm", tensor_model_parallel_size=2,
+        sequence_parallel=sequence_parallel, use_cpu_initialization=True, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, **MLA_SHAPES,
+    )
+    spec = use_latent_dot_product_attention(get_gpt_layer_local_spec(multi_latent_attention=True))
+    return build_module(spec.submodules.self_attention, config=config, layer_number=1)
+
+
+def _mla_latent_bytes(q_lora_rank, sequence_parallel: bool) -> int:
+    """Raw bytes of one rank's MLA latent collectives, forward and backward, at TP=2: the all-gathers of the
+    [seq, batch, rank / 2] down-projection shards, and with SP of the [seq / 2, batch, rank] latent grads."""
+    q_lora_rank = q_lora_rank or 0
+    forward = MLA_SEQ * MLA_BATCH * (q_lora_rank + MLA_SHAPES["kv_lora_rank"] + MLA_SHAPES["qk_pos_emb_head_dim"]) // 2
+    backward = MLA_SEQ // 2 * MLA_BATCH * (q_lora_rank + MLA_SHAPES["kv_lora_rank"]) if sequence_parallel else 0
+    return 4 * (forward + backward)
+
+
+def _mla_checks():
+    """MLA at TP=2, with and without a query latent and SP: megatron-core's layer (stock), every TP collective
+    through the identity codec (apply_tp_compression), and only the latent collectives through TACO (the class
+    set by hand, the linears stock, so that the telemetry counts just those): outputs, input and parameter grads,
+    the telemetry, and the mapping functions multi_latent_attention holds afterwards."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer import multi_latent_attention
+
+    from compression.telemetry import TELEMETRY
+    from megatron.hooks.tp import CompressedMLASelfAttention, apply_tp_compression
+    from megatron.hooks.tp_functions import TpComm
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    report = {}
+    for q_lora_rank in (32, None):
+        for sequence_parallel in (False, True):
+            torch.manual_seed(20)  # the full input is the same on every rank
+            hidden = torch.randn(MLA_SEQ, MLA_BATCH, MLA_SHAPES["hidden_size"])
+            hidden = hidden.chunk(2)[group.rank()] if sequence_parallel else hidden
+
+            def run(attention):
+                leaf = hidden.clone().requires_grad_()
+                output, _ = attention(leaf, None)
+                torch.manual_seed(21 + group.rank())
+                output.backward(torch.randn_like(output))
+                grads = torch.cat([p.grad.reshape(-1) for p in attention.parameters()])
+                return [output.detach(), leaf.grad, grads]
+
+            stock = run(_build_mla(q_lora_rank, sequence_parallel))
+            identity_layer = _build_mla(q_lora_rank, sequence_parallel)
+            apply_tp_compression([identity_layer], _args(), codec=IdentityCodec())
+            identity = run(identity_layer)
+            taco_layer = _build_mla(q_lora_rank, sequence_parallel)
+            taco_layer.tp_comm = TpComm(_taco_codec(), group, {op: 0 for op in OPS})
+            taco_layer.__class__ = CompressedMLASelfAttention
+            TELEMETRY.reset()
+            taco = run(taco_layer)
+            raw, sent = TELEMETRY.counters()[:2]
+            report[q_lora_rank, sequence_parallel] = dict(
+                swapped=type(identity_layer) is CompressedMLASelfAttention,
+                identity_bits_equal=[_bits_equal(g, e) for g, e in zip(identity, stock)],
+                taco_rel_err=[_rel_err(g, e) for g, e in zip(taco, stock)],
+                raw=raw, sent=sent, expected_raw=_mla_latent_bytes(q_lora_rank, sequence_parallel),
+            )
+    names = ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region")
+    report["stock_mappings_restored"] = all(getattr(multi_latent_attention, n) is getattr(mappings, n) for n in names)
+    return report
+
+
+def _check_mla_report(report):
+    for q_lora_rank in (32, None):
+        for sequence_parallel in (False, True):
+            mla = report[q_lora_rank, sequence_parallel]
+            assert mla["swapped"] and all(mla["identity_bits_equal"]), (q_lora_rank, sequence_parallel, mla)
+            assert max(mla["taco_rel_err"]) < TACO_REL_ERR, (q_lora_rank, sequence_parallel, mla)
+            assert mla["raw"] == mla["expected_raw"] and 0 < mla["sent"] < mla["raw"] / 2, mla
+    assert report["stock_mappings_restored"]
 
 
 @pytest.mark.slow
@@ -193,6 +291,7 @@ def test_compressed_functions_match_megatron():
             assert 0 < taco["sent"] < taco["raw"] / 2, taco
     assert report["encode_deterministic"] and report["gather_deterministic"]
     assert report["async_matches_sync"] and report["int_all_reduce_exact"]
+    _check_mla_report(report["mla"])
     auto = report["auto_min_bytes"]
     assert set(auto) == set(OPS) and all(v is None or v > 0 for v in auto.values()), auto
     assert all(other == auto for other in report["auto_min_bytes_all_ranks"]), report["auto_min_bytes_all_ranks"]
@@ -388,11 +487,13 @@ def _trial_checks(compressed_faster_on_rank_1: bool):
     import torch.distributed as dist
 
     from megatron.hooks.tp import (
-        CompressedColumnParallelLinear, CompressedRowParallelLinear, TpCompressionTrial,
+        CompressedColumnParallelLinear, CompressedMLASelfAttention, CompressedRowParallelLinear, TpCompressionTrial,
     )
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    modules = [object.__new__(CompressedColumnParallelLinear), object.__new__(CompressedRowParallelLinear)]
+    modules = [object.__new__(cls) for cls in (CompressedColumnParallelLinear, CompressedRowParallelLinear,
+                                               CompressedMLASelfAttention)]
     trial = TpCompressionTrial(modules, iters=4)
     rank = dist.get_rank()
     modes = []
@@ -403,7 +504,7 @@ def _trial_checks(compressed_faster_on_rank_1: bool):
         seconds = (0.9 if faster else 1.1) if trial.compressing else 1.0
         trial.after_iteration(iteration, seconds, torch.device("cpu"))
     classes = [type(m) for m in modules]
-    stock = [ColumnParallelLinear, RowParallelLinear]
+    stock = [ColumnParallelLinear, RowParallelLinear, MLASelfAttention]
     return modes, trial.compressing, classes == stock
 
 

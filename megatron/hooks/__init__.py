@@ -2,7 +2,7 @@
 
 - ``cpu``: CPU/gloo redirections of CUDA-only calls (applied only without CUDA).
 - ``norm``: sequence parallelism and zero-centered gamma with torch norms when apex/TE are absent.
-- ``tp``: TACO-compressed tensor-parallel collectives by class swap of the local-spec linears.
+- ``tp``: TACO-compressed tensor-parallel collectives by class swap of the local-spec linears and MLA.
 - ``param_gather``: compressed distributed-optimizer parameter all-gather (CIERA, delta, SDP4Bit weight
   differences) and gradient reduce-scatter (SDP4Bit Hadamard int8/int4) by bucket-group class swap.
 - ``pp``: TahQuant-compressed pipeline-parallel sends by a ``P2PCommunicator`` subclass.

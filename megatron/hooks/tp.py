@@ -1,8 +1,8 @@
 """TACO-compressed tensor-parallel collectives, installed by swapping the class of built modules.
 
 ``apply_tp_compression`` sets ``module.__class__`` of every local-spec ``ColumnParallelLinear``,
-``RowParallelLinear`` and ``VocabParallelEmbedding`` (TP size > 1, not an expert linear with explicit
-expert communication) to a subclass whose TP collectives, forward and backward, go through
+``RowParallelLinear``, ``VocabParallelEmbedding`` and ``MLASelfAttention`` (TP size > 1, not an expert linear
+with explicit expert communication) to a subclass whose TP collectives, forward and backward, go through
 ``megatron.hooks.tp_functions``. Nothing is re-initialised: parameters, buffers and checkpoint layout
 stay those of the stock module. Left uncompressed: expert linears (MoE dispatcher traffic), frozen
 weights, the inference-only ``gather_output`` all-gather, the cross-entropy all-reduces, and
@@ -13,9 +13,16 @@ The overrides are the smallest methods that carry the communication (megatron-co
 - Column: ``_forward_impl``, which gets ``allreduce_dgrad`` and ``sequence_parallel`` as keywords.
 - Row: ``forward``, whose output all-reduce / reduce-scatter is in ``forward`` itself.
 - Embedding: ``forward`` (masked lookup of the vocab shard, then all-reduce / reduce-scatter).
+- MLA: ``get_query_key_value_tensors``, during which the two mapping functions that
+  ``multi_latent_attention`` imported and calls on the down projections' latents are bound to the layer's
+  ``TpComm``: ``gather_from_tensor_model_parallel_region`` (all-gather of the last dim, backward a local
+  split) and, with SP, ``scatter_to_sequence_parallel_region`` (local split, backward all-gather). Its
+  third, ``gather_from_sequence_parallel_region`` of the rotary key, only runs when the kv down projection is
+  not tensor-parallel (Transformer Engine's duplicated ``TELinear``), never with the local spec.
 ``tests/test_megatron_api.py`` pins the megatron-core names and signatures relied on here.
 """
 
+import contextlib
 import logging
 from collections import Counter
 
@@ -27,6 +34,8 @@ from megatron.core.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from megatron.core.transformer import multi_latent_attention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from compression.codec import TensorCodec
 from compression.collective_graphs import CollectiveGraphs
@@ -36,7 +45,9 @@ from megatron.hooks.tp_functions import (
     TpComm,
     all_reduce_forward,
     column_parallel_linear,
+    gather_last_dim,
     reduce_scatter_forward,
+    split_first_dim,
 )
 from megatron.hooks.trial import CompressionTrial
 
@@ -102,10 +113,35 @@ class CompressedVocabParallelEmbedding(VocabParallelEmbedding):
         return all_reduce_forward(partial, self.tp_comm)
 
 
+@contextlib.contextmanager
+def _latent_collectives(comm: TpComm):
+    """The mapping functions ``multi_latent_attention`` calls on its latents, routed through ``comm`` while
+    the block runs (megatron-core's own outside it). They take no group: MLA passes none."""
+    stock = (multi_latent_attention.gather_from_tensor_model_parallel_region,
+             multi_latent_attention.scatter_to_sequence_parallel_region)
+    multi_latent_attention.gather_from_tensor_model_parallel_region = lambda x: gather_last_dim(x, comm)
+    multi_latent_attention.scatter_to_sequence_parallel_region = lambda x: split_first_dim(x, comm)
+    try:
+        yield
+    finally:
+        (multi_latent_attention.gather_from_tensor_model_parallel_region,
+         multi_latent_attention.scatter_to_sequence_parallel_region) = stock
+
+
+class CompressedMLASelfAttention(MLASelfAttention):
+    """MLA: fwd all-gather of the q and kv down projections' latents; bwd (SP) all-gather of their gradients.
+    The projections themselves are swapped linears."""
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        with _latent_collectives(self.tp_comm):
+            return super().get_query_key_value_tensors(*args, **kwargs)
+
+
 _COMPRESSED_CLASS = {
     ColumnParallelLinear: CompressedColumnParallelLinear,
     RowParallelLinear: CompressedRowParallelLinear,
     VocabParallelEmbedding: CompressedVocabParallelEmbedding,
+    MLASelfAttention: CompressedMLASelfAttention,
 }
 
 

@@ -11,6 +11,10 @@ The Functions mirror megatron-core's TP communication pattern (layers.py / mappi
   launched before the wgrad GEMM and awaited after it.
 - ``all_reduce_forward``: fwd all-reduce, bwd identity (row-parallel output, embedding).
 - ``reduce_scatter_forward``: fwd reduce-scatter along dim 0, bwd all-gather (the SP variants).
+- ``gather_last_dim``: fwd all-gather concatenated along the last dim, bwd this rank's slice
+  (``gather_from_tensor_model_parallel_region``: MLA's latents).
+- ``split_first_dim``: fwd this rank's slice of dim 0, bwd all-gather (``scatter_to_sequence_parallel_region``:
+  MLA's latents back to the sequence shard).
 
 The SP input is saved un-gathered and re-gathered in backward, as Megatron does, rather than saving the
 gathered input (TP times more activation memory). The lossy re-gather then reproduces the forward values
@@ -162,6 +166,32 @@ class _ReduceScatterForward(torch.autograd.Function):
         return ctx.comm.all_gather(grad_output), None
 
 
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.rank, ctx.world_size = comm.group.rank(), comm.group.size()
+        # the ranks' tensors stacked along dim 0, then side by side, as megatron-core's _gather_along_last_dim
+        return torch.cat(comm.all_gather(x).chunk(ctx.world_size), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output.chunk(ctx.world_size, dim=-1)[ctx.rank].contiguous(), None
+
+
+class _SplitFirstDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        world_size = comm.group.size()
+        if x.shape[0] % world_size:
+            raise ValueError(f"split along dim 0 needs it ({x.shape[0]}) divisible by the TP size ({world_size})")
+        ctx.comm = comm
+        return x.chunk(world_size)[comm.group.rank()].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return ctx.comm.all_gather(grad_output), None
+
+
 def column_parallel_linear(input, weight, bias, comm: TpComm, sequence_parallel: bool) -> torch.Tensor:
     """Column-parallel ``linear``: SP all-gather of the input in forward; in backward the dgrad is
     reduce-scattered (SP) or all-reduced (no SP) over ``comm.group``."""
@@ -176,3 +206,13 @@ def all_reduce_forward(x: torch.Tensor, comm: TpComm) -> torch.Tensor:
 def reduce_scatter_forward(x: torch.Tensor, comm: TpComm) -> torch.Tensor:
     """Sum ``x`` over the TP group and keep this rank's dim-0 slice; backward all-gathers."""
     return _ReduceScatterForward.apply(x, comm)
+
+
+def gather_last_dim(x: torch.Tensor, comm: TpComm) -> torch.Tensor:
+    """Every rank's ``x`` side by side along the last dim; backward keeps this rank's slice of the gradient."""
+    return _GatherLastDim.apply(x, comm)
+
+
+def split_first_dim(x: torch.Tensor, comm: TpComm) -> torch.Tensor:
+    """This rank's slice of dim 0 of ``x``; backward all-gathers the gradient."""
+    return _SplitFirstDim.apply(x, comm)
