@@ -247,6 +247,8 @@ ERRORS = [
     ("--mtp-num-layers 1", 1, "--mtp-num-layers: multi-token prediction is not implemented"),
     ("--cuda-graph-modules attn mlp", 1, "--cuda-graph-modules: CUDA graphs of whole layers are not implemented"),
     ("--pipeline-model-parallel-layout E|t*4|L", 1, "custom pipeline layouts are not implemented"),
+    ("--multi-latent-attention --tensor-model-parallel-size 2 --q-lora-rank 96 --kv-lora-rank 64 "
+     "--qk-pos-emb-head-dim 32", 2, "the query and kv latents must differ in width"),
 ]
 
 

@@ -2,6 +2,9 @@
 
 - ``LatentDotProductAttention`` (key and value head sizes of their own) against torch's scaled-dot-product
   attention, forward and backward.
+- The rotary key's gradient summed over TP (``SummedRotaryKeyMLASelfAttention``): an MLA layer's parameter gradients
+  at TP=2, assembled, equal the TP=1 layer's with the same weights; megatron-core's own layer misses the other
+  rank's share in the kv down projection's rotary rows.
 - Training: a tiny MLA GPT at TP=2 with sequence parallelism follows the single-process run (the layout-independent
   initialization covers MLA's projections), and with TACO it tracks it within the bound of test_tp_hooks.py's GPT
   check, with MLA's projections and latent all-gathers compressed (the latents layer by layer: test_tp_hooks.py).
@@ -63,6 +66,68 @@ def test_latent_attention_matches_torch_attention():
     errors, shape = result
     assert shape == (16, 2, 4 * 40)
     assert max(errors) < 1e-6, errors  # fp32, the same sums in another order
+
+
+def _mla_layer_gradients(tp: int, attention_class: str, weights=None):
+    """(full weights, full parameter gradients) by name of an MLA layer (test_tp_hooks.py's shapes, with a query
+    latent, fp32, no SP) at TP=``tp`` with ``attention_class`` (megatron-core's or the hook's), after one backward of
+    a fixed input and output gradient; TP shards are all-gathered along their partition dim. ``weights``: load
+    these (full) first. Numpy arrays: tensors would leave the worker through shared memory that ends with it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from test_tp_hooks import MLA_BATCH, MLA_SEQ, MLA_SHAPES, _init_megatron
+
+    from megatron.hooks import mla
+
+    _init_megatron(tp)
+    group = parallel_state.get_tensor_model_parallel_group()
+    config = MLATransformerConfig(num_layers=1, q_lora_rank=32, rope_type="rope", normalization="RMSNorm",
+                                  tensor_model_parallel_size=tp, use_cpu_initialization=True,
+                                  params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+                                  add_bias_linear=False, **MLA_SHAPES)
+    spec = mla.use_latent_dot_product_attention(get_gpt_layer_local_spec(multi_latent_attention=True))
+    spec.submodules.self_attention.module = getattr({"megatron-core": multi_latent_attention, "hook": mla}[
+        attention_class.split(":")[0]], attention_class.split(":")[1])
+    layer = build_module(spec.submodules.self_attention, config=config, layer_number=1)
+
+    def full(t, param):
+        if not getattr(param, "tensor_model_parallel", False):
+            return t.detach().clone()
+        shards = [torch.empty_like(t) for _ in range(tp)]
+        dist.all_gather(shards, t.detach().contiguous(), group=group)
+        return torch.cat(shards, dim=param.partition_dim)
+
+    if weights is not None:
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                dim = getattr(param, "partition_dim", 0)
+                weight = torch.from_numpy(weights[name])
+                param.copy_(weight.chunk(tp, dim=dim)[group.rank()] if param.tensor_model_parallel else weight)
+    torch.manual_seed(5)
+    hidden = torch.randn(MLA_SEQ, MLA_BATCH, MLA_SHAPES["hidden_size"])
+    output, _ = layer(hidden, None)
+    output.backward(torch.randn_like(output))
+    return ({name: full(p, p).numpy() for name, p in layer.named_parameters()},
+            {name: full(p.grad, p).numpy() for name, p in layer.named_parameters()})
+
+
+def test_rotary_key_gradient_is_summed_over_tp():
+    weights, tp2_hook = run_on_ranks(_mla_layer_gradients, 2, 2, "hook:SummedRotaryKeyMLASelfAttention")[0]
+    _, tp2_core = run_on_ranks(_mla_layer_gradients, 2, 2, "megatron-core:MLASelfAttention")[0]
+    _, tp1 = run_on_ranks(_mla_layer_gradients, 1, 1, "hook:SummedRotaryKeyMLASelfAttention", weights)[0]
+    tp1, tp2_hook, tp2_core = ({name: torch.from_numpy(g) for name, g in grads.items()}
+                               for grads in (tp1, tp2_hook, tp2_core))
+    for name, grad in tp1.items():
+        assert torch.allclose(tp2_hook[name], grad, rtol=1e-5, atol=1e-7), name
+    kv_lora_rank = 16  # the kv down projection's rows: the kv latent's, then the rotary key's
+    down = "linear_kv_down_proj.weight"
+    assert torch.allclose(tp2_core[down][:kv_lora_rank], tp1[down][:kv_lora_rank], rtol=1e-5, atol=1e-7)
+    rotary_error = (tp2_core[down][kv_lora_rank:] - tp1[down][kv_lora_rank:]).norm() / tp1[down][kv_lora_rank:].norm()
+    assert rotary_error > 0.1  # megatron-core's own layer: the other rank's heads' share is missing
 
 
 @pytest.mark.slow

@@ -490,7 +490,7 @@ def _trial_checks(compressed_faster_on_rank_1: bool):
         CompressedColumnParallelLinear, CompressedMLASelfAttention, CompressedRowParallelLinear, TpCompressionTrial,
     )
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.hooks.mla import SummedRotaryKeyMLASelfAttention
 
     modules = [object.__new__(cls) for cls in (CompressedColumnParallelLinear, CompressedRowParallelLinear,
                                                CompressedMLASelfAttention)]
@@ -504,7 +504,7 @@ def _trial_checks(compressed_faster_on_rank_1: bool):
         seconds = (0.9 if faster else 1.1) if trial.compressing else 1.0
         trial.after_iteration(iteration, seconds, torch.device("cpu"))
     classes = [type(m) for m in modules]
-    stock = [ColumnParallelLinear, RowParallelLinear, MLASelfAttention]
+    stock = [ColumnParallelLinear, RowParallelLinear, SummedRotaryKeyMLASelfAttention]
     return modes, trial.compressing, classes == stock
 
 

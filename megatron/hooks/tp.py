@@ -1,8 +1,8 @@
 """TACO-compressed tensor-parallel collectives, installed by swapping the class of built modules.
 
 ``apply_tp_compression`` sets ``module.__class__`` of every local-spec ``ColumnParallelLinear``,
-``RowParallelLinear``, ``VocabParallelEmbedding`` and ``MLASelfAttention`` (TP size > 1, not an expert linear
-with explicit expert communication) to a subclass whose TP collectives, forward and backward, go through
+``RowParallelLinear``, ``VocabParallelEmbedding`` and MLA attention (``megatron/hooks/mla.py``'s; TP size > 1, not
+an expert linear with explicit expert communication) to a subclass whose TP collectives, forward and backward, go through
 ``megatron.hooks.tp_functions``. Nothing is re-initialised: parameters, buffers and checkpoint layout
 stay those of the stock module. Left uncompressed: expert linears (MoE dispatcher traffic), frozen
 weights, the inference-only ``gather_output`` all-gather, the cross-entropy all-reduces, and
@@ -35,12 +35,12 @@ from megatron.core.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from megatron.core.transformer import multi_latent_attention
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from compression.codec import TensorCodec
 from compression.collective_graphs import CollectiveGraphs
 from compression.taco import TacoCodec, TacoConfig
 from compression.tp_collectives import ALL_REDUCE_ALGORITHMS, OPS, PROBE_BYTES, measure_min_bytes
+from megatron.hooks.mla import SummedRotaryKeyMLASelfAttention
 from megatron.hooks.tp_functions import (
     TpComm,
     all_reduce_forward,
@@ -128,7 +128,7 @@ def _latent_collectives(comm: TpComm):
          multi_latent_attention.scatter_to_sequence_parallel_region) = stock
 
 
-class CompressedMLASelfAttention(MLASelfAttention):
+class CompressedMLASelfAttention(SummedRotaryKeyMLASelfAttention):
     """MLA: fwd all-gather of the q and kv down projections' latents; bwd (SP) all-gather of their gradients.
     The projections themselves are swapped linears."""
 
@@ -141,7 +141,7 @@ _COMPRESSED_CLASS = {
     ColumnParallelLinear: CompressedColumnParallelLinear,
     RowParallelLinear: CompressedRowParallelLinear,
     VocabParallelEmbedding: CompressedVocabParallelEmbedding,
-    MLASelfAttention: CompressedMLASelfAttention,
+    SummedRotaryKeyMLASelfAttention: CompressedMLASelfAttention,
 }
 
 

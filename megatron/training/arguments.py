@@ -954,6 +954,11 @@ def _validate_mla(args) -> None:
     tp = args.tensor_model_parallel_size
     if args.transformer_impl != "local":  # Transformer Engine's down projections are replicated over TP
         return
+    # megatron/hooks/mla.py tells the kv latent's gather from the query latent's by its width
+    _check(tp == 1 or args.q_lora_rank != args.kv_lora_rank + args.qk_pos_emb_head_dim,
+           f"--q-lora-rank {args.q_lora_rank} equals --kv-lora-rank + --qk-pos-emb-head-dim: with TP > 1 and the local "
+           f"spec the query and kv latents must differ in width (megatron/hooks/mla.py sums the rotary key's gradient "
+           f"over TP by the kv latent's width): change one of them")
     # the local spec's down projections are column-parallel linears, split over TP like the up projections
     for flag, size in (("--kv-lora-rank + --qk-pos-emb-head-dim", args.kv_lora_rank + args.qk_pos_emb_head_dim),
                        ("--q-lora-rank", args.q_lora_rank)):
