@@ -118,6 +118,9 @@ class ParallelArgs:
         None, "Interleaved schedule: micro-batches run per virtual stage before moving on (default: PP).",
         flag="microbatch-group-size-per-virtual-pipeline-stage")
     distributed_timeout_minutes: int = arg(10, "Timeout of the process groups' collectives, in minutes.")
+    use_tp_pp_dp_mapping: bool = arg(False, "Number the ranks TP fastest, then PP, then DP (tp-cp-ep-pp-dp) instead "
+                                     "of TP, DP, PP (tp-cp-ep-dp-pp): a pipeline's stages on neighbouring ranks "
+                                     "(one node), its data-parallel replicas further apart.")
     distributed_backend: Optional[str] = arg(None, "torch.distributed backend (default: nccl with CUDA, gloo "
                                              "without).", choices=["nccl", "gloo"])
     local_rank: Optional[int] = arg(None, "This process's GPU on its node; torchrun's LOCAL_RANK wins when set "
