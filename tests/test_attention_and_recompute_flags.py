@@ -4,11 +4,10 @@ them: --window-size with --window-attn-skip-freq (sliding-window attention per l
 --check-weight-hash-across-dp-replicas-interval.
 
 In one process: which layers get a window and which softmax, the projections' biases, what reaches megatron-core's
-config, and that a window changes the logits only when it is shorter than the sequence. Two driver runs: selective
-recompute of attention, MLP and norms gives the same loss and gradient-norm bits as no recompute (the backward
-recomputes the same operations); and a DP=2 run with every new attention form, overlapped delta-coded parameter
-gathers and the weight-hash check at start and every 2 iterations, which stops the run on any difference between
-replicas.
+config, and that a window changes the logits only when it is shorter than the sequence; selective recompute of
+attention, MLP and norms gives the same gradient bits as no recompute (the backward recomputes the same operations).
+One driver run: DP=2 with every new attention form, overlapped delta-coded parameter gathers and the weight-hash
+check at start and every 2 iterations, which stops the run on any difference between replicas.
 """
 
 import pytest
@@ -95,14 +94,32 @@ def test_window_softmax_and_bias_flags_build_what_they_ask():
     assert results["fused_softmax"] == [True, False]
 
 
-@pytest.mark.slow
-def test_selective_recompute_of_every_module_gives_the_same_bits(tmp_path):
-    plain = launch_training(tmp_path, "plain", "pretrain_gpt.py", 1, GPT + " --disable-bias-linear")
-    recomputed = launch_training(tmp_path, "recomputed", "pretrain_gpt.py", 1,
-                                 GPT + " --disable-bias-linear --recompute-granularity selective "
-                                       "--recompute-modules core_attn mlp layernorm")
-    keys = ("iteration", "loss", "grad_norm", "eval_loss")
-    assert [{k: r.get(k) for k in keys} for r in recomputed] == [{k: r.get(k) for k in keys} for r in plain]
+def _recompute_grads_against_plain() -> tuple:
+    """Names of the parameters whose gradient bits differ between a bias-free GPT and the same GPT (same weights)
+    recomputing attention, MLP and norms in backward, after one forward-backward of the same tokens; and the
+    recompute switches of the second model's first layer."""
+    grads = []
+    for flags in ("--disable-bias-linear", "--disable-bias-linear --recompute-granularity selective "
+                                           "--recompute-modules core_attn mlp layernorm"):
+        args, _, model = _build(flags, initialize=not grads)
+        if grads:
+            model.load_state_dict(plain_state)
+        plain_state = model.state_dict()
+        tokens = torch.randint(0, 255, (2, args.seq_length), generator=torch.Generator().manual_seed(0))
+        position_ids = torch.arange(args.seq_length).expand(2, -1)
+        model(tokens, position_ids, None, labels=tokens).float().mean().backward()
+        grads.append({name: p.main_grad if hasattr(p, "main_grad") else p.grad for name, p in model.named_parameters()})
+    plain, recomputed = grads
+    layer = model.decoder.layers[0]
+    switches = (model.decoder.config.recompute_granularity, layer.recompute_input_layernorm,
+                layer.recompute_pre_mlp_layernorm, layer.recompute_mlp)
+    return [name for name in plain if not torch.equal(plain[name], recomputed[name])], switches
+
+
+def test_selective_recompute_of_every_module_gives_the_same_gradient_bits():
+    ((differing, switches),) = run_on_ranks(_recompute_grads_against_plain, 1)
+    assert switches == ("selective", True, True, True)
+    assert differing == []
 
 
 @pytest.mark.slow

@@ -68,15 +68,16 @@ def test_latent_attention_matches_torch_attention():
     assert max(errors) < 1e-6, errors  # fp32, the same sums in another order
 
 
-def _mla_layer_gradients(tp: int, attention_class: str, weights=None):
-    """(full weights, full parameter gradients) by name of an MLA layer (test_tp_hooks.py's shapes, with a query
-    latent, fp32, no SP) at TP=``tp`` with ``attention_class`` (megatron-core's or the hook's), after one backward of
-    a fixed input and output gradient; TP shards are all-gathered along their partition dim. ``weights``: load
-    these (full) first. Numpy arrays: tensors would leave the worker through shared memory that ends with it."""
+def _mla_layer_gradients(tp: int, weights=None):
+    """(full weights, {attention class: full parameter gradients by name}) of an MLA layer (test_tp_hooks.py's
+    shapes, with a query latent, fp32, no SP) at TP=``tp``, built as megatron-core's ``MLASelfAttention`` and as the
+    hook's ``SummedRotaryKeyMLASelfAttention`` with the same weights, after one backward of a fixed input and output
+    gradient; TP shards are all-gathered along their partition dim. ``weights``: load these (full) first. Numpy
+    arrays: tensors would leave the worker through shared memory that ends with it."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import MLATransformerConfig
     from test_tp_hooks import MLA_BATCH, MLA_SEQ, MLA_SHAPES, _init_megatron
@@ -89,10 +90,6 @@ def _mla_layer_gradients(tp: int, attention_class: str, weights=None):
                                   tensor_model_parallel_size=tp, use_cpu_initialization=True,
                                   params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
                                   add_bias_linear=False, **MLA_SHAPES)
-    spec = mla.use_latent_dot_product_attention(get_gpt_layer_local_spec(multi_latent_attention=True))
-    spec.submodules.self_attention.module = getattr({"megatron-core": multi_latent_attention, "hook": mla}[
-        attention_class.split(":")[0]], attention_class.split(":")[1])
-    layer = build_module(spec.submodules.self_attention, config=config, layer_number=1)
 
     def full(t, param):
         if not getattr(param, "tensor_model_parallel", False):
@@ -101,26 +98,31 @@ def _mla_layer_gradients(tp: int, attention_class: str, weights=None):
         dist.all_gather(shards, t.detach().contiguous(), group=group)
         return torch.cat(shards, dim=param.partition_dim)
 
-    if weights is not None:
+    grads = {}
+    for attention_class in (MLASelfAttention, mla.SummedRotaryKeyMLASelfAttention):
+        spec = mla.use_latent_dot_product_attention(get_gpt_layer_local_spec(multi_latent_attention=True))
+        spec.submodules.self_attention.module = attention_class
+        layer = build_module(spec.submodules.self_attention, config=config, layer_number=1)
+        if weights is None:
+            weights = {name: full(p, p).numpy() for name, p in layer.named_parameters()}
         with torch.no_grad():
             for name, param in layer.named_parameters():
-                dim = getattr(param, "partition_dim", 0)
                 weight = torch.from_numpy(weights[name])
-                param.copy_(weight.chunk(tp, dim=dim)[group.rank()] if param.tensor_model_parallel else weight)
-    torch.manual_seed(5)
-    hidden = torch.randn(MLA_SEQ, MLA_BATCH, MLA_SHAPES["hidden_size"])
-    output, _ = layer(hidden, None)
-    output.backward(torch.randn_like(output))
-    return ({name: full(p, p).numpy() for name, p in layer.named_parameters()},
-            {name: full(p.grad, p).numpy() for name, p in layer.named_parameters()})
+                param.copy_(weight.chunk(tp, dim=param.partition_dim)[group.rank()]
+                            if getattr(param, "tensor_model_parallel", False) else weight)
+        torch.manual_seed(5)
+        hidden = torch.randn(MLA_SEQ, MLA_BATCH, MLA_SHAPES["hidden_size"])
+        output, _ = layer(hidden, None)
+        output.backward(torch.randn_like(output))
+        grads[attention_class.__name__] = {name: full(p.grad, p).numpy() for name, p in layer.named_parameters()}
+    return weights, grads
 
 
 def test_rotary_key_gradient_is_summed_over_tp():
-    weights, tp2_hook = run_on_ranks(_mla_layer_gradients, 2, 2, "hook:SummedRotaryKeyMLASelfAttention")[0]
-    _, tp2_core = run_on_ranks(_mla_layer_gradients, 2, 2, "megatron-core:MLASelfAttention")[0]
-    _, tp1 = run_on_ranks(_mla_layer_gradients, 1, 1, "hook:SummedRotaryKeyMLASelfAttention", weights)[0]
-    tp1, tp2_hook, tp2_core = ({name: torch.from_numpy(g) for name, g in grads.items()}
-                               for grads in (tp1, tp2_hook, tp2_core))
+    weights, tp2 = run_on_ranks(_mla_layer_gradients, 2, 2)[0]
+    _, tp1 = run_on_ranks(_mla_layer_gradients, 1, 1, weights)[0]
+    tp1, tp2_hook, tp2_core = ({name: torch.from_numpy(g) for name, g in grads.items()} for grads in (
+        tp1["SummedRotaryKeyMLASelfAttention"], tp2["SummedRotaryKeyMLASelfAttention"], tp2["MLASelfAttention"]))
     for name, grad in tp1.items():
         assert torch.allclose(tp2_hook[name], grad, rtol=1e-5, atol=1e-7), name
     kv_lora_rank = 16  # the kv down projection's rows: the kv latent's, then the rotary key's
