@@ -10,7 +10,7 @@ that fits only some buckets (CIERA) and with measured delta costs (ranks must ag
 switches the gathers between plain and compressed and finally off (``--param-gather-trial-iters``).
 Refused settings raise errors naming the flag.
 
-Through the training driver (torchrun, 50 iterations): DP=2 with CIERA from scratch and with delta
+Through the training driver (launch_training, 50 iterations): DP=2 with CIERA from scratch and with delta
 resumed from the uncompressed run's iteration-25 checkpoint; and MoE runs (both codecs) with TP=2 x SP
 and EP=2 x ETP=1 on 4 ranks, so dense buckets gather over DP=2 (with TP=2) and expert buckets over
 expert-DP=2. Per-iteration loss and params_checksum must equal the uncompressed run's.
@@ -385,7 +385,7 @@ def test_dense_lossless_overlap_verify_reset_selection_and_refusals():
     _assert_identical(run_on_ranks(_dense_world, 2))
 
 
-# --- Through the training driver (torchrun on CPU): per-iteration loss and params_checksum ---------
+# --- Through the training driver (CPU ranks): per-iteration loss and params_checksum -----------------
 DRIVER = ("--train-iters 50 --lr-warmup-iters 1 --bf16 --use-distributed-optimizer --overlap-grad-reduce "
           "--overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
           "--eval-interval 1000 --params-checksum-interval 1")
