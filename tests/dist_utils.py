@@ -1,21 +1,54 @@
-"""Run a function on N gloo ranks in spawned CPU processes (or NCCL ranks, a GPU each) and collect each
-rank's return value.
+"""Run a function on N gloo ranks (or NCCL ranks, a GPU each), or a training entry point on N CPU ranks, and
+collect each rank's result.
 
-Process start-up dominates CPU test time (~2.5 s per rank on 2 cores), so tests should pack many
-checks into one call of ``run_on_ranks`` rather than launch one world per check.
+Process start-up dominates CPU test time: importing torch and megatron-core costs ~8 s of CPU per process,
+more than a short run trains. So CPU ranks are forked from one server process that imported them once per
+session (multiprocessing's forkserver, started with the ranks' CPU environment); NCCL ranks are spawned.
+Tests should still pack many checks into one call of ``run_on_ranks`` rather than launch one world per check.
 """
 
+import json
+import multiprocessing.connection
+import multiprocessing.forkserver
 import os
+import runpy
 import socket
+import sys
+import time
 import traceback
+import warnings
 
 import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_ENV = dict(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")  # also what the server imports under
+# what a training run imports; a rank imports whatever else it needs itself
+PRELOAD = ["megatron.training.training", "megatron.training.checkpointing", "megatron.training.model",
+           "megatron.training.data", "megatron.hooks.param_gather", "megatron.hooks.tp", "megatron.hooks.pp"]
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _cpu_context():
+    """The forkserver context, its server running with PRELOAD imported under CPU_ENV (checked on every call:
+    multiprocessing would restart a dead server with whatever environment the caller has then)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    saved = {key: os.environ.get(key) for key in CPU_ENV}
+    os.environ.update(CPU_ENV)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+    return ctx
 
 
 def _worker(rank, world_size, port, fn, args, queue, backend):
@@ -46,7 +79,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 600, backend: str 
     """Call ``fn(*args)`` on every rank of a fresh gloo world (CPU), or with ``backend="nccl"`` one GPU per
     rank; return the list of results by rank. ``fn`` must be a module-level function (it is pickled into
     the children)."""
-    ctx = mp.get_context("spawn")
+    ctx = _cpu_context() if backend == "gloo" else mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend))
@@ -72,31 +105,70 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 600, backend: str 
     return [results[r] for r in range(world_size)]
 
 
-def launch_training(tmp_path, name, script, nproc, flags, timeout=400):
-    """Run a training entry point (e.g. ``pretrain_gpt.py``) under torchrun on ``nproc`` CPU processes
-    with ``--metrics-file``; return its per-iteration metrics records."""
-    import json
-    import subprocess
-    import sys
+def _run_script(rank, nproc, port, script, argv, env, log_dir):
+    """One rank of a training run, as torchrun starts it: torchrun's rank variables in the given environment,
+    stdout and stderr in files of its own, the entry point run as __main__ with ``argv``."""
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    warnings.simplefilter("ignore")  # env's PYTHONWARNINGS, read only at interpreter start (the server's)
+    os.makedirs(os.path.join(log_dir, str(rank)))
+    for fd, name in ((1, "stdout.log"), (2, "stderr.log")):
+        with open(os.path.join(log_dir, str(rank), name), "w") as f:
+            os.dup2(f.fileno(), fd)
+    os.chdir(ROOT)
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def _wait_all(procs, timeout):
+    """Wait for every rank; at the first that fails (or at the timeout) kill the others, as torchrun stops its
+    workers. Returns None, or the failed rank (None: timed out) and what happened."""
+    deadline = time.monotonic() + timeout
+    running = {p.sentinel: rank for rank, p in enumerate(procs)}
+    failed = None
+    while running and failed is None:
+        ready = multiprocessing.connection.wait(list(running), timeout=max(deadline - time.monotonic(), 0))
+        if not ready:
+            failed = None, f"timed out after {timeout} s"
+        for sentinel in ready:
+            rank = running.pop(sentinel)
+            procs[rank].join()
+            if procs[rank].exitcode != 0 and failed is None:
+                failed = rank, f"rank {rank} exited with {procs[rank].exitcode}"
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    return failed
+
+
+def launch_training(tmp_path, name, script, nproc, flags, timeout=400):
+    """Run a training entry point (e.g. ``pretrain_gpt.py``) on ``nproc`` CPU ranks with ``--metrics-file``, as
+    ``torchrun --nproc-per-node`` does (ranks forked from the preloaded server); return its per-iteration metrics
+    records. Each rank's stdout and stderr: ``{name}_logs/{rank}/``."""
     metrics = tmp_path / f"{name}.jsonl"
-    logs = tmp_path / f"{name}_logs"  # every rank's own stdout/stderr (also echoed: --tee 3)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--log-dir", str(logs), "--tee", "3", os.path.join(root, script), *flags.split(),
-           "--metrics-file", str(metrics), "--data-cache-path", str(tmp_path / "cache")]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, (f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-                                    f"{_root_cause_log(result.stderr, logs)}")
+    logs = tmp_path / f"{name}_logs"
+    argv = [*flags.split(), "--metrics-file", str(metrics), "--data-cache-path", str(tmp_path / "cache")]
+    env = dict(os.environ, **CPU_ENV, PYTHONWARNINGS="ignore")
+    ctx, port = _cpu_context(), _free_port()
+    procs = [ctx.Process(target=_run_script,
+                         args=(rank, nproc, port, os.path.join(ROOT, script), argv, env, str(logs)))
+             for rank in range(nproc)]
+    for p in procs:
+        p.start()
+    failed = _wait_all(procs, timeout)
+    assert failed is None, f"{name} failed: {failed[1]}{_log_tails(logs, failed[0])}"
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def _root_cause_log(stderr: str, logs) -> str:
-    """The stderr of the rank torchrun names as the root cause of a failure (the combined tail above mostly
-    shows its peers' "connection closed" errors)."""
-    import re
-
-    found = re.search(r"Root Cause.*?rank\s*:\s*\d+ \(local_rank: (\d+)\)", stderr, re.S)
-    files = sorted(logs.glob(f"*/attempt_*/{found.group(1)}/stderr.log")) if found else []
-    return f"\nroot-cause rank {found.group(1)}'s stderr:\n{files[-1].read_text()[-6000:]}" if files else ""
+def _log_tails(logs, rank) -> str:
+    """Rank 0's stdout and the failed rank's stderr (its peers mostly show connection errors)."""
+    stdout = logs / "0" / "stdout.log"
+    stderr = logs / str(rank or 0) / "stderr.log"
+    return "".join(f"\n{path}:\n{path.read_text()[-limit:]}" for path, limit in ((stdout, 3000), (stderr, 6000))
+                   if path.exists())

@@ -5,7 +5,7 @@ A small bf16 GPTModel (dropout on, so resuming also depends on the RNG state) + 
 loads the checkpoint and trains the same 3 steps. Losses and parameters must match bit for bit.
 Run once with TP=1 x DP=2 (optimizer state sharded over DP) and once with TP=2 x DP=1, plus
 --no-load-optim, --no-load-rng, --finetune, a save that crashes before publishing, bad flags and a TP=2 checkpoint
-loaded at TP=1. The second test resumes the real driver (pretrain_gpt.py via torchrun) and compares it
+loaded at TP=1. The second test resumes the real driver (pretrain_gpt.py on 2 ranks) and compares it
 with an uninterrupted run through the metrics file.
 """
 

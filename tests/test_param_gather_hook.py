@@ -10,7 +10,7 @@ that fits only some buckets (CIERA) and with measured delta costs (ranks must ag
 switches the gathers between plain and compressed and finally off (``--param-gather-trial-iters``).
 Refused settings raise errors naming the flag.
 
-Through the training driver (torchrun, 50 iterations): DP=2 with CIERA from scratch and with delta
+Through the training driver (launch_training, 50 iterations): DP=2 with CIERA from scratch and with delta
 resumed from the uncompressed run's iteration-25 checkpoint; and MoE runs (both codecs) with TP=2 x SP
 and EP=2 x ETP=1 on 4 ranks, so dense buckets gather over DP=2 (with TP=2) and expert buckets over
 expert-DP=2. Per-iteration loss and params_checksum must equal the uncompressed run's.
@@ -385,7 +385,7 @@ def test_dense_lossless_overlap_verify_reset_selection_and_refusals():
     _assert_identical(run_on_ranks(_dense_world, 2))
 
 
-# --- Through the training driver (torchrun on CPU): per-iteration loss and params_checksum ---------
+# --- Through the training driver (CPU ranks): per-iteration loss and params_checksum -----------------
 DRIVER = ("--train-iters 50 --lr-warmup-iters 1 --bf16 --use-distributed-optimizer --overlap-grad-reduce "
           "--overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
           "--eval-interval 1000 --params-checksum-interval 1")
@@ -438,15 +438,20 @@ def test_driver_dp2_lossless_and_resume(tmp_path):
     _assert_same_iterations(reference, delta_all)
 
 
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    """The uncompressed MoE run both codecs are compared with (one launch for both)."""
+    return launch_training(tmp_path_factory.mktemp("moe"), "none", "pretrain_moe.py", 4, MOE)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", ["delta", "ciera"])
-def test_driver_moe_tp2_ep2(tmp_path, codec):
+def test_driver_moe_tp2_ep2(tmp_path, codec, moe_reference):
     """Dense buckets over DP=2 with TP=2 + SP, expert buckets over expert-DP=2 (EP=2), 50 iterations."""
 
-    reference = launch_training(tmp_path, "none", "pretrain_moe.py", 4, MOE)
     compressed = launch_training(tmp_path, codec, "pretrain_moe.py", 4, f"{MOE} {COMPRESSED} {codec}")
     assert [r["iteration"] for r in compressed] == list(range(1, 51))
-    _assert_same_iterations(reference, compressed)
+    _assert_same_iterations(moe_reference, compressed)
     # On this toy every CIERA block changes each step (nothing to reuse), so the wire carries the full
     # values plus each gather's fixed cost: the size message (8 bytes and the 32-byte header the decoders
     # take on the host), the payload's header, the change bitmap and padding to 16 bytes. Measured over raw:
@@ -459,4 +464,4 @@ def test_driver_moe_tp2_ep2(tmp_path, codec):
             assert gather["sent_bytes"] < gather["raw_bytes"], comm_class
         else:
             assert gather["sent_bytes"] <= bound * gather["raw_bytes"], comm_class
-    assert reference[-1]["comm"]["dp_expert_param_gather"]["raw_bytes"] == 0  # no hook, no count
+    assert moe_reference[-1]["comm"]["dp_expert_param_gather"]["raw_bytes"] == 0  # no hook, no count

@@ -11,7 +11,7 @@ groups are megatron-core's own class; with both on, per-rank parameter hashes ag
 (grad-reduce overlap on), verify() catches a corrupted replica, a reset makes the next gather a keyframe, and the
 collective over gloo matches the in-process math (sync, async, SUM vs AVG).
 
-Driver (torchrun, DP=2, 30 iterations, both flags at int4, overlap on, verify every gather): tracks
+Driver (launch_training, DP=2, 30 iterations, both flags at int4, overlap on, verify every gather): tracks
 the uncompressed run within bounds justified at DRIVER_LOSS_TOL.
 """
 
