@@ -19,7 +19,7 @@ def apply() -> None:
     # forward then reads Transformer Engine's FP8 state, a NameError without TE: every --recompute-modules layernorm
     # (and moe_act) forward fails. Without TE there is no FP8 to restore, so the flag is False.
     if not hasattr(tp_random, "FP8GlobalStateManager") and not getattr(tp_random.CheckpointWithoutOutput,
-                                                                        "_fp8_needs_te", False):
+                                                                        "_fp8_off_without_te", False):
         original_init = tp_random.CheckpointWithoutOutput.__init__
 
         def init_without_te(self, *args, **kwargs):
@@ -27,4 +27,4 @@ def apply() -> None:
             self.fp8 = False
 
         tp_random.CheckpointWithoutOutput.__init__ = init_without_te
-        tp_random.CheckpointWithoutOutput._fp8_needs_te = True
+        tp_random.CheckpointWithoutOutput._fp8_off_without_te = True  # applied once per process
