@@ -240,7 +240,6 @@ ERRORS = [
     ("--recompute-granularity selective --recompute-modules core_attn mlp", 1, "add --disable-bias-linear"),
     ("--window-attn-skip-freq 2", 1, "--window-attn-skip-freq picks the layers of --window-size's"),
     ("--window-size 8,0 --window-attn-skip-freq [1,0]", 1, "lists 2 layers, the model has --num-layers 4"),
-    ("--softmax-type learnable --tensor-model-parallel-size 2", 2, "use TP=1 or Transformer Engine"),
     ("--check-weight-hash-across-dp-replicas-interval 0", 1, "must be a positive number of iterations, got 0"),
     ("--fp8-format hybrid", 1, "--fp8-format: FP8/FP4 training (Transformer Engine's low-precision GEMMs) is not"),
     ("--fp8-param-gather", 1, "drop the --fp8-*/--fp4-* flags and train with --bf16"),

@@ -1,7 +1,7 @@
 """Megatron-LM's attention-form, recompute and replica-check flags, as gpt-oss, Qwen2 and Mistral launch scripts give
 them: --window-size with --window-attn-skip-freq (sliding-window attention per layer), --softmax-type,
 --rotary-interleaved, --add-qkv-bias, --recompute-modules, --moe-router-force-load-balancing and
---check-weight-hash-across-dp-replicas-interval.
+--check-weight-hash-across-dp-replicas-interval; learnable softmax logits at TP=2 against one process.
 
 In one process: which layers get a window and which softmax, the projections' biases, what reaches megatron-core's
 config, and that a window changes the logits only when it is shorter than the sequence; selective recompute of
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dist_utils import launch_training, run_on_ranks
-from test_parallel_training import GPT
+from test_parallel_training import GPT, assert_same_trajectory
 
 WINDOWED = "--window-size 8,0 --window-attn-skip-freq 2"
 
@@ -135,6 +135,19 @@ def test_new_attention_forms_train_with_replicas_checked(tmp_path):
     checked = [int(line.rsplit(" ", 2)[-2]) for line in log.splitlines()
                if "weight hashes match across data-parallel replicas after" in line]
     assert checked == [0, 2, 4, 6]
+
+
+@pytest.mark.slow
+def test_learnable_softmax_at_tp2_follows_the_single_process_run(tmp_path):
+    """megatron-core's local attention keeps a TP rank's heads' learnable logits in a parameter without its
+    tensor-parallel attributes (megatron/hooks/compat.py adds them): with them the logits are initialized as slices
+    of one tensor and the gradient norm counts every rank's heads, so TP=2 follows one process (without, the norm
+    counted rank 0's heads only)."""
+    flags = GPT + " --softmax-type learnable"
+    reference = launch_training(tmp_path, "single", "pretrain_gpt.py", 1, flags)
+    parallel = launch_training(tmp_path, "tp2", "pretrain_gpt.py", 2, flags + " --tensor-model-parallel-size 2")
+    assert_same_trajectory(reference, parallel, ["loss", "grad_norm", "eval_loss"])
+    assert parallel[-1]["loss"] < parallel[0]["loss"]
 
 
 def _mismatch_raises() -> str:

@@ -1,8 +1,11 @@
 """Workarounds for megatron-core defects that show without Transformer Engine, on CPU and GPU alike.
 
-Applied once per process by ``apply()`` (``megatron.training.initialize``); each names the release
-that needs it and is a no-op where the defect is absent.
+Applied once per process by ``apply()`` (``megatron.training.initialize``), and to each built model chunk by
+``mark_softmax_offsets_tensor_parallel``; each names the release that needs it and is a no-op where the defect is
+absent.
 """
+
+import torch
 
 
 def apply() -> None:
@@ -28,3 +31,16 @@ def apply() -> None:
 
         tp_random.CheckpointWithoutOutput.__init__ = init_without_te
         tp_random.CheckpointWithoutOutput._fp8_off_without_te = True  # applied once per process
+
+
+def mark_softmax_offsets_tensor_parallel(chunk) -> None:
+    """0.16.1 and 0.19.2: the local ``DotProductAttention`` of ``--softmax-type learnable`` holds this TP rank's heads'
+    logits (``softmax_offset``, [heads per partition]) in a parameter without megatron-core's tensor-parallel
+    attributes, so the gradient norm (and its clipping) counts TP rank 0's heads only, and a layout-independent
+    initialization cannot find the full tensor it is a slice of. Its checkpoint already shards it along dim 0."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for module in chunk.modules():
+        offset = getattr(module, "softmax_offset", None)
+        if isinstance(offset, torch.nn.Parameter) and not getattr(offset, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(offset, is_parallel=True, dim=0, stride=1)

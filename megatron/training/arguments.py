@@ -899,7 +899,6 @@ def _validate_model(args) -> None:
     _validate_recompute_modules(args)
     _validate_attention_window(args)
     _validate_transformer_impl(args)
-    _validate_softmax_type(args)
     _validate_fp32_residual_connection(args)
     _validate_mla(args)
     _check(args.cross_entropy_fusion_impl != "te" or transformer_engine_installed(),
@@ -935,15 +934,6 @@ def _validate_attention_window(args) -> None:
            f"--window-attn-skip-freq lists {len(freq) if isinstance(freq, list) else 0} layers, the model has "
            f"--num-layers {args.num_layers}")
     _check(not isinstance(freq, int) or freq > 0, f"--window-attn-skip-freq {freq} must be positive")
-
-
-def _validate_softmax_type(args) -> None:
-    # megatron-core's local attention keeps a TP rank's slice of the learnable per-head logits in a parameter it does
-    # not mark as TP-sharded: the gradient norm (and its clipping) would count TP rank 0's slice only
-    _check(args.softmax_type != "learnable" or args.tensor_model_parallel_size == 1
-           or args.transformer_impl == "transformer_engine",
-           "--softmax-type learnable with --transformer-impl local needs --tensor-model-parallel-size 1 (megatron-core's "
-           "local attention does not mark its per-head logits as TP-sharded): use TP=1 or Transformer Engine")
 
 
 def _validate_mla(args) -> None:

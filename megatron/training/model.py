@@ -204,7 +204,7 @@ def _tensor_parallel_slice(param, full):
 
 def init_weights_layout_independent(chunk, config, seed: int) -> None:
     for name, param in chunk.named_parameters():
-        if param.dim() < 2:
+        if param.dim() < 2 and not name.endswith("softmax_offset"):  # biases and norms keep megatron-core's init
             continue
         global_name = _global_name(chunk, name, param)
         full_shape = list(param.shape)
@@ -233,11 +233,14 @@ def build_model_chunks(args, config) -> list:
     wrapped in Float16Module for bf16/fp16 (the torch norm fallback ignores params_dtype)."""
     from megatron.core.transformer.module import Float16Module
 
+    from megatron.hooks import compat
+
     vp_size = args.virtual_pipeline_model_parallel_size
     stages = range(vp_size) if vp_size is not None else [None]
     chunks = []
     for vp_stage in stages:
         chunk = build_gpt_chunk(args, config, vp_stage)
+        compat.mark_softmax_offsets_tensor_parallel(chunk)
         init_weights_layout_independent(chunk, config, args.seed)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
