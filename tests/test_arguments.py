@@ -243,7 +243,6 @@ ERRORS = [
     ("--check-weight-hash-across-dp-replicas-interval 0", 1, "must be a positive number of iterations, got 0"),
     ("--fp8-format hybrid", 1, "--fp8-format: FP8/FP4 training (Transformer Engine's low-precision GEMMs) is not"),
     ("--fp8-param-gather", 1, "drop the --fp8-*/--fp4-* flags and train with --bf16"),
-    ("--mtp-num-layers 1", 1, "--mtp-num-layers: multi-token prediction is not implemented"),
     ("--cuda-graph-modules attn mlp", 1, "--cuda-graph-modules: CUDA graphs of whole layers are not implemented"),
     ("--pipeline-model-parallel-layout E|t*4|L", 1, "custom pipeline layouts are not implemented"),
     ("--multi-latent-attention --tensor-model-parallel-size 2 --q-lora-rank 96 --kv-lora-rank 64 "

@@ -86,6 +86,11 @@ SOURCE_CONTAINS = [
      "gather_from_tensor_model_parallel_region(kv_combined)"),
     ("megatron.core.transformer.multi_latent_attention", "MLASelfAttention.get_query_key_value_tensors",
      "scatter_to_sequence_parallel_region(kv_compressed)"),
+    # ... and the MTP layer's while _concat_embeddings runs.
+    ("megatron.core.transformer.multi_token_prediction", "MultiTokenPredictionLayer._concat_embeddings",
+     "gather_from_tensor_model_parallel_region("),
+    ("megatron.core.transformer.multi_token_prediction", "MultiTokenPredictionLayer._concat_embeddings",
+     "scatter_to_sequence_parallel_region(hidden_states"),
     # megatron/hooks/pp.py swaps the communicator class the pipelined schedules construct.
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving",
      "P2PCommunicator("),
@@ -185,15 +190,22 @@ def test_instance_attributes(module_name, cls, attrs):
     assert not missing, f"{module_name}.{cls}.__init__ no longer sets {missing}"
 
 
-def test_mla_imports_only_the_tp_collectives_we_route():
-    """megatron/hooks/tp.py rebinds, while MLA runs, two of the mapping functions multi_latent_attention imported
-    (the third, gather_from_sequence_parallel_region, runs only when the kv down projection is not tensor-parallel,
-    never with the local spec); a new one would go uncompressed, so it fails here."""
-    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
-    imported = {name for name, obj in vars(mla).items()
+ROUTED_MAPPINGS = {"gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region"}
+
+
+@pytest.mark.parametrize("module_name, imported_too, package_calls", [
+    # the third, gather_from_sequence_parallel_region, runs only when the kv down projection is not tensor-parallel,
+    # never with the local spec
+    ("megatron.core.transformer.multi_latent_attention", {"gather_from_sequence_parallel_region"},
+     {"CheckpointWithoutOutput"}),
+    ("megatron.core.transformer.multi_token_prediction", set(), {"get_cuda_rng_tracker", "checkpoint"}),
+])
+def test_layers_import_only_the_tp_collectives_we_route(module_name, imported_too, package_calls):
+    """megatron/hooks/tp.py rebinds, while MLA's query/key/value and the MTP layer's projection run, two of the
+    mapping functions these modules imported; a new one would go uncompressed, so it fails here, and so does a
+    mapping reached through the tensor_parallel package (only the recompute and RNG helpers are)."""
+    module = importlib.import_module(module_name)
+    imported = {name for name, obj in vars(module).items()
                 if getattr(obj, "__module__", None) == "megatron.core.tensor_parallel.mappings"}
-    assert imported == {"gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region",
-                        "gather_from_sequence_parallel_region"}
-    # and no mapping reached through the package (only the recompute helper is)
-    source = inspect.getsource(mla)
-    assert set(re.findall(r"tensor_parallel\.(\w+)\(", source)) == {"CheckpointWithoutOutput"}
+    assert imported == ROUTED_MAPPINGS | imported_too
+    assert set(re.findall(r"tensor_parallel\.(\w+)\(", inspect.getsource(module))) == package_calls

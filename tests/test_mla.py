@@ -9,7 +9,7 @@
   initialization covers MLA's projections), and with TACO it tracks it within the bound of test_tp_hooks.py's GPT
   check, with MLA's projections and latent all-gathers compressed (the latents layer by layer: test_tp_hooks.py).
 - The FLOP count behind TFLOP/s/GPU (megatron/training/metrics.py) against torch's FlopCounterMode on the model's
-  forward: MLA, GQA + SwiGLU, and the squared-ReLU and quick-GeGLU activations.
+  forward: MLA, GQA + SwiGLU, the squared-ReLU and quick-GeGLU activations, and multi-token prediction layers.
 """
 
 import pytest
@@ -149,8 +149,8 @@ def test_mla_tp2_sp_follows_single_process_and_taco_tracks_it(tmp_path):
 
 
 def _counted_and_formula_flops():
-    """For a GQA SwiGLU GPT, quick-GeGLU and squared-ReLU GPTs (their biases added unfused) and MLA with and
-    without a query latent: the forward FLOPs that
+    """For a GQA SwiGLU GPT, quick-GeGLU and squared-ReLU GPTs (their biases added unfused), MLA with and
+    without a query latent and two multi-token prediction layers: the forward FLOPs that
     torch's FlopCounterMode counts in the model's matrix products, and a third of gpt_flops_per_iteration (which
     counts forward + backward) for the same tokens."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -166,6 +166,7 @@ def _counted_and_formula_flops():
         "squared_relu": " --squared-relu",
         "mla": MLA,
         "mla_no_q_latent": MLA.replace("--q-lora-rank 32 ", ""),
+        "mtp": " --mtp-num-layers 2 --position-embedding-type rope --swiglu",
     }
     results = {}
     for name, flags in variants.items():
@@ -176,8 +177,8 @@ def _counted_and_formula_flops():
         model = build_model_chunks(args, core_transformer_config(args))[0]
         tokens = torch.randint(0, 255, (args.global_batch_size, args.seq_length))
         position_ids = torch.arange(args.seq_length).expand(args.global_batch_size, -1)
-        with FlopCounterMode(display=False) as counter:
-            model(tokens, position_ids, None)
+        with FlopCounterMode(display=False) as counter:  # MTP layers run only with labels (their loss)
+            model(tokens, position_ids, None, labels=tokens if args.mtp_num_layers else None)
         results[name] = (counter.get_total_flops(), metrics.gpt_flops_per_iteration(args) / 3)
     return results
 

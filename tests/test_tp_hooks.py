@@ -6,7 +6,7 @@ Two spawned gloo worlds carry all the distributed checks (process start dominate
   ``TACO_REL_ERR``. Also: codec determinism (the SP re-gather in backward), the small-tensor and
   non-float fallbacks, telemetry. And an MLA layer (with and without a query latent, SP on and off):
   bit-identical through the identity codec, its latent collectives within ``TACO_REL_ERR`` and counted
-  to the byte.
+  to the byte; the same for a multi-token prediction layer's projection and its output's collectives.
 - TP=2 and TP=4 (world 4): a small GPTModel trained with Adam on fixed tokens, stock vs swapped.
 Plus argument/model errors (no process group) and one driver run (pretrain_gpt.py, TP=2 + SP + TACO).
 """
@@ -169,6 +169,7 @@ def _function_checks():
     torch.distributed.all_gather_object(report["auto_min_bytes_all_ranks"], report["auto_min_bytes"], group=group)
 
     report["mla"] = _mla_checks()
+    report["mtp"] = _mtp_checks()
 
     # The SP re-gather in backward must reproduce the forward gather exactly.
     comm = TpComm(taco, group, {op: 0 for op in OPS})
@@ -276,6 +277,90 @@ def _check_mla_report(report):
     assert report["stock_mappings_restored"]
 
 
+MTP_HIDDEN = 64
+
+
+def _build_mtp_layer(sequence_parallel: bool):
+    """A multi-token prediction layer as megatron-core builds it for a local-spec GPT (hidden 64, 4 heads, fp32)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=MTP_HIDDEN, num_attention_heads=4, mtp_num_layers=1, tensor_model_parallel_size=2,
+        sequence_parallel=sequence_parallel, use_cpu_initialization=True, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+    )
+    spec = get_gpt_mtp_block_spec(config, get_gpt_layer_local_spec(), use_transformer_engine=False)
+    return MultiTokenPredictionBlock(config, spec).layers[0]
+
+
+def _mtp_checks():
+    """The collectives of an MTP layer's [embedding, hidden] projection (``_concat_embeddings``: the column-parallel
+    projection, the all-gather of its output's last dim and, with SP, the split to the sequence shard) at TP=2, SP
+    on and off: megatron-core's layer (stock), every TP collective through the identity codec (apply_tp_compression)
+    and only the layer's own two mapping functions through TACO (the class set by hand, the projection stock, so
+    that the telemetry counts just those): output, input and parameter grads, the telemetry (forward: this rank's
+    [seq, batch, h / 2] output shard; SP backward: the [seq / 2, batch, h] gradient shard), and the functions
+    multi_token_prediction holds afterwards."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer import multi_token_prediction
+
+    from compression.telemetry import TELEMETRY
+    from megatron.hooks.tp import CompressedMultiTokenPredictionLayer, apply_tp_compression
+    from megatron.hooks.tp_functions import TpComm
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    seq, batch = MLA_SEQ, MLA_BATCH
+    report = {}
+    for sequence_parallel in (False, True):
+        torch.manual_seed(30)  # the full inputs are the same on every rank
+        inputs = [torch.randn(seq, batch, MTP_HIDDEN) for _ in range(2)]  # hidden states, next tokens' embeddings
+        inputs = [x.chunk(2)[group.rank()] if sequence_parallel else x for x in inputs]
+
+        def run(layer):
+            leaves = [x.clone().requires_grad_() for x in inputs]
+            output = layer._concat_embeddings(*leaves)
+            torch.manual_seed(31 + group.rank())
+            output.backward(torch.randn_like(output))
+            grads = torch.cat([p.grad.reshape(-1) for p in layer.parameters() if p.grad is not None])
+            return [output.detach(), *(x.grad for x in leaves), grads]
+
+        stock = run(_build_mtp_layer(sequence_parallel))
+        identity_layer = _build_mtp_layer(sequence_parallel)
+        apply_tp_compression([identity_layer], _args(), codec=IdentityCodec())
+        identity = run(identity_layer)
+        taco_layer = _build_mtp_layer(sequence_parallel)
+        taco_layer.tp_comm = TpComm(_taco_codec(), group, {op: 0 for op in OPS})
+        taco_layer.__class__ = CompressedMultiTokenPredictionLayer
+        TELEMETRY.reset()
+        taco = run(taco_layer)
+        raw, sent = TELEMETRY.counters()[:2]
+        expected_raw = 4 * (seq * batch * MTP_HIDDEN // 2 + (seq // 2 * batch * MTP_HIDDEN if sequence_parallel else 0))
+        report[sequence_parallel] = dict(
+            swapped=type(identity_layer) is CompressedMultiTokenPredictionLayer,
+            identity_bits_equal=[_bits_equal(g, e) for g, e in zip(identity, stock)],
+            taco_rel_err=[_rel_err(g, e) for g, e in zip(taco, stock)],
+            raw=raw, sent=sent, expected_raw=expected_raw,
+        )
+    names = ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region")
+    report["stock_mappings_restored"] = all(getattr(multi_token_prediction, n) is getattr(mappings, n) for n in names)
+    return report
+
+
+def _check_mtp_report(report):
+    for sequence_parallel in (False, True):
+        mtp = report[sequence_parallel]
+        assert mtp["swapped"] and all(mtp["identity_bits_equal"]), (sequence_parallel, mtp)
+        assert max(mtp["taco_rel_err"]) < TACO_REL_ERR, (sequence_parallel, mtp)
+        assert mtp["raw"] == mtp["expected_raw"] and 0 < mtp["sent"] < mtp["raw"] / 2, mtp
+    assert report["stock_mappings_restored"]
+
+
 @pytest.mark.slow
 def test_compressed_functions_match_megatron():
     report = run_on_ranks(_function_checks, 2)[0]
@@ -292,6 +377,7 @@ def test_compressed_functions_match_megatron():
     assert report["encode_deterministic"] and report["gather_deterministic"]
     assert report["async_matches_sync"] and report["int_all_reduce_exact"]
     _check_mla_report(report["mla"])
+    _check_mtp_report(report["mtp"])
     auto = report["auto_min_bytes"]
     assert set(auto) == set(OPS) and all(v is None or v > 0 for v in auto.values()), auto
     assert all(other == auto for other in report["auto_min_bytes_all_ranks"]), report["auto_min_bytes_all_ranks"]

@@ -1,8 +1,7 @@
 """Workarounds for megatron-core defects that show without Transformer Engine, on CPU and GPU alike.
 
 Applied once per process by ``apply()`` (``megatron.training.initialize``), and to each built model chunk by
-``mark_softmax_offsets_tensor_parallel``; each names the release that needs it and is a no-op where the defect is
-absent.
+``fix_model_chunk``; each names the release that needs it and is a no-op where the defect is absent.
 """
 
 import torch
@@ -31,6 +30,24 @@ def apply() -> None:
 
         tp_random.CheckpointWithoutOutput.__init__ = init_without_te
         tp_random.CheckpointWithoutOutput._fp8_off_without_te = True  # applied once per process
+
+
+def fix_model_chunk(chunk) -> None:
+    """The model-level workarounds below, on a GPTModel chunk just built (before its initialization and wrapping)."""
+    mark_softmax_offsets_tensor_parallel(chunk)
+    drop_unused_mtp_output_weight(chunk)
+
+
+def drop_unused_mtp_output_weight(chunk) -> None:
+    """0.16.1 and 0.19.2: with --mtp-num-layers on a last pipeline stage and tied embeddings, the output layer
+    allocates a weight of its own that it never uses (the forward passes the stage's copy of the embedding, which
+    the MTP layers need anyway), and saving a checkpoint then fails (``tie_embeddings_and_output_weights_state_dict``
+    asserts the output layer has no weight there). Dropped, as megatron-core skips it on the first stage: a
+    vocabulary-sized parameter and its optimizer state less, the same forward."""
+    output_layer = getattr(chunk, "output_layer", None)
+    if (getattr(chunk, "mtp_process", False) and not chunk.pre_process and chunk.share_embeddings_and_output_weights
+            and output_layer is not None and output_layer.weight is not None):
+        output_layer.weight = None
 
 
 def mark_softmax_offsets_tensor_parallel(chunk) -> None:

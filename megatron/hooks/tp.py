@@ -1,9 +1,9 @@
 """TACO-compressed tensor-parallel collectives, installed by swapping the class of built modules.
 
 ``apply_tp_compression`` sets ``module.__class__`` of every local-spec ``ColumnParallelLinear``,
-``RowParallelLinear``, ``VocabParallelEmbedding`` and MLA attention (``megatron/hooks/mla.py``'s; TP size > 1, not
-an expert linear with explicit expert communication) to a subclass whose TP collectives, forward and backward, go through
-``megatron.hooks.tp_functions``. Nothing is re-initialised: parameters, buffers and checkpoint layout
+``RowParallelLinear``, ``VocabParallelEmbedding``, MLA attention (``megatron/hooks/mla.py``'s) and multi-token
+prediction layer (TP size > 1, not an expert linear with explicit expert communication) to a subclass whose TP
+collectives, forward and backward, go through ``megatron.hooks.tp_functions``. Nothing is re-initialised: parameters, buffers and checkpoint layout
 stay those of the stock module. Left uncompressed: expert linears (MoE dispatcher traffic), frozen
 weights, the inference-only ``gather_output`` all-gather, the cross-entropy all-reduces, and
 Transformer Engine layers (their TP comm is inside TE; rejected with an error).
@@ -19,6 +19,8 @@ The overrides are the smallest methods that carry the communication (megatron-co
   split) and, with SP, ``scatter_to_sequence_parallel_region`` (local split, backward all-gather). Its
   third, ``gather_from_sequence_parallel_region`` of the rotary key, only runs when the kv down projection is
   not tensor-parallel (Transformer Engine's duplicated ``TELinear``), never with the local spec.
+- Multi-token prediction layer: ``_concat_embeddings``, during which the same two functions, as
+  ``multi_token_prediction`` imported them, carry its projection's output.
 ``tests/test_megatron_api.py`` pins the megatron-core names and signatures relied on here.
 """
 
@@ -34,7 +36,8 @@ from megatron.core.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from megatron.core.transformer import multi_latent_attention
+from megatron.core.transformer import multi_latent_attention, multi_token_prediction
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 
 from compression.codec import TensorCodec
 from compression.collective_graphs import CollectiveGraphs
@@ -114,18 +117,19 @@ class CompressedVocabParallelEmbedding(VocabParallelEmbedding):
 
 
 @contextlib.contextmanager
-def _latent_collectives(comm: TpComm):
-    """The mapping functions ``multi_latent_attention`` calls on its latents, routed through ``comm`` while
-    the block runs (megatron-core's own outside it). They take no group: MLA passes none."""
-    stock = (multi_latent_attention.gather_from_tensor_model_parallel_region,
-             multi_latent_attention.scatter_to_sequence_parallel_region)
-    multi_latent_attention.gather_from_tensor_model_parallel_region = lambda x: gather_last_dim(x, comm)
-    multi_latent_attention.scatter_to_sequence_parallel_region = lambda x: split_first_dim(x, comm)
+def _mapping_functions_through(namespace, comm: TpComm):
+    """The two mapping functions that ``namespace`` (megatron-core's ``multi_latent_attention`` or
+    ``multi_token_prediction``) imported and calls as functions, routed through ``comm`` while the block runs
+    (megatron-core's own outside it): ``gather_from_tensor_model_parallel_region`` (all-gather of the last dim,
+    backward a local split) and ``scatter_to_sequence_parallel_region`` (local split, backward all-gather). The
+    group 0.19 passes is the layer's TP group, ``comm``'s."""
+    stock = (namespace.gather_from_tensor_model_parallel_region, namespace.scatter_to_sequence_parallel_region)
+    namespace.gather_from_tensor_model_parallel_region = lambda x, group=None: gather_last_dim(x, comm)
+    namespace.scatter_to_sequence_parallel_region = lambda x, group=None: split_first_dim(x, comm)
     try:
         yield
     finally:
-        (multi_latent_attention.gather_from_tensor_model_parallel_region,
-         multi_latent_attention.scatter_to_sequence_parallel_region) = stock
+        namespace.gather_from_tensor_model_parallel_region, namespace.scatter_to_sequence_parallel_region = stock
 
 
 class CompressedMLASelfAttention(SummedRotaryKeyMLASelfAttention):
@@ -133,8 +137,24 @@ class CompressedMLASelfAttention(SummedRotaryKeyMLASelfAttention):
     The projections themselves are swapped linears."""
 
     def get_query_key_value_tensors(self, *args, **kwargs):
-        with _latent_collectives(self.tp_comm):
+        with _mapping_functions_through(multi_latent_attention, self.tp_comm):
             return super().get_query_key_value_tensors(*args, **kwargs)
+
+
+class CompressedMultiTokenPredictionLayer(MultiTokenPredictionLayer):
+    """MTP layer: fwd all-gather (last dim) of its [embedding, hidden] projection's output, then with SP the split to
+    the layer's sequence shard; bwd (SP) the all-gather of its gradient. The projection and the transformer layer
+    are swapped modules of their own."""
+
+    def _concat_embeddings(self, *args, **kwargs):
+        with _mapping_functions_through(multi_token_prediction, self.tp_comm):
+            return super()._concat_embeddings(*args, **kwargs)
+
+
+def _tp_group(module: torch.nn.Module):
+    """The module's TP group; megatron-core 0.16's MTP layer keeps none of its own: its projection's."""
+    group = getattr(module, "tp_group", None)
+    return group if group is not None else module.eh_proj.tp_group
 
 
 _COMPRESSED_CLASS = {
@@ -142,6 +162,7 @@ _COMPRESSED_CLASS = {
     RowParallelLinear: CompressedRowParallelLinear,
     VocabParallelEmbedding: CompressedVocabParallelEmbedding,
     SummedRotaryKeyMLASelfAttention: CompressedMLASelfAttention,
+    MultiTokenPredictionLayer: CompressedMultiTokenPredictionLayer,
 }
 
 
@@ -189,7 +210,7 @@ def _check_module(name: str, module: torch.nn.Module) -> None:
 def _compressible(module: torch.nn.Module) -> bool:
     return (
         type(module) in _COMPRESSED_CLASS
-        and module.tp_group.size() > 1
+        and _tp_group(module).size() > 1
         and not getattr(module, "explicit_expert_comm", False)
     )
 
@@ -239,11 +260,11 @@ def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) ->
                     kept[type(module).__name__] += 1
                 continue
             swapped[type(module).__name__] += 1
-            if module.tp_group not in thresholds:
-                thresholds[module.tp_group] = resolve_min_bytes(args, codec, module.tp_group)
-                graphs[module.tp_group] = _collective_graphs(args)
-            module.tp_comm = TpComm(codec, module.tp_group, thresholds[module.tp_group], args.taco_all_reduce,
-                                    graphs[module.tp_group])
+            group = _tp_group(module)
+            if group not in thresholds:
+                thresholds[group] = resolve_min_bytes(args, codec, group)
+                graphs[group] = _collective_graphs(args)
+            module.tp_comm = TpComm(codec, group, thresholds[group], args.taco_all_reduce, graphs[group])
             module.__class__ = _COMPRESSED_CLASS[type(module)]
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(

@@ -245,6 +245,15 @@ class MLAArgs:
 
 
 @dataclass(kw_only=True)
+class MTPArgs:
+    """DeepSeek-V3's multi-token prediction (megatron-core's MultiTokenPredictionBlock, on the last pipeline stage)."""
+    mtp_num_layers: Optional[int] = arg(None, "Multi-token prediction layers: layer k predicts the token k + 1 places "
+                                        "beyond the next one from the previous layer's hidden states and that token's "
+                                        "embedding; their mean loss is added to the training loss.")
+    mtp_loss_scaling_factor: float = arg(0.1, "Weight of the mean multi-token prediction loss in the training loss.")
+
+
+@dataclass(kw_only=True)
 class MoEArgs:
     num_experts: Optional[int] = arg(None, "Experts per MoE layer (MoE when set).")
     moe_router_topk: int = arg(2, "Experts per token.")
@@ -547,7 +556,7 @@ class CompressionArgs:
     pp_comm_high_bit_fraction: float = arg(0.125, "Fraction of each message's tokens that TahQuant sends with 8 bits.")
 
 
-SECTIONS = (ParallelArgs, ModelArgs, MLAArgs, MoEArgs, TrainingArgs, OptimizerArgs, DataArgs, CheckpointArgs,
+SECTIONS = (ParallelArgs, ModelArgs, MLAArgs, MTPArgs, MoEArgs, TrainingArgs, OptimizerArgs, DataArgs, CheckpointArgs,
             LoggingArgs, CompressionArgs)
 
 # Megatron-LM flags that launch scripts pass and that ask for what this trainer always does: accepted, no effect.
@@ -606,8 +615,6 @@ NOT_IMPLEMENTED = {
                            ("fp8-amax-history-len", 1), ("fp8-amax-compute-algo", 1), ("fp8-param-gather", 0),
                            ("first-last-layers-bf16", 0), ("fp4-format", 1), ("fp4-recipe", 1),
                            ("fp4-param-gather", 0))},
-    **{flag: (1, "multi-token prediction is not implemented: drop --mtp-num-layers and --mtp-loss-scaling-factor")
-       for flag in ("mtp-num-layers", "mtp-loss-scaling-factor")},
     **{flag: (nargs, "CUDA graphs of whole layers are not implemented: drop --cuda-graph-impl/--cuda-graph-modules "
                      "(--tp-comm-cuda-graphs captures the compressed TP collectives)")
        for flag, nargs in (("cuda-graph-impl", 1), ("cuda-graph-modules", "+"), ("cuda-graph-scope", "+"))},

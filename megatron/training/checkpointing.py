@@ -90,10 +90,11 @@ CHECKPOINT_ARGS_ALWAYS = (
     "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax", "moe_grouped_gemm",
     "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_enable_expert_bias",
     "moe_router_topk_scaling_factor", "tokenizer_model", "tokenizer_type", "tiktoken_pattern",
-    # beyond Megatron-LM's list, the shape flags of its newer activations, attention forms and multi-latent attention
+    # beyond Megatron-LM's list, the shape flags of its newer activations, attention forms, multi-latent attention and
+    # multi-token prediction
     "quick_geglu", "window_size", "window_attn_skip_freq", "softmax_type", "multi_latent_attention", "q_lora_rank",
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
-    "mscale_all_dim",
+    "mscale_all_dim", "mtp_num_layers",
 )
 
 
@@ -153,7 +154,6 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
     dist.barrier()
 
 
-@torch.no_grad()  # the optimizer copies into views of parameters that require grad
 def _load_scheduler(opt_param_scheduler, state) -> None:
     """megatron-core asserts that the command line's schedule equals the checkpoint's unless told which wins."""
     try:
@@ -164,6 +164,7 @@ def _load_scheduler(opt_param_scheduler, state) -> None:
                          f"--use-checkpoint-opt_param-scheduler to use the checkpoint's") from error
 
 
+@torch.no_grad()  # fp32 with the distributed optimizer: it copies into views of parameters that require grad
 def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
     """Restore the checkpoint that ``checkpoint_to_load`` picks; return its iteration (0 if there is nothing to
     load, or for a fine-tuning start). Sets ``args.consumed_train_samples``, ``args.consumed_valid_samples`` and

@@ -5,7 +5,8 @@ Record fields: ``iteration``, ``loss`` (json.dumps of the Python float, so it ro
 ``lr``, ``grad_norm``, ``iter_time_s``, ``tokens_per_s``, ``tflops_per_gpu``, ``comm`` (per class of
 ``compression.telemetry.COMM_CLASSES``: ``{"raw_bytes", "sent_bytes"}`` summed over all ranks),
 ``comm_counters`` (declared extra counters, summed), and optionally ``eval_loss``, ``moe_aux_loss``,
-``moe_z_loss``, ``moe_per_layer`` (MoE loss name -> one value per layer), ``params_checksum`` and the fields of
+``moe_z_loss``, ``moe_per_layer`` (MoE loss name -> one value per layer), ``mtp_loss`` (one value per multi-token
+prediction layer), ``params_checksum`` and the fields of
 Megatron-LM's logging flags: ``params_norm`` (--log-params-norm),
 ``num_zeros_in_grad`` (--log-num-zeros-in-grad), ``loss_scale`` (--log-loss-scale-to-tensorboard, on by
 default), ``eval_ppl`` (--log-validation-ppl-to-tensorboard), ``world_size`` (--log-world-size-to-tensorboard),
@@ -26,9 +27,14 @@ from compression.timing import default_device
 
 def gpt_flops_per_iteration(args) -> float:
     """Forward + backward FLOPs of one global batch (Megatron-LM's GPT formula: 2 FLOPs per multiply-add,
-    backward = 2 x forward; the attention scores over the whole sequence; the output layer)."""
-    per_token = args.num_layers * (_attention_macs(args) + _mlp_macs(args)) + args.padded_vocab_size * args.hidden_size
-    return 6 * args.global_batch_size * args.seq_length * per_token
+    backward = 2 x forward; the attention scores over the whole sequence; the output layer). Each multi-token
+    prediction layer adds a layer shaped as the decoder's last, its projection of [embedding, hidden] (2h -> h) and
+    one more output layer (Megatron-LM also counts its norms, 3h, which are not matrix products)."""
+    layers = args.num_layers * (_attention_macs(args) + _mlp_macs(args))
+    mtp = (args.mtp_num_layers or 0) * (_attention_macs(args) + _mlp_macs(args, args.num_layers - 1)
+                                        + 2 * args.hidden_size ** 2)
+    logits = (1 + (args.mtp_num_layers or 0)) * args.padded_vocab_size * args.hidden_size
+    return 6 * args.global_batch_size * args.seq_length * (layers + mtp + logits)
 
 
 def _attention_macs(args) -> float:
@@ -44,23 +50,23 @@ def _attention_macs(args) -> float:
     return h * d * (2 * heads + 2 * args.num_query_groups) + 2 * s * heads * d
 
 
-def _mlp_macs(args) -> float:
-    """Forward multiply-adds of one layer's MLP per token, averaged over the layers (a gated MLP's fc1 is twice as
-    wide; Megatron-LM's formula counts SwiGLU's gate, and here also quick GeGLU's)."""
+def _mlp_macs(args, layer: int = None) -> float:
+    """Forward multiply-adds of a layer's MLP per token, of layer ``layer`` or averaged over the layers (a gated
+    MLP's fc1 is twice as wide; Megatron-LM's formula counts SwiGLU's gate, and here also quick GeGLU's)."""
     gated = 1.5 if args.swiglu or args.quick_geglu else 1.0
-    return 2 * args.hidden_size * _mean_mlp_width(args) * gated
+    widths = [_mlp_width(args, i) for i in range(args.num_layers)] if layer is None else [_mlp_width(args, layer)]
+    return 2 * args.hidden_size * sum(widths) / len(widths) * gated
 
 
-def _mean_mlp_width(args) -> float:
-    """MLP hidden units a token passes through, averaged over the layers: an MoE layer's routed experts plus its
-    shared expert, a dense layer's MLP (--moe-layer-freq mixes them)."""
-    layers = args.num_layers
+def _mlp_width(args, layer: int) -> float:
+    """MLP hidden units a token passes through in layer ``layer``: an MoE layer's routed experts plus its shared
+    expert, a dense layer's MLP (--moe-layer-freq mixes them: a list of 0/1 per layer, or every Nth from layer 0)."""
     if args.num_experts is None:
         return args.ffn_hidden_size
     freq = args.moe_layer_freq
-    moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))  # layers 0, N, 2N, ...
-    moe_width = args.moe_ffn_hidden_size * args.moe_router_topk + (args.moe_shared_expert_intermediate_size or 0)
-    return (moe_layers * moe_width + (layers - moe_layers) * args.ffn_hidden_size) / layers
+    if not (freq[layer] if isinstance(freq, list) else layer % freq == 0):
+        return args.ffn_hidden_size
+    return args.moe_ffn_hidden_size * args.moe_router_topk + (args.moe_shared_expert_intermediate_size or 0)
 
 
 def reduce_telemetry() -> dict:
@@ -260,6 +266,8 @@ def _scalars(record: dict):
     for name, values in record.get("moe_per_layer", {}).items():  # Megatron-LM's names
         for layer, value in enumerate(values):
             yield f"moe/{name}_layer_{layer}", value
+    for layer, value in enumerate(record.get("mtp_loss", [])):
+        yield f"mtp_{layer + 1} loss", value
     for name, counts in record["comm"].items():
         yield f"comm/{name}/raw_bytes", counts["raw_bytes"]
         yield f"comm/{name}/sent_bytes", counts["sent_bytes"]
@@ -273,6 +281,7 @@ def log_line(record: dict, args) -> str:
         f"learning rate: {record['lr']:.6E}",
         f"global batch size: {args.global_batch_size:5d}",
         f"lm loss: {record['loss']:.6E}",
+        *(f"mtp_{layer + 1} loss: {value:.6E}" for layer, value in enumerate(record.get("mtp_loss", []))),
         *_optional_parts(record, (("loss_scale", "loss scale: {:.1f}"),)),
         f"grad norm: {record['grad_norm']:.4f}" if record["grad_norm"] is not None else "grad norm: n/a",
         *_optional_parts(record, (("num_zeros_in_grad", "num zeros: {}"), ("params_norm", "params norm: {:.3f}"))),

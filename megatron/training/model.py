@@ -101,6 +101,7 @@ def core_transformer_config(args):
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+        mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
     )
 
 
@@ -150,14 +151,34 @@ def layer_spec(args, config, vp_stage):
     return spec
 
 
+def mtp_block_spec(args, config, decoder_spec, vp_stage):
+    """Megatron-LM's multi-token prediction spec: each MTP layer is built as the decoder's last layer (or, where this
+    stage's MoE block holds no layer, as a layer of the plain local/TE spec); None without --mtp-num-layers or off
+    the last stage."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if args.mtp_num_layers is None:
+        return None
+    use_te = args.transformer_impl == "transformer_engine"
+    layer = decoder_spec
+    if hasattr(decoder_spec, "layer_specs"):  # a block spec (MoE)
+        layer = decoder_spec.layer_specs[-1] if decoder_spec.layer_specs else None
+    if layer is None:
+        layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+                                                         multi_latent_attention=args.multi_latent_attention)
+    return gpt_layer_specs.get_gpt_mtp_block_spec(config, layer, use_transformer_engine=use_te, vp_stage=vp_stage)
+
+
 def build_gpt_chunk(args, config, vp_stage):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    decoder_spec = layer_spec(args, config, vp_stage)
     return GPTModel(
-        config=config, transformer_layer_spec=layer_spec(args, config, vp_stage),
+        config=config, transformer_layer_spec=decoder_spec,
+        mtp_block_spec=mtp_block_spec(args, config, decoder_spec, vp_stage),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -168,21 +189,21 @@ def build_gpt_chunk(args, config, vp_stage):
 
 
 def _global_name(chunk, name: str, param) -> str:
-    """The parameter's name in the unpartitioned model: global layer and expert indices, and the
-    last stage's copy of a tied embedding named as the embedding."""
+    """The parameter's name in the unpartitioned model: global layer and expert indices (decoder and multi-token
+    prediction layers), and the last stage's copy of a tied embedding named as the embedding."""
     if getattr(param, "shared_embedding", False):
         return "embedding.word_embeddings.weight"
+    expert = re.search(r"\.local_experts\.(\d+)\.", name)
+    if expert:
+        from megatron.core import parallel_state
+
+        local = chunk.get_submodule(name[:expert.start()]).num_local_experts
+        index = parallel_state.get_expert_model_parallel_rank() * local + int(expert.group(1))
+        name = name[:expert.start()] + f".local_experts.{index}." + name[expert.end():]
     match = re.match(r"decoder\.layers\.(\d+)\.", name)
     if match:
         layer = chunk.decoder.layers[int(match.group(1))]
         name = f"decoder.layers.{layer.layer_number - 1}." + name[match.end():]
-        expert = re.search(r"local_experts\.(\d+)\.", name)
-        if expert:
-            from megatron.core import parallel_state
-
-            local = layer.mlp.experts.num_local_experts
-            index = parallel_state.get_expert_model_parallel_rank() * local + int(expert.group(1))
-            name = name[:expert.start()] + f"local_experts.{index}." + name[expert.end():]
     return name
 
 
@@ -240,7 +261,7 @@ def build_model_chunks(args, config) -> list:
     chunks = []
     for vp_stage in stages:
         chunk = build_gpt_chunk(args, config, vp_stage)
-        compat.mark_softmax_offsets_tensor_parallel(chunk)
+        compat.fix_model_chunk(chunk)
         init_weights_layout_independent(chunk, config, args.seed)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())

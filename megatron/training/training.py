@@ -74,17 +74,20 @@ def forward_step(data_iterator, model, *, args):
     return output_tensor, partial(loss_func, args, batch["loss_mask"])
 
 
-def global_mean_loss(losses_reduced) -> float:
-    """Token-weighted mean loss over all micro-batches and DP ranks, identical on every rank.
-    Only one rank per DP replica (last PP stage, TP rank 0) contributes, so one world all-reduce sums
-    exactly the DP replicas."""
+def _reports_loss() -> bool:
+    """One rank per DP replica holds its losses for the log: the last PP stage's TP and CP rank 0."""
     from megatron.core import parallel_state
 
+    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0)
+
+
+def global_mean_loss(losses_reduced) -> float:
+    """Token-weighted mean loss over all micro-batches and DP ranks, identical on every rank.
+    Only one rank per DP replica contributes, so one world all-reduce sums exactly the DP replicas."""
     totals = torch.zeros(2, dtype=torch.float64, device=default_device())
-    contributes = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-                   and parallel_state.get_tensor_model_parallel_rank() == 0
-                   and parallel_state.get_context_parallel_rank() == 0)
-    if contributes:
+    if _reports_loss():
         for item in losses_reduced:
             totals += item["lm loss"].detach().to(totals.device, torch.float64)
     torch.distributed.all_reduce(totals)
@@ -191,6 +194,26 @@ def moe_metrics(args) -> dict:
         record["moe_per_layer"] = {name: [writer.scalars[f"moe/{name}_layer_{i}"] for i in range(args.num_layers)]
                                    for name in keys}
     return record
+
+
+def mtp_metrics(args) -> dict:
+    """This iteration's multi-token prediction losses from megatron-core's tracker, as Megatron-LM logs them
+    (``mtp_1 loss``, ...): ``mtp_loss``, one value per MTP layer, its mean over the micro-batches and DP replicas. One
+    world all-reduce of what the replicas' reporting ranks hold (not the tracker's own ``ReduceOp.AVG``: gloo has
+    none); the tracker is cleared for the next iteration."""
+    if args.mtp_num_layers is None:
+        return {}
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    totals = torch.zeros(args.mtp_num_layers + 1, dtype=torch.float64, device=default_device())
+    if "values" in tracker:
+        if _reports_loss():
+            totals[:-1] = tracker["values"].detach().to(totals.device, torch.float64)
+            totals[-1] = 1
+        MTPLossLoggingHelper.clean_loss_in_tracker()
+    torch.distributed.all_reduce(totals)
+    return {"mtp_loss": (totals[:-1] / totals[-1].clamp(min=1) / args.num_micro_batches).tolist()}
 
 
 def split_per_chunk(iterator, num_chunks: int) -> list:
@@ -382,6 +405,7 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
                 t.after_iteration(iteration, iter_time, default_device())
         record.update(metrics.reduce_telemetry())
         record.update(moe_metrics(args))
+        record.update(mtp_metrics(args))
         if args.eval_interval and iteration % args.eval_interval == 0 and valid_iters[0] is not None:
             record.update(evaluation_record(args, ddp_chunks, valid_iters))
         if args.params_checksum_interval and iteration % args.params_checksum_interval == 0:
