@@ -198,22 +198,21 @@ def moe_metrics(args) -> dict:
 
 def mtp_metrics(args) -> dict:
     """This iteration's multi-token prediction losses from megatron-core's tracker, as Megatron-LM logs them
-    (``mtp_1 loss``, ...): ``mtp_loss``, one value per MTP layer, its mean over the micro-batches and DP replicas. One
-    world all-reduce of what the replicas' reporting ranks hold (not the tracker's own ``ReduceOp.AVG``: gloo has
-    none); the tracker is cleared for the next iteration."""
+    (``mtp_1 loss``, ...): ``mtp_loss``, one value per MTP layer, averaged over the micro-batches and DP replicas.
+    megatron-core's ``track_mtp_metrics`` reduces them over DP on the last stage (and clears its tracker); one world
+    all-reduce brings them to the rank that writes the record."""
     if args.mtp_num_layers is None:
         return {}
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    tracker = MTPLossLoggingHelper.tracker
+    writer = _ScalarCollector()
+    MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / args.num_micro_batches, iteration=0, writer=writer)
     totals = torch.zeros(args.mtp_num_layers + 1, dtype=torch.float64, device=default_device())
-    if "values" in tracker:
-        if _reports_loss():
-            totals[:-1] = tracker["values"].detach().to(totals.device, torch.float64)
-            totals[-1] = 1
-        MTPLossLoggingHelper.clean_loss_in_tracker()
+    if _reports_loss() and writer.scalars:
+        totals[:-1] = torch.tensor([writer.scalars[f"mtp_{i + 1} loss"] for i in range(args.mtp_num_layers)])
+        totals[-1] = 1
     torch.distributed.all_reduce(totals)
-    return {"mtp_loss": (totals[:-1] / totals[-1].clamp(min=1) / args.num_micro_batches).tolist()}
+    return {"mtp_loss": (totals[:-1] / totals[-1].clamp(min=1)).tolist()}
 
 
 def split_per_chunk(iterator, num_chunks: int) -> list:
