@@ -5,6 +5,8 @@ whose per-param ``step`` it mishandles in ``state_dict``/``load_state_dict``. Us
 ``megatron.training.checkpointing`` around save and load.
 """
 
+import contextlib
+
 import torch
 from megatron.core.optimizer import DistributedOptimizer
 
@@ -40,3 +42,29 @@ def restore_adam_steps(optimizer) -> None:
         for group in adam.param_groups:
             for param in group["params"]:
                 adam.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def steps_kept_in_fully_reshardable_load(optimizer):
+    """0.16.1 and 0.19.2: the ``fully_reshardable`` load (--dist-ckpt-optim-fully-reshardable) leaves the checkpoint's
+    per-param ``step`` out of the tensors it hands ``_set_main_param_and_optimizer_states``, which then copies into
+    every state entry torch Adam holds, ``step`` included: a KeyError. While the load runs each call gets the step
+    Adam already holds (``load_state_dict`` set it from the param groups), a copy onto itself;
+    ``restore_adam_steps`` then gives each param its own."""
+    patched = [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+               if isinstance(sub, DistributedOptimizer)
+               and isinstance(getattr(sub, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
+    for sub in patched:
+        def set_states(model_param, tensors, sub=sub, stock=sub._set_main_param_and_optimizer_states):
+            if "step" not in tensors:
+                group_index, group_order = sub.model_param_group_index_map[model_param]
+                main_param = sub.optimizer.param_groups[group_index]["params"][group_order]
+                tensors = {**tensors, "step": sub.optimizer.state[main_param]["step"]}
+            return stock(model_param, tensors)
+
+        sub._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        for sub in patched:
+            del sub._set_main_param_and_optimizer_states

@@ -412,6 +412,9 @@ class CheckpointArgs:
     no_save_optim: bool = arg(False, "Save no optimizer and LR-scheduler state (a run loading it starts them afresh).")
     no_save_rng: bool = arg(False, "Save no RNG states (a run loading it keeps its own seeded RNG).")
     no_load_optim: bool = arg(False, "Do not load the optimizer state.")
+    dist_ckpt_optim_fully_reshardable: bool = arg(False, "Save the distributed optimizer's state fully reshardable "
+                                                  "(gathered per parameter on DP rank 0: slower to save, but a resume "
+                                                  "may change TP and PP too), instead of the dp_reshardable default.")
     no_load_rng: bool = arg(False, "Do not load the RNG states.")
     # Megatron-LM's spellings keep an underscore (--override-opt_param-scheduler); both are accepted.
     override_opt_param_scheduler: bool = arg(False, "On load, take the LR/WD schedule from the command line, not "
@@ -632,9 +635,6 @@ NOT_IMPLEMENTED = {
                                           "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers "
                                           "(and --account-for-embedding-in-pipeline-split, "
                                           "--account-for-loss-in-pipeline-split)"),
-    "dist-ckpt-optim-fully-reshardable": (0, "the distributed optimizer's state is saved in Megatron-LM's default "
-                                             "dp_reshardable form (it reshards across DP; the weights reshard "
-                                             "freely): drop it, and to change TP or PP resume with --no-load-optim"),
 }
 
 

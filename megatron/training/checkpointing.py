@@ -15,7 +15,10 @@ Checkpoint contents (one dist_checkpointing state dict):
     model | model0, model1, ...   each chunk's ``sharded_state_dict`` (numbered for virtual-pipeline chunks)
     optimizer                     ``optimizer.sharded_state_dict``; the distributed optimizer uses
                                   Megatron-LM's default ``dp_reshardable`` form: per DP shard, the fp32
-                                  main params and Adam moments (resharding across DP only)
+                                  main params and Adam moments (resharding across DP only), or with
+                                  ``--dist-ckpt-optim-fully-reshardable`` ``fully_reshardable`` (per parameter,
+                                  gathered over DP: reshards across TP and PP too); a load reads which from the
+                                  saved args
     opt_param_scheduler           the LR/WD scheduler state
     rng_state                     a ShardedObject per (pp, tp, dp) rank: python, numpy, torch CPU, CUDA
                                   (when present) and the model-parallel RNG tracker states
@@ -28,7 +31,8 @@ args record it, and a load then skips them (Megatron-LM's rule).
 Loading restores all of it bit-exactly, except what ``--no-load-optim`` (optimizer and scheduler) or
 ``--no-load-rng`` skip; ``--finetune`` loads the weights only and starts at iteration 0 with no samples
 consumed. Model weights reshard freely across TP/PP/DP; optimizer state needs the same TP, PP and EP
-sizes, RNG state the same TP, PP and DP sizes (clear errors name the flag that skips them).
+sizes (saved with ``--dist-ckpt-optim-fully-reshardable``: the same EP size only), RNG state the same TP, PP and DP
+sizes (clear errors name the flag that skips them).
 Which checkpoint: ``--load``'s latest (or ``--ckpt-step``'s iteration) when it holds one, else
 ``--pretrained-checkpoint``'s as a fine-tuning start; none is a fresh start unless
 ``--exit-on-missing-checkpoint``. A directory in another format (Megatron-LM's legacy torch or torch_dcp) is
@@ -43,6 +47,7 @@ Apex nor Transformer Engine is installed) in the distributed optimizer's checkpo
 functions in ``megatron.hooks.optimizer_state`` work around it.
 """
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -64,15 +69,17 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from megatron.core.distributed import DistributedDataParallel
 
-from megatron.hooks.optimizer_state import materialize_adam_state, restore_adam_steps
+from megatron.hooks.optimizer_state import (
+    materialize_adam_state,
+    restore_adam_steps,
+    steps_kept_in_fully_reshardable_load,
+)
 from megatron.training.arguments import CheckpointArgs
 
 logger = logging.getLogger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 SAVE_BACKEND = "torch_dist"  # megatron-core save strategy, at its default version (0.19 takes no version)
-# Megatron-LM's default sharding of the distributed optimizer's state.
-DISTRIB_OPTIM_SHARDING_TYPE = "dp_reshardable"
 # Differ per rank; kept out of the saved args so the common state is identical on every rank.
 RANK_LOCAL_ARGS = ("rank", "local_rank")
 # Callers may pass an args namespace without the newer checkpoint flags (tests build minimal ones): their defaults.
@@ -132,7 +139,8 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
 
     with_optimizer = optimizer is not None and not _option(args, "no_save_optim")
     state = _sharded_state_dict(model_chunks, optimizer, with_optimizer=with_optimizer,
-                                with_rng=not _option(args, "no_save_rng"), is_loading=False)
+                                with_rng=not _option(args, "no_save_rng"), is_loading=False,
+                                fully_reshardable=_option(args, "dist_ckpt_optim_fully_reshardable"))
     if opt_param_scheduler is not None and not _option(args, "no_save_optim"):
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     state.update(
@@ -182,17 +190,19 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
             logger.info(f"{ckpt_dir} was saved with --{flag.replace('_', '-')}: this run starts its {state} afresh")
     load_optim = optimizer is not None and not (args.no_load_optim or finetune or saved_args.get("no_save_optim"))
     load_rng = not (args.no_load_rng or finetune or saved_args.get("no_save_rng"))
-    _check_topology(common["parallel_sizes"], load_optim, load_rng)
+    fully_reshardable = bool(saved_args.get("dist_ckpt_optim_fully_reshardable"))  # the form it was saved in
+    _check_topology(common["parallel_sizes"], load_optim, load_rng, fully_reshardable)
 
     request = _sharded_state_dict(model_chunks, optimizer, with_optimizer=load_optim,
-                                  with_rng=load_rng, is_loading=True)
+                                  with_rng=load_rng, is_loading=True, fully_reshardable=fully_reshardable)
     state = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_load_strategy(args, ckpt_dir),
                                     strict=_option(args, "dist_ckpt_strictness"))
 
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         chunk.load_state_dict(state[key], strict=True)
     if load_optim:
-        optimizer.load_state_dict(state["optimizer"])
+        with steps_kept_in_fully_reshardable_load(optimizer) if fully_reshardable else contextlib.nullcontext():
+            optimizer.load_state_dict(state["optimizer"])
         restore_adam_steps(optimizer)
         if opt_param_scheduler is not None:
             _load_scheduler(opt_param_scheduler, state["opt_param_scheduler"])
@@ -297,9 +307,10 @@ def _check_format(args) -> None:
                          f"got {args.ckpt_format!r}")
 
 
-def _sharded_state_dict(model_chunks, optimizer, with_optimizer, with_rng, is_loading) -> dict:
+def _sharded_state_dict(model_chunks, optimizer, with_optimizer, with_rng, is_loading, fully_reshardable) -> dict:
     metadata = {
-        "distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING_TYPE,
+        # Megatron-LM's default form of the distributed optimizer's state, or --dist-ckpt-optim-fully-reshardable's
+        "distrib_optim_sharding_type": "fully_reshardable" if fully_reshardable else "dp_reshardable",
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
         "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
@@ -335,15 +346,21 @@ def _parallel_sizes() -> dict:
     }
 
 
-def _check_topology(saved: dict, load_optim: bool, load_rng: bool) -> None:
+def _check_topology(saved: dict, load_optim: bool, load_rng: bool, fully_reshardable: bool) -> None:
     current = _parallel_sizes()
 
     def differs(keys):
         return any(saved[k] != current[k] for k in keys)
 
-    if load_optim and differs(("tp", "pp", "ep")):
+    if load_optim and fully_reshardable and differs(("ep",)):
         raise ValueError(f"the checkpoint's optimizer state was saved with parallel sizes {saved}, this run "
-                         f"has {current} (only DP may change); pass --no-load-optim to load only the weights")
+                         f"has {current} (with --dist-ckpt-optim-fully-reshardable DP, TP and PP may change, not EP: "
+                         f"megatron-core's expert optimizer state does not reshard); pass --no-load-optim to load "
+                         f"only the weights")
+    if load_optim and not fully_reshardable and differs(("tp", "pp", "ep")):
+        raise ValueError(f"the checkpoint's optimizer state was saved with parallel sizes {saved}, this run "
+                         f"has {current} (only DP may change: save with --dist-ckpt-optim-fully-reshardable to "
+                         f"change TP or PP too); pass --no-load-optim to load only the weights")
     if load_rng and differs(("tp", "pp", "dp")):
         raise ValueError(f"the checkpoint's RNG states were saved with parallel sizes {saved}, this run "
                          f"has {current}; pass --no-load-rng to keep this run's seeded RNG")
