@@ -143,7 +143,6 @@ ERRORS = [
     ("--lr-warmup-iters 500", 1, "the warm-up (1000 samples: --lr-warmup-iters or --lr-warmup-fraction) must be below"),
     ("--lr-warmup-samples 4", 1, "--lr-decay-samples / --lr-warmup-samples go with --train-samples"),
     ("--rampup-batch-size 16 16 1000", 1, "--rampup-batch-size: batch-size ramp-up is not implemented: drop"),
-    ("--async-save", 1, "--async-save: checkpoints are saved synchronously here: drop --async-save"),
     ("--attention-backend flash", 1, "--attention-backend flash (or --use-flash-attn) runs Transformer Engine's"),
     ("--use-flash-attn", 1, "or use --transformer-impl transformer_engine"),
     ("--decoupled-min-lr 1e-5", 1, "--decoupled-min-lr sets the minimum of --decoupled-lr's schedule"),
@@ -240,6 +239,7 @@ ERRORS = [
     ("--recompute-granularity selective --recompute-modules core_attn mlp", 1, "add --disable-bias-linear"),
     ("--window-attn-skip-freq 2", 1, "--window-attn-skip-freq picks the layers of --window-size's"),
     ("--window-size 8,0 --window-attn-skip-freq [1,0]", 1, "lists 2 layers, the model has --num-layers 4"),
+    ("--async-save --use-persistent-ckpt-worker", 1, "drop --use-persistent-ckpt-worker, each save then forks"),
     ("--check-weight-hash-across-dp-replicas-interval 0", 1, "must be a positive number of iterations, got 0"),
     ("--fp8-format hybrid", 1, "--fp8-format: FP8/FP4 training (Transformer Engine's low-precision GEMMs) is not"),
     ("--fp8-param-gather", 1, "drop the --fp8-*/--fp4-* flags and train with --bf16"),
@@ -440,8 +440,8 @@ def test_installation_checks(monkeypatch):
 
 def test_not_implemented_megatron_lm_flag_from_yaml(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("async-save: true\n")
-    with pytest.raises(ValueError, match="--async-save: checkpoints are saved synchronously here"):
+    config.write_text("tp-comm-overlap: true\n")
+    with pytest.raises(ValueError, match="--tp-comm-overlap: Transformer Engine's userbuffer TP overlap is not"):
         validate_args(parse_args(f"--config {config} {BASE}".split()), world_size=1, rank=0)
-    config.write_text("async-save: false\n")
+    config.write_text("tp-comm-overlap: false\n")
     assert validate_args(parse_args(f"--config {config} {BASE}".split()), world_size=1, rank=0).train_iters == 10

@@ -6,8 +6,8 @@ loads the checkpoint and trains the same 3 steps. Losses and parameters must mat
 Run once with TP=1 x DP=2 (optimizer state sharded over DP) and once with TP=2 x DP=1, plus
 --no-load-optim, --no-load-rng, --finetune, a save that crashes before publishing, bad flags and a TP=2 checkpoint
 loaded at TP=1. The second test resumes the real driver (pretrain_gpt.py on 2 ranks) and compares it
-with an uninterrupted run through the metrics file; another resumes --dist-ckpt-optim-fully-reshardable optimizer
-state at the same and at other TP and PP sizes.
+with an uninterrupted run through the metrics file, as does one saving with --async-save; another resumes
+--dist-ckpt-optim-fully-reshardable optimizer state at the same and at other TP and PP sizes.
 """
 
 import argparse
@@ -327,6 +327,25 @@ def test_pretrain_gpt_resume_matches_uninterrupted_run(tmp_path):
     assert [r["iteration"] for r in resumed] == [3, 4]
     for ref, res in zip(uninterrupted[2:], resumed):
         for key in ("consumed_samples", "loss", "lr", "grad_norm", "params_checksum"):
+            assert res[key] == ref[key], (key, ref["iteration"])
+
+
+@pytest.mark.slow
+def test_async_save_publishes_every_checkpoint_and_resumes_bit_exactly(tmp_path):
+    """--async-save: the shards are written by a forked writer while training goes on, and each checkpoint is
+    published (renamed, tracker written) once every rank's writer is done; the last before the run exits. Resumed
+    from the iteration-2 checkpoint, iterations 3-4 repeat the uninterrupted run's bits: the writer saved iteration
+    2's state, not the parameters that training changed while it wrote."""
+    from megatron.training.checkpointing import TRACKER_FILENAME
+
+    ckpt = tmp_path / "ckpt"
+    uninterrupted = _pretrain_gpt(tmp_path, "async", f"--save {ckpt} --save-interval 2 --async-save")
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", TRACKER_FILENAME]
+    assert (ckpt / TRACKER_FILENAME).read_text() == "4"
+    resumed = _pretrain_gpt(tmp_path, "resumed", f"--load {ckpt} --ckpt-step 2")
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    for ref, res in zip(uninterrupted[2:], resumed):
+        for key in ("consumed_samples", "loss", "grad_norm", "params_checksum"):
             assert res[key] == ref[key], (key, ref["iteration"])
 
 

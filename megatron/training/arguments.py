@@ -433,6 +433,10 @@ class CheckpointArgs:
                                     "--pretrained-checkpoint) checkpoint's saved arguments: those given on the "
                                     "command line that Megatron-LM keeps win, the rest are overridden.")
     ckpt_format: str = arg("torch_dist", "Checkpoint format.", choices=["torch_dist"])
+    async_save: bool = arg(False, "Write checkpoints in a background process while training goes on (Megatron-LM's; "
+                           "a save is published, tracker included, only once every rank has written it).")
+    use_persistent_ckpt_worker: bool = arg(False, "--async-save: keep one writer process for the run instead of "
+                                           "forking one per save (needs CUDA).")
     ckpt_fully_parallel_save: bool = arg(True, "Do not spread the writing of DP-replicated tensors over the DP "
                                          "replicas (DP rank 0 writes them).", flag="no-ckpt-fully-parallel-save")
     ckpt_fully_parallel_load: bool = arg(False, "Each DP replica reads part of the checkpoint and they exchange "
@@ -575,14 +579,12 @@ ALREADY_SO = {
     "use-dist-ckpt": "Megatron-LM's older spelling of --ckpt-format torch_dist, the only format here",
     "auto-detect-ckpt-format": "a load reads the checkpoint's format from its directory: torch_dist loads, another "
                                "format is an error naming it",
-    "use-persistent-ckpt-worker": "it keeps a process for --async-save, and checkpoints are saved synchronously here",
     "openai-gelu": "Megatron-LM parses it and uses it nowhere: its GeLU, and this trainer's, is torch's",
 }
 # Megatron-LM flags this trainer does not implement: an error that names the flag and the fix (number of values).
 NOT_IMPLEMENTED = {
     "rampup-batch-size": (3, "batch-size ramp-up is not implemented: drop --rampup-batch-size and train at a "
                              "constant --global-batch-size"),
-    "async-save": (0, "checkpoints are saved synchronously here: drop --async-save"),
     "non-persistent-save-interval": (1, "non-persistent checkpoints are not implemented: save with --save-interval "
                                         "(every save here is persistent)"),
     "non-persistent-ckpt-type": (1, "non-persistent checkpoints are not implemented: save with --save-interval "
@@ -1276,6 +1278,12 @@ def _validate_checkpointing(args) -> None:
            f"--dist-ckpt-strictness {args.dist_ckpt_strictness} hands the mismatched keys back to the caller, and this "
            f"trainer has no use for them: use log_unexpected or log_all to see them, raise_unexpected or raise_all "
            f"to stop on them")
+    # The persistent writer takes the state through a queue: on CPU the tensors it gets are the live parameters
+    # (a GPU save copies them to the host first), which the next step changes while it writes.
+    _check(not (args.async_save and args.use_persistent_ckpt_worker) or torch.cuda.is_available(),
+           "--use-persistent-ckpt-worker with --async-save needs CUDA (on CPU its writer would read the parameters "
+           "while training changes them): drop --use-persistent-ckpt-worker, each save then forks a writer that "
+           "holds a copy")
     # A fine-tuning run counts from iteration 0: saving into the pretrained directory would overwrite its
     # iterations (and the tracker file) with the new run's.
     if args.finetune:

@@ -9,7 +9,11 @@ Saving is fully parallel (each DP-replicated tensor written by one replica, Mega
 saves reuse the first save's plan (``context`` keeps it).
 Crash safety: every rank writes into ``iter_0000100.tmp``; after a barrier rank 0 renames it to
 ``iter_0000100`` and only then rewrites the tracker (atomically). A crash at any point mid-save leaves
-the tracker pointing at the previous complete checkpoint.
+the tracker pointing at the previous complete checkpoint. With ``--async-save`` the shards are written by a
+background process (forked per save, holding a copy of the state; or ``--use-persistent-ckpt-worker``'s, on GPU,
+from host copies), and the rename and tracker are the save's finalization, which the training loop runs once every
+rank's writer has finished (``megatron.core.dist_checkpointing``'s ``AsyncCallsQueue``); the run waits for
+unfinished saves before it exits.
 
 Checkpoint contents (one dist_checkpointing state dict):
     model | model0, model1, ...   each chunk's ``sharded_state_dict`` (numbered for virtual-pipeline chunks)
@@ -128,7 +132,9 @@ def read_tracker(root: str) -> int | None:
 def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far=0, context=None):
     """Save the training state of ``iteration`` to ``args.save`` (collective: call on every rank). ``context``, a
-    dict kept across a run's saves, holds the reused save plan of --ckpt-assume-constant-structure."""
+    dict kept across a run's saves, holds the reused save plan of --ckpt-assume-constant-structure. With
+    --async-save, returns megatron-core's ``AsyncRequest`` for the caller to schedule (``AsyncCallsQueue``): the
+    shards are written in the background, and its finalization publishes the checkpoint; else None."""
     _check_format(args)
     final_dir = checkpoint_dir(args.save, iteration)
     staging_dir = final_dir + ".tmp"
@@ -153,13 +159,21 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
     )
     context = {} if context is None else context
     reused = "save_strategy" in context  # its plan was validated at the first save
-    dist_checkpointing.save(state, staging_dir, sharded_strategy=_save_strategy(args, context),
-                            validate_access_integrity=not reused)
+    async_save = _option(args, "async_save")
+    request = dist_checkpointing.save(state, staging_dir, sharded_strategy=_save_strategy(args, context),
+                                      validate_access_integrity=not reused, async_sharded_save=async_save)
 
+    def publish():
+        if dist.get_rank() == 0:
+            _publish(args.save, staging_dir, final_dir, iteration)
+
+    if async_save:  # finalized once every rank's writer is done, after megatron-core's metadata
+        request.add_finalize_fn(publish)
+        return request
     dist.barrier()  # every rank's shards are on disk before the checkpoint is published
-    if dist.get_rank() == 0:
-        _publish(args.save, staging_dir, final_dir, iteration)
+    publish()
     dist.barrier()
+    return None
 
 
 def _load_scheduler(opt_param_scheduler, state) -> None:

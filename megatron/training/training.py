@@ -270,22 +270,36 @@ def check_weight_hashes(args, ddp_chunks, iteration: int) -> None:
 
 class Saver:
     """Saves the training state to --save: keeps megatron-core's save plan across saves (reused with
-    --ckpt-assume-constant-structure) and with --log-progress appends each save to progress.txt."""
+    --ckpt-assume-constant-structure) and with --log-progress appends each save to progress.txt. With --async-save
+    the saves are written in the background: ``finalize`` publishes those every rank has finished (each iteration,
+    without waiting; before the run exits, waiting for all)."""
 
     def __init__(self, args, start_time: float):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
         from megatron.training.progress import ProgressLog
 
         self.args = args
         self.context = {}
         self.progress = ProgressLog(args, start_time)
+        self.async_queue = AsyncCallsQueue(persistent=args.use_persistent_ckpt_worker) if args.async_save else None
 
     def save(self, iteration, ddp_chunks, optimizer, scheduler) -> None:
         from megatron.training.checkpointing import save_checkpoint
 
         with params_in_sync(self.args, ddp_chunks):
-            save_checkpoint(self.args, iteration, ddp_chunks, optimizer, scheduler,
-                            self.args.num_floating_point_operations_so_far, context=self.context)
-        self.progress.checkpoint_saved(iteration)
+            request = save_checkpoint(self.args, iteration, ddp_chunks, optimizer, scheduler,
+                                      self.args.num_floating_point_operations_so_far, context=self.context)
+        if request is None:
+            self.progress.checkpoint_saved(iteration)
+            return
+        request.add_finalize_fn(lambda: self.progress.checkpoint_saved(iteration))
+        self.async_queue.schedule_async_request(request)  # the writer takes its copy of the state here
+
+    def finalize(self, blocking: bool) -> None:
+        """Publish the background saves that every rank has finished (collective: call on every rank)."""
+        if self.async_queue is not None and self.async_queue.get_num_unfinalized_calls():
+            self.async_queue.maybe_finalize_async_calls(blocking=blocking)
 
 
 def load(args, ddp_chunks, optimizer, scheduler) -> int:
@@ -415,6 +429,7 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
         if iteration % args.log_interval == 0:
             writer.log_timers(config.timers, iteration)
             dump_memory_snapshot(args)
+        saver.finalize(blocking=False)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             saver.save(iteration, ddp_chunks, optimizer, scheduler)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
@@ -458,6 +473,7 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     saved_by_interval = args.save_interval and iteration % args.save_interval == 0
     if args.save and iteration > start and not saved_by_interval:
         saver.save(iteration, ddp_chunks, optimizer, scheduler)
+    saver.finalize(blocking=True)  # every background save published before the run ends
     release_all_graphs()  # graphs holding NCCL kernels make destroy_process_group hang
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
