@@ -287,14 +287,24 @@ class Saver:
     def save(self, iteration, ddp_chunks, optimizer, scheduler) -> None:
         from megatron.training.checkpointing import save_checkpoint
 
+        start = time.perf_counter()
         with params_in_sync(self.args, ddp_chunks):
             request = save_checkpoint(self.args, iteration, ddp_chunks, optimizer, scheduler,
                                       self.args.num_floating_point_operations_so_far, context=self.context)
         if request is None:
+            logger.info(f"saved checkpoint of iteration {iteration} to {self.args.save} in "
+                        f"{time.perf_counter() - start:.2f} s")
             self.progress.checkpoint_saved(iteration)
             return
-        request.add_finalize_fn(lambda: self.progress.checkpoint_saved(iteration))
+        request.add_finalize_fn(lambda: self._published(iteration, start))
         self.async_queue.schedule_async_request(request)  # the writer takes its copy of the state here
+        logger.info(f"checkpoint of iteration {iteration} handed to the background writer in "
+                    f"{time.perf_counter() - start:.2f} s")
+
+    def _published(self, iteration: int, start: float) -> None:
+        logger.info(f"saved checkpoint of iteration {iteration} to {self.args.save} (in the background, "
+                    f"published {time.perf_counter() - start:.2f} s after the save began)")
+        self.progress.checkpoint_saved(iteration)
 
     def finalize(self, blocking: bool) -> None:
         """Publish the background saves that every rank has finished (collective: call on every rank)."""
