@@ -311,6 +311,13 @@ class Saver:
         if self.async_queue is not None and self.async_queue.get_num_unfinalized_calls():
             self.async_queue.maybe_finalize_async_calls(blocking=blocking)
 
+    def close(self) -> None:
+        """Wait for every background save, publish it and stop the writer; before the process group goes (the
+        persistent writer's shutdown uses it)."""
+        self.finalize(blocking=True)
+        if self.async_queue is not None:
+            self.async_queue.close()
+
 
 def load(args, ddp_chunks, optimizer, scheduler) -> int:
     from megatron.training.checkpointing import load_checkpoint
@@ -483,7 +490,7 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     saved_by_interval = args.save_interval and iteration % args.save_interval == 0
     if args.save and iteration > start and not saved_by_interval:
         saver.save(iteration, ddp_chunks, optimizer, scheduler)
-    saver.finalize(blocking=True)  # every background save published before the run ends
+    saver.close()  # every background save published before the run ends
     release_all_graphs()  # graphs holding NCCL kernels make destroy_process_group hang
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
