@@ -53,6 +53,7 @@ functions in ``megatron.hooks.optimizer_state`` work around it.
 
 import contextlib
 import dataclasses
+import importlib.util
 import logging
 import os
 import random
@@ -78,6 +79,7 @@ from megatron.hooks.optimizer_state import (
     restore_adam_steps,
     steps_kept_in_fully_reshardable_load,
 )
+from megatron.hooks.version import mcore_at_least
 from megatron.training.arguments import CheckpointArgs
 
 logger = logging.getLogger(__name__)
@@ -161,7 +163,8 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
     reused = "save_strategy" in context  # its plan was validated at the first save
     async_save = _option(args, "async_save")
     request = dist_checkpointing.save(state, staging_dir, sharded_strategy=_save_strategy(args, context),
-                                      validate_access_integrity=not reused, async_sharded_save=async_save)
+                                      validate_access_integrity=not reused, async_sharded_save=async_save,
+                                      **(_async_strategy() if async_save else {}))
 
     def publish():
         if dist.get_rank() == 0:
@@ -423,6 +426,25 @@ def _restore_rng_state(state: dict) -> None:
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _async_strategy() -> dict:
+    """megatron-core 0.19 takes the background writer as ``async_strategy``: nvidia-resiliency-ext's ("nvrx", its
+    default) where that package is installed, else its own ("mcore", the only one 0.16 has)."""
+    if not mcore_at_least("0.19"):
+        return {}
+    return {"async_strategy": "nvrx" if importlib.util.find_spec("nvidia_resiliency_ext") else "mcore"}
+
+
+def async_calls_queue(persistent: bool):
+    """The queue that runs and finalizes --async-save's requests: the one of the writer ``_async_strategy`` picks."""
+    if mcore_at_least("0.19"):
+        from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+        queue_class = get_async_strategy(_async_strategy()["async_strategy"])[1]["AsyncCallsQueue"]
+    else:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as queue_class
+    return queue_class(persistent=persistent)
 
 
 def _publish(root: str, staging_dir: str, final_dir: str, iteration: int) -> None:

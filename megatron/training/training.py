@@ -275,14 +275,13 @@ class Saver:
     without waiting; before the run exits, waiting for all)."""
 
     def __init__(self, args, start_time: float):
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
+        from megatron.training.checkpointing import async_calls_queue
         from megatron.training.progress import ProgressLog
 
         self.args = args
         self.context = {}
         self.progress = ProgressLog(args, start_time)
-        self.async_queue = AsyncCallsQueue(persistent=args.use_persistent_ckpt_worker) if args.async_save else None
+        self.async_queue = async_calls_queue(args.use_persistent_ckpt_worker) if args.async_save else None
 
     def save(self, iteration, ddp_chunks, optimizer, scheduler) -> None:
         from megatron.training.checkpointing import save_checkpoint
