@@ -17,7 +17,7 @@ run() {  # name, flags...
   local t0=$(date +%s.%N)
   timeout 240 torchrun --standalone --nproc-per-node 1 pretrain_gpt.py $common "$@" --metrics-file $RES/$name.jsonl \
     > $RES/$name.log 2>&1; local rc=$?
-  echo "$name rc=$rc wall_s=$(echo "$(date +%s.%N) - $t0" | bc)"
+  echo "$name rc=$rc wall_s=$(awk "BEGIN {print $(date +%s.%N) - $t0}")"
   grep -E "checkpoint of iteration|iteration +30/" $RES/$name.log | cut -c1-200
 }
 for mode in $MODES; do
