@@ -150,7 +150,7 @@ def _wait_all(procs, timeout):
 def launch_training(tmp_path, name, script, nproc, flags, timeout=400):
     """Run a training entry point (e.g. ``pretrain_gpt.py``) on ``nproc`` CPU ranks with ``--metrics-file``, as
     ``torchrun --nproc-per-node`` does (ranks forked from the preloaded server); return its per-iteration metrics
-    records. Each rank's stdout and stderr: ``{name}_logs/{rank}/``."""
+    records (none for a run that trains no iteration). Each rank's stdout and stderr: ``{name}_logs/{rank}/``."""
     metrics = tmp_path / f"{name}.jsonl"
     logs = tmp_path / f"{name}_logs"
     argv = [*flags.split(), "--metrics-file", str(metrics), "--data-cache-path", str(tmp_path / "cache")]
@@ -163,7 +163,7 @@ def launch_training(tmp_path, name, script, nproc, flags, timeout=400):
         p.start()
     failed = _wait_all(procs, timeout)
     assert failed is None, f"{name} failed: {failed[1]}{_log_tails(logs, failed[0])}"
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
 def _log_tails(logs, rank) -> str:

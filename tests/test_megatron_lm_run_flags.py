@@ -15,7 +15,7 @@ schedule, the bf16 params norm, the NaN and spike checks). Two 2-process runs of
   its own per-split data (--train-data-path / --valid-data-path), and saves with --no-ckpt-fully-parallel-save;
   its last params norm is its checkpoint's.
 A reads its data through --data-args-path; both use small indexed datasets (--mock-data's indices of two million
-samples take most of a run's time to build here).
+samples take most of a run's time to build here). And --skip-train against the end-of-run evaluation of a TP=2 run.
 """
 
 import importlib.util
@@ -436,6 +436,29 @@ def test_resume_with_checkpoint_args_and_per_split_data(run_a, tmp_path):
     assert all(math.isfinite(r["loss"]) and r["params_norm"] > 0 for r in records) and "eval_loss" in records[1]
     norm, _ = _checkpoint_norm(str(tmp_path / "ckpt" / "iter_0000006"), tmp_path)
     assert records[-1]["params_norm"] == pytest.approx(norm, rel=1e-6)
+
+
+def _final_evaluations(tmp_path, name) -> list[str]:
+    stdout = (tmp_path / f"{name}_logs" / "0" / "stdout.log").read_text()
+    return [line for line in stdout.splitlines() if line.startswith(" validation loss at iteration")]
+
+
+@pytest.mark.slow
+def test_skip_train_repeats_the_end_of_run_evaluation(tmp_path):
+    """A completed run ends as Megatron-LM's does: --eval-iters batches of the validation and the test split
+    evaluated and logged. --skip-train on its last checkpoint trains nothing and logs the same two losses to the
+    bit (the same weights; the validation split continues where the checkpoint's consumed samples say, the test
+    split starts at 0)."""
+    flags = GPT + f" --tensor-model-parallel-size 2 --save {tmp_path / 'ckpt'} --save-interval 4"
+    trained = launch_training(tmp_path, "trained", "pretrain_gpt.py", 2, flags)
+    assert [r["iteration"] for r in trained] == [1, 2, 3, 4]
+    evaluations = _final_evaluations(tmp_path, "trained")
+    assert [line.split(" | ")[0] for line in evaluations] == [" validation loss at iteration 4 on validation set",
+                                                              " validation loss at iteration 4 on test set"]
+    assert launch_training(tmp_path, "skipped", "pretrain_gpt.py", 2,
+                           flags + f" --load {tmp_path / 'ckpt'} --skip-train") == []
+    assert _final_evaluations(tmp_path, "skipped") == evaluations
+    assert not (tmp_path / "ckpt" / "iter_0000005").exists()
 
 
 def _scheduler(max_lr, **flags):

@@ -464,6 +464,8 @@ class LoggingArgs:
                                  choices=["max", "minmax", "all"])
     eval_interval: Optional[int] = arg(None, "Iterations between evaluations (default: none).")
     eval_iters: int = arg(100, "Iterations per evaluation.")
+    skip_train: bool = arg(False, "Do not train: evaluate the validation and test splits (--eval-iters batches each; "
+                           "with --load, the checkpoint's model) and exit.")
     tensorboard_dir: Optional[str] = arg(None, "TensorBoard log directory.")
     tensorboard_log_interval: int = arg(1, "Iterations between TensorBoard (and Weights & Biases) writes.")
     tensorboard_queue_size: int = arg(1000, "TensorBoard events held before a write to disk.")
@@ -609,10 +611,7 @@ NOT_IMPLEMENTED = {
                                          "here: drop it"),
     "delay-wgrad-compute": (0, "delaying the weight-gradient GEMMs needs Transformer Engine's split backward, which "
                                "this trainer does not wire up: drop it"),
-    "skip-train": (0, "evaluation-only runs are not implemented: evaluate during training with --eval-interval and "
-                      "--eval-iters"),
-    "eval-only": (0, "not a Megatron-LM flag (its evaluation-only run is --skip-train), and evaluation-only runs are "
-                     "not implemented: evaluate during training with --eval-interval and --eval-iters"),
+    "eval-only": (0, "not a Megatron-LM flag: its evaluation-only run is --skip-train (with --load and --eval-iters)"),
     **{flag: (nargs, "FP8/FP4 training (Transformer Engine's low-precision GEMMs) is not wired up here: drop the "
                      "--fp8-*/--fp4-* flags and train with --bf16 (--tp-comm-compression taco sends the TP "
                      "collectives in 8 bits)")

@@ -17,6 +17,7 @@ default), ``eval_ppl`` (--log-validation-ppl-to-tensorboard), ``world_size`` (--
 
 import hashlib
 import json
+import math
 import os
 
 import torch
@@ -296,6 +297,13 @@ def log_line(record: dict, args) -> str:
     if raw:
         parts.append(f"comm sent/raw: {sent}/{raw} ({sent / raw:.3f})")
     return " | ".join(parts) + " |"
+
+
+def final_evaluation_line(iteration: int, split: str, loss: float) -> str:
+    """Megatron-LM's report of a split's evaluation at the end of a run."""
+    line = (f" validation loss at iteration {iteration} on {split} set | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {math.exp(min(20, loss)):.6E} | ")
+    return "-" * len(line) + "\n" + line + "\n" + "-" * len(line)
 
 
 def _optional_parts(record: dict, formats) -> list[str]:

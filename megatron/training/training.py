@@ -146,7 +146,9 @@ def train_step(args, ddp_chunks, optimizer, scheduler, data_iterators) -> dict:
             "skipped": not update_successful}
 
 
-def evaluate(args, ddp_chunks, data_iterators) -> float:
+def evaluate(args, ddp_chunks, data_iterators, validation: bool = True) -> float:
+    """Mean loss over --eval-iters global batches of ``data_iterators``' split (the validation split's samples
+    counted in ``args.consumed_valid_samples``, where a resume continues it)."""
     for chunk in ddp_chunks:
         chunk.eval()
     total = []
@@ -155,8 +157,22 @@ def evaluate(args, ddp_chunks, data_iterators) -> float:
             total += run_schedule(args, ddp_chunks, data_iterators, forward_only=True)
     for chunk in ddp_chunks:
         chunk.train()
-    args.consumed_valid_samples += args.eval_iters * args.global_batch_size
+    if validation:
+        args.consumed_valid_samples += args.eval_iters * args.global_batch_size
     return global_mean_loss(total)
+
+
+def final_evaluation(args, ddp_chunks, valid_iters, test_iters, iteration: int) -> None:
+    """Megatron-LM's end of a completed run (and all of a --skip-train one): the validation and the test split
+    evaluated, --eval-iters batches each, and logged as Megatron-LM logs them."""
+    if not args.eval_iters:
+        return
+    for name, iterators in (("validation", valid_iters), ("test", test_iters)):
+        if iterators[0] is None:  # an empty split (its weight 0 in --split)
+            continue
+        loss = evaluate(args, ddp_chunks, iterators, validation=name == "validation")
+        if args.rank == 0:
+            print(metrics.final_evaluation_line(iteration, name, loss), flush=True)
 
 
 class _ScalarCollector:
@@ -480,16 +496,20 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     loads = args.load is not None or args.pretrained_checkpoint is not None
     start = load(args, ddp_chunks, optimizer, scheduler) if loads else 0
     saver = Saver(args, start_time)  # after the load: --log-progress counts this job's FLOPs from there
-    train_iter, valid_iter, _ = build_train_valid_test_data_iterators(args, tokenizer)
+    train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(args, tokenizer)
     chunks = len(ddp_chunks)
-    iteration = train(args, ddp_chunks, optimizer, scheduler, config,
-                      (split_per_chunk(train_iter, chunks), split_per_chunk(valid_iter, chunks)), start, start_time,
-                      saver)
+    valid_iters = split_per_chunk(valid_iter, chunks)
+    iteration = start
+    if not args.skip_train:
+        iteration = train(args, ddp_chunks, optimizer, scheduler, config,
+                          (split_per_chunk(train_iter, chunks), valid_iters), start, start_time, saver)
     # an exit before --train-iters saves here too, so the run can resume from where it stopped
     saved_by_interval = args.save_interval and iteration % args.save_interval == 0
     if args.save and iteration > start and not saved_by_interval:
         saver.save(iteration, ddp_chunks, optimizer, scheduler)
     saver.close()  # every background save published before the run ends
+    if args.skip_train or iteration >= args.train_iters:  # not after an exit flag stopped the run
+        final_evaluation(args, ddp_chunks, valid_iters, split_per_chunk(test_iter, chunks), iteration)
     release_all_graphs()  # graphs holding NCCL kernels make destroy_process_group hang
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
