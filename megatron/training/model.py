@@ -134,39 +134,48 @@ def layer_spec(args, config, vp_stage):
         module, name = args.spec
         spec = getattr(importlib.import_module(module), name)
         return spec() if callable(spec) else spec
-    use_te = args.transformer_impl == "transformer_engine"
-    if args.num_experts is not None:  # reads multi_latent_attention from config
-        spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                                        normalization=args.normalization, vp_stage=vp_stage)
-    elif use_te:  # TE reads the norm from config
+    if args.num_experts is None:
+        return _dense_layer_spec(args)
+    use_te = args.transformer_impl == "transformer_engine"  # the block spec reads multi_latent_attention from config
+    spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                    normalization=args.normalization, vp_stage=vp_stage)
+    return spec if use_te else _local_mla(args, spec)
+
+
+def _dense_layer_spec(args):
+    """The layer spec without experts: Transformer Engine's (which reads the norm from config) or the local one."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if args.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention)
-    else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
-                                                        multi_latent_attention=args.multi_latent_attention)
-    if args.multi_latent_attention and not use_te:
-        from megatron.hooks.mla import use_latent_dot_product_attention
+    return _local_mla(args, gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+        multi_latent_attention=args.multi_latent_attention))
 
-        spec = use_latent_dot_product_attention(spec)
-    return spec
+
+def _local_mla(args, spec):
+    """A local-spec layer or block spec with its MLA layers made buildable (megatron/hooks/mla.py)."""
+    if not args.multi_latent_attention:
+        return spec
+    from megatron.hooks.mla import use_latent_dot_product_attention
+
+    return use_latent_dot_product_attention(spec)
 
 
 def mtp_block_spec(args, config, decoder_spec, vp_stage):
     """Megatron-LM's multi-token prediction spec: each MTP layer is built as the decoder's last layer (or, where this
-    stage's MoE block holds no layer, as a layer of the plain local/TE spec); None without --mtp-num-layers or off
+    stage's MoE block holds no layer, as a layer of the spec without experts); None without --mtp-num-layers or off
     the last stage."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if args.mtp_num_layers is None:
         return None
-    use_te = args.transformer_impl == "transformer_engine"
     layer = decoder_spec
     if hasattr(decoder_spec, "layer_specs"):  # a block spec (MoE)
-        layer = decoder_spec.layer_specs[-1] if decoder_spec.layer_specs else None
-    if layer is None:
-        layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
-                                                         multi_latent_attention=args.multi_latent_attention)
-    return gpt_layer_specs.get_gpt_mtp_block_spec(config, layer, use_transformer_engine=use_te, vp_stage=vp_stage)
+        layer = decoder_spec.layer_specs[-1] if decoder_spec.layer_specs else _dense_layer_spec(args)
+    return gpt_layer_specs.get_gpt_mtp_block_spec(config, layer, vp_stage=vp_stage,
+                                                  use_transformer_engine=args.transformer_impl == "transformer_engine")
 
 
 def build_gpt_chunk(args, config, vp_stage):
