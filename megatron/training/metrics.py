@@ -299,10 +299,15 @@ def log_line(record: dict, args) -> str:
     return " | ".join(parts) + " |"
 
 
+def perplexity(loss: float) -> float:
+    """Megatron-LM's perplexity of a mean loss, capped at exp(20)."""
+    return math.exp(min(20, loss))
+
+
 def final_evaluation_line(iteration: int, split: str, loss: float) -> str:
     """Megatron-LM's report of a split's evaluation at the end of a run."""
     line = (f" validation loss at iteration {iteration} on {split} set | lm loss value: {loss:.6E} | "
-            f"lm loss PPL: {math.exp(min(20, loss)):.6E} | ")
+            f"lm loss PPL: {perplexity(loss):.6E} | ")
     return "-" * len(line) + "\n" + line + "\n" + "-" * len(line)
 
 

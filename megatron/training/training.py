@@ -13,7 +13,6 @@ import contextlib
 import gc
 import itertools
 import logging
-import math
 import os
 import signal
 import time
@@ -371,7 +370,7 @@ def evaluation_record(args, ddp_chunks, valid_iters) -> dict:
     loss = evaluate(args, ddp_chunks, valid_iters)
     if not args.log_validation_ppl_to_tensorboard:
         return {"eval_loss": loss}
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(20, loss))}  # Megatron-LM's cap
+    return {"eval_loss": loss, "eval_ppl": metrics.perplexity(loss)}
 
 
 def dump_memory_snapshot(args) -> None:
