@@ -15,6 +15,15 @@ non-empty rows:
 - ``either``: each changed block in whichever of the current format and ``rows`` is smaller (a decoder would branch
   per block, uniformly across the block's threads).
 
+Session 20's serial per-thread stream codes (benchmarks/diag_delta_stream_code.py: a stream is a thread's 8 columns
+of 32 rows of 256 values, 256 values coded in order, with a u16 length per stream and each stream padded to whole
+bytes):
+
+- ``stream``: ``0`` for an unchanged value, else ``1`` and the exponential-Golomb code of order 1 of ``z - 1`` (escape
+  to the raw pattern after 8 leading zeros); ``stream, row flags``: a bit per row of 8 first, ``0`` = all unchanged.
+- ``stream, gaps``: for each changed value the EG1 code of the count of unchanged values before it and the EG1 code
+  of ``z - 1``, then the EG1 code of the trailing unchanged count (run lengths instead of a bit per value).
+
 Sizes are exact byte counts of whole payloads (24-byte header, a code byte per block, each block's sections padded
 to whole bytes); "current" is compression/delta.py's format (version 2), measured by the same function the wire
 ratio benchmark uses. Trajectories are benchmarks/delta_wire_ratio.py's (``sim``: AdamW on synthetic gradients;
@@ -36,6 +45,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.delta_wire_ratio import (delta_block_nbytes, delta_payload_nbytes, simulated_adamw,  # noqa: E402
                                          tiny_gpt)
+from benchmarks.diag_delta_stream_code import _streams, codes_reference  # noqa: E402
 from compression.delta import HEADER  # noqa: E402
 from kernels.delta import to_ordered  # noqa: E402
 
@@ -88,6 +98,32 @@ def rows_nbytes(z: torch.Tensor, widths, byte_entries: bool = False) -> tuple:
     return cheapest(rows_sizes(z, widths, byte_entries), (z != 0).any(dim=(1, 2)), widths)
 
 
+STREAM_ROWS, STREAM_THREADS = 32, 32  # the stream code's tile: 32 rows of 256 values, a stream per thread
+
+
+def _stream_payload(nbits: torch.Tensor) -> int:
+    """Payload bytes of stream codes of ``nbits`` bits each: header, a u16 length per stream, whole bytes."""
+    return HEADER.size + int(((nbits + 7) // 8 + 2).sum())
+
+
+def _eg1_bits(x: torch.Tensor) -> torch.Tensor:
+    """Bits of the exponential-Golomb code of order 1 of each x >= 0."""
+    return 2 * _bits(x + 2) - 2
+
+
+def stream_gap_bits(prev, new) -> torch.Tensor:
+    """Bits of each stream in the ``stream, gaps`` code (int64 [n_streams])."""
+    d = to_ordered(_streams(new, STREAM_ROWS, STREAM_THREADS)).long() - to_ordered(
+        _streams(prev, STREAM_ROWS, STREAM_THREADS)).long()
+    z = (d << 1) ^ (d >> 63)
+    changed, at = z != 0, torch.arange(z.shape[1]).expand_as(z)
+    before = torch.cummax(torch.cat([torch.full((z.shape[0], 1), -1), torch.where(changed, at, -1)[:, :-1]], 1), 1)
+    gap = at - before.values - 1
+    value_bits = torch.where(changed, _eg1_bits(gap) + _eg1_bits((z - 1).clamp(min=0)), 0).sum(1)
+    trailing = z.shape[1] - 1 - torch.where(changed, at, -1).amax(1)
+    return value_bits + _eg1_bits(trailing)
+
+
 def measure_step(prev, new, block_size: int) -> dict:
     z = zigzag_rows(prev, new, block_size)
     changed, raw = (z != 0).any(dim=(1, 2)), 2 * new.numel()
@@ -98,9 +134,12 @@ def measure_step(prev, new, block_size: int) -> dict:
     rows_w2, _ = cheapest(sizes[:, WIDTHS.index(2)][:, None], changed, (2,))
     # either: the current format's sections as column "0" beside the rows format's widths
     either, either_used = cheapest(torch.cat([current_blocks[:, None], sizes], dim=1), changed, (0,) + WIDTHS)
+    streams = {name: _stream_payload(codes_reference(prev, new, STREAM_ROWS, STREAM_THREADS, flags)[1].sum(1))
+               for name, flags in (("stream", False), ("stream_row_flags", True))}
     return dict(unchanged=float((z == 0).float().mean()), current=raw / delta_payload_nbytes(current_blocks),
                 rows=raw / rows, rows_byte_entries=raw / rows_bytes, rows_w2=raw / rows_w2, either=raw / either,
-                widths=used, either_choice=either_used)
+                **{name: raw / nbytes for name, nbytes in streams.items()},
+                stream_gaps=raw / _stream_payload(stream_gap_bits(prev, new)), widths=used, either_choice=either_used)
 
 
 def run(source: str, lr: float, args) -> dict:
@@ -115,7 +154,8 @@ def run(source: str, lr: float, args) -> dict:
         if step > args.steps // 2 and step % args.every == 0:
             rows.append(dict(step=step, **measure_step(prev, new, args.block_size)))
         prev = new
-    keys = ("unchanged", "current", "rows", "rows_byte_entries", "rows_w2", "either")
+    keys = ("unchanged", "current", "rows", "rows_byte_entries", "rows_w2", "either", "stream", "stream_row_flags",
+            "stream_gaps")
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     return dict(source=source, lr=lr, steps=rows, mean=mean)
 
@@ -142,7 +182,8 @@ def main(argv=None):
             m = results[-1]["mean"]
             print(f"{source} lr {lr:g}: unchanged {m['unchanged']:.1%}, ratio current {m['current']:.2f}x, rows "
                   f"{m['rows']:.2f}x, rows with byte entries {m['rows_byte_entries']:.2f}x, rows w=2 {m['rows_w2']:.2f}x, "
-                  f"either per block {m['either']:.2f}x; blocks per choice (0: current) {results[-1]['steps'][-1]['either_choice']}",
+                  f"either per block {m['either']:.2f}x; blocks per choice (0: current) {results[-1]['steps'][-1]['either_choice']}; "
+                  f"stream {m['stream']:.2f}x, with row flags {m['stream_row_flags']:.2f}x, gaps {m['stream_gaps']:.2f}x",
                   flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
