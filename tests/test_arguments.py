@@ -62,7 +62,7 @@ MEGATRON_LM_SCRIPT = (
     "--use-rotary-position-embeddings --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 "
     "--hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend auto --apply-layernorm-1p "
     "--untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 --global-batch-size 8 "
-    "--train-samples 800 --lr-decay-samples 790 "
+    "--rampup-batch-size 4 4 200 --train-samples 800 --lr-decay-samples 790 "
     "--lr-warmup-samples 40 --lr 0.00015 --min-lr 0.00001 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 "
     "--adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion "
     "--calculate-per-token-loss --empty-unused-memory-level 1 "
@@ -82,7 +82,8 @@ def test_megatron_lm_launch_script_flags():
     args = validate_args(parse_args(MEGATRON_LM_SCRIPT.split()), world_size=4, rank=0)
     assert args.position_embedding_type == "rope" and args.recompute_granularity == "selective"
     assert args.attention_backend == "auto" and not args.mmap_bin_files and args.manual_gc
-    assert (args.train_iters, args.lr_warmup_steps, args.lr_decay_steps) == (100, 40, 790)
+    assert (args.train_iters, args.lr_warmup_steps, args.lr_decay_steps) == (100, 40, 790)  # ramp counted at init
+    assert args.rampup_batch_size == [4, 4, 200]
     assert args.distributed_timeout_minutes == 60 and args.exit_duration_in_mins == 235
     assert args.calculate_per_token_loss and args.empty_unused_memory_level == 1
     from megatron.training.model import core_transformer_config
@@ -142,7 +143,6 @@ ERRORS = [
      "only one of --lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction"),
     ("--lr-warmup-iters 500", 1, "the warm-up (1000 samples: --lr-warmup-iters or --lr-warmup-fraction) must be below"),
     ("--lr-warmup-samples 4", 1, "--lr-decay-samples / --lr-warmup-samples go with --train-samples"),
-    ("--rampup-batch-size 16 16 1000", 1, "--rampup-batch-size: batch-size ramp-up is not implemented: drop"),
     ("--attention-backend flash", 1, "--attention-backend flash (or --use-flash-attn) runs Transformer Engine's"),
     ("--use-flash-attn", 1, "or use --transformer-impl transformer_engine"),
     ("--decoupled-min-lr 1e-5", 1, "--decoupled-min-lr sets the minimum of --decoupled-lr's schedule"),

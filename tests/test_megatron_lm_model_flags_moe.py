@@ -134,7 +134,7 @@ def test_flops_count_dense_layers_and_the_shared_expert():
     dense = make("--ffn-hidden-size 184")
     for args in (mixed, dense):
         set_padded_vocab_size(args, 255)
-    assert metrics.gpt_flops_per_iteration(mixed) == pytest.approx(metrics.gpt_flops_per_iteration(dense), rel=1e-12)
+    assert metrics.gpt_flops_per_iteration(mixed, 8) == pytest.approx(metrics.gpt_flops_per_iteration(dense, 8), rel=1e-12)
 
 
 def test_moe_permute_fusion_needs_transformer_engine(monkeypatch):

@@ -15,7 +15,8 @@ schedule, the bf16 params norm, the NaN and spike checks). Two 2-process runs of
   its own per-split data (--train-data-path / --valid-data-path), and saves with --no-ckpt-fully-parallel-save;
   its last params norm is its checkpoint's.
 A reads its data through --data-args-path; both use small indexed datasets (--mock-data's indices of two million
-samples take most of a run's time to build here). And --skip-train against the end-of-run evaluation of a TP=2 run.
+samples take most of a run's time to build here). And --skip-train against the end-of-run evaluation of a TP=2 run,
+and --rampup-batch-size (three DP=2 runs: the ramp, a constant batch, a resume in mid-ramp).
 """
 
 import importlib.util
@@ -238,9 +239,10 @@ def test_tensorboard_interval_and_log_line(tmp_path):
                 f"--log-interval 1")
     writer = metrics.MetricsWriter(args)
     for iteration in (1, 2, 3):
-        record = {"iteration": iteration, "consumed_samples": 2 * iteration, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0,
-                  "iter_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_gpu": 0.0, "comm": comm_totals(0),
-                  "comm_counters": {}, "loss_scale": 1.0, "num_zeros_in_grad": 7, "params_norm": 12.5}
+        record = {"iteration": iteration, "consumed_samples": 2 * iteration, "global_batch_size": 2, "loss": 5.0,
+                  "lr": 1e-3, "grad_norm": 1.0, "iter_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_gpu": 0.0,
+                  "comm": comm_totals(0), "comm_counters": {}, "loss_scale": 1.0, "num_zeros_in_grad": 7,
+                  "params_norm": 12.5}
         if iteration == 3:
             record.update(eval_loss=2.0, eval_ppl=math.exp(2.0))
         writer.write(record)
@@ -459,6 +461,58 @@ def test_skip_train_repeats_the_end_of_run_evaluation(tmp_path):
                            flags + f" --load {tmp_path / 'ckpt'} --skip-train") == []
     assert _final_evaluations(tmp_path, "skipped") == evaluations
     assert not (tmp_path / "ckpt" / "iter_0000005").exists()
+
+
+RAMPUP = (GPT.replace("--micro-batch-size 2", "--micro-batch-size 1").replace("--global-batch-size 8", "--global-batch-size 6")
+          .replace("--train-iters 4", "--train-samples 40 --lr-decay-samples 40")
+          .replace("--lr-warmup-iters 1", "--lr-warmup-samples 2"))
+
+
+@pytest.mark.slow
+def test_rampup_batch_size(tmp_path):
+    """--rampup-batch-size 2 2 12 at DP=2, micro-batch 1, --global-batch-size 6, --train-samples 40: megatron-core's
+    calculator gives batches of 2 up to 6 consumed samples, 4 up to 12 and 6 after, so the run has 9 iterations
+    (the last batch that fits ends at 38 samples). Its first three iterations repeat a run at a constant batch of 2
+    bit for bit (same samples in the same order, the LR schedule counted in samples), and a resume from its
+    mid-ramp checkpoint (iteration 4, batch 4) repeats the rest, batch sizes included."""
+    ramp = launch_training(tmp_path, "ramp", "pretrain_gpt.py", 2,
+                           RAMPUP + f" --rampup-batch-size 2 2 12 --save {tmp_path / 'ckpt'} --save-interval 4")
+    assert [r["global_batch_size"] for r in ramp] == [2, 2, 2, 4, 4, 6, 6, 6, 6]
+    assert [r["consumed_samples"] for r in ramp] == [2, 4, 6, 10, 14, 20, 26, 32, 38]
+    stdout = (tmp_path / "ramp_logs" / "0" / "stdout.log").read_text()
+    assert re.search(r"iteration +4/ +9 \|.*\| global batch size: +4 \|", stdout)
+    constant = launch_training(tmp_path, "constant", "pretrain_gpt.py", 2,
+                               RAMPUP.replace("--global-batch-size 6", "--global-batch-size 2") + " --exit-interval 3")
+    assert [r["loss"] for r in constant] == [r["loss"] for r in ramp[:3]]
+    assert [r["lr"] for r in constant] == [r["lr"] for r in ramp[:3]]
+    resumed = launch_training(tmp_path, "resumed", "pretrain_gpt.py", 2,
+                              RAMPUP + f" --rampup-batch-size 2 2 12 --load {tmp_path / 'ckpt'} --ckpt-step 4")
+    keys = ("iteration", "global_batch_size", "consumed_samples", "loss", "grad_norm", "lr")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in ramp[4:]]
+
+
+def test_rampup_batch_size_errors():
+    """--rampup-batch-size's bad inputs: Megatron-LM's sample-based rule, and steps that miss the global batch size
+    or are not whole micro-batches on every DP rank; the interleaved schedule's groups checked at every step."""
+    samples = BASE.replace("--train-iters 10", "--train-samples 64")
+    cases = [
+        (BASE + " --rampup-batch-size 4 4 16", 1, "ramps over samples: train with --train-samples"),
+        (samples + " --rampup-batch-size 4 4", 1, "takes three ints"),
+        (samples + " --global-batch-size 16 --rampup-batch-size 0 4 16", 1, "START and INCREMENT must be positive"),
+        (samples + " --global-batch-size 16 --rampup-batch-size 4 8 16", 1, "does not reach --global-batch-size 16"),
+        (samples + " --global-batch-size 16 --rampup-batch-size 20 4 16", 1, "does not reach --global-batch-size 16"),
+        (samples + " --global-batch-size 16 --rampup-batch-size 2 2 16", 2, "must be multiples of --micro-batch-size "
+                                                                            "2 x data-parallel size 2 = 4"),
+        (samples + " --global-batch-size 16 --rampup-batch-size 2 2 16 --pipeline-model-parallel-size 2 "
+                   "--num-layers-per-virtual-pipeline-stage 1", 2, "between PP=2 and the 1 micro-batches of an iteration"),
+    ]
+    for flags, world_size, message in cases:
+        with pytest.raises(ValueError) as error:
+            validate_args(parse_args(flags.split()), world_size=world_size, rank=0)
+        assert message in str(error.value), flags
+    args = validate_args(parse_args((samples + " --global-batch-size 16 --rampup-batch-size 4 4 16").split()),
+                         world_size=1, rank=0)
+    assert args.rampup_batch_size == [4, 4, 16] and args.num_micro_batches == 8
 
 
 def _scheduler(max_lr, **flags):

@@ -179,7 +179,7 @@ def _counted_and_formula_flops():
         position_ids = torch.arange(args.seq_length).expand(args.global_batch_size, -1)
         with FlopCounterMode(display=False) as counter:  # MTP layers run only with labels (their loss)
             model(tokens, position_ids, None, labels=tokens if args.mtp_num_layers else None)
-        results[name] = (counter.get_total_flops(), metrics.gpt_flops_per_iteration(args) / 3)
+        results[name] = (counter.get_total_flops(), metrics.gpt_flops_per_iteration(args, args.global_batch_size) / 3)
     return results
 
 

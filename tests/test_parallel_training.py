@@ -109,12 +109,13 @@ def test_flops_formula_and_metrics_record(tmp_path):
     assert set_padded_vocab_size(args, 255) == 256
     b, s, layers, h, v = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size, args.padded_vocab_size
     closed_form = 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
-    assert metrics.gpt_flops_per_iteration(args) == pytest.approx(closed_form, rel=1e-12)
+    assert metrics.gpt_flops_per_iteration(args, args.global_batch_size) == pytest.approx(closed_form, rel=1e-12)
 
     comm = comm_totals(0)
     loss = 5.537488341331482 + 2 ** -50
-    record = {"iteration": 1, "consumed_samples": 8, "loss": loss, "lr": 1e-3, "grad_norm": 1.5,
-              "iter_time_s": 0.1, "tokens_per_s": 2560.0, "tflops_per_gpu": 0.0, "comm": comm, "comm_counters": {}}
+    record = {"iteration": 1, "consumed_samples": 8, "global_batch_size": 8, "loss": loss, "lr": 1e-3,
+              "grad_norm": 1.5, "iter_time_s": 0.1, "tokens_per_s": 2560.0, "tflops_per_gpu": 0.0, "comm": comm,
+              "comm_counters": {}}
     writer = metrics.MetricsWriter(args)
     writer.write(record)
     writer.close()

@@ -308,6 +308,9 @@ class MoEArgs:
 class TrainingArgs:
     micro_batch_size: int = arg(None, "Samples per micro-batch per DP rank.")
     global_batch_size: Optional[int] = arg(None, "Samples per iteration (default micro batch x DP).")
+    rampup_batch_size: Optional[list[int]] = arg(None, "START INCREMENT SAMPLES: ramp the batch size from START to "
+                                                 "--global-batch-size in steps of INCREMENT over the first SAMPLES "
+                                                 "samples (Megatron-LM's; needs --train-samples).")
     train_iters: Optional[int] = arg(None, "Training iterations.")
     train_samples: Optional[int] = arg(None, "Training samples (alternative to --train-iters).")
     seed: int = arg(1234, "Random seed.")
@@ -585,8 +588,6 @@ ALREADY_SO = {
 }
 # Megatron-LM flags this trainer does not implement: an error that names the flag and the fix (number of values).
 NOT_IMPLEMENTED = {
-    "rampup-batch-size": (3, "batch-size ramp-up is not implemented: drop --rampup-batch-size and train at a "
-                             "constant --global-batch-size"),
     "non-persistent-save-interval": (1, "non-persistent checkpoints are not implemented: save with --save-interval "
                                         "(every save here is persistent)"),
     "non-persistent-ckpt-type": (1, "non-persistent checkpoints are not implemented: save with --save-interval "
@@ -1075,8 +1076,11 @@ def _validate_batch_and_schedule(args) -> None:
            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}: change the batch sizes")
     args.num_micro_batches = args.global_batch_size // micro_dp
+    if args.rampup_batch_size is not None:
+        _validate_rampup(args, micro_dp)
     if args.virtual_pipeline_model_parallel_size is not None:
-        _validate_microbatch_groups(args)
+        for micro in ramp_micro_batches(args, micro_dp):
+            _validate_microbatch_groups(args, micro)
     _validate_lr_schedule(args)
     _validate_weight_decay_schedule(args)
     # Megatron-LM's: only the interleaved schedule dispatches aligned param all-gathers
@@ -1091,18 +1095,49 @@ def _validate_batch_and_schedule(args) -> None:
            "--overlap-param-gather")
 
 
-def _validate_microbatch_groups(args) -> None:
+def _validate_rampup(args, micro_dp: int) -> None:
+    """--rampup-batch-size START INCREMENT SAMPLES: megatron-core's calculator steps the batch from START by INCREMENT
+    up to --global-batch-size, so every step must be a whole number of micro-batches on every DP rank."""
+    flag = "--rampup-batch-size START INCREMENT SAMPLES"
+    _check(len(args.rampup_batch_size) == 3, f"{flag} takes three ints, got {args.rampup_batch_size}")
+    start, increment, samples = args.rampup_batch_size
+    _check(start > 0 and increment > 0 and samples >= 0,
+           f"{flag}: START and INCREMENT must be positive and SAMPLES non-negative, got {args.rampup_batch_size}")
+    _check(args.train_samples is not None,
+           f"{flag} ramps over samples: train with --train-samples (and --lr-decay-samples / --lr-warmup-samples) "
+           f"instead of --train-iters, as Megatron-LM requires")
+    gbs = args.global_batch_size
+    _check(start <= gbs and (gbs - start) % increment == 0,
+           f"{flag} = {start} {increment} {samples} does not reach --global-batch-size {gbs}: START must be at most "
+           f"it and it must be START plus a multiple of INCREMENT")
+    _check(start % micro_dp == 0 and increment % micro_dp == 0,
+           f"{flag}: START ({start}) and INCREMENT ({increment}) must be multiples of --micro-batch-size "
+           f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {micro_dp}, so that every "
+           f"step of the ramp is a whole number of micro-batches: change them")
+
+
+def ramp_micro_batches(args, micro_dp: int) -> range:
+    """Micro-batches per iteration over the run: each step of --rampup-batch-size, then --global-batch-size's."""
+    if args.rampup_batch_size is None:
+        return range(args.num_micro_batches, args.num_micro_batches + 1)
+    start, increment, _ = args.rampup_batch_size
+    return range(start // micro_dp, args.num_micro_batches + 1, increment // micro_dp)
+
+
+def _validate_microbatch_groups(args, micro: int) -> None:
     """The interleaved schedule runs the micro-batches in groups of G per virtual stage; a last group smaller
     than PP would stall the pipeline (megatron-core refuses it)."""
-    pp, micro = args.pipeline_model_parallel_size, args.num_micro_batches
+    pp = args.pipeline_model_parallel_size
     group = args.microbatch_group_size_per_vp_stage or pp
     _check(pp <= group <= micro,
            f"--microbatch-group-size-per-virtual-pipeline-stage {group} must lie between PP={pp} and the "
-           f"{micro} micro-batches per iteration (--global-batch-size / (--micro-batch-size x DP))")
+           f"{micro} micro-batches of an iteration (--global-batch-size, or a step of --rampup-batch-size, / "
+           f"(--micro-batch-size x DP))")
     _check(micro % group == 0 or micro % group >= pp,
            f"the interleaved schedule runs micro-batches in groups of {group} (--microbatch-group-size-per-virtual-"
-           f"pipeline-stage, default PP={pp}), but --global-batch-size / (--micro-batch-size x DP) = {micro} leaves "
-           f"a last group of {micro % group}, fewer than PP: make it a multiple of {group}")
+           f"pipeline-stage, default PP={pp}), but an iteration of {micro} micro-batches (--global-batch-size, or a "
+           f"step of --rampup-batch-size, / (--micro-batch-size x DP)) leaves a last group of {micro % group}, fewer "
+           f"than PP: make it a multiple of {group}")
 
 
 def _validate_weight_decay_schedule(args) -> None:

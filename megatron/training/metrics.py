@@ -26,8 +26,8 @@ from compression.telemetry import COMM_CLASSES, TELEMETRY
 from compression.timing import default_device
 
 
-def gpt_flops_per_iteration(args) -> float:
-    """Forward + backward FLOPs of one global batch (Megatron-LM's GPT formula: 2 FLOPs per multiply-add,
+def gpt_flops_per_iteration(args, batch_size: int) -> float:
+    """Forward + backward FLOPs of one global batch of ``batch_size`` samples (Megatron-LM's GPT formula: 2 FLOPs per multiply-add,
     backward = 2 x forward; the attention scores over the whole sequence; the output layer). Each multi-token
     prediction layer adds a layer shaped as the decoder's last, its projection of [embedding, hidden] (2h -> h) and
     one more output layer (Megatron-LM also counts its norms, 3h, which are not matrix products)."""
@@ -35,7 +35,7 @@ def gpt_flops_per_iteration(args) -> float:
     mtp = (args.mtp_num_layers or 0) * (_attention_macs(args) + _mlp_macs(args, args.num_layers - 1)
                                         + 2 * args.hidden_size ** 2)
     logits = (1 + (args.mtp_num_layers or 0)) * args.padded_vocab_size * args.hidden_size
-    return 6 * args.global_batch_size * args.seq_length * (layers + mtp + logits)
+    return 6 * batch_size * args.seq_length * (layers + mtp + logits)
 
 
 def _attention_macs(args) -> float:
@@ -255,8 +255,8 @@ class MetricsWriter:
 
 
 EVALUATION_SCALARS = ("eval_loss", "eval_ppl")
-SCALARS = ("loss", "lr", "grad_norm", "iter_time_s", "tokens_per_s", "tflops_per_gpu", *EVALUATION_SCALARS,
-           "moe_aux_loss", "moe_z_loss", "params_norm", "num_zeros_in_grad", "loss_scale", "world_size",
+SCALARS = ("loss", "lr", "global_batch_size", "grad_norm", "iter_time_s", "tokens_per_s", "tflops_per_gpu",
+           *EVALUATION_SCALARS, "moe_aux_loss", "moe_z_loss", "params_norm", "num_zeros_in_grad", "loss_scale", "world_size",
            "mem_reserved_bytes", "mem_allocated_bytes", "mem_max_allocated_bytes", "mem_allocated_count")
 
 
@@ -280,7 +280,7 @@ def log_line(record: dict, args) -> str:
         f"consumed samples: {record['consumed_samples']:12d}",
         f"elapsed time per iteration (ms): {record['iter_time_s'] * 1000:.1f}",
         f"learning rate: {record['lr']:.6E}",
-        f"global batch size: {args.global_batch_size:5d}",
+        f"global batch size: {record['global_batch_size']:5d}",
         f"lm loss: {record['loss']:.6E}",
         *(f"mtp_{layer + 1} loss: {value:.6E}" for layer, value in enumerate(record.get("mtp_loss", []))),
         *_optional_parts(record, (("loss_scale", "loss scale: {:.1f}"),)),

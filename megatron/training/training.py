@@ -110,14 +110,14 @@ def wire_config_hooks(config, ddp_chunks, optimizer, args) -> None:
     config.finalize_model_grads_func = finalize_model_grads
 
 
-def run_schedule(args, ddp_chunks, data_iterators, forward_only: bool):
+def run_schedule(args, ddp_chunks, data_iterators, forward_only: bool, num_microbatches: int):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     forward_backward = get_forward_backward_func()
     return forward_backward(
         forward_step_func=partial(forward_step, args=args),
         data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
-        model=ddp_chunks, num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
+        model=ddp_chunks, num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=forward_only,
     )
 
@@ -129,31 +129,41 @@ def empty_unused_memory(args, level: int) -> None:
 
 
 def train_step(args, ddp_chunks, optimizer, scheduler, data_iterators) -> dict:
+    """One iteration at the global batch size that megatron-core's calculator gives after
+    ``args.consumed_train_samples`` (--global-batch-size, or a step of --rampup-batch-size)."""
+    from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
+                                                           update_num_microbatches)
+
+    update_num_microbatches(args.consumed_train_samples, consistency_check=True, verbose=True)
+    batch_size, num_microbatches = get_current_global_batch_size(), get_num_microbatches()
     timers = ddp_chunks[0].config.timers  # --timing-log-level's (model.setup_model_and_optimizer)
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses_reduced = run_schedule(args, ddp_chunks, data_iterators, forward_only=False)
+    losses_reduced = run_schedule(args, ddp_chunks, data_iterators, forward_only=False,
+                                  num_microbatches=num_microbatches)
     empty_unused_memory(args, level=1)
     timers("optimizer", log_level=1).start(barrier=True)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer").stop()
     if update_successful:
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=batch_size)
     empty_unused_memory(args, level=2)
     return {"loss": global_mean_loss(losses_reduced), "grad_norm": grad_norm, "num_zeros_in_grad": num_zeros_in_grad,
-            "skipped": not update_successful}
+            "skipped": not update_successful, "global_batch_size": batch_size, "num_microbatches": num_microbatches}
 
 
 def evaluate(args, ddp_chunks, data_iterators, validation: bool = True) -> float:
-    """Mean loss over --eval-iters global batches of ``data_iterators``' split (the validation split's samples
-    counted in ``args.consumed_valid_samples``, where a resume continues it)."""
+    """Mean loss over --eval-iters batches of --global-batch-size samples (during a --rampup-batch-size ramp too, as
+    Megatron-LM evaluates) of ``data_iterators``' split (the validation split's samples counted in
+    ``args.consumed_valid_samples``, where a resume continues it)."""
     for chunk in ddp_chunks:
         chunk.eval()
     total = []
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            total += run_schedule(args, ddp_chunks, data_iterators, forward_only=True)
+            total += run_schedule(args, ddp_chunks, data_iterators, forward_only=True,
+                                  num_microbatches=args.num_micro_batches)
     for chunk in ddp_chunks:
         chunk.train()
     if validation:
@@ -184,7 +194,7 @@ class _ScalarCollector:
         self.scalars[name] = float(value)
 
 
-def moe_metrics(args) -> dict:
+def moe_metrics(args, num_microbatches: int) -> dict:
     """This iteration's MoE losses from megatron-core's tracker, as Megatron-LM logs them: the mean per MoE layer of
     the load-balancing loss (``moe_aux_loss``) and of the z-loss (``moe_z_loss``), and with --moe-per-layer-logging
     every layer's value (``moe_per_layer``: loss name -> one value per layer, 0 for dense layers)."""
@@ -201,7 +211,7 @@ def moe_metrics(args) -> dict:
     from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
     writer = _ScalarCollector()
-    track_moe_metrics(loss_scale=1.0 / args.num_micro_batches, iteration=0, writer=writer,
+    track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=0, writer=writer,
                       per_layer_logging=args.moe_per_layer_logging, force_initialize=True, track_names=list(keys),
                       num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq)
     record = {key: writer.scalars[name] for name, key in keys.items()}
@@ -211,7 +221,7 @@ def moe_metrics(args) -> dict:
     return record
 
 
-def mtp_metrics(args) -> dict:
+def mtp_metrics(args, num_microbatches: int) -> dict:
     """This iteration's multi-token prediction losses from megatron-core's tracker, as Megatron-LM logs them
     (``mtp_1 loss``, ...): ``mtp_loss``, one value per MTP layer, averaged over the micro-batches and DP replicas.
     megatron-core's ``track_mtp_metrics`` reduces them over DP on the last stage (and clears its tracker); one world
@@ -221,7 +231,7 @@ def mtp_metrics(args) -> dict:
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     writer = _ScalarCollector()
-    MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / args.num_micro_batches, iteration=0, writer=writer)
+    MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / num_microbatches, iteration=0, writer=writer)
     totals = torch.zeros(args.mtp_num_layers + 1, dtype=torch.float64, device=default_device())
     if _reports_loss() and writer.scalars:
         totals[:-1] = torch.tensor([writer.scalars[f"mtp_{i + 1} loss"] for i in range(args.mtp_num_layers)])
@@ -345,13 +355,14 @@ def load(args, ddp_chunks, optimizer, scheduler) -> int:
 
 
 def iteration_record(args, iteration, step, iter_time, optimizer) -> dict:
-    tokens = args.global_batch_size * args.seq_length
+    batch_size = step["global_batch_size"]
     grad_norm = step["grad_norm"]
     record = {
-        "iteration": iteration, "consumed_samples": args.consumed_train_samples, "loss": step["loss"],
-        "lr": optimizer.param_groups[0]["lr"], "grad_norm": None if grad_norm is None else float(grad_norm),
-        "iter_time_s": iter_time, "tokens_per_s": tokens / iter_time,
-        "tflops_per_gpu": metrics.gpt_flops_per_iteration(args) / iter_time / args.world_size / 1e12,
+        "iteration": iteration, "consumed_samples": args.consumed_train_samples, "global_batch_size": batch_size,
+        "loss": step["loss"], "lr": optimizer.param_groups[0]["lr"],
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "iter_time_s": iter_time, "tokens_per_s": batch_size * args.seq_length / iter_time,
+        "tflops_per_gpu": metrics.gpt_flops_per_iteration(args, batch_size) / iter_time / args.world_size / 1e12,
         "skipped": step["skipped"],
     }
     if args.log_num_zeros_in_grad:  # None when the step was skipped (an fp16 overflow)
@@ -436,8 +447,8 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
         start = time.perf_counter()
         step = train_step(args, ddp_chunks, optimizer, scheduler, train_iters)
         iteration += 1
-        args.consumed_train_samples += args.global_batch_size
-        args.num_floating_point_operations_so_far += metrics.gpt_flops_per_iteration(args)
+        args.consumed_train_samples += step["global_batch_size"]
+        args.num_floating_point_operations_so_far += metrics.gpt_flops_per_iteration(args, step["global_batch_size"])
         iter_time = time.perf_counter() - start
         profiler.after(iteration)
         record = iteration_record(args, iteration, step, iter_time, optimizer)
@@ -448,8 +459,8 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
                 record[key] = t.compressing
                 t.after_iteration(iteration, iter_time, default_device())
         record.update(metrics.reduce_telemetry())
-        record.update(moe_metrics(args))
-        record.update(mtp_metrics(args))
+        record.update(moe_metrics(args, step["num_microbatches"]))
+        record.update(mtp_metrics(args, step["num_microbatches"]))
         if args.eval_interval and iteration % args.eval_interval == 0 and valid_iters[0] is not None:
             record.update(evaluation_record(args, ddp_chunks, valid_iters))
         if args.params_checksum_interval and iteration % args.params_checksum_interval == 0:
