@@ -82,8 +82,9 @@ def test_megatron_lm_launch_script_flags():
     args = validate_args(parse_args(MEGATRON_LM_SCRIPT.split()), world_size=4, rank=0)
     assert args.position_embedding_type == "rope" and args.recompute_granularity == "selective"
     assert args.attention_backend == "auto" and not args.mmap_bin_files and args.manual_gc
-    assert (args.train_iters, args.lr_warmup_steps, args.lr_decay_steps) == (100, 40, 790)  # ramp counted at init
-    assert args.rampup_batch_size == [4, 4, 200]
+    # the ramp: 200 samples in batches of 4, then 600 in batches of 8
+    assert (args.train_iters, args.lr_warmup_steps, args.lr_decay_steps) == (50 + 75, 40, 790)
+    assert args.batch_steps == ((0, 4), (200, 8))
     assert args.distributed_timeout_minutes == 60 and args.exit_duration_in_mins == 235
     assert args.calculate_per_token_loss and args.empty_unused_memory_level == 1
     from megatron.training.model import core_transformer_config

@@ -16,7 +16,8 @@ schedule, the bf16 params norm, the NaN and spike checks). Two 2-process runs of
   its last params norm is its checkpoint's.
 A reads its data through --data-args-path; both use small indexed datasets (--mock-data's indices of two million
 samples take most of a run's time to build here). And --skip-train against the end-of-run evaluation of a TP=2 run,
-and --rampup-batch-size (three DP=2 runs: the ramp, a constant batch, a resume in mid-ramp).
+and --rampup-batch-size / --step-batch-size-schedule (four DP=2 runs: the ramp, a constant batch, a resume in
+mid-ramp, the same steps as a schedule).
 """
 
 import importlib.util
@@ -470,11 +471,12 @@ RAMPUP = (GPT.replace("--micro-batch-size 2", "--micro-batch-size 1").replace("-
 
 @pytest.mark.slow
 def test_rampup_batch_size(tmp_path):
-    """--rampup-batch-size 2 2 12 at DP=2, micro-batch 1, --global-batch-size 6, --train-samples 40: megatron-core's
-    calculator gives batches of 2 up to 6 consumed samples, 4 up to 12 and 6 after, so the run has 9 iterations
-    (the last batch that fits ends at 38 samples). Its first three iterations repeat a run at a constant batch of 2
-    bit for bit (same samples in the same order, the LR schedule counted in samples), and a resume from its
-    mid-ramp checkpoint (iteration 4, batch 4) repeats the rest, batch sizes included."""
+    """--rampup-batch-size 2 2 12 at DP=2, micro-batch 1, --global-batch-size 6, --train-samples 40: batches of 2
+    up to 6 consumed samples, 4 up to 12 and 6 after, so the run has 9 iterations (the last batch that fits ends at
+    38 samples). Its first three iterations repeat a run at a constant batch of 2 bit for bit (same samples in the
+    same order, the LR schedule counted in samples), a resume from its mid-ramp checkpoint (iteration 4, batch 4)
+    repeats the rest, batch sizes included, and --step-batch-size-schedule with the same steps (thresholds in
+    tokens: 6 and 12 samples of 32) repeats the whole run."""
     ramp = launch_training(tmp_path, "ramp", "pretrain_gpt.py", 2,
                            RAMPUP + f" --rampup-batch-size 2 2 12 --save {tmp_path / 'ckpt'} --save-interval 4")
     assert [r["global_batch_size"] for r in ramp] == [2, 2, 2, 4, 4, 6, 6, 6, 6]
@@ -489,22 +491,51 @@ def test_rampup_batch_size(tmp_path):
                               RAMPUP + f" --rampup-batch-size 2 2 12 --load {tmp_path / 'ckpt'} --ckpt-step 4")
     keys = ("iteration", "global_batch_size", "consumed_samples", "loss", "grad_norm", "lr")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in ramp[4:]]
+    stepped = launch_training(tmp_path, "stepped", "pretrain_gpt.py", 2,
+                              RAMPUP.replace("--global-batch-size 6", "--step-batch-size-schedule 0:2,192:4,384:6"))
+    assert [[r[k] for k in keys] for r in stepped] == [[r[k] for k in keys] for r in ramp]
 
 
-def test_rampup_batch_size_errors():
-    """--rampup-batch-size's bad inputs: Megatron-LM's sample-based rule, and steps that miss the global batch size
-    or are not whole micro-batches on every DP rank; the interleaved schedule's groups checked at every step."""
+def test_batch_schedules():
+    """The steps of a ramp, Megatron-LM's schedule syntax, the batch size at a sample count, and the iterations
+    that fit in --train-samples (a batch may pass the next threshold: the step after it is then skipped)."""
+    from megatron.training.batch_schedule import batch_size_at, iterations_in, parse_step_schedule, rampup_steps
+
+    assert rampup_steps(16, 16, 5859375, 1536)[:3] == ((0, 16), (61678, 32), (123356, 48))
+    assert rampup_steps(16, 16, 5859375, 1536)[-1] == (5859375, 1536) and rampup_steps(8, 8, 100, 8) == ((0, 8),)
+    assert parse_step_schedule("0:768 250B:1536 500B:3072", 2048) == ((0, 768), (122070312, 1536), (244140625, 3072))
+    assert parse_step_schedule("1.5k:4, 0:2", 1) == ((0, 2), (1500, 4))
+    steps = ((0, 4), (10, 8), (14, 2), (100, 4))
+    assert [batch_size_at(steps, c) for c in (0, 9, 10, 13, 14, 99, 100)] == [4, 4, 8, 8, 2, 2, 4]
+    # 0 4 8 (batch 4) -> 12 (batch 8: passes 14) -> 20, 22, ..., 98 (batch 2) -> 100 (batch 4) -> 104, 108
+    assert iterations_in(steps, 110) == 3 + 1 + 40 + 2 and iterations_in(((0, 4),), 30) == 7
+    for text, message in (("8:4", "the first threshold must be 0"), ("0:4 x:8", "'X' is not a number"),
+                          ("0:4 8", "is not THRESHOLD:BATCH_SIZE"), ("0:4 3:8", "two thresholds fall on the same"),
+                          ("0:0", "batch sizes must be positive")):
+        with pytest.raises(ValueError, match=message):
+            parse_step_schedule(text, 4)
+
+
+def test_batch_size_schedule_errors():
+    """--rampup-batch-size's and --step-batch-size-schedule's bad inputs: Megatron-LM's sample-based rule, ramps that
+    miss the global batch size, steps that are not whole micro-batches on every DP rank (the interleaved schedule's
+    groups checked at every step), and a schedule beside --global-batch-size."""
     samples = BASE.replace("--train-iters 10", "--train-samples 64")
     cases = [
-        (BASE + " --rampup-batch-size 4 4 16", 1, "ramps over samples: train with --train-samples"),
+        (BASE + " --global-batch-size 16 --rampup-batch-size 4 4 16", 1, "changes the batch size with the samples "
+                                                                           "consumed: train with --train-samples"),
         (samples + " --rampup-batch-size 4 4", 1, "takes three ints"),
         (samples + " --global-batch-size 16 --rampup-batch-size 0 4 16", 1, "START and INCREMENT must be positive"),
         (samples + " --global-batch-size 16 --rampup-batch-size 4 8 16", 1, "does not reach --global-batch-size 16"),
         (samples + " --global-batch-size 16 --rampup-batch-size 20 4 16", 1, "does not reach --global-batch-size 16"),
-        (samples + " --global-batch-size 16 --rampup-batch-size 2 2 16", 2, "must be multiples of --micro-batch-size "
-                                                                            "2 x data-parallel size 2 = 4"),
+        (samples + " --global-batch-size 16 --rampup-batch-size 2 2 16", 2, "--rampup-batch-size: its batch size 2 is "
+                                                                            "not a multiple of --micro-batch-size 2 x "
+                                                                            "data-parallel size 2 = 4"),
         (samples + " --global-batch-size 16 --rampup-batch-size 2 2 16 --pipeline-model-parallel-size 2 "
                    "--num-layers-per-virtual-pipeline-stage 1", 2, "between PP=2 and the 1 micro-batches of an iteration"),
+        (samples + " --global-batch-size 16 --step-batch-size-schedule 0:8", 1, "drop --global-batch-size"),
+        (samples + " --step-batch-size-schedule 0:3,64:8", 1, "--step-batch-size-schedule: its batch size 3 is not"),
+        (BASE + " --step-batch-size-schedule 0:4,64:8", 1, "--step-batch-size-schedule changes the batch size"),
     ]
     for flags, world_size, message in cases:
         with pytest.raises(ValueError) as error:
@@ -513,6 +544,10 @@ def test_rampup_batch_size_errors():
     args = validate_args(parse_args((samples + " --global-batch-size 16 --rampup-batch-size 4 4 16").split()),
                          world_size=1, rank=0)
     assert args.rampup_batch_size == [4, 4, 16] and args.num_micro_batches == 8
+    # batches of 4 to 8 samples, one of 8 (to 16: past the step to 12), then (64 - 16) / 16
+    assert args.batch_steps == ((0, 4), (6, 8), (11, 12), (16, 16)) and args.train_iters == 2 + 1 + 3
+    args = validate_args(parse_args((samples + " --step-batch-size-schedule 0:4,64:8").split()), world_size=1, rank=0)
+    assert args.global_batch_size == 8 and args.batch_steps == ((0, 4), (2, 8)) and args.train_iters == 8
 
 
 def _scheduler(max_lr, **flags):

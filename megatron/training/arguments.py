@@ -22,6 +22,8 @@ from typing import Optional, Union
 
 import torch
 
+from megatron.training.batch_schedule import iterations_in, parse_step_schedule, rampup_steps
+
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's legacy --split
 
 
@@ -311,6 +313,10 @@ class TrainingArgs:
     rampup_batch_size: Optional[list[int]] = arg(None, "START INCREMENT SAMPLES: ramp the batch size from START to "
                                                  "--global-batch-size in steps of INCREMENT over the first SAMPLES "
                                                  "samples (Megatron-LM's; needs --train-samples).")
+    step_batch_size_schedule: Optional[str] = arg(None, "\"THRESHOLD:BATCH ...\": the global batch size from each "
+                                                  "threshold of consumed tokens on, the first 0, K/M/B/T suffixes "
+                                                  "(newer Megatron-LM's; instead of --global-batch-size; needs "
+                                                  "--train-samples).")
     train_iters: Optional[int] = arg(None, "Training iterations.")
     train_samples: Optional[int] = arg(None, "Training samples (alternative to --train-iters).")
     seed: int = arg(1234, "Random seed.")
@@ -1070,6 +1076,12 @@ def _validate_moe_capacity_and_shared_expert(args) -> None:
 
 def _validate_batch_and_schedule(args) -> None:
     micro_dp = args.micro_batch_size * args.data_parallel_size
+    if args.step_batch_size_schedule is not None:
+        _check(args.global_batch_size is None and args.rampup_batch_size is None,
+               "--step-batch-size-schedule sets the global batch size of every iteration: drop --global-batch-size "
+               "and --rampup-batch-size (Megatron-LM refuses them together too)")
+        args.batch_steps = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
+        args.global_batch_size = args.batch_steps[-1][1]  # the schedule's last: what evaluation uses
     if args.global_batch_size is None:
         args.global_batch_size = micro_dp
     _check(args.global_batch_size % micro_dp == 0,
@@ -1077,10 +1089,11 @@ def _validate_batch_and_schedule(args) -> None:
            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}: change the batch sizes")
     args.num_micro_batches = args.global_batch_size // micro_dp
     if args.rampup_batch_size is not None:
-        _validate_rampup(args, micro_dp)
-    if args.virtual_pipeline_model_parallel_size is not None:
-        for micro in ramp_micro_batches(args, micro_dp):
-            _validate_microbatch_groups(args, micro)
+        _validate_rampup(args)
+        args.batch_steps = rampup_steps(*args.rampup_batch_size, args.global_batch_size)
+    elif args.step_batch_size_schedule is None:
+        args.batch_steps = ((0, args.global_batch_size),)
+    _validate_batch_steps(args, micro_dp)
     _validate_lr_schedule(args)
     _validate_weight_decay_schedule(args)
     # Megatron-LM's: only the interleaved schedule dispatches aligned param all-gathers
@@ -1095,33 +1108,35 @@ def _validate_batch_and_schedule(args) -> None:
            "--overlap-param-gather")
 
 
-def _validate_rampup(args, micro_dp: int) -> None:
-    """--rampup-batch-size START INCREMENT SAMPLES: megatron-core's calculator steps the batch from START by INCREMENT
-    up to --global-batch-size, so every step must be a whole number of micro-batches on every DP rank."""
+def _validate_rampup(args) -> None:
+    """--rampup-batch-size START INCREMENT SAMPLES: steps of INCREMENT from START that reach --global-batch-size."""
     flag = "--rampup-batch-size START INCREMENT SAMPLES"
     _check(len(args.rampup_batch_size) == 3, f"{flag} takes three ints, got {args.rampup_batch_size}")
     start, increment, samples = args.rampup_batch_size
     _check(start > 0 and increment > 0 and samples >= 0,
            f"{flag}: START and INCREMENT must be positive and SAMPLES non-negative, got {args.rampup_batch_size}")
-    _check(args.train_samples is not None,
-           f"{flag} ramps over samples: train with --train-samples (and --lr-decay-samples / --lr-warmup-samples) "
-           f"instead of --train-iters, as Megatron-LM requires")
     gbs = args.global_batch_size
     _check(start <= gbs and (gbs - start) % increment == 0,
            f"{flag} = {start} {increment} {samples} does not reach --global-batch-size {gbs}: START must be at most "
            f"it and it must be START plus a multiple of INCREMENT")
-    _check(start % micro_dp == 0 and increment % micro_dp == 0,
-           f"{flag}: START ({start}) and INCREMENT ({increment}) must be multiples of --micro-batch-size "
-           f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {micro_dp}, so that every "
-           f"step of the ramp is a whole number of micro-batches: change them")
 
 
-def ramp_micro_batches(args, micro_dp: int) -> range:
-    """Micro-batches per iteration over the run: each step of --rampup-batch-size, then --global-batch-size's."""
-    if args.rampup_batch_size is None:
-        return range(args.num_micro_batches, args.num_micro_batches + 1)
-    start, increment, _ = args.rampup_batch_size
-    return range(start // micro_dp, args.num_micro_batches + 1, increment // micro_dp)
+def _validate_batch_steps(args, micro_dp: int) -> None:
+    """A batch size that changes over the run (``args.batch_steps``) counts in samples, and every step of it must be a
+    whole number of micro-batches on every DP rank (and of interleaved-schedule groups)."""
+    flag = "--rampup-batch-size" if args.rampup_batch_size is not None else "--step-batch-size-schedule"
+    if len(args.batch_steps) > 1:
+        _check(args.train_samples is not None,
+               f"{flag} changes the batch size with the samples consumed: train with --train-samples (and "
+               f"--lr-decay-samples / --lr-warmup-samples) instead of --train-iters, as Megatron-LM requires")
+    for _, batch in args.batch_steps:
+        _check(batch % micro_dp == 0,
+               f"{flag}: its batch size {batch} is not a multiple of --micro-batch-size {args.micro_batch_size} x "
+               f"data-parallel size {args.data_parallel_size} = {micro_dp}: every step must be a whole number of "
+               f"micro-batches on every DP rank")
+    if args.virtual_pipeline_model_parallel_size is not None:
+        for micro in sorted({batch // micro_dp for _, batch in args.batch_steps}):
+            _validate_microbatch_groups(args, micro)
 
 
 def _validate_microbatch_groups(args, micro: int) -> None:
@@ -1167,7 +1182,7 @@ def _validate_lr_schedule(args) -> None:
         _check(args.lr_decay_iters is None and args.lr_warmup_iters == 0,
                "--train-samples counts the schedule in samples: use --lr-decay-samples / --lr-warmup-samples instead "
                "of --lr-decay-iters / --lr-warmup-iters")
-        args.train_iters = args.train_samples // gbs
+        args.train_iters = iterations_in(args.batch_steps, args.train_samples)
         decay, warmup, unit = args.lr_decay_samples or args.train_samples, args.lr_warmup_samples, "samples"
     else:
         _check(args.lr_decay_samples is None and args.lr_warmup_samples == 0,

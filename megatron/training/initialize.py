@@ -146,26 +146,6 @@ def set_logging_level(args) -> None:
         logging.getLogger().setLevel(level)
 
 
-def rampup_train_iters(train_samples: int, global_batch_size: int) -> int:
-    """Iterations of a --rampup-batch-size run: as many as fit in ``train_samples``, each of the batch size that
-    megatron-core's calculator gives at the samples consumed before it (through the ramp one by one, then the constant
-    rest in one division, as Megatron-LM counts them). Leaves the calculator at the start."""
-    from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
-
-    iterations = consumed = 0
-    while True:
-        update_num_microbatches(consumed, consistency_check=False)
-        batch = get_current_global_batch_size()
-        if batch == global_batch_size:  # the ramp is over
-            iterations += (train_samples - consumed) // batch
-            break
-        if consumed + batch > train_samples:
-            break
-        consumed, iterations = consumed + batch, iterations + 1
-    update_num_microbatches(0, consistency_check=False)
-    return iterations
-
-
 def initialize_megatron(args) -> None:
     """Everything before the model is built. ``args`` must have passed ``validate_args``."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
@@ -186,7 +166,5 @@ def initialize_megatron(args) -> None:
     initialize_rerun_state_machine()
     record_memory_history(args)
     set_random_seed(args.seed)
-    init_num_microbatches_calculator(args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
+    init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
                                      args.data_parallel_size)
-    if args.rampup_batch_size is not None:
-        args.train_iters = rampup_train_iters(args.train_samples, args.global_batch_size)

@@ -23,6 +23,7 @@ import torch
 from compression.collective_graphs import release_all_graphs
 from compression.timing import default_device
 from megatron.training import metrics
+from megatron.training.batch_schedule import batch_size_at
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
 from megatron.training.initialize import initialize_megatron, records_memory_history
 from megatron.training.model import setup_model_and_optimizer
@@ -128,14 +129,25 @@ def empty_unused_memory(args, level: int) -> None:
         torch.cuda.empty_cache()
 
 
-def train_step(args, ddp_chunks, optimizer, scheduler, data_iterators) -> dict:
-    """One iteration at the global batch size that megatron-core's calculator gives after
-    ``args.consumed_train_samples`` (--global-batch-size, or a step of --rampup-batch-size)."""
+def follow_batch_size(args, batch_size: int) -> int:
+    """Set megatron-core's micro-batch calculator to ``batch_size`` where it changes (logged as Megatron-LM logs a
+    ramp) and return its micro-batches per DP rank."""
     from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
-                                                           update_num_microbatches)
+                                                           reconfigure_num_microbatches_calculator)
 
-    update_num_microbatches(args.consumed_train_samples, consistency_check=True, verbose=True)
-    batch_size, num_microbatches = get_current_global_batch_size(), get_num_microbatches()
+    if batch_size != get_current_global_batch_size():
+        if args.rank == 0:
+            logger.info(f"setting the global batch size to {batch_size} after {args.consumed_train_samples} samples")
+        reconfigure_num_microbatches_calculator(args.rank, None, batch_size, args.micro_batch_size,
+                                                args.data_parallel_size)
+    return get_num_microbatches()
+
+
+def train_step(args, ddp_chunks, optimizer, scheduler, data_iterators) -> dict:
+    """One iteration at the global batch size of the run's schedule after ``args.consumed_train_samples``
+    (``batch_schedule``), which megatron-core's micro-batch calculator is set to as well."""
+    batch_size = batch_size_at(args.batch_steps, args.consumed_train_samples)
+    num_microbatches = follow_batch_size(args, batch_size)
     timers = ddp_chunks[0].config.timers  # --timing-log-level's (model.setup_model_and_optimizer)
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
