@@ -155,6 +155,14 @@ ERRORS = [
      "than the 16 iterations that measuring and the trial (--param-gather-trial-iters 6) take, got 16"),
     ("--param-gather-reselect-interval -5", 1, "--param-gather-reselect-interval must be 0 (choose once)"),
     ("--train-samples 8", 1, "exactly one of --train-iters and --train-samples"),
+    ("--non-persistent-save-interval 2 --save /tmp/ckpt", 1, "add --non-persistent-ckpt-type global"),
+    ("--non-persistent-save-interval 2 --non-persistent-ckpt-type global", 1, "add --save DIR (the checkpoints go to "
+                                                                              "DIR/non_persistent)"),
+    ("--non-persistent-save-interval 0 --non-persistent-ckpt-type global --save /tmp/ckpt", 1,
+     "--non-persistent-save-interval must be a positive number of iterations"),
+    ("--non-persistent-ckpt-type local", 1, "--non-persistent-ckpt-type local (nvidia-resiliency-ext's node-local "
+                                            "checkpoints) is not implemented: use --non-persistent-ckpt-type global"),
+    ("--non-persistent-local-ckpt-dir /tmp/local", 1, "local non-persistent checkpoints"),
     ("--recompute-granularity full", 1, "--recompute-method"),
     ("--seq-length 64 --max-position-embeddings 32", 1, "--seq-length 64 exceeds --max-position-embeddings 32"),
     ("--finetune", 1, "--finetune loads pretrained weights: add --load DIR"),
@@ -187,9 +195,6 @@ ERRORS = [
     ("--ckpt-step 5", 1, "--ckpt-step reads a checkpoint: add --load DIR"),
     ("--exit-on-missing-checkpoint", 1, "--exit-on-missing-checkpoint reads a checkpoint: add --load DIR"),
     ("--load /tmp/x --dist-ckpt-strictness return_all", 1, "use log_unexpected or log_all to see them"),
-    ("--non-persistent-save-interval 10", 1, "--non-persistent-save-interval: non-persistent checkpoints are not "
-     "implemented"),
-    ("--non-persistent-ckpt-type global", 1, "--non-persistent-ckpt-type: non-persistent checkpoints"),
     ("--s3-cache-path /c", 1, "--s3-cache-path: data is read from local files only"),
     ("--object-storage-cache-path /c", 1, "--object-storage-cache-path: data is read from local files only"),
     ("--overlap-param-gather-with-optimizer-step", 1, "only with --ckpt-format torch"),

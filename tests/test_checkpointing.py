@@ -350,6 +350,35 @@ def test_async_save_publishes_every_checkpoint_and_resumes_bit_exactly(tmp_path)
 
 
 @pytest.mark.slow
+def test_non_persistent_checkpoints(tmp_path):
+    """--non-persistent-save-interval 1 --non-persistent-ckpt-type global beside --save-interval 3 over 6
+    iterations: persistent saves at 3 and 6, non-persistent ones at 1, 2, 4, 5 into --save's non_persistent
+    directory, where only the newest two stay (the older removed before each save). As if the job had died after
+    iteration 5 (its persistent iteration 6 lost), a resume takes the newer non-persistent iteration 5 and repeats
+    iteration 6 bit for bit; without --non-persistent-ckpt-type it takes persistent iteration 3."""
+    import shutil
+
+    from megatron.training.checkpointing import TRACKER_FILENAME
+
+    ckpt = tmp_path / "ckpt"
+    flags = RESUME_FLAGS.replace("--train-iters 4", "--train-iters 6")
+    full = launch_training(tmp_path, "full", "pretrain_gpt.py", 2,
+                           flags + f" --save {ckpt} --save-interval 3 --non-persistent-save-interval 1 "
+                                   f"--non-persistent-ckpt-type global")
+    assert sorted(os.listdir(ckpt)) == ["iter_0000003", "iter_0000006", TRACKER_FILENAME, "non_persistent"]
+    assert sorted(os.listdir(ckpt / "non_persistent")) == ["iter_0000004", "iter_0000005", TRACKER_FILENAME]
+    assert (ckpt / "non_persistent" / TRACKER_FILENAME).read_text() == "5"
+    shutil.rmtree(ckpt / "iter_0000006")
+    (ckpt / TRACKER_FILENAME).write_text("3")
+    resumed = launch_training(tmp_path, "resumed", "pretrain_gpt.py", 2,
+                              flags + f" --load {ckpt} --non-persistent-ckpt-type global")
+    keys = ("iteration", "consumed_samples", "loss", "grad_norm", "params_checksum")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full[5:]]
+    persistent = launch_training(tmp_path, "persistent", "pretrain_gpt.py", 2, flags + f" --load {ckpt}")
+    assert [[r[k] for k in keys] for r in persistent] == [[r[k] for k in keys] for r in full[3:]]
+
+
+@pytest.mark.slow
 def test_fully_reshardable_optimizer_state_resumes_at_other_tp_and_pp(tmp_path):
     """--dist-ckpt-optim-fully-reshardable (fp32, distributed optimizer, TP=2, saved at iteration 2): resumed at TP=2
     it repeats iterations 3-4 bit for bit; at TP=1 and at PP=2 (with --no-load-rng, whose states are per rank) it

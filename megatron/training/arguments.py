@@ -418,6 +418,16 @@ class CheckpointArgs:
     save: Optional[str] = arg(None, "Checkpoint directory to save to.")
     load: Optional[str] = arg(None, "Checkpoint directory to resume from.")
     save_interval: Optional[int] = arg(None, "Iterations between saves.")
+    non_persistent_save_interval: Optional[int] = arg(None, "Iterations between non-persistent saves (with "
+                                                      "--non-persistent-ckpt-type global: only the newest two are "
+                                                      "kept, and a load takes the newer of them and --load's).")
+    non_persistent_ckpt_type: Optional[str] = arg(None, "Kind of non-persistent checkpoints: global (full "
+                                                  "checkpoints in --non-persistent-global-ckpt-dir); Megatron-LM's "
+                                                  "local and in_memory are not implemented (an error).",
+                                                  choices=["global", "local", "in_memory"])
+    non_persistent_global_ckpt_dir: Optional[str] = arg(None, "Directory of global non-persistent checkpoints "
+                                                        "(default: the non_persistent directory in --save, and in "
+                                                        "--load for a load).")
     no_save_optim: bool = arg(False, "Save no optimizer and LR-scheduler state (a run loading it starts them afresh).")
     no_save_rng: bool = arg(False, "Save no RNG states (a run loading it keeps its own seeded RNG).")
     no_load_optim: bool = arg(False, "Do not load the optimizer state.")
@@ -594,10 +604,10 @@ ALREADY_SO = {
 }
 # Megatron-LM flags this trainer does not implement: an error that names the flag and the fix (number of values).
 NOT_IMPLEMENTED = {
-    "non-persistent-save-interval": (1, "non-persistent checkpoints are not implemented: save with --save-interval "
-                                        "(every save here is persistent)"),
-    "non-persistent-ckpt-type": (1, "non-persistent checkpoints are not implemented: save with --save-interval "
-                                    "(every save here is persistent)"),
+    "non-persistent-local-ckpt-dir": (1, "local non-persistent checkpoints (nvidia-resiliency-ext's) are not "
+                                         "implemented: use --non-persistent-ckpt-type global"),
+    "non-persistent-local-ckpt-algo": (1, "local non-persistent checkpoints (nvidia-resiliency-ext's) are not "
+                                          "implemented: use --non-persistent-ckpt-type global"),
     "object-storage-cache-path": (1, "data is read from local files only (no object storage): copy the dataset to a "
                                      "filesystem and give --data-path"),
     "s3-cache-path": (1, "data is read from local files only (no S3): copy the dataset to a filesystem and give "
@@ -1323,6 +1333,7 @@ def _validate_checkpointing(args) -> None:
                         ("--ckpt-step", args.ckpt_step is not None),
                         ("--exit-on-missing-checkpoint", args.exit_on_missing_checkpoint)):
         _check(not given or loads, f"{flag} reads a checkpoint: add --load DIR (or --pretrained-checkpoint DIR)")
+    _validate_non_persistent(args)
     _check(not args.dist_ckpt_strictness.startswith("return_"),
            f"--dist-ckpt-strictness {args.dist_ckpt_strictness} hands the mismatched keys back to the caller, and this "
            f"trainer has no use for them: use log_unexpected or log_all to see them, raise_unexpected or raise_all "
@@ -1344,6 +1355,21 @@ def _validate_checkpointing(args) -> None:
         _check(args.save is None or os.path.realpath(args.save) != os.path.realpath(args.pretrained_checkpoint),
                f"--save equal to --pretrained-checkpoint ({args.pretrained_checkpoint}) would overwrite the pretrained "
                f"checkpoint's iterations with the fine-tuning run's: give --save (and --load) a new directory")
+
+
+def _validate_non_persistent(args) -> None:
+    """Megatron-LM's non-persistent checkpoints, of the global kind (full checkpoints in their own directory)."""
+    kind, interval = args.non_persistent_ckpt_type, args.non_persistent_save_interval
+    _check(kind in (None, "global"),
+           f"--non-persistent-ckpt-type {kind} (nvidia-resiliency-ext's node-local checkpoints) is not implemented: use "
+           f"--non-persistent-ckpt-type global (full checkpoints in --non-persistent-global-ckpt-dir)")
+    if interval is not None:
+        _check(interval > 0, f"--non-persistent-save-interval must be a positive number of iterations, got {interval}")
+        _check(kind == "global", "--non-persistent-save-interval saves non-persistent checkpoints: add "
+                                 "--non-persistent-ckpt-type global")
+        _check(args.save is not None or args.non_persistent_global_ckpt_dir is not None,
+               "--non-persistent-save-interval: add --save DIR (the checkpoints go to DIR/non_persistent) or "
+               "--non-persistent-global-ckpt-dir")
 
 
 def _validate_logging(args) -> None:

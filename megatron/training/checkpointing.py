@@ -57,6 +57,7 @@ import importlib.util
 import logging
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -84,6 +85,7 @@ from megatron.training.arguments import CheckpointArgs
 
 logger = logging.getLogger(__name__)
 
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 SAVE_BACKEND = "torch_dist"  # megatron-core save strategy, at its default version (0.19 takes no version)
 # Differ per rank; kept out of the saved args so the common state is identical on every rank.
@@ -119,6 +121,20 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def non_persistent_root(args, root: str) -> str:
+    """Where --non-persistent-ckpt-type global checkpoints of ``root`` (--save or --load) live: Megatron-LM's
+    --non-persistent-global-ckpt-dir, else ROOT/non_persistent."""
+    return _option(args, "non_persistent_global_ckpt_dir") or os.path.join(root, NON_PERSISTENT_SUBDIR)
+
+
+def _remove_older_checkpoints(root: str) -> None:
+    """Rank 0, before a non-persistent save into ``root``: every published checkpoint there but the newest, which
+    stays until the next save has succeeded (Megatron-LM keeps the same one)."""
+    iterations = sorted(int(name[len("iter_"):]) for name in os.listdir(root) if re.fullmatch(r"iter_\d{7}", name))
+    for iteration in iterations[:-1]:
+        shutil.rmtree(checkpoint_dir(root, iteration))
+
+
 def read_tracker(root: str) -> int | None:
     """The last completely saved iteration under ``root``, or None if there is none."""
     path = os.path.join(root, TRACKER_FILENAME)
@@ -132,17 +148,21 @@ def read_tracker(root: str) -> int | None:
 
 
 def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_scheduler,
-                    num_floating_point_operations_so_far=0, context=None):
-    """Save the training state of ``iteration`` to ``args.save`` (collective: call on every rank). ``context``, a
-    dict kept across a run's saves, holds the reused save plan of --ckpt-assume-constant-structure. With
-    --async-save, returns megatron-core's ``AsyncRequest`` for the caller to schedule (``AsyncCallsQueue``): the
-    shards are written in the background, and its finalization publishes the checkpoint; else None."""
+                    num_floating_point_operations_so_far=0, context=None, non_persistent=False):
+    """Save the training state of ``iteration`` to ``args.save`` (``non_persistent``: to ``non_persistent_root``, the
+    older ones there removed first but the newest) (collective: call on every rank). ``context``, a dict kept across a
+    run's saves, holds the reused save plan of --ckpt-assume-constant-structure. With --async-save, returns
+    megatron-core's ``AsyncRequest`` for the caller to schedule (``AsyncCallsQueue``): the shards are written in the
+    background, and its finalization publishes the checkpoint; else None."""
     _check_format(args)
-    final_dir = checkpoint_dir(args.save, iteration)
+    root = non_persistent_root(args, args.save) if non_persistent else args.save
+    final_dir = checkpoint_dir(root, iteration)
     staging_dir = final_dir + ".tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(staging_dir, ignore_errors=True)  # leftovers of a crashed save
         os.makedirs(staging_dir)
+        if non_persistent:
+            _remove_older_checkpoints(root)
     dist.barrier()
 
     with_optimizer = optimizer is not None and not _option(args, "no_save_optim")
@@ -168,7 +188,7 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
 
     def publish():
         if dist.get_rank() == 0:
-            _publish(args.save, staging_dir, final_dir, iteration)
+            _publish(root, staging_dir, final_dir, iteration)
 
     if async_save:  # finalized once every rank's writer is done, after megatron-core's metadata
         request.add_finalize_fn(publish)
@@ -242,10 +262,17 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
 def checkpoint_to_load(args) -> tuple[str, bool] | None:
     """(directory, fine-tune) of the checkpoint to load: --load's when it holds one (a resume), else
     --pretrained-checkpoint's as a fine-tuning start (Megatron-LM's rule); the latest iteration or --ckpt-step's.
-    None when there is none (an error with --ckpt-step or --exit-on-missing-checkpoint)."""
+    With --non-persistent-ckpt-type global, --load's newest non-persistent checkpoint where it is at least as new as
+    the persistent one (unless --ckpt-step names one). None when there is none (an error with --ckpt-step or
+    --exit-on-missing-checkpoint)."""
     step = _option(args, "ckpt_step")
     sources = [(args.load, _option(args, "finetune"), "--load"),
                (_option(args, "pretrained_checkpoint"), True, "--pretrained-checkpoint")]
+    if args.load and step is None and _option(args, "non_persistent_ckpt_type") == "global":
+        root = non_persistent_root(args, args.load)
+        newest, persistent = read_tracker(root), read_tracker(args.load)
+        if newest is not None and (persistent is None or newest >= persistent):
+            sources.insert(0, (root, _option(args, "finetune"), "--non-persistent-global-ckpt-dir"))
     for root, finetune, _ in sources:
         iteration = step if step is not None else (read_tracker(root) if root else None)
         if root and iteration is not None and os.path.isdir(checkpoint_dir(root, iteration)):

@@ -320,25 +320,26 @@ class Saver:
         self.progress = ProgressLog(args, start_time)
         self.async_queue = async_calls_queue(args.use_persistent_ckpt_worker) if args.async_save else None
 
-    def save(self, iteration, ddp_chunks, optimizer, scheduler) -> None:
-        from megatron.training.checkpointing import save_checkpoint
+    def save(self, iteration, ddp_chunks, optimizer, scheduler, non_persistent: bool = False) -> None:
+        from megatron.training.checkpointing import non_persistent_root, save_checkpoint
 
         start = time.perf_counter()
+        where = non_persistent_root(self.args, self.args.save) if non_persistent else self.args.save
         with params_in_sync(self.args, ddp_chunks):
             request = save_checkpoint(self.args, iteration, ddp_chunks, optimizer, scheduler,
-                                      self.args.num_floating_point_operations_so_far, context=self.context)
+                                      self.args.num_floating_point_operations_so_far, context=self.context,
+                                      non_persistent=non_persistent)
         if request is None:
-            logger.info(f"saved checkpoint of iteration {iteration} to {self.args.save} in "
-                        f"{time.perf_counter() - start:.2f} s")
+            logger.info(f"saved checkpoint of iteration {iteration} to {where} in {time.perf_counter() - start:.2f} s")
             self.progress.checkpoint_saved(iteration)
             return
-        request.add_finalize_fn(lambda: self._published(iteration, start))
+        request.add_finalize_fn(lambda: self._published(iteration, where, start))
         self.async_queue.schedule_async_request(request)  # the writer takes its copy of the state here
         logger.info(f"checkpoint of iteration {iteration} handed to the background writer in "
                     f"{time.perf_counter() - start:.2f} s")
 
-    def _published(self, iteration: int, start: float) -> None:
-        logger.info(f"saved checkpoint of iteration {iteration} to {self.args.save} (in the background, "
+    def _published(self, iteration: int, where: str, start: float) -> None:
+        logger.info(f"saved checkpoint of iteration {iteration} to {where} (in the background, "
                     f"published {time.perf_counter() - start:.2f} s after the save began)")
         self.progress.checkpoint_saved(iteration)
 
@@ -486,6 +487,8 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
         saver.finalize(blocking=False)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             saver.save(iteration, ddp_chunks, optimizer, scheduler)
+        elif args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+            saver.save(iteration, ddp_chunks, optimizer, scheduler, non_persistent=True)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
         if exit_requested(args, iteration, start_time, exit_signal):
