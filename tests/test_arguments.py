@@ -249,7 +249,7 @@ ERRORS = [
     ("--fp8-format hybrid", 1, "--fp8-format: FP8/FP4 training (Transformer Engine's low-precision GEMMs) is not"),
     ("--fp8-param-gather", 1, "drop the --fp8-*/--fp4-* flags and train with --bf16"),
     ("--cuda-graph-modules attn mlp", 1, "--cuda-graph-modules: CUDA graphs of whole layers are not implemented"),
-    ("--pipeline-model-parallel-layout E|t*4|L", 1, "custom pipeline layouts are not implemented"),
+    ("--pipeline-model-parallel-layout E|t*4|L", 1, "has 3 stages for PP 1: the interleaved schedule needs"),
     ("--multi-latent-attention --tensor-model-parallel-size 2 --q-lora-rank 96 --kv-lora-rank 64 "
      "--qk-pos-emb-head-dim 32", 2, "the query and kv latents must differ in width"),
 ]

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from dist_utils import launch_training, run_on_ranks
-from test_parallel_training import GPT
+from test_parallel_training import GPT, assert_same_trajectory
 
 from megatron.training.arguments import parse_args, validate_args
 
@@ -124,6 +124,48 @@ def test_uneven_pipeline_split_reaches_megatron_core():
     args = make("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 12 "
                 "--microbatch-group-size-per-virtual-pipeline-stage 3", world_size=2)
     assert core_transformer_config(args).microbatch_group_size_per_vp_stage == 3
+
+
+def test_pipeline_layout_reaches_megatron_core():
+    """--pipeline-model-parallel-layout: megatron-core's layout in TransformerConfig (virtual stages from its length,
+    layer counts and offsets per stage from its letters); bad layouts and conflicting flags are errors naming it."""
+    from megatron.core.transformer.enums import LayerType
+
+    from megatron.training.model import core_transformer_config
+
+    args = make("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|tt|t|L --global-batch-size 4",
+                world_size=2)
+    assert args.virtual_pipeline_model_parallel_size == 2
+    layout = core_transformer_config(args).pipeline_model_parallel_layout
+    # stages in the interleaved order: (rank 0, chunk 0), (rank 1, chunk 0), (rank 0, chunk 1), (rank 1, chunk 1)
+    assert [layout.layout[rank][vp].count(LayerType.decoder) for vp in (0, 1) for rank in (0, 1)] == [1, 2, 1, 0]
+    plain = make("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E,t*3|tL", world_size=2)
+    assert plain.virtual_pipeline_model_parallel_size is None
+    for pp, flags, message in (
+            (2, "--pipeline-model-parallel-layout Ettt|L", "Number of decoder layers 3"),
+            (2, "--pipeline-model-parallel-layout Ett|tt|L", "must be divisible"),
+            (2, "--pipeline-model-parallel-layout Ettt|tL --num-layers-per-virtual-pipeline-stage 1",
+             "places every layer itself: drop --num-layers-per-virtual-pipeline-stage"),
+            (2, "--pipeline-model-parallel-layout Ettt|tX", "Invalid layer character: X"),
+            (4, "--pipeline-model-parallel-layout Ettt|m|L|t --mtp-num-layers 1", "The last layer must be loss")):
+        with pytest.raises(ValueError, match=message):
+            make(f"--pipeline-model-parallel-size {pp} " + flags, world_size=pp)
+    with pytest.raises(ValueError, match="standalone MTP stage is not wired up here"):
+        make("--pipeline-model-parallel-size 3 --pipeline-model-parallel-layout Etttt|m|L --mtp-num-layers 1",
+             world_size=3)
+
+
+@pytest.mark.slow
+def test_pipeline_layout_matches_single_process(tmp_path):
+    """GPT with a multi-token prediction layer at PP=2 under two layouts: 4 stages (2 virtual per rank; the last holds
+    only the MTP layer and the loss) and 2 uneven ones; both follow the single-process run (test_parallel_training's
+    bound)."""
+    flags = GPT + " --mtp-num-layers 1 --position-embedding-type rope"
+    reference = launch_training(tmp_path, "single", "pretrain_gpt.py", 1, flags)
+    for name, layout in (("virtual", "Et|tt|t|mL"), ("uneven", "Ettt|tmL")):
+        parallel = launch_training(tmp_path, name, "pretrain_gpt.py", 2,
+                                   flags + f" --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout {layout}")
+        assert_same_trajectory(reference, parallel, ["loss", "grad_norm", "lr", "eval_loss", "mtp_loss"])
 
 
 def _write_checkpoint_dir(root, iteration, files):

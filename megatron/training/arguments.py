@@ -116,6 +116,11 @@ class ParallelArgs:
                                                         "pipeline stage when splitting the layers.")
     account_for_loss_in_pipeline_split: bool = arg(False, "Count the output layer and loss as one layer of the last "
                                                    "pipeline stage when splitting the layers.")
+    pipeline_model_parallel_layout: Optional[str] = arg(None, "The layers of every pipeline stage, Megatron-LM's "
+                                                        "syntax: stages split by |, E embedding, t decoder layer, m "
+                                                        "multi-token prediction layer, L loss, (..)*n and x*n repeat "
+                                                        "(e.g. \"Et*3|(tt|)*2t,L\"); more stages than PP gives PP x "
+                                                        "virtual stages, in the interleaved order.")
     microbatch_group_size_per_vp_stage: Optional[int] = arg(
         None, "Interleaved schedule: micro-batches run per virtual stage before moving on (default: PP).",
         flag="microbatch-group-size-per-virtual-pipeline-stage")
@@ -649,10 +654,6 @@ NOT_IMPLEMENTED = {
     "moe-flex-dispatcher-backend": (1, "the flex token dispatcher (DeepEP, HybridEP) is not wired up here: use "
                                        "--moe-token-dispatcher-type alltoall or allgather"),
     "init-model-with-meta-device": (0, "it is for FSDP, which is not implemented: drop it"),
-    "pipeline-model-parallel-layout": (1, "custom pipeline layouts are not implemented: split the layers with "
-                                          "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers "
-                                          "(and --account-for-embedding-in-pipeline-split, "
-                                          "--account-for-loss-in-pipeline-split)"),
 }
 
 
@@ -809,7 +810,40 @@ def _validate_parallel(args) -> None:
     _validate_virtual_pipeline(args)
 
 
+def _validate_pipeline_layout(args) -> None:
+    """--pipeline-model-parallel-layout: megatron-core's parser and checks (embedding first, loss last, every decoder
+    and MTP layer placed once), as errors naming the flag; the virtual stages follow from its length."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    flag, pp = f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout!r}", args.pipeline_model_parallel_size
+    others = [name for name, given in (
+        ("--num-layers-per-virtual-pipeline-stage", args.num_layers_per_virtual_pipeline_stage is not None),
+        ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank is not None),
+        ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers is not None),
+        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers is not None),
+        ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
+        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split)) if given]
+    _check(not others, f"{flag} places every layer itself: drop {', '.join(others)}")
+    try:
+        layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, pp)
+        standalone_mtp = layout.validate_layer_layout(num_layers=args.num_layers, mtp_num_layers=args.mtp_num_layers)
+    except (AssertionError, ValueError, KeyError) as error:
+        raise ValueError(f"{flag} with --num-layers {args.num_layers}, --mtp-num-layers {args.mtp_num_layers} and "
+                         f"PP {pp} (stages are PP x virtual stages): {error}") from None
+    _check(not standalone_mtp, f"{flag} puts the multi-token prediction layers (m) on another stage than the loss "
+                               f"(L): megatron-core's standalone MTP stage is not wired up here; place them with L")
+    vp = layout.virtual_pipeline_model_parallel_size
+    _check(vp == 1 or pp > 1, f"{flag} has {vp} stages for PP 1: the interleaved schedule needs "
+                              f"--pipeline-model-parallel-size > 1 (or one stage)")
+    args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
+    if vp == 1:
+        args.overlap_p2p_comm = False  # only the interleaved schedule overlaps p2p (as Megatron-LM)
+
+
 def _validate_virtual_pipeline(args) -> None:
+    if args.pipeline_model_parallel_layout is not None:
+        _validate_pipeline_layout(args)
+        return
     pp = args.pipeline_model_parallel_size
     per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     _check(per_stage is None or per_rank is None,

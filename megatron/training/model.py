@@ -100,6 +100,7 @@ def core_transformer_config(args):
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
     )
