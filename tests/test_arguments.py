@@ -4,6 +4,7 @@ import glob
 import os
 
 import pytest
+import torch
 
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
 
@@ -155,6 +156,11 @@ ERRORS = [
      "than the 16 iterations that measuring and the trial (--param-gather-trial-iters 6) take, got 16"),
     ("--param-gather-reselect-interval -5", 1, "--param-gather-reselect-interval must be 0 (choose once)"),
     ("--train-samples 8", 1, "exactly one of --train-iters and --train-samples"),
+    ("--enable-gpt-oss", 1, "--enable-gpt-oss: it is a ModelOpt (post-training) flag"),
+    ("--export-force-local-attention", 1, "--export-force-local-attention: it is a ModelOpt export flag"),
+    ("--use-nccl-ub", 1, "--use-nccl-ub: NCCL user buffers"),
+    ("--fsdp-double-buffer", 1, "--fsdp-double-buffer: Megatron FSDP is not implemented"),
+    ("--megatron-fsdp-main-grads-dtype fp32", 1, "Megatron FSDP is not implemented"),
     ("--non-persistent-save-interval 2 --save /tmp/ckpt", 1, "add --non-persistent-ckpt-type global"),
     ("--non-persistent-save-interval 2 --non-persistent-ckpt-type global", 1, "add --save DIR (the checkpoints go to "
                                                                               "DIR/non_persistent)"),
@@ -343,6 +349,22 @@ def test_yaml_config_precedence_and_types(tmp_path):
     assert args.recompute_activations and not args.mmap_bin_files
     assert parse_args(f"--config {config}".split()).lr == 3e-4
     assert parse_args(f"--config {config}".split(), defaults={"seed": 7}).seed == 7
+
+
+def test_matmul_and_experimental_flags():
+    """--disable-bf16-reduced-precision-matmul and --enable-experimental set what Megatron-LM sets."""
+    from megatron.core import config as core_config
+
+    from megatron.training.initialize import set_matmul_and_experimental_flags
+
+    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, core_config.is_experimental_enabled()
+    try:
+        set_matmul_and_experimental_flags(make("--disable-bf16-reduced-precision-matmul --enable-experimental"))
+        assert not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        assert core_config.is_experimental_enabled()
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before[0]
+        core_config.set_experimental_flag(before[1])
 
 
 def test_activation_flags():

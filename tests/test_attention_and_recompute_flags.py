@@ -150,6 +150,39 @@ def test_learnable_softmax_at_tp2_follows_the_single_process_run(tmp_path):
     assert parallel[-1]["loss"] < parallel[0]["loss"]
 
 
+def _gpt_oss_mlp_against_formula() -> tuple:
+    """A layer's MLP built with gpt-oss's activation flags, against the formula on its own weights and inputs large
+    enough to hit both clamps."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    _, config, model = _build("--quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 0.5", True)
+    mlp = model.decoder.layers[0].mlp
+    x = torch.randn(5, 2, config.hidden_size) * 20
+    with torch.no_grad():
+        out, bias = mlp(x)
+        fc1 = x @ mlp.linear_fc1.weight.t() + mlp.linear_fc1.bias
+        gate, linear = torch.chunk(fc1, 2, dim=-1)
+        hidden = quick_gelu(gate.clamp(max=0.5)) * (linear.clamp(-0.5, 0.5) + 1.0)
+        expected = hidden @ mlp.linear_fc2.weight.t()
+    clamped = float((gate > 0.5).float().mean()), float((linear.abs() > 0.5).float().mean())
+    return (config.glu_linear_offset, config.activation_func_clamp_value), (out - expected).abs().max().item(), clamped
+
+
+def test_gpt_oss_activation_follows_its_formula():
+    """--glu-linear-offset and --activation-func-clamp-value (gpt-oss: 1.0 and 7.0) reach megatron-core, whose gated
+    MLP then computes quick_gelu(min(gate, c)) * (clamp(linear, -c, c) + offset); the errors name the flags where a
+    fused or legacy kernel would leave them out."""
+    ((settings, error, clamped),) = run_on_ranks(_gpt_oss_mlp_against_formula, 1)
+    assert settings == (1.0, 0.5) and error < 1e-5 and min(clamped) > 0.1
+    from megatron.training.arguments import parse_args, validate_args
+
+    for flags, message in (("--glu-linear-offset 1.0", "shape a gated MLP: add --quick-geglu"),
+                           ("--swiglu --activation-func-clamp-value 7", "add --no-bias-swiglu-fusion"),
+                           ("--quick-geglu --activation-func-clamp-value -1", "must be positive")):
+        with pytest.raises(ValueError, match=message):
+            validate_args(parse_args((GPT + " " + flags).split()), world_size=1, rank=0)
+
+
 def _mismatch_raises() -> str:
     from megatron.core import utils
     from megatron.training import training

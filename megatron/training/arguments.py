@@ -180,6 +180,10 @@ class ModelArgs:
     swiglu: bool = arg(False, "SwiGLU MLP.")
     squared_relu: bool = arg(False, "Squared-ReLU MLP (Nemotron) instead of GeLU.")
     quick_geglu: bool = arg(False, "Gated MLP with quick GeLU, x * sigmoid(1.702 x) (gpt-oss), instead of GeLU.")
+    glu_linear_offset: float = arg(0.0, "Gated MLPs: activation(x_gate) * (x_linear + this) (gpt-oss: 1.0).")
+    activation_func_clamp_value: Optional[float] = arg(None, "Gated MLPs: clamp the gate input to at most this and "
+                                                       "the linear input to +-this before the activation (gpt-oss: "
+                                                       "7.0).")
     untie_embeddings_and_output_weights: bool = arg(False, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = arg(True, "Biases in linear layers.", flag="disable-bias-linear")
     add_qkv_bias: bool = arg(False, "Biases on the query/key/value projection, also with --disable-bias-linear "
@@ -329,6 +333,11 @@ class TrainingArgs:
                                    "workspace :4096:8 and NCCL_ALGO=Ring unless set): run-to-run identical bits, e.g. "
                                    "MoE token scatter on GPUs, at some speed cost.")
     bf16: bool = arg(False, "bf16 mixed precision.")
+    disable_bf16_reduced_precision_matmul: bool = arg(False, "cuBLAS bf16 matmuls reduce in full precision "
+                                                      "(torch.backends.cuda.matmul."
+                                                      "allow_bf16_reduced_precision_reduction = False).")
+    enable_experimental: bool = arg(False, "Turn on megatron-core's experimental features "
+                                    "(megatron.core.config.set_experimental_flag).")
     fp16: bool = arg(False, "fp16 mixed precision.")
     loss_scale: Optional[float] = arg(None, "Static fp16 loss scale (default dynamic).")
     initial_loss_scale: float = arg(2.0**32, "Initial dynamic loss scale.")
@@ -654,6 +663,17 @@ NOT_IMPLEMENTED = {
     "moe-flex-dispatcher-backend": (1, "the flex token dispatcher (DeepEP, HybridEP) is not wired up here: use "
                                        "--moe-token-dispatcher-type alltoall or allgather"),
     "init-model-with-meta-device": (0, "it is for FSDP, which is not implemented: drop it"),
+    **{flag: (nargs, "Megatron FSDP is not implemented: use --use-distributed-optimizer (ZeRO-1: optimizer state "
+                     "sharded over DP)")
+       for flag, nargs in (("fsdp-double-buffer", 0), ("megatron-fsdp-main-grads-dtype", 1),
+                           ("megatron-fsdp-grad-comm-dtype", 1))},
+    "use-nccl-ub": (0, "NCCL user buffers (registered for FSDP and NVLS collectives) are not wired up: drop it"),
+    "enable-gpt-oss": (0, "it is a ModelOpt (post-training) flag that makes Megatron-LM's ModelOpt model builder use "
+                          "YaRN RoPE; not implemented here: drop it (gpt-oss's layers: --quick-geglu "
+                          "--glu-linear-offset 1.0 --activation-func-clamp-value 7.0 --softmax-type learnable "
+                          "--window-size 127,0 --window-attn-skip-freq 2)"),
+    "export-force-local-attention": (0, "it is a ModelOpt export flag; drop it (--transformer-impl local builds "
+                                        "megatron-core's local attention)"),
 }
 
 
@@ -955,6 +975,7 @@ def _validate_model(args) -> None:
     _check(args.spec is None or len(args.spec) == 2, f"--spec takes MODULE NAME, got {args.spec}")
     if args.recompute_granularity == "full":
         _check(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
+    _validate_glu_options(args)
     _validate_recompute_modules(args)
     _validate_attention_window(args)
     _validate_transformer_impl(args)
@@ -963,6 +984,24 @@ def _validate_model(args) -> None:
     _check(args.cross_entropy_fusion_impl != "te" or transformer_engine_installed(),
            "--cross-entropy-fusion-impl te runs Transformer Engine's parallel cross entropy, and Transformer Engine is "
            "not installed: use --cross-entropy-fusion-impl native (the default) or pip install '.[te]'")
+
+
+def _validate_glu_options(args) -> None:
+    """--glu-linear-offset and --activation-func-clamp-value act in megatron-core's unfused gated MLP (and Transformer
+    Engine's grouped experts); its fused bias-SwiGLU and its legacy grouped-GEMM experts would leave them out."""
+    given = [flag for flag, on in (("--glu-linear-offset", args.glu_linear_offset != 0.0),
+                                   ("--activation-func-clamp-value", args.activation_func_clamp_value is not None)) if on]
+    if not given:
+        return
+    flags = " and ".join(given)
+    _check(args.swiglu or args.quick_geglu, f"{flags} shape a gated MLP: add --quick-geglu (gpt-oss) or --swiglu")
+    _check(args.activation_func_clamp_value is None or args.activation_func_clamp_value > 0,
+           f"--activation-func-clamp-value must be positive, got {args.activation_func_clamp_value}")
+    _check(not (args.swiglu and args.bias_swiglu_fusion),
+           f"{flags} with --swiglu: the fused bias-SwiGLU kernel leaves them out, add --no-bias-swiglu-fusion")
+    _check(not (args.num_experts and args.moe_grouped_gemm and args.transformer_impl == "local"),
+           f"{flags} with --moe-grouped-gemm: megatron-core's grouped-GEMM experts of the local spec leave them out; "
+           f"use --transformer-impl transformer_engine or drop --moe-grouped-gemm")
 
 
 def _validate_recompute_modules(args) -> None:

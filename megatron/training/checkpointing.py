@@ -109,7 +109,7 @@ CHECKPOINT_ARGS_ALWAYS = (
     # multi-token prediction
     "quick_geglu", "window_size", "window_attn_skip_freq", "softmax_type", "multi_latent_attention", "q_lora_rank",
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
-    "mscale_all_dim", "mtp_num_layers",
+    "mscale_all_dim", "mtp_num_layers", "glu_linear_offset", "activation_func_clamp_value",
 )
 
 

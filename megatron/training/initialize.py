@@ -75,6 +75,16 @@ def set_deterministic_mode(args) -> None:
     torch.use_deterministic_algorithms(True)
 
 
+def set_matmul_and_experimental_flags(args) -> None:
+    """--disable-bf16-reduced-precision-matmul and --enable-experimental, as Megatron-LM sets them."""
+    if args.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    if args.enable_experimental:
+        from megatron.core.config import set_experimental_flag
+
+        set_experimental_flag(True)
+
+
 def initialize_distributed(args) -> None:
     """torch.distributed from torchrun's environment (a one-process world without it)."""
     if torch.distributed.is_initialized():
@@ -157,6 +167,7 @@ def initialize_megatron(args) -> None:
     compat.apply()
     allow_torch_norm_options(args)
     set_deterministic_mode(args)
+    set_matmul_and_experimental_flags(args)
     initialize_distributed(args)
     # The hooks report what they installed (swapped layers, TP thresholds, CIERA selection) on rank 0.
     logging.basicConfig(level=logging.INFO if args.rank == 0 else logging.WARNING,
