@@ -415,6 +415,21 @@ def test_data_source_on_the_command_line_replaces_the_configs(tmp_path):
         make(f"--config {config} --data-path p --builtin-corpus python-stdlib", base=BASE.replace("--mock-data", ""))
 
 
+def test_command_line_alternatives_replace_the_configs():
+    """configs/gpt_125m.yaml counts its run in iterations at a fixed batch; --train-samples (with a sample-counted
+    schedule) and --step-batch-size-schedule given on the command line replace its --train-iters, --lr-warmup-iters
+    and --global-batch-size instead of clashing with them; so does a pipeline layout its split flags."""
+    config = os.path.join(ROOT, "configs", "gpt_125m.yaml")
+    args = validate_args(parse_args(f"--config {config} --train-samples 2560 --lr-warmup-samples 256 "
+                                    f"--step-batch-size-schedule 0:128,262144:256".split()), world_size=8, rank=0)
+    assert args.train_iters == 1 + 9 and args.lr_warmup_steps == 256 and args.batch_steps == ((0, 128), (128, 256))
+    assert args.micro_batch_size == 8 and args.lr == 6e-4  # the rest of the file stays
+    args = parse_args(f"--config {config} --lr-warmup-fraction 0.1".split())
+    assert args.lr_warmup_iters == 0 and args.train_iters == 1000
+    kept = parse_args(f"--config {config} --train-iters 20".split())
+    assert (kept.train_iters, kept.lr_warmup_iters, kept.global_batch_size) == (20, 100, 256)
+
+
 def test_yaml_true_turned_off_on_the_command_line(tmp_path):
     """A boolean that a config sets (configs/gpt_350m.yaml: overlap-param-gather: true) is turned off with
     its --no- form, which a config may also name."""

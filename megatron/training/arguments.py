@@ -779,6 +779,31 @@ def load_yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
 
 DATA_SOURCES = ("mock_data", "data_path", "data_args_path", "train_data_path", "valid_data_path", "test_data_path",
                 "per_split_data_args_path", "builtin_corpus")
+# Flags that replace each other: where the command line gives a flag of one option of a group, the --config file's
+# flags of the group's other options are dropped, so that the command line wins (`--config configs/gpt_350m.yaml
+# --data-path P` trains on P; `--train-samples N` replaces the file's --train-iters and its iteration-counted schedule).
+PIPELINE_SPLIT = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+ALTERNATIVES = (
+    tuple((source,) for source in DATA_SOURCES),
+    (("train_iters", "lr_warmup_iters", "lr_decay_iters"), ("train_samples", "lr_warmup_samples", "lr_decay_samples")),
+    (("lr_warmup_iters", "lr_warmup_samples"), ("lr_warmup_fraction",)),
+    (("global_batch_size", "rampup_batch_size"), ("step_batch_size_schedule",)),
+    (("pipeline_model_parallel_layout",), PIPELINE_SPLIT),
+    (("num_layers_per_virtual_pipeline_stage",), ("num_virtual_stages_per_pipeline_rank",)),
+)
+
+
+def _without_replaced(from_config: dict, given) -> dict:
+    """``from_config`` less the flags that the command line's flags replace (``ALTERNATIVES``); ``given(dest)``: whether
+    the command line gave it."""
+    dropped = set()
+    for group in ALTERNATIVES:
+        for option in group:
+            if any(given(dest) for dest in option):
+                dropped.update(dest for other in group if other is not option for dest in other)
+    return {dest: value for dest, value in from_config.items() if dest not in dropped}
 
 
 def parse_args(argv=None, extra_args_provider=None, defaults=None) -> argparse.Namespace:
@@ -790,11 +815,7 @@ def parse_args(argv=None, extra_args_provider=None, defaults=None) -> argparse.N
     known, _ = parser.parse_known_args(argv)
     if known.config is not None:
         from_config = load_yaml_defaults(parser, known.config)
-        if any(getattr(known, dest) not in (None, False) for dest in DATA_SOURCES):
-            # a data source on the command line replaces the config's (the model configs name the built-in corpus,
-            # so that `--config configs/gpt_350m.yaml --data-path P` trains on P)
-            from_config = {dest: value for dest, value in from_config.items() if dest not in DATA_SOURCES}
-        parser.set_defaults(**from_config)
+        parser.set_defaults(**_without_replaced(from_config, lambda dest: getattr(known, dest) not in (None, False)))
     return parser.parse_args(argv)
 
 
