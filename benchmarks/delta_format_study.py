@@ -180,9 +180,10 @@ def main(argv=None):
         for lr in map(float, args.lrs.split(",")):
             results.append(run(source, lr, args))
             m = results[-1]["mean"]
+            choice = results[-1]["steps"][-1]["either_choice"]
             print(f"{source} lr {lr:g}: unchanged {m['unchanged']:.1%}, ratio current {m['current']:.2f}x, rows "
-                  f"{m['rows']:.2f}x, rows with byte entries {m['rows_byte_entries']:.2f}x, rows w=2 {m['rows_w2']:.2f}x, "
-                  f"either per block {m['either']:.2f}x; blocks per choice (0: current) {results[-1]['steps'][-1]['either_choice']}; "
+                  f"{m['rows']:.2f}x, rows with byte entries {m['rows_byte_entries']:.2f}x, rows w=2 "
+                  f"{m['rows_w2']:.2f}x, either per block {m['either']:.2f}x; blocks per choice (0: current) {choice}; "
                   f"stream {m['stream']:.2f}x, with row flags {m['stream_row_flags']:.2f}x, gaps {m['stream_gaps']:.2f}x",
                   flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

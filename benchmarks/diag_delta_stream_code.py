@@ -9,7 +9,8 @@ value's work in one thread and needs no cross-thread step at all:
 - A value whose ordered-integer delta is 0 costs one bit ``0``; a changed one ``1`` and the exponential-Golomb code
   of order 1 of ``v = z - 1`` (``z``: the zigzag of the delta, as in kernels/delta.py), least significant bit first;
   a code with 8 or more leading zeros is replaced by 8 zeros and the raw 16-bit new pattern (25 bits in all).
-- Row flags (the ``rows`` variants): each row of 8 values starts with one bit, ``0`` if none of them changed (they then take no bits).
+- Row flags (the ``rows`` variants): each row of 8 values starts with one bit, ``0`` if none of them changed (they
+  then take no bits).
 
 Exact sizes on the CPU trajectories: benchmarks/delta_format_study.py (`stream`, `stream, row flags`).
 
@@ -237,8 +238,10 @@ if triton is not None:
             if ROW_FLAGS:
                 busy = h0 | h1 | h2 | h3 | h4 | h5 | h6 | h7
                 acc, nb, wpos = _put(acc, nb, wpos, rec, busy.to(tl.int32), nb * 0 + 1, CAP)
-                l0, l1, l2, l3 = tl.where(busy, l0, 0), tl.where(busy, l1, 0), tl.where(busy, l2, 0), tl.where(busy, l3, 0)
-                l4, l5, l6, l7 = tl.where(busy, l4, 0), tl.where(busy, l5, 0), tl.where(busy, l6, 0), tl.where(busy, l7, 0)
+                l0, l1, l2, l3 = (tl.where(busy, l0, 0), tl.where(busy, l1, 0), tl.where(busy, l2, 0),
+                                  tl.where(busy, l3, 0))
+                l4, l5, l6, l7 = (tl.where(busy, l4, 0), tl.where(busy, l5, 0), tl.where(busy, l6, 0),
+                                  tl.where(busy, l7, 0))
             acc, nb, wpos = _put(acc, nb, wpos, rec, c0, l0, CAP)
             acc, nb, wpos = _put(acc, nb, wpos, rec, c1, l1, CAP)
             acc, nb, wpos = _put(acc, nb, wpos, rec, c2, l2, CAP)

@@ -856,7 +856,8 @@ def _validate_pipeline_layout(args) -> None:
     and MTP layer placed once), as errors naming the flag; the virtual stages follow from its length."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-    flag, pp = f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout!r}", args.pipeline_model_parallel_size
+    flag = f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout!r}"
+    pp = args.pipeline_model_parallel_size
     others = [name for name, given in (
         ("--num-layers-per-virtual-pipeline-stage", args.num_layers_per_virtual_pipeline_stage is not None),
         ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank is not None),
@@ -1011,7 +1012,8 @@ def _validate_glu_options(args) -> None:
     """--glu-linear-offset and --activation-func-clamp-value act in megatron-core's unfused gated MLP (and Transformer
     Engine's grouped experts); its fused bias-SwiGLU and its legacy grouped-GEMM experts would leave them out."""
     given = [flag for flag, on in (("--glu-linear-offset", args.glu_linear_offset != 0.0),
-                                   ("--activation-func-clamp-value", args.activation_func_clamp_value is not None)) if on]
+                                   ("--activation-func-clamp-value", args.activation_func_clamp_value is not None))
+             if on]
     if not given:
         return
     flags = " and ".join(given)

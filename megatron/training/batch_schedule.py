@@ -2,9 +2,10 @@
 SAMPLES, Megatron-LM's) or stepped (--step-batch-size-schedule "THRESHOLD:BATCH ...", newer Megatron-LM's).
 
 All three are one list of steps ``((first_sample, batch_size), ...)`` from sample 0 on: an iteration takes the
-batch size of the last step at or below the samples consumed before it. The ramp is such a list (megatron-core
-0.16's calculator ramps by the same rule, megatron-core 0.19 ignores a ramp and takes steps), so every megatron-core
-version trains the same batches, counted here in integers.
+batch size of the last step at or below the samples consumed before it. The ramp is such a list, so every
+megatron-core version trains the same batches: megatron-core 0.19 ignores a ramp (it takes steps), and 0.16's
+calculator ramps by the same rule in floating point, which can round down exactly at a step's first sample; here
+it is counted in integers.
 """
 
 import math

@@ -23,8 +23,8 @@ import torch
 from compression.collective_graphs import release_all_graphs
 from compression.timing import default_device
 from megatron.training import metrics
-from megatron.training.batch_schedule import batch_size_at
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
+from megatron.training.batch_schedule import batch_size_at
 from megatron.training.initialize import initialize_megatron, records_memory_history
 from megatron.training.model import setup_model_and_optimizer
 from megatron.training.profiling import IterationProfiler
@@ -130,8 +130,8 @@ def empty_unused_memory(args, level: int) -> None:
 
 
 def follow_batch_size(args, batch_size: int) -> int:
-    """Set megatron-core's micro-batch calculator to ``batch_size`` where it changes (logged as Megatron-LM logs a
-    ramp) and return its micro-batches per DP rank."""
+    """Set megatron-core's micro-batch calculator to ``batch_size`` where it changes (logged on rank 0) and return its
+    micro-batches per DP rank."""
     from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
                                                            reconfigure_num_microbatches_calculator)
 
