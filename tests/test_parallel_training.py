@@ -137,8 +137,8 @@ def test_tensorboard_sink(tmp_path):
         return
     writer = metrics.MetricsWriter(args)
     comm = comm_totals(1)
-    writer.write({"iteration": 1, "consumed_samples": 8, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "iter_time_s": 0.1,
-                  "tokens_per_s": 1.0, "tflops_per_gpu": 0.0, "comm": comm, "comm_counters": {}})
+    writer.write({"iteration": 1, "consumed_samples": 8, "global_batch_size": 8, "loss": 5.0, "lr": 1e-3,
+                  "grad_norm": 1.0, "iter_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_gpu": 0.0, "comm": comm, "comm_counters": {}})
     writer.close()
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
 
@@ -173,8 +173,8 @@ def test_wandb_sink(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     writer = metrics.MetricsWriter(args)
-    writer.write({"iteration": 3, "consumed_samples": 24, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0,
-                  "iter_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_gpu": 0.0, "comm": comm_totals(1),
+    writer.write({"iteration": 3, "consumed_samples": 24, "global_batch_size": 8, "loss": 5.0, "lr": 1e-3,
+                  "grad_norm": 1.0, "iter_time_s": 0.1, "tokens_per_s": 1.0, "tflops_per_gpu": 0.0, "comm": comm_totals(1),
                   "comm_counters": {}})
     writer.close()
     (_, init_kwargs), (_, logged, step), finish = calls
