@@ -5,6 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+# One setup at a time: the README's two commands may start together on a fresh clone, and a venv seen half-made
+# (python there, pip not yet) would fail the second.
+exec 9>.venv.lock
+flock 9
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
