@@ -1457,8 +1457,8 @@ def _validate_non_persistent(args) -> None:
     """Megatron-LM's non-persistent checkpoints, of the global kind (full checkpoints in their own directory)."""
     kind, interval = args.non_persistent_ckpt_type, args.non_persistent_save_interval
     _check(kind in (None, "global"),
-           f"--non-persistent-ckpt-type {kind} (nvidia-resiliency-ext's node-local checkpoints) is not implemented: use "
-           f"--non-persistent-ckpt-type global (full checkpoints in --non-persistent-global-ckpt-dir)")
+           f"--non-persistent-ckpt-type {kind} (nvidia-resiliency-ext's node-local checkpoints) is not implemented: "
+           f"use --non-persistent-ckpt-type global (full checkpoints in --non-persistent-global-ckpt-dir)")
     if interval is not None:
         _check(interval > 0, f"--non-persistent-save-interval must be a positive number of iterations, got {interval}")
         _check(kind == "global", "--non-persistent-save-interval saves non-persistent checkpoints: add "

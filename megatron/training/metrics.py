@@ -27,10 +27,10 @@ from compression.timing import default_device
 
 
 def gpt_flops_per_iteration(args, batch_size: int) -> float:
-    """Forward + backward FLOPs of one global batch of ``batch_size`` samples (Megatron-LM's GPT formula: 2 FLOPs per multiply-add,
-    backward = 2 x forward; the attention scores over the whole sequence; the output layer). Each multi-token
-    prediction layer adds a layer shaped as the decoder's last, its projection of [embedding, hidden] (2h -> h) and
-    one more output layer (Megatron-LM also counts its norms, 3h, which are not matrix products)."""
+    """Forward + backward FLOPs of one global batch of ``batch_size`` samples (Megatron-LM's GPT formula: 2 FLOPs per
+    multiply-add, backward = 2 x forward; the attention scores over the whole sequence; the output layer). Each
+    multi-token prediction layer adds a layer shaped as the decoder's last, its projection of [embedding, hidden]
+    (2h -> h) and one more output layer (Megatron-LM also counts its norms, 3h, which are not matrix products)."""
     layers = args.num_layers * (_attention_macs(args) + _mlp_macs(args))
     mtp = (args.mtp_num_layers or 0) * (_attention_macs(args) + _mlp_macs(args, args.num_layers - 1)
                                         + 2 * args.hidden_size ** 2)
@@ -256,8 +256,8 @@ class MetricsWriter:
 
 EVALUATION_SCALARS = ("eval_loss", "eval_ppl")
 SCALARS = ("loss", "lr", "global_batch_size", "grad_norm", "iter_time_s", "tokens_per_s", "tflops_per_gpu",
-           *EVALUATION_SCALARS, "moe_aux_loss", "moe_z_loss", "params_norm", "num_zeros_in_grad", "loss_scale", "world_size",
-           "mem_reserved_bytes", "mem_allocated_bytes", "mem_max_allocated_bytes", "mem_allocated_count")
+           *EVALUATION_SCALARS, "moe_aux_loss", "moe_z_loss", "params_norm", "num_zeros_in_grad", "loss_scale",
+           "world_size", "mem_reserved_bytes", "mem_allocated_bytes", "mem_max_allocated_bytes", "mem_allocated_count")
 
 
 def _scalars(record: dict):
