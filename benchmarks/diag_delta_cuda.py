@@ -1,0 +1,243 @@
+"""Diagnostic: the delta codec's block kernels in CUDA C++ with warp intrinsics, against the Triton kernels.
+
+Sessions 14 and 20 found every Triton version of the delta kernels bound by integer work (docs/delta.md: 2.1-2.7
+warp instructions per value; 50% of copy needs about 0.9) and named what was never tried: "a CUDA kernel with warp
+intrinsics (ballot/popc/shuffles, shared-memory word assembly)". ``diag_delta_cuda.cu`` is that, for format 2 as it
+is (B = 256): ``delta_encode`` and ``delta_decode`` take and give exactly what ``kernels.delta.encode_blocks`` and
+``decode_blocks`` do for a plain shard and one payload, so they are swapped in under the production codec (prefix
+sums, record gather, stream sizes unchanged) and the payloads compared byte for byte with the PyTorch reference's
+before anything is timed. Then device time (PyTorch profiler) of whole encodes and decodes and of the kernels alone,
+production vs CUDA, against a bf16 copy, on the simulated AdamW step of bench_delta_kernels.py.
+
+    python benchmarks/diag_delta_cuda.py --check-only        # CPU: kernels compiled by g++ with the warp emulation
+    python benchmarks/diag_delta_cuda.py --out results/gpu/session21/delta_cuda.json   # GPU: NVRTC through CuPy
+"""
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+import torch
+
+if not torch.cuda.is_available():  # the production gather and stream-size kernels run under Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import kernels.delta as kernels  # noqa: E402
+from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
+from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "diag_delta_cuda.cu")
+BLOCK, WARPS = 256, 8
+EMU_WRAPPERS = r"""
+extern "C" void emu_encode(long long grid, u16* prev, const u16* newv, i64 numel, u8* codes, i64* changed, int* counts,
+                           int* n_esc, u8* exc_widths, i64* nbytes, u32* records, i64 n_blocks) {
+  emu_launch(grid, WARPS * 32, [&] { delta_encode(prev, newv, numel, codes, changed, counts, n_esc, exc_widths, nbytes,
+                                                  records, n_blocks); });
+}
+extern "C" void emu_decode(long long grid, u16* out, i64 numel, const u8* payload, i64 codes_at, i64 n_changed_at,
+                           i64 sections_at, const i64* rank_end, const i64* stream_end, const i64* nbytes, i64 n_blocks) {
+  emu_launch(grid, WARPS * 32, [&] { delta_decode(out, numel, payload, codes_at, n_changed_at, sections_at, rank_end,
+                                                  stream_end, nbytes, n_blocks); });
+}
+"""
+
+
+class CudaKernels:
+    """The two kernels, launched on CUDA tensors through CuPy (NVRTC) or on CPU tensors through the g++ emulation."""
+
+    def __init__(self, device: str):
+        self.device = device
+        source = open(SOURCE).read()
+        if device == "cuda":
+            import cupy
+
+            self.cupy = cupy
+            module = cupy.RawModule(code=source, options=("-std=c++17", "-arch=sm_90"))
+            self.encode_fn, self.decode_fn = module.get_function("delta_encode"), module.get_function("delta_decode")
+        else:
+            build = tempfile.mkdtemp()
+            src = os.path.join(build, "emu.cpp")
+            with open(src, "w") as f:
+                f.write(f'#define DELTA_EMULATE\n#include "{os.path.join(HERE, "diag_delta_cuda_emu.h")}"\n')
+                f.write(source + EMU_WRAPPERS)
+            lib = os.path.join(build, "emu.so")
+            subprocess.run(["g++", "-O2", "-std=c++20", "-shared", "-fPIC", "-pthread", src, "-o", lib], check=True)
+            self.lib = ctypes.CDLL(lib)
+
+    def _launch(self, name: str, grid: int, args: list) -> None:
+        if self.device == "cuda":
+            cp = self.cupy
+            args = [cp.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else cp.int64(a) for a in args]
+            with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                (self.encode_fn if name == "encode" else self.decode_fn)((grid,), (WARPS * 32,), tuple(args))
+        else:
+            fn = getattr(self.lib, f"emu_{name}")
+            fn(ctypes.c_longlong(grid), *[ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+                                          else ctypes.c_longlong(a) for a in args])
+
+    def encode_blocks(self, prev, new, block_size, out=None, table=None, rank=0):
+        """kernels.delta.encode_blocks for a plain shard of whole rows of 8 at B = 256."""
+        if block_size != BLOCK or table is not None or prev.numel() % 8:
+            raise ValueError("the CUDA diagnostic codes plain shards of 8k values at B = 256")
+        e = out if out is not None else kernels.empty_blocks(prev.numel(), block_size, prev.device)
+        n_blocks = e.codes.numel()
+        self._launch("encode", -(-n_blocks // WARPS), [prev, new, prev.numel(), e.codes, e.changed, e.counts, e.n_esc,
+                                                       e.exc_widths, e.nbytes, e.records, n_blocks])
+        return e
+
+    def decode_blocks(self, out, payloads, rank_end, stream_end, nbytes, block_size, table=None, src_base=0,
+                      skip_rank=-1):
+        """kernels.delta.decode_blocks for one payload into a plain shard."""
+        if block_size != BLOCK or table is not None or payloads.rows != 1 or out.numel() % 8:
+            raise ValueError("the CUDA diagnostic decodes one payload into a plain shard of 8k values at B = 256")
+        if payloads.base.data_ptr() % 4:
+            raise ValueError("the CUDA diagnostic reads payloads as 32-bit words from a 4-byte aligned start")
+        n_blocks = rank_end.numel()
+        self._launch("decode", -(-n_blocks // WARPS), [out, out.numel(), payloads.base, payloads.codes_at,
+                                                       payloads.n_changed_at, payloads.sections_at, rank_end,
+                                                       stream_end, nbytes, n_blocks])
+
+    def patched(self):
+        """Context: the production codec with these kernels in place of the Triton block kernels."""
+        return mock.patch.multiple(kernels, encode_blocks=self.encode_blocks, decode_blocks=self.decode_blocks)
+
+
+def adversarial_steps(numel: int, generator) -> list:
+    """(previous, new) bf16 pairs: every bit pattern, nothing changed, one ulp everywhere, jumps across zero, and
+    blocks of every density."""
+    g = generator
+    patterns = torch.randint(-2**15, 2**15, (numel,), generator=g, dtype=torch.int32).to(torch.int16)
+    every = torch.arange(numel, dtype=torch.int32).remainder(65536).sub(32768).to(torch.int16)
+    small = patterns.to(torch.int32) + torch.randint(-3, 4, (numel,), generator=g, dtype=torch.int32)
+    small = small.clamp(-32768, 32767).to(torch.int16)
+    density = torch.rand(numel // BLOCK + 1, generator=g).repeat_interleave(BLOCK)[:numel]
+    sparse = torch.where(torch.rand(numel, generator=g) < density ** 3, small, patterns)
+    as_bf16 = lambda t: t.view(torch.bfloat16)  # noqa: E731
+    return [(as_bf16(patterns), as_bf16(every)), (as_bf16(patterns), as_bf16(patterns.clone())),
+            (as_bf16(patterns), as_bf16(small)), (as_bf16(every ^ -32768), as_bf16(every)),
+            (as_bf16(patterns), as_bf16(sparse))]
+
+
+def check(cuda: CudaKernels, pairs: list, device: str) -> int:
+    """Payloads of the production codec with the CUDA kernels equal the PyTorch reference's, byte for byte, and
+    decode back to the new values bit for bit. Returns the number of pairs checked."""
+    for i, (previous, new) in enumerate(pairs):
+        previous, new = previous.to(device), new.to(device)
+        reference = DeltaCodec(DeltaConfig(BLOCK), 2, 0, triton=False)
+        reference.encode(previous)
+        expected = reference.encode(new)
+        tested = DeltaCodec(DeltaConfig(BLOCK), 2, 0, triton=True)
+        with cuda.patched():
+            tested.encode(previous)
+            payload = tested.encode(new)
+        if not torch.equal(payload.cpu(), expected.cpu()):
+            diff = (payload.cpu() != expected.cpu()).nonzero()
+            raise AssertionError(f"pair {i}: encode payload differs from the reference ({payload.numel()} vs "
+                                 f"{expected.numel()} bytes, first differing byte {diff[:1].tolist()})")
+        if not torch.equal(tested._prev.cpu(), new.view(torch.int16).cpu()):
+            raise AssertionError(f"pair {i}: the sender copy is not the new shard")
+        receiver = DeltaCodec(DeltaConfig(BLOCK), 2, 1, triton=True)
+        out = previous.clone()
+        padded = torch.cat([expected, expected.new_zeros(16)])[:expected.numel()]
+        with cuda.patched():
+            receiver.decode(0, padded, out)
+        if not torch.equal(out.view(torch.int16).cpu(), new.view(torch.int16).cpu()):
+            bad = (out.view(torch.int16) != new.view(torch.int16)).nonzero()
+            raise AssertionError(f"pair {i}: decode differs at {bad.numel()} values, first {bad[:1].tolist()}")
+    return len(pairs)
+
+
+def time_codecs(cuda: CudaKernels, previous, new, repeats: int) -> dict:
+    from compression.timing import device_op_seconds
+
+    sender = DeltaCodec(DeltaConfig(BLOCK), 2, 0)
+    sender.encode(previous)
+    state = sender._prev.clone()
+    payload = sender.encode(new)
+    padded = torch.cat([payload, payload.new_zeros(16)])[:payload.numel()]
+    receiver = DeltaCodec(DeltaConfig(BLOCK), 2, 1)
+    header = receiver.read_header(padded)
+    out = torch.empty_like(new)
+    reset_sender, reset_out = (lambda: sender._prev.copy_(state)), (lambda: out.copy_(previous))
+    calls = dict(copy=(lambda: out.copy_(new), None), encode=(lambda: sender.encode(new), reset_sender),
+                 decode=(lambda: receiver.decode(0, padded, out, header), reset_out))
+    result = {}
+    for impl in ("triton", "cuda"):
+        context = cuda.patched() if impl == "cuda" else contextlib.nullcontext()
+        with context:
+            for name, (fn, setup) in calls.items():
+                if name == "copy" and impl == "cuda":
+                    continue
+                ops = device_op_seconds(fn, repeats, setup=setup)
+                key = name if name == "copy" else f"{impl}_{name}"
+                result[f"{key}_us"] = 1e6 * sum(ops.values())
+                result[f"{key}_ops_us"] = {op: 1e6 * s for op, s in ops.items()}
+        if impl == "cuda":  # bit-exact at this size too
+            reset_out()
+            with context:
+                receiver.decode(0, padded, out, header)
+            if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
+                raise AssertionError("CUDA decode not bit-exact on the timed step")
+    copy = result["copy_us"]
+    for key in [k for k in result if k.endswith("_us") and not k.startswith("copy")]:
+        result[key.replace("_us", "_of_copy")] = copy / result[key]
+    for impl in ("triton", "cuda"):
+        for name, kernel in (("encode", "_encode_kernel" if impl == "triton" else "delta_encode"),
+                             ("decode", "_decode_kernel" if impl == "triton" else "delta_decode")):
+            us = sum(v for op, v in result[f"{impl}_{name}_ops_us"].items() if kernel in op)
+            result[f"{impl}_{name}_kernel_us"] = us
+            result[f"{impl}_{name}_kernel_of_copy"] = copy / us if us else None
+    result["ratio"] = 2 * new.numel() / payload.numel()
+    result["unchanged"] = float((new.view(torch.int16) == previous.view(torch.int16)).float().mean())
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--numel", type=int, default=62_500_000)
+    p.add_argument("--lrs", default="1e-4,1e-5")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--out")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = CudaKernels(device)
+    g = torch.Generator().manual_seed(0)
+    sizes = (BLOCK * 37 + 8 * 5, 8 * 3) if device == "cpu" else (BLOCK * 1000 + 8 * 7, 8 * 3, BLOCK * 4096)
+    pairs = [pair for n in sizes for pair in adversarial_steps(n, g)]
+    pairs += [simulated_step(sizes[0], lr, 3) for lr in (1e-4, 1e-5)]
+    print(f"checked {check(cuda, pairs, device)} pairs byte for byte against the reference ({device})", flush=True)
+    if args.check_only or device == "cpu":
+        return
+    rows = []
+    for lr in (float(x) for x in args.lrs.split(",")):
+        previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
+        check(cuda, [(previous[:BLOCK * 8192], new[:BLOCK * 8192])], device)
+        row = dict(lr=lr, numel=args.numel, **time_codecs(cuda, previous, new, args.repeats))
+        rows.append(row)
+        print(f"lr {lr:g}: ratio {row['ratio']:.2f}x, copy {row['copy_us']:.1f} us; encode triton {row['triton_encode_us']:.1f} "
+              f"us ({row['triton_encode_of_copy']:.1%} of copy; kernel {row['triton_encode_kernel_us']:.1f}) cuda "
+              f"{row['cuda_encode_us']:.1f} us ({row['cuda_encode_of_copy']:.1%}; kernel {row['cuda_encode_kernel_us']:.1f} "
+              f"= {row['cuda_encode_kernel_of_copy']:.1%}); decode triton {row['triton_decode_us']:.1f} us "
+              f"({row['triton_decode_of_copy']:.1%}; kernel {row['triton_decode_kernel_us']:.1f}) cuda "
+              f"{row['cuda_decode_us']:.1f} us ({row['cuda_decode_of_copy']:.1%}; kernel {row['cuda_decode_kernel_us']:.1f} "
+              f"= {row['cuda_decode_kernel_of_copy']:.1%})", flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                           rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
