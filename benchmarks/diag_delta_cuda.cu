@@ -19,6 +19,9 @@ typedef unsigned char u8;
 #define FULL_MASK 0xffffffffu
 #endif
 
+#ifndef STAGE
+#define STAGE 3  // timing variants (outputs not valid below 3): 1 = loads, z, bitmap, stores only; 2 = + width
+#endif
 #define BLOCK 256
 #define WARPS 8             // blocks (warps) per CTA
 #define STREAM_WORDS 136    // ceil(17 * BLOCK / 32): every value at 17 bits
@@ -88,12 +91,21 @@ delta_encode(u16* __restrict__ prev, const u16* __restrict__ newv, i64 numel, u8
       bm |= 1u << j;
       vmax = max(vmax, z - 1);
       // n_esc(w) = values with bit_length(z) > w: nibble w - 1 (w = 1..7) counts them
-      u32 k = min(bit_length(z), 8u) - 1;
-      hist += 0x11111111u & ((1u << (4 * k)) - 1u);
+      if (STAGE >= 2) {
+        u32 k = min(bit_length(z), 8u) - 1;
+        hist += 0x11111111u & ((1u << (4 * k)) - 1u);
+      }
     }
   }
   const u32 cnt = __popc(bm);
   const u32 total = __reduce_add_sync(FULL_MASK, cnt);
+  if (STAGE == 1) {
+    u32* rec = records + b * RECORD_WORDS;
+    reinterpret_cast<u8*>(rec)[lane] = (u8)bm;
+    if (lane == 0) { codes[b] = total ? 1 : 0; changed_out[b] = total != 0; counts_out[b] = (int)total;
+                     n_esc_out[b] = 0; exc_widths_out[b] = 0; nbytes_out[b] = 0; }
+    return;
+  }
   const u32 xw = bit_length(__reduce_max_sync(FULL_MASK, vmax));
   const u32 h0 = __reduce_add_sync(FULL_MASK, hist & 0x000F000Fu);          // w = 1 | w = 5
   const u32 h1 = __reduce_add_sync(FULL_MASK, (hist >> 4) & 0x000F000Fu);   // w = 2 | w = 6
@@ -108,6 +120,13 @@ delta_encode(u16* __restrict__ prev, const u16* __restrict__ newv, i64 numel, u8
   }
   if (total * 17 < best) { best = total * 17; width = 17; n_esc = 0; }
   if (xw == 0) { width = 0; n_esc = 0; best = 0; }
+  if (STAGE == 2) {
+    u32* rec = records + b * RECORD_WORDS;
+    reinterpret_cast<u8*>(rec)[lane] = (u8)bm;
+    if (lane == 0) { codes[b] = total ? width + 1 : 0; changed_out[b] = total != 0; counts_out[b] = (int)total;
+                     n_esc_out[b] = (int)n_esc; exc_widths_out[b] = (u8)xw; nbytes_out[b] = 0; }
+    return;
+  }
   const u32 nbits = best;  // total * width + xw * n_esc
   const u32 nwords = (nbits + 31) >> 5;
   u32* words = stream_s[warp];
@@ -198,7 +217,10 @@ delta_decode(u16* __restrict__ out, i64 numel, const u8* __restrict__ payload, i
   const u32 total = __shfl_sync(FULL_MASK, slot0 + cnt, 31);
   u32 v[8];
   u32 esc = 0;
-  if (width >= 1 && width <= 7) {
+  if (STAGE == 1) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = 0;
+  } else if (width >= 1 && width <= 7) {
     const u64 p = stream_bit + slot0 * width;
     const u32 need = (u32)(p & 31) + cnt * width, sh = (u32)(p & 31);
     const u64 wi = p >> 5;

@@ -55,7 +55,7 @@ extern "C" void emu_decode(long long grid, u16* out, i64 numel, const u8* payloa
 class CudaKernels:
     """The two kernels, launched on CUDA tensors through CuPy (NVRTC) or on CPU tensors through the g++ emulation."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, stage: int = 3):
         self.device = device
         source = open(SOURCE).read()
         if device == "cuda":
@@ -65,7 +65,7 @@ class CudaKernels:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self.stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-            module = cupy.RawModule(code=source, options=("-std=c++17", "-arch=sm_90"))
+            module = cupy.RawModule(code=source, options=("-std=c++17", "-arch=sm_90", f"-DSTAGE={stage}"))
             self.encode_fn, self.decode_fn = module.get_function("delta_encode"), module.get_function("delta_decode")
         else:
             build = tempfile.mkdtemp()
@@ -205,6 +205,28 @@ def time_codecs(cuda: CudaKernels, previous, new, repeats: int) -> dict:
     return result
 
 
+def stage_kernels_us(stage: int, previous, new, repeats: int) -> dict:
+    """Device time of the two kernels compiled to do only part of their work (``STAGE`` in the .cu: outputs not
+    valid), inside the production codec's encode and decode of the same step."""
+    from compression.timing import device_op_seconds
+
+    k = CudaKernels("cuda", stage)
+    sender = DeltaCodec(DeltaConfig(BLOCK), 2, 0)
+    sender.encode(previous)
+    state = sender._prev.clone()
+    payload = sender.encode(new)  # the production kernels: a valid payload to decode
+    padded = torch.cat([payload, payload.new_zeros(16)])[:payload.numel()]
+    receiver = DeltaCodec(DeltaConfig(BLOCK), 2, 1)
+    header = receiver.read_header(padded)
+    out = torch.empty_like(new)
+    with k.patched():
+        enc = device_op_seconds(lambda: sender.encode(new), repeats, setup=lambda: sender._prev.copy_(state))
+        dec = device_op_seconds(lambda: receiver.decode(0, padded, out, header), repeats,
+                                setup=lambda: out.copy_(previous))
+    return dict(stage=stage, encode_kernel_us=1e6 * sum(v for op, v in enc.items() if "delta_encode" in op),
+                decode_kernel_us=1e6 * sum(v for op, v in dec.items() if "delta_decode" in op))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=62_500_000)
@@ -228,6 +250,7 @@ def main():
         previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
         check(cuda, [(previous[:BLOCK * 8192], new[:BLOCK * 8192])], device)
         row = dict(lr=lr, numel=args.numel, **time_codecs(cuda, previous, new, args.repeats))
+        row["stages"] = [stage_kernels_us(stage, previous, new, args.repeats) for stage in (1, 2)]
         rows.append(row)
         print(f"lr {lr:g}: ratio {row['ratio']:.2f}x, copy {row['copy_us']:.1f} us; encode triton {row['triton_encode_us']:.1f} "
               f"us ({row['triton_encode_of_copy']:.1%} of copy; kernel {row['triton_encode_kernel_us']:.1f}) cuda "
@@ -235,7 +258,7 @@ def main():
               f"= {row['cuda_encode_kernel_of_copy']:.1%}); decode triton {row['triton_decode_us']:.1f} us "
               f"({row['triton_decode_of_copy']:.1%}; kernel {row['triton_decode_kernel_us']:.1f}) cuda "
               f"{row['cuda_decode_us']:.1f} us ({row['cuda_decode_of_copy']:.1%}; kernel {row['cuda_decode_kernel_us']:.1f} "
-              f"= {row['cuda_decode_kernel_of_copy']:.1%})", flush=True)
+              f"= {row['cuda_decode_kernel_of_copy']:.1%}); stages {row['stages']}", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
