@@ -192,26 +192,50 @@ delta_encode(u16* __restrict__ prev, const u16* __restrict__ newv, i64 numel, u8
 }
 
 // payload: 4-byte aligned, readable 3 bytes past its end; its sections as compression/delta.py lays them out: the
-// codes at codes_at, n_changed (u32) at n_changed_at, then n_esc, exc_widths, bitmaps, value streams from sections_at
+// codes at codes_at, n_changed (u32) at n_changed_at, then n_esc, exc_widths, bitmaps, value streams from sections_at.
+// STAGED_LOADS 1: two rounds of independent loads (per-block fields and the old row; then the bitmap byte, exception
+// width and the block's whole stream into shared memory), instead of a chain of dependent loads (0).
+#ifndef STAGED_LOADS
+#define STAGED_LOADS 1
+#endif
+#define STREAM_READ_WORDS (STREAM_WORDS + 1)  // a stream of <= STREAM_WORDS words from any byte offset
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 delta_decode(u16* __restrict__ out, i64 numel, const u8* __restrict__ payload, i64 codes_at, i64 n_changed_at,
              i64 sections_at, const i64* __restrict__ rank_end, const i64* __restrict__ stream_end,
              const i64* __restrict__ nbytes, i64 n_blocks) {
+  __shared__ u32 stream_s[WARPS][STREAM_READ_WORDS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const i64 b = (i64)blockIdx.x * WARPS + warp;
   if (b >= n_blocks) return;
-  const u32 code = payload[codes_at + b];
-  if (!code) return;  // warp-uniform
+  const i64 first = b * BLOCK + lane * 8;
+  const bool inside = first < numel;
   const u8* h = payload + n_changed_at;
+  const u32 code = payload[codes_at + b];
+  const i64 rank = rank_end[b] - 1, stream_at = stream_end[b] - nbytes[b], n_stream = nbytes[b];
   const i64 n_changed = (i64)((u32)h[0] | ((u32)h[1] << 8) | ((u32)h[2] << 16) | ((u32)h[3] << 24));
+  uint4 q = make_uint4(0, 0, 0, 0);
+  if (STAGED_LOADS && inside) q = *reinterpret_cast<const uint4*>(out + first);
+  if (!code) return;  // warp-uniform
   const i64 exc_widths_at = sections_at + 2 * n_changed, bitmaps_at = exc_widths_at + n_changed;
   const i64 values_at = bitmaps_at + n_changed * (BLOCK / 8);
   const u32 width = code - 1, mask = (1u << width) - 1u;
-  const i64 rank = rank_end[b] - 1;
   const u32 xw = payload[exc_widths_at + rank];
   const u32 bm = payload[bitmaps_at + rank * (BLOCK / 8) + lane];
-  const u64 stream_bit = (u64)(values_at + stream_end[b] - nbytes[b]) * 8;
-  const u32* words = reinterpret_cast<const u32*>(payload);
+  const u64 stream_byte = (u64)(values_at + stream_at);
+  const u32* words;
+  u64 stream_bit;
+  if (STAGED_LOADS) {  // the block's stream, from the 4-byte word holding its first byte, into shared memory
+    const u32* src = reinterpret_cast<const u32*>(payload) + (stream_byte >> 2);
+    const u32 n_words = (u32)(((stream_byte & 3) + n_stream + 3) >> 2);
+    for (u32 i = lane; i < n_words; i += 32) stream_s[warp][i] = src[i];
+    __syncwarp();
+    words = stream_s[warp];
+    stream_bit = (stream_byte & 3) * 8;
+  } else {
+    words = reinterpret_cast<const u32*>(payload);
+    stream_bit = stream_byte * 8;
+  }
   const u32 cnt = __popc(bm);
   const u32 slot0 = warp_exclusive_scan(cnt, lane);
   const u32 total = __shfl_sync(FULL_MASK, slot0 + cnt, 31);
@@ -259,9 +283,8 @@ delta_decode(u16* __restrict__ out, i64 numel, const u8* __restrict__ payload, i
       }
     }
   }
-  const i64 first = b * BLOCK + lane * 8;
-  if (!bm || first >= numel) return;
-  uint4 q = *reinterpret_cast<const uint4*>(out + first);
+  if (!bm || !inside) return;
+  if (!STAGED_LOADS) q = *reinterpret_cast<const uint4*>(out + first);
   u32 qv[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
   for (int j = 0; j < 8; j++) {

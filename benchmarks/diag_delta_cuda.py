@@ -55,8 +55,9 @@ extern "C" void emu_decode(long long grid, u16* out, i64 numel, const u8* payloa
 class CudaKernels:
     """The two kernels, launched on CUDA tensors through CuPy (NVRTC) or on CPU tensors through the g++ emulation."""
 
-    def __init__(self, device: str, stage: int = 3):
+    def __init__(self, device: str, defines: dict = None):
         self.device = device
+        flags = [f"-D{k}={v}" for k, v in (defines or {}).items()]
         source = open(SOURCE).read()
         if device == "cuda":
             import cupy
@@ -65,7 +66,7 @@ class CudaKernels:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self.stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-            module = cupy.RawModule(code=source, options=("-std=c++17", "-arch=sm_90", f"-DSTAGE={stage}"))
+            module = cupy.RawModule(code=source, options=("-std=c++17", "-arch=sm_90", *flags))
             self.encode_fn, self.decode_fn = module.get_function("delta_encode"), module.get_function("delta_decode")
         else:
             build = tempfile.mkdtemp()
@@ -74,7 +75,7 @@ class CudaKernels:
                 f.write(f'#define DELTA_EMULATE\n#include "{os.path.join(HERE, "diag_delta_cuda_emu.h")}"\n')
                 f.write(source + EMU_WRAPPERS)
             lib = os.path.join(build, "emu.so")
-            subprocess.run(["g++", "-O2", "-std=c++20", "-shared", "-fPIC", "-pthread", src, "-o", lib], check=True)
+            subprocess.run(["g++", "-O2", "-std=c++20", "-shared", "-fPIC", "-pthread", *flags, src, "-o", lib], check=True)
             self.lib = ctypes.CDLL(lib)
 
     def _launch(self, name: str, grid: int, args: list) -> None:
@@ -205,12 +206,16 @@ def time_codecs(cuda: CudaKernels, previous, new, repeats: int) -> dict:
     return result
 
 
-def stage_kernels_us(stage: int, previous, new, repeats: int) -> dict:
-    """Device time of the two kernels compiled to do only part of their work (``STAGE`` in the .cu: outputs not
-    valid), inside the production codec's encode and decode of the same step."""
+VARIANTS = ({"STAGED_LOADS": 0}, {"STAGE": 1, "STAGED_LOADS": 0}, {"STAGE": 2, "STAGED_LOADS": 0}, {"STAGE": 1},
+            {"STAGE": 2})
+
+
+def variant_kernels_us(defines: dict, previous, new, repeats: int) -> dict:
+    """Device time of the two kernels compiled with ``defines`` (``STAGE`` < 3: only part of their work, outputs not
+    valid; ``STAGED_LOADS``), inside the production codec's encode and decode of the same step."""
     from compression.timing import device_op_seconds
 
-    k = CudaKernels("cuda", stage)
+    k = CudaKernels("cuda", defines)
     sender = DeltaCodec(DeltaConfig(BLOCK), 2, 0)
     sender.encode(previous)
     state = sender._prev.clone()
@@ -223,7 +228,7 @@ def stage_kernels_us(stage: int, previous, new, repeats: int) -> dict:
         enc = device_op_seconds(lambda: sender.encode(new), repeats, setup=lambda: sender._prev.copy_(state))
         dec = device_op_seconds(lambda: receiver.decode(0, padded, out, header), repeats,
                                 setup=lambda: out.copy_(previous))
-    return dict(stage=stage, encode_kernel_us=1e6 * sum(v for op, v in enc.items() if "delta_encode" in op),
+    return dict(defines=defines, encode_kernel_us=1e6 * sum(v for op, v in enc.items() if "delta_encode" in op),
                 decode_kernel_us=1e6 * sum(v for op, v in dec.items() if "delta_decode" in op))
 
 
@@ -238,11 +243,14 @@ def main():
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = CudaKernels(device)
+    unstaged = CudaKernels(device, {"STAGED_LOADS": 0})
     g = torch.Generator().manual_seed(0)
     sizes = (BLOCK * 37 + 8 * 5, 8 * 3) if device == "cpu" else (BLOCK * 1000 + 8 * 7, 8 * 3, BLOCK * 4096)
     pairs = [pair for n in sizes for pair in adversarial_steps(n, g)]
     pairs += [simulated_step(sizes[0], lr, 3) for lr in (1e-4, 1e-5)]
-    print(f"checked {check(cuda, pairs, device)} pairs byte for byte against the reference ({device})", flush=True)
+    n = check(cuda, pairs, device) + check(unstaged, pairs, device)
+    print(f"checked {n} pairs byte for byte against the reference ({device}; staged and unstaged decode loads)",
+          flush=True)
     if args.check_only or device == "cpu":
         return
     rows = []
@@ -250,7 +258,7 @@ def main():
         previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
         check(cuda, [(previous[:BLOCK * 8192], new[:BLOCK * 8192])], device)
         row = dict(lr=lr, numel=args.numel, **time_codecs(cuda, previous, new, args.repeats))
-        row["stages"] = [stage_kernels_us(stage, previous, new, args.repeats) for stage in (1, 2)]
+        row["variants"] = [variant_kernels_us(d, previous, new, args.repeats) for d in VARIANTS]
         rows.append(row)
         print(f"lr {lr:g}: ratio {row['ratio']:.2f}x, copy {row['copy_us']:.1f} us; encode triton {row['triton_encode_us']:.1f} "
               f"us ({row['triton_encode_of_copy']:.1%} of copy; kernel {row['triton_encode_kernel_us']:.1f}) cuda "
@@ -258,7 +266,7 @@ def main():
               f"= {row['cuda_encode_kernel_of_copy']:.1%}); decode triton {row['triton_decode_us']:.1f} us "
               f"({row['triton_decode_of_copy']:.1%}; kernel {row['triton_decode_kernel_us']:.1f}) cuda "
               f"{row['cuda_decode_us']:.1f} us ({row['cuda_decode_of_copy']:.1%}; kernel {row['cuda_decode_kernel_us']:.1f} "
-              f"= {row['cuda_decode_kernel_of_copy']:.1%}); stages {row['stages']}", flush=True)
+              f"= {row['cuda_decode_kernel_of_copy']:.1%}); variants {row['variants']}", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
