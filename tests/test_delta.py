@@ -5,6 +5,7 @@ the flag is read when ``@triton.jit`` decorates), and the wire ratio on a simula
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -447,6 +448,21 @@ def test_triton_matches_reference_interpreted():
             "test_delta._check_segments(triton=True); test_delta._check_decode_gathered(triton=True)")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_cuda_diagnostic_matches_reference_emulated():
+    """benchmarks/diag_delta_cuda.py's CUDA C++ block kernels (a GPU experiment, not the codec's path), compiled by g++
+    with their warp intrinsics emulated and swapped in under the production codec: payloads byte for byte the
+    reference's (every pattern, jumps across zero, every block density, the AdamW steps), decodes bit-exact, with
+    both of the decoder's load orders."""
+    pytest.importorskip("triton")
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ for the CPU emulation")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "diag_delta_cuda.py"), "--check-only"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "checked 24 pairs byte for byte" in result.stdout
 
 
 @pytest.mark.gpu
