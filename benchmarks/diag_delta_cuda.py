@@ -44,8 +44,9 @@ extern "C" void emu_encode(long long grid, u16* prev, const u16* newv, i64 numel
   emu_launch(grid, WARPS * 32, [&] { delta_encode(prev, newv, numel, codes, changed, counts, n_esc, exc_widths, nbytes,
                                                   records, n_blocks); });
 }
-extern "C" void emu_decode(long long grid, u16* out, i64 numel, const u8* payload, i64 codes_at, i64 n_changed_at,
-                           i64 sections_at, const i64* rank_end, const i64* stream_end, const i64* nbytes, i64 n_blocks) {
+extern "C" void emu_decode(long long grid, u16* out, i64 numel, const u8* payload, i64 codes_at,
+                           i64 n_changed_at, i64 sections_at, const i64* rank_end, const i64* stream_end,
+                           const i64* nbytes, i64 n_blocks) {
   emu_launch(grid, WARPS * 32, [&] { delta_decode(out, numel, payload, codes_at, n_changed_at, sections_at, rank_end,
                                                   stream_end, nbytes, n_blocks); });
 }
@@ -75,7 +76,8 @@ class CudaKernels:
                 f.write(f'#define DELTA_EMULATE\n#include "{os.path.join(HERE, "diag_delta_cuda_emu.h")}"\n')
                 f.write(source + EMU_WRAPPERS)
             lib = os.path.join(build, "emu.so")
-            subprocess.run(["g++", "-O2", "-std=c++20", "-shared", "-fPIC", "-pthread", *flags, src, "-o", lib], check=True)
+            subprocess.run(["g++", "-O2", "-std=c++20", "-shared", "-fPIC", "-pthread", *flags, src, "-o", lib],
+                           check=True)
             self.lib = ctypes.CDLL(lib)
 
     def _launch(self, name: str, grid: int, args: list) -> None:
@@ -232,6 +234,16 @@ def variant_kernels_us(defines: dict, previous, new, repeats: int) -> dict:
                 decode_kernel_us=1e6 * sum(v for op, v in dec.items() if "delta_decode" in op))
 
 
+def summary(row: dict) -> str:
+    parts = [f"lr {row['lr']:g}: ratio {row['ratio']:.2f}x, copy {row['copy_us']:.1f} us"]
+    for name in ("encode", "decode"):
+        for impl in ("triton", "cuda"):
+            key = f"{impl}_{name}"
+            parts.append(f"{name} {impl} {row[key + '_us']:.1f} us ({row[key + '_of_copy']:.1%} of copy; "
+                         f"kernel {row[key + '_kernel_us']:.1f} us)")
+    return "; ".join(parts) + f"; variants {row['variants']}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=62_500_000)
@@ -260,13 +272,7 @@ def main():
         row = dict(lr=lr, numel=args.numel, **time_codecs(cuda, previous, new, args.repeats))
         row["variants"] = [variant_kernels_us(d, previous, new, args.repeats) for d in VARIANTS]
         rows.append(row)
-        print(f"lr {lr:g}: ratio {row['ratio']:.2f}x, copy {row['copy_us']:.1f} us; encode triton {row['triton_encode_us']:.1f} "
-              f"us ({row['triton_encode_of_copy']:.1%} of copy; kernel {row['triton_encode_kernel_us']:.1f}) cuda "
-              f"{row['cuda_encode_us']:.1f} us ({row['cuda_encode_of_copy']:.1%}; kernel {row['cuda_encode_kernel_us']:.1f} "
-              f"= {row['cuda_encode_kernel_of_copy']:.1%}); decode triton {row['triton_decode_us']:.1f} us "
-              f"({row['triton_decode_of_copy']:.1%}; kernel {row['triton_decode_kernel_us']:.1f}) cuda "
-              f"{row['cuda_decode_us']:.1f} us ({row['cuda_decode_of_copy']:.1%}; kernel {row['cuda_decode_kernel_us']:.1f} "
-              f"= {row['cuda_decode_kernel_of_copy']:.1%}); variants {row['variants']}", flush=True)
+        print(summary(row), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

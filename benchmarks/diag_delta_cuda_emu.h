@@ -56,7 +56,11 @@ static inline u32 __reduce_add_sync(u32, u32 v) {
   return emu_collective(v, [](const u32* x, int) { u32 s = 0; for (int i = 0; i < 32; i++) s += x[i]; return s; });
 }
 static inline u32 __reduce_max_sync(u32, u32 v) {
-  return emu_collective(v, [](const u32* x, int) { u32 m = 0; for (int i = 0; i < 32; i++) m = std::max(m, x[i]); return m; });
+  return emu_collective(v, [](const u32* x, int) {
+    u32 m = 0;
+    for (int i = 0; i < 32; i++) m = std::max(m, x[i]);
+    return m;
+  });
 }
 
 template <class K> static void emu_launch(long long grid, int threads, K kernel) {
