@@ -154,53 +154,65 @@ def check(cuda: CudaKernels, pairs: list, device: str) -> int:
             raise AssertionError(f"pair {i}: the sender copy is not the new shard")
         receiver = DeltaCodec(DeltaConfig(BLOCK), 2, 1, triton=True)
         out = previous.clone()
-        padded = torch.cat([expected, expected.new_zeros(16)])[:expected.numel()]
         with cuda.patched():
-            receiver.decode(0, padded, out)
+            receiver.decode(0, with_slack(expected), out)
         if not torch.equal(out.view(torch.int16).cpu(), new.view(torch.int16).cpu()):
             bad = (out.view(torch.int16) != new.view(torch.int16)).nonzero()
             raise AssertionError(f"pair {i}: decode differs at {bad.numel()} values, first {bad[:1].tolist()}")
     return len(pairs)
 
 
-def time_codecs(cuda: CudaKernels, previous, new, repeats: int) -> dict:
-    from compression.timing import device_op_seconds
+def with_slack(payload: torch.Tensor) -> torch.Tensor:
+    """``payload`` with readable bytes after it, as a gather's receive buffer leaves (the decoders read words)."""
+    return torch.cat([payload, payload.new_zeros(16)])[:payload.numel()]
 
+
+def timed_step(previous, new):
+    """(payload, out, encode, decode) of one step for the timing: the production payload of ``new``, the decode's
+    output buffer, and the encode and decode as ``(call, setup)`` pairs whose setups restore the sender's state and the
+    receiver's previous values."""
     sender = DeltaCodec(DeltaConfig(BLOCK), 2, 0)
     sender.encode(previous)
     state = sender._prev.clone()
     payload = sender.encode(new)
-    padded = torch.cat([payload, payload.new_zeros(16)])[:payload.numel()]
+    padded = with_slack(payload)
     receiver = DeltaCodec(DeltaConfig(BLOCK), 2, 1)
     header = receiver.read_header(padded)
     out = torch.empty_like(new)
-    reset_sender, reset_out = (lambda: sender._prev.copy_(state)), (lambda: out.copy_(previous))
-    calls = dict(copy=(lambda: out.copy_(new), None), encode=(lambda: sender.encode(new), reset_sender),
-                 decode=(lambda: receiver.decode(0, padded, out, header), reset_out))
+    return (payload, out, (lambda: sender.encode(new), lambda: sender._prev.copy_(state)),
+            (lambda: receiver.decode(0, padded, out, header), lambda: out.copy_(previous)))
+
+
+def kernel_us(ops_us: dict, kernel: str) -> float:
+    return sum(us for op, us in ops_us.items() if kernel in op)
+
+
+def time_codecs(cuda: CudaKernels, previous, new, repeats: int) -> dict:
+    from compression.timing import device_op_seconds
+
+    payload, out, encode, decode = timed_step(previous, new)
     result = {}
     for impl in ("triton", "cuda"):
-        context = cuda.patched() if impl == "cuda" else contextlib.nullcontext()
-        with context:
+        calls = dict(encode=encode, decode=decode) if impl == "cuda" else dict(
+            copy=(lambda: out.copy_(new), None), encode=encode, decode=decode)
+        with cuda.patched() if impl == "cuda" else contextlib.nullcontext():
             for name, (fn, setup) in calls.items():
-                if name == "copy" and impl == "cuda":
-                    continue
                 ops = device_op_seconds(fn, repeats, setup=setup)
                 key = name if name == "copy" else f"{impl}_{name}"
                 result[f"{key}_us"] = 1e6 * sum(ops.values())
                 result[f"{key}_ops_us"] = {op: 1e6 * s for op, s in ops.items()}
-        if impl == "cuda":  # bit-exact at this size too
-            reset_out()
-            with context:
-                receiver.decode(0, padded, out, header)
-            if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
-                raise AssertionError("CUDA decode not bit-exact on the timed step")
+            if impl == "cuda":  # bit-exact at this size too
+                decode[1]()
+                decode[0]()
+                if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
+                    raise AssertionError("CUDA decode not bit-exact on the timed step")
     copy = result["copy_us"]
     for key in [k for k in result if k.endswith("_us") and not k.endswith("_ops_us") and not k.startswith("copy")]:
         result[key.replace("_us", "_of_copy")] = copy / result[key]
     for impl in ("triton", "cuda"):
         for name, kernel in (("encode", "_encode_kernel" if impl == "triton" else "delta_encode"),
                              ("decode", "_decode_kernel" if impl == "triton" else "delta_decode")):
-            us = sum(v for op, v in result[f"{impl}_{name}_ops_us"].items() if kernel in op)
+            us = kernel_us(result[f"{impl}_{name}_ops_us"], kernel)
             result[f"{impl}_{name}_kernel_us"] = us
             result[f"{impl}_{name}_kernel_of_copy"] = copy / us if us else None
     result["ratio"] = 2 * new.numel() / payload.numel()
@@ -218,20 +230,11 @@ def variant_kernels_us(defines: dict, previous, new, repeats: int) -> dict:
     from compression.timing import device_op_seconds
 
     k = CudaKernels("cuda", defines)
-    sender = DeltaCodec(DeltaConfig(BLOCK), 2, 0)
-    sender.encode(previous)
-    state = sender._prev.clone()
-    payload = sender.encode(new)  # the production kernels: a valid payload to decode
-    padded = torch.cat([payload, payload.new_zeros(16)])[:payload.numel()]
-    receiver = DeltaCodec(DeltaConfig(BLOCK), 2, 1)
-    header = receiver.read_header(padded)
-    out = torch.empty_like(new)
+    _, _, encode, decode = timed_step(previous, new)  # the payload from the production kernels: valid to decode
     with k.patched():
-        enc = device_op_seconds(lambda: sender.encode(new), repeats, setup=lambda: sender._prev.copy_(state))
-        dec = device_op_seconds(lambda: receiver.decode(0, padded, out, header), repeats,
-                                setup=lambda: out.copy_(previous))
-    return dict(defines=defines, encode_kernel_us=1e6 * sum(v for op, v in enc.items() if "delta_encode" in op),
-                decode_kernel_us=1e6 * sum(v for op, v in dec.items() if "delta_decode" in op))
+        enc, dec = (device_op_seconds(fn, repeats, setup=setup) for fn, setup in (encode, decode))
+    return dict(defines=defines, encode_kernel_us=1e6 * kernel_us(enc, "delta_encode"),
+                decode_kernel_us=1e6 * kernel_us(dec, "delta_decode"))
 
 
 def summary(row: dict) -> str:
