@@ -6,9 +6,9 @@
 // on the GPU; g++ with diag_delta_cuda_emu.h on the CPU, the warp intrinsics emulated) and checks and times it.
 //
 // A warp codes one block of 256 values; lane l holds the block's row l (values 8l .. 8l + 7, one 16-byte load).
-// Cross-lane work per block: one warp scan (counts and escapes in two 16-bit fields), five reductions (the
-// escape counts of widths 1..7 as 16-bit fields, the largest v, the changed count), shared-memory ORs of each
-// row's packed bits (at most three words a row).
+// Cross-lane work per block, encode: six reductions (the escape counts of widths 1..7 as 16-bit fields in four, the
+// largest v, the changed count), one warp scan (counts and escapes in two 16-bit fields), shared-memory ORs of each
+// row's packed bits (at most three words a row); decode: two warp scans (counts, then escapes).
 
 #ifndef DELTA_EMULATE
 typedef unsigned int u32;
