@@ -99,84 +99,77 @@ delta_encode(u16* __restrict__ prev, const u16* __restrict__ newv, i64 numel, u8
   }
   const u32 cnt = __popc(bm);
   const u32 total = __reduce_add_sync(FULL_MASK, cnt);
-  if (STAGE == 1) {
-    u32* rec = records + b * RECORD_WORDS;
-    reinterpret_cast<u8*>(rec)[lane] = (u8)bm;
-    if (lane == 0) { codes[b] = total ? 1 : 0; changed_out[b] = total != 0; counts_out[b] = (int)total;
-                     n_esc_out[b] = 0; exc_widths_out[b] = 0; nbytes_out[b] = 0; }
-    return;
-  }
-  const u32 xw = bit_length(__reduce_max_sync(FULL_MASK, vmax));
-  const u32 h0 = __reduce_add_sync(FULL_MASK, hist & 0x000F000Fu);          // w = 1 | w = 5
-  const u32 h1 = __reduce_add_sync(FULL_MASK, (hist >> 4) & 0x000F000Fu);   // w = 2 | w = 6
-  const u32 h2 = __reduce_add_sync(FULL_MASK, (hist >> 8) & 0x000F000Fu);   // w = 3 | w = 7
-  const u32 h3 = __reduce_add_sync(FULL_MASK, (hist >> 12) & 0x000F000Fu);  // w = 4
-  const u32 n_esc_of[8] = {0, h0 & 0xFFFFu, h1 & 0xFFFFu, h2 & 0xFFFFu, h3 & 0xFFFFu, h0 >> 16, h1 >> 16, h2 >> 16};
-  u32 width = 1, n_esc = n_esc_of[1], best = total + xw * n_esc_of[1];
+  u32 xw = 0, width = 0, n_esc = 0, nbits = 0;  // STAGE 1: no width, no stream
+  if (STAGE >= 2) {
+    xw = bit_length(__reduce_max_sync(FULL_MASK, vmax));
+    const u32 h0 = __reduce_add_sync(FULL_MASK, hist & 0x000F000Fu);          // w = 1 | w = 5
+    const u32 h1 = __reduce_add_sync(FULL_MASK, (hist >> 4) & 0x000F000Fu);   // w = 2 | w = 6
+    const u32 h2 = __reduce_add_sync(FULL_MASK, (hist >> 8) & 0x000F000Fu);   // w = 3 | w = 7
+    const u32 h3 = __reduce_add_sync(FULL_MASK, (hist >> 12) & 0x000F000Fu);  // w = 4
+    const u32 n_esc_of[8] = {0, h0 & 0xFFFFu, h1 & 0xFFFFu, h2 & 0xFFFFu, h3 & 0xFFFFu, h0 >> 16, h1 >> 16, h2 >> 16};
+    u32 best = total + xw * n_esc_of[1];
+    width = 1;
+    n_esc = n_esc_of[1];
 #pragma unroll
-  for (u32 w = 2; w <= 7; w++) {
-    u32 cost = total * w + xw * n_esc_of[w];
-    if (cost < best) { best = cost; width = w; n_esc = n_esc_of[w]; }
+    for (u32 w = 2; w <= 7; w++) {
+      u32 cost = total * w + xw * n_esc_of[w];
+      if (cost < best) { best = cost; width = w; n_esc = n_esc_of[w]; }
+    }
+    if (total * 17 < best) { best = total * 17; width = 17; n_esc = 0; }
+    if (xw == 0) { width = 0; n_esc = 0; best = 0; }
+    if (STAGE >= 3) nbits = best;  // total * width + xw * n_esc; STAGE 2: no stream
   }
-  if (total * 17 < best) { best = total * 17; width = 17; n_esc = 0; }
-  if (xw == 0) { width = 0; n_esc = 0; best = 0; }
-  if (STAGE == 2) {
-    u32* rec = records + b * RECORD_WORDS;
-    reinterpret_cast<u8*>(rec)[lane] = (u8)bm;
-    if (lane == 0) { codes[b] = total ? width + 1 : 0; changed_out[b] = total != 0; counts_out[b] = (int)total;
-                     n_esc_out[b] = (int)n_esc; exc_widths_out[b] = (u8)xw; nbytes_out[b] = 0; }
-    return;
-  }
-  const u32 nbits = best;  // total * width + xw * n_esc
   const u32 nwords = (nbits + 31) >> 5;
   u32* words = stream_s[warp];
-  for (u32 i = lane; i < nwords; i += 32) words[i] = 0;
-  __syncwarp();
-  const u32 mask = (1u << width) - 1u;
-  u32 esc = 0;
-  if (width >= 1 && width <= 7) {
+  if (STAGE >= 3) {
+    for (u32 i = lane; i < nwords; i += 32) words[i] = 0;
+    __syncwarp();
+    const u32 mask = (1u << width) - 1u;
+    u32 esc = 0;
+    if (width >= 1 && width <= 7) {
 #pragma unroll
-    for (int j = 0; j < 8; j++) esc |= (((bm >> j) & 1u) && v[j] >= mask) ? (1u << j) : 0u;
-  }
-  const u32 scan = warp_exclusive_scan(cnt | (__popc(esc) << 16), lane);
-  const u32 slot0 = scan & 0xFFFFu, esc0 = scan >> 16;
-  if (width >= 1 && width <= 7 && cnt) {  // the row's slots, at most 56 bits, packed in the thread
-    u64 row = 0;
-    u32 s = 0;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      if ((bm >> j) & 1u) {
-        row |= (u64)min(v[j], mask) << s;
-        s += width;
-      }
+      for (int j = 0; j < 8; j++) esc |= (((bm >> j) & 1u) && v[j] >= mask) ? (1u << j) : 0u;
     }
-    u32 p = slot0 * width, wi = p >> 5, sh = p & 31;
-    u64 lo = row << sh;
-    u32 hi = sh ? (u32)(row >> (64 - sh)) : 0u;
-    if ((u32)lo) atomicOr(words + wi, (u32)lo);
-    if ((u32)(lo >> 32)) atomicOr(words + wi + 1, (u32)(lo >> 32));
-    if (hi) atomicOr(words + wi + 2, hi);
-    if (esc) {  // the exception list after all slots, in order
-      u32 e = total * width + esc0 * xw;
+    const u32 scan = warp_exclusive_scan(cnt | (__popc(esc) << 16), lane);
+    const u32 slot0 = scan & 0xFFFFu, esc0 = scan >> 16;
+    if (width >= 1 && width <= 7 && cnt) {  // the row's slots, at most 56 bits, packed in the thread
+      u64 row = 0;
+      u32 s = 0;
 #pragma unroll
       for (int j = 0; j < 8; j++) {
-        if ((esc >> j) & 1u) {
-          or_bits(words, e, v[j], xw);
-          e += xw;
+        if ((bm >> j) & 1u) {
+          row |= (u64)min(v[j], mask) << s;
+          s += width;
+        }
+      }
+      u32 p = slot0 * width, wi = p >> 5, sh = p & 31;
+      u64 lo = row << sh;
+      u32 hi = sh ? (u32)(row >> (64 - sh)) : 0u;
+      if ((u32)lo) atomicOr(words + wi, (u32)lo);
+      if ((u32)(lo >> 32)) atomicOr(words + wi + 1, (u32)(lo >> 32));
+      if (hi) atomicOr(words + wi + 2, hi);
+      if (esc) {  // the exception list after all slots, in order
+        u32 e = total * width + esc0 * xw;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          if ((esc >> j) & 1u) {
+            or_bits(words, e, v[j], xw);
+            e += xw;
+          }
+        }
+      }
+    } else if (width == 17 && cnt) {  // never escapes
+      u32 p = slot0 * 17;
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        if ((bm >> j) & 1u) {
+          or_bits(words, p, v[j], 17);
+          p += 17;
         }
       }
     }
-  } else if (width == 17 && cnt) {  // never escapes
-    u32 p = slot0 * 17;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      if ((bm >> j) & 1u) {
-        or_bits(words, p, v[j], 17);
-        p += 17;
-      }
-    }
+    __syncwarp();
   }
-  __syncwarp();
   u32* rec = records + b * RECORD_WORDS;
   reinterpret_cast<u8*>(rec)[lane] = (u8)bm;
   for (u32 i = lane; i < nwords; i += 32) rec[BLOCK / 32 + i] = words[i];
