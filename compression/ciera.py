@@ -11,17 +11,23 @@ parameters. Megatron's distributed optimizer keeps the whole parameter buffer re
 that ``decode`` writes holds the source rank's previous values, so the previous exponents are read
 from it and no extra receiver memory is needed.
 
-Payload (uint8, little endian), format version 2: fixed-size sections first, the variable one last,
+Payload (uint8, little endian), format version 3: fixed-size sections first, the variable one last,
 each section starting 16-byte aligned (zero padding) so that kernels write it with vector stores:
   header, 32 bytes:
     [0:2] magic b"CE" | [2] version | [3] flags (bit 0 keyframe, bit 1 exponents rANS-coded)
-    [4] log2(block_size) | [5] dtype (0 bf16, 1 fp16) | [6:8] zero
+    [4] log2(block_size) | [5] dtype (0 bf16, 1 fp16) | [6] log2(tile_blocks) | [7] zero
     [8:16] numel (i64) | [16:24] changed blocks (i64) | [24:32] exponent-section bytes (i64)
   bitmap: one bit per block (LSB first), ceil(nblocks / 8) bytes, zero-padded to a multiple of 16
+  tile table: for each tile of tile_blocks blocks, the slot of its first changed block in the exponent
+    section (i32; its changed blocks follow in block order), zero-padded to a multiple of 16
   sign+mantissa of all numel values, as a field of 1 + mant_bits (see pack_field; bf16: one byte per
     value), zero-padded to a multiple of 16
-  exponents of the changed blocks (last block zero-padded), as a field of exp_bits, or rANS-coded
-    bytes (compression/ans.py) when that is smaller; the payload ends with this section
+  exponents of the changed blocks in slot order (the tiles' runs in any order; the last block
+    zero-padded), as a field of exp_bits, or rANS-coded bytes (compression/ans.py) when that is smaller;
+    the payload ends with this section
+The tile table lets the CUDA encode place each tile's changed exponents in one pass, the tiles' runs in
+the order their programs ran (kernels/ciera.py), so two encodes of the same shard may order them
+differently; every order decodes to the same bits. The plain-PyTorch encode gives them in tile order.
 A keyframe (first payload after construction or ``reset()``) marks every block changed. An empty
 shard's payload is the header alone.
 
@@ -29,14 +35,15 @@ CUDA path (bf16, block_size <= 8192): the codec keeps one payload buffer of the 
 block changed) per shard size and returns a view of it, so a payload is valid only until the next
 ``encode`` of the same codec (compression/shard_gather.py copies it into its send buffer at once).
 Encode: split kernel (sign+mantissa into the payload, exponents compared with and written over the
-sender state, changed flags), prefix sum, gather kernel (bitmap, changed exponents); the changed-block
-count (the payload size) reaches the host with the gather's size exchange (``begin_encode``). Dense
+sender state, changed exponents into their slots, the tile table, changed flags and count), bitmap kernel;
+the changed-block count (the payload size) reaches the host with the gather's size exchange
+(``begin_encode``). Dense
 encodes (raw exponents, keyframes and encodes after one where >= DENSE_MIN_CHANGED of the counted blocks
 changed) mark every block changed: the split kernel writes the exponents straight into the payload's
 exponent section, which in compare mode is the sender state itself, and the size is known on the host;
 they count changed blocks on a sample (DENSE_SAMPLE_STRIDE), on both paths and in both modes.
-Decode: one sync to read the header, then unpack + prefix sum + merge kernels reading the payload in
-place. Elsewhere (CPU, fp16, larger blocks) the same bytes come from plain PyTorch.
+Decode: one merge kernel reading the payload in place (the gather hands over the header; alone,
+one sync reads it). Elsewhere (CPU, fp16, larger blocks) the same bytes come from plain PyTorch.
 """
 
 import struct
@@ -50,17 +57,17 @@ from kernels import ciera as kernels
 from kernels.ciera import LAYOUTS, block_hashes, merge_blocks_reference, split_compare_reference
 
 MAGIC = b"CE"
-VERSION = 2
-HEADER = struct.Struct("<2sBBBB2xqqq")  # magic, version, flags, log2(block), dtype, numel, changed, exp bytes
+VERSION = 3
+HEADER = struct.Struct("<2sBBBBBxqqq")  # magic, version, flags, log2(block), dtype, log2(tile), numel,
+# changed, exp bytes
 HEADER_BYTES = HEADER.size
 N_CHANGED_AT = 16  # byte offsets of n_changed and exp bytes (int64 each) in the header
 ALIGN = 16  # every section starts 16-byte aligned
 FLAG_KEYFRAME, FLAG_ANS = 1, 2
 # Encodes with raw exponents after one in which at least this fraction of the blocks changed send every
 # block's exponents ("dense"): the payload's exponent section is then the sender's compare state, written
-# in place by the split kernel, with no gather pass (~40 us per 62.5M values, results/gpu/README.md
-# session 7) and no host sync for the size. It costs at most 1% of the exponent bytes, less than that
-# pass's time on the wire at ~25 GB/s (1.6% of them).
+# in place by the split kernel, written once instead of twice (state and slot), with no bitmap kernel and no
+# host sync for the size. It costs at most 1% of the exponent bytes.
 DENSE_MIN_CHANGED = 0.99
 # A dense encode counts changed blocks on every DENSE_SAMPLE_STRIDE-th block only (its payload does not
 # depend on them; the count decides whether the next encode is dense and feeds the statistics, scaled to
@@ -68,6 +75,7 @@ DENSE_MIN_CHANGED = 0.99
 # so a dense encode moves ~4.06 bytes per value instead of 5 (a copy: 4).
 DENSE_SAMPLE_STRIDE = 16
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
+MAX_TILE_VALUES = 1 << 16  # a decoder refuses larger tiles (a merge program handles one tile)
 
 
 @dataclass(frozen=True)
@@ -144,16 +152,21 @@ class Sections:
     """Byte offsets of a payload's sections (the bitmap starts at HEADER_BYTES); ``capacity`` is the
     payload size when every block changed and the exponents are raw."""
 
+    table: int
     sm: int
     exp: int
     capacity: int
+    ntiles: int
 
 
-def sections(numel: int, block_size: int, layout) -> Sections:
+def sections(numel: int, block_size: int, layout, tiles: int) -> Sections:
+    """The sections of a payload of ``numel`` values in blocks of ``block_size``, tiles of ``tiles`` blocks."""
     nblocks = -(-numel // block_size)
-    sm = HEADER_BYTES + _aligned(field_nbytes(nblocks, 1))
+    ntiles = -(-nblocks // tiles)
+    table = HEADER_BYTES + _aligned(field_nbytes(nblocks, 1))
+    sm = table + _aligned(4 * ntiles)
     exp = sm + _aligned(field_nbytes(numel, layout.sm_bits))
-    return Sections(sm, exp, exp + field_nbytes(nblocks * block_size, layout.exp_bits))
+    return Sections(table, sm, exp, exp + field_nbytes(nblocks * block_size, layout.exp_bits), ntiles)
 
 
 def _layout(dtype: torch.dtype):
@@ -164,9 +177,9 @@ def _layout(dtype: torch.dtype):
 
 
 def _header(flags: int, block_size: int, dtype, numel: int, n_changed: int, exp_bytes: int) -> torch.Tensor:
-    """The 32 header bytes, on the CPU."""
-    packed = HEADER.pack(MAGIC, VERSION, flags, block_size.bit_length() - 1, DTYPE_CODES[dtype], numel,
-                         n_changed, exp_bytes)
+    """The 32 header bytes of a payload this process encodes (its tiles: ``kernels.tile_blocks``), on the CPU."""
+    packed = HEADER.pack(MAGIC, VERSION, flags, block_size.bit_length() - 1, DTYPE_CODES[dtype],
+                         kernels.tile_blocks(block_size).bit_length() - 1, numel, n_changed, exp_bytes)
     return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
 
 
@@ -184,7 +197,7 @@ class _SplitBlocks:
     counted: int  # blocks n_changed counts: all, or a sample on dense encodes
     dtype: torch.dtype
     keyframe: bool
-    dense: bool  # every block's exponents sent, in place (no gather)
+    dense: bool  # every block's exponents sent, in place of the payload's exponent section
 
 
 class CieraCodec(ShardCodec):
@@ -203,7 +216,7 @@ class CieraCodec(ShardCodec):
         self.rank = rank
         self.last_stats = {}
         self._payload = None  # CUDA path's payload buffer: scratch, kept across reset()
-        self._ones_bitmap = None  # CUDA path's bitmap section of a dense payload
+        self._dense_sections = None  # CUDA path's bitmap and tile table of a dense payload
         self.reset()
 
     def reset(self) -> None:
@@ -289,7 +302,8 @@ class CieraCodec(ShardCodec):
         exp_section, coder_flag = self._exponent_section(exp_changed, layout)
         header = _header(coder_flag | (FLAG_KEYFRAME if keyframe else 0), B, dtype, n, n_changed,
                          exp_section.numel())
-        return torch.cat([header.to(bits.device), _pad(pack_field(changed, 1)),
+        table = kernels.tile_slots_reference(changed, kernels.tile_blocks(B))
+        return torch.cat([header.to(bits.device), _pad(pack_field(changed, 1)), _pad(table.view(torch.uint8)),
                           _pad(pack_field(sm[:n], layout.sm_bits)), exp_section])
 
     def _count_changed(self, keyframe: bool, changed: int, counted: int, total: int) -> None:
@@ -307,7 +321,7 @@ class CieraCodec(ShardCodec):
         layout = _layout(shard.dtype)
         if not kernels.use_triton(shard.reshape(-1).view(torch.int16), block_size, layout):
             return 0
-        return sections(shard.numel(), block_size, layout).capacity
+        return sections(shard.numel(), block_size, layout, kernels.tile_blocks(block_size)).capacity
 
     def _payload_buffer(self, capacity: int, device) -> torch.Tensor:
         if self._payload is None or self._payload.numel() != capacity or self._payload.device != device:
@@ -317,9 +331,10 @@ class CieraCodec(ShardCodec):
     def _split_fused(self, bits, dtype, layout, keyframe: bool, dense: bool) -> "_SplitBlocks":
         """bf16 on CUDA: the kernels write the sections in place of the payload buffer, all but the header.
         ``dense``: every block's exponents go straight into the payload's exponent section, which in
-        compare mode is then the sender state itself (compared and rewritten in place)."""
+        compare mode is then the sender state itself (compared and rewritten in place); otherwise the
+        changed blocks' exponents go to their slots there (and in compare mode into the sender state)."""
         B, n = self.config.block_size, bits.numel()
-        sec = sections(n, B, layout)
+        sec = sections(n, B, layout, kernels.tile_blocks(B))
         payload = self._payload_buffer(sec.capacity, bits.device)
         npad = -(-n // B) * B
         in_payload = payload[sec.exp:sec.exp + npad]
@@ -330,33 +345,37 @@ class CieraCodec(ShardCodec):
             elif dense and not keyframe and self._prev.data_ptr() != in_payload.data_ptr():
                 in_payload.copy_(self._prev)  # the state moves into the payload...
             elif not dense and self._prev.data_ptr() == in_payload.data_ptr():
-                self._prev = self._prev.clone()  # ...and out of it: the gather below compacts there
+                self._prev = self._prev.clone()  # ...and out of it: the changed exponents take their slots there
             if dense:
                 self._prev = in_payload
             exp = self._prev
         else:
-            exp = in_payload if dense else torch.empty(npad, dtype=torch.uint8, device=bits.device)
+            exp = in_payload if dense else None  # sparse hash encodes keep no exponents
         if not compare and keyframe:
             self._prev = torch.empty(npad // B, 2, dtype=torch.int64, device=bits.device)
         sampled = dense and not keyframe
+        compact = None if dense else (payload[sec.exp:], payload[sec.table:sec.sm].view(torch.int32))
         # hash mode: the kernel compares the blocks' hashes with the previous ones and writes them over them
-        flags = kernels.split_blocks(bits, exp, not keyframe, payload[sec.sm:], B, None if compare else self._prev,
-                                     DENSE_SAMPLE_STRIDE if sampled and compare else 1)
+        flags, n_changed = kernels.split_blocks(
+            bits, exp, not keyframe, payload[sec.sm:], B, None if compare else self._prev,
+            DENSE_SAMPLE_STRIDE if sampled else 1, compact)
         nblocks = flags.numel()
-        counted = flags[::DENSE_SAMPLE_STRIDE] if sampled else flags
-        ranks = torch.cumsum(counted, 0, dtype=torch.int32)  # 4 us here; a torch sum took 23 (session 7)
         if dense:
-            payload[HEADER_BYTES:sec.sm].copy_(self._all_blocks_bitmap(nblocks, sec.sm - HEADER_BYTES, bits.device))
+            payload[HEADER_BYTES:sec.sm].copy_(self._dense_table(nblocks, sec, bits.device))
         else:
-            kernels.gather_exponents(flags, ranks, exp, payload[HEADER_BYTES:sec.sm], payload[sec.exp:], B)
-        return _SplitBlocks(payload, sec, nblocks, HostValues(ranks[-1:]), counted.numel(), dtype, keyframe, dense)
+            kernels.pack_bitmap(flags, payload[HEADER_BYTES:sec.table])
+        counted = -(-nblocks // DENSE_SAMPLE_STRIDE) if sampled else nblocks
+        return _SplitBlocks(payload, sec, nblocks, HostValues(n_changed), counted, dtype, keyframe, dense)
 
-    def _all_blocks_bitmap(self, nblocks: int, nbytes: int, device) -> torch.Tensor:
-        """The bitmap section with every block set (kept: it is the same for every dense payload)."""
-        cached = self._ones_bitmap
-        if cached is None or cached.numel() != nbytes or cached.device != device:
-            bitmap = _pad(pack_field(torch.ones(nblocks, dtype=torch.int32), 1))
-            self._ones_bitmap = cached = bitmap.to(device)
+    def _dense_table(self, nblocks: int, sec: Sections, device) -> torch.Tensor:
+        """The bitmap and tile-table sections with every block set and every tile at its own slots (kept: they
+        are the same for every dense payload)."""
+        cached = self._dense_sections
+        if cached is None or cached.numel() != sec.sm - HEADER_BYTES or cached.device != device:
+            every = torch.ones(nblocks, dtype=torch.bool)
+            table = kernels.tile_slots_reference(every, kernels.tile_blocks(self.config.block_size))
+            cached = torch.cat([_pad(pack_field(every.to(torch.int32), 1)), _pad(table.view(torch.uint8))])
+            self._dense_sections = cached = cached.to(device)
         return cached
 
     def _finish_fused(self, split: "_SplitBlocks") -> torch.Tensor:
@@ -379,23 +398,26 @@ class CieraCodec(ShardCodec):
             raise RuntimeError(f"CIERA payload from rank {src_rank} has {payload.numel()} bytes, less than a header")
         if header is None:
             header = self.read_header(payload)
-        magic, version, flags, log2_block, dtype_code, numel, n_changed, exp_bytes = HEADER.unpack(header)
+        magic, version, flags, log2_block, dtype_code, log2_tile, numel, n_changed, exp_bytes = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION:
             raise RuntimeError(f"CIERA payload from rank {src_rank} has a bad magic/version {magic!r}/{version}")
         if 1 << log2_block != self.config.block_size or dtype_code != DTYPE_CODES[out.dtype] or numel != out.numel():
             raise RuntimeError(f"CIERA payload from rank {src_rank} (block 2^{log2_block}, dtype code {dtype_code}, "
                                f"numel {numel}) does not match this rank's bucket slice "
                                f"(block {self.config.block_size}, {out.dtype}, numel {out.numel()})")
+        if (1 << log2_tile) * self.config.block_size > MAX_TILE_VALUES:
+            raise RuntimeError(f"CIERA payload from rank {src_rank} has tiles of 2^{log2_tile} blocks of "
+                               f"{self.config.block_size} values, more than {MAX_TILE_VALUES} values")
         if not flags & FLAG_KEYFRAME and src_rank not in self._synced:
             raise RuntimeError(f"CIERA delta payload from rank {src_rank} before any keyframe: "
                                "all ranks must reset() together")
-        return flags, numel, n_changed, exp_bytes
+        return flags, numel, n_changed, exp_bytes, 1 << log2_tile
 
     def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header: bytes = None) -> None:
         layout = _layout(out.dtype)
-        flags, n, n_changed, exp_bytes = self._parse_header(src_rank, payload, out, header)
+        flags, n, n_changed, exp_bytes, tiles = self._parse_header(src_rank, payload, out, header)
         B = self.config.block_size
-        sec = sections(n, B, layout)
+        sec = sections(n, B, layout, tiles)
         if payload.numel() != sec.exp + exp_bytes:
             raise RuntimeError(f"CIERA payload from rank {src_rank} has {payload.numel()} bytes, its header "
                                f"says {sec.exp + exp_bytes}")
@@ -404,17 +426,20 @@ class CieraCodec(ShardCodec):
         bits = out.view(torch.int16)
         if kernels.use_triton(bits, B, layout):
             exps = exp_section if exps is None else exps
-            kernels.merge_payload(bits, payload[HEADER_BYTES:sec.sm], payload[sec.sm:sec.exp], exps, B)
+            kernels.merge_payload(bits, payload[HEADER_BYTES:sec.table], payload[sec.table:sec.sm],
+                                  payload[sec.sm:sec.exp], exps, n_changed, B, tiles)
         else:
             if exps is None:
                 exps = unpack_field(exp_section, n_changed * B, layout.exp_bits).to(torch.uint8)
-            self._merge_reference(payload, sec, exps, bits, layout)
+            self._merge_reference(payload, sec, tiles, exps, bits, layout)
         self._synced.add(src_rank)
 
-    def _merge_reference(self, payload, sec: Sections, exps, bits, layout) -> None:
+    def _merge_reference(self, payload, sec: Sections, tiles: int, exps, bits, layout) -> None:
         B, n = self.config.block_size, bits.numel()
         nblocks = -(-n // B)
         changed = unpack_field(payload[HEADER_BYTES:HEADER_BYTES + field_nbytes(nblocks, 1)], nblocks, 1).bool()
+        tile_slots = payload[sec.table:sec.table + 4 * sec.ntiles].clone().view(torch.int32)  # (aligned by the clone)
+        slots = kernels.block_slots_reference(changed, tile_slots, tiles)
         sm_field = payload[sec.sm:sec.sm + field_nbytes(n, layout.sm_bits)]
         sm = unpack_field(sm_field, n, layout.sm_bits).to(layout.sm_dtype)
-        bits.copy_(merge_blocks_reference(bits, changed, exps, sm, B, layout))
+        bits.copy_(merge_blocks_reference(bits, changed, slots, exps, sm, B, layout))

@@ -1,5 +1,5 @@
 """CIERA bit-field kernels: split 16-bit floats into exponent and sign+mantissa, detect which blocks'
-exponents changed, gather the changed blocks' exponents into a payload, and merge them back.
+exponents changed, write the changed blocks' exponents into a payload, and merge them back.
 
 Bit layouts (a value's bits read as an unsigned 16-bit word):
   bf16: sign 15 | exponent 14..7 (8 bits) | mantissa 6..0 (7 bits)  -> sign+mantissa fits one byte
@@ -7,14 +7,22 @@ Bit layouts (a value's bits read as an unsigned 16-bit word):
 sign+mantissa is ``sign << mant_bits | mantissa``. Splitting and merging only move bits, so every
 value (NaN payloads, +-Inf, -0.0, subnormals) survives exactly.
 
+Where a payload puts the changed blocks' exponents: blocks are grouped in tiles of ``tile_blocks``
+blocks, and each tile's changed blocks take consecutive slots (in block order) from its tile's first
+slot, which the payload's tile table holds. The slots of different tiles may come in any order: the
+encoding kernel takes each tile's first slot with one atomic add, so no pass over the blocks has to
+wait for the counts of the blocks before it (a prefix sum, then a gather of the exponents into their
+slots, cost the encode a second pass over the changed exponents: docs/ciera.md).
+
 The plain-PyTorch ``*_reference`` functions are the CPU path and the test oracle (compression/ciera.py
-assembles its payload from them). For bf16 on CUDA the codec instead runs three fused Triton kernels
-that read and write the payload sections in place (see compression/ciera.py for the layout):
-  encode: ``split_blocks`` (sign+mantissa into the payload, exponents into the sender state, a changed
-          flag per block), a prefix sum of the flags, ``gather_exponents`` (bitmap bytes, and each
-          changed block's exponents into its slot: rank among the changed blocks * block_size);
-  decode: ``merge_payload`` (bitmap -> flags, prefix sum, then one merge kernel writing the output).
-A program handles a [blocks_per_program, block_size] tile of about ``TILE_VALUES`` values, more than
+assembles its payload from them; they give the tiles their slots in order). For bf16 on CUDA the codec
+instead runs fused Triton kernels that read and write the payload sections in place (see
+compression/ciera.py for the layout):
+  encode: ``split_blocks`` (sign+mantissa into the payload, exponents compared with the sender state,
+          changed exponents into their slots and into the state, each tile's first slot, a changed flag
+          per block and the changed-block count), ``pack_bitmap`` (the flags as the payload's bitmap);
+  decode: ``merge_payload`` (one kernel: bitmap and tile table -> slots, merge into the output).
+A program handles one tile, a [tile_blocks, block_size] block of about ``TILE_VALUES`` values, more than
 the ``NUM_WARPS`` warps' threads, so every value belongs to exactly one thread.
 """
 
@@ -47,7 +55,7 @@ LAYOUTS = {torch.bfloat16: FloatLayout(8, 7), torch.float16: FloatLayout(5, 10)}
 MAX_TRITON_BLOCK = 8192
 TILE_VALUES = 4096  # values per program (several blocks); >= 32 * NUM_WARPS
 NUM_WARPS = 8
-UNPACK_TILE = 1024  # blocks per program of the bitmap unpacking kernel
+PACK_TILE = 1024  # bitmap bytes per program of the bitmap packing kernel
 
 
 def _words(bits: torch.Tensor) -> torch.Tensor:
@@ -104,16 +112,43 @@ def block_hashes(exp: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.stack(out, dim=1)
 
 
-def merge_blocks_reference(out_bits, changed, new_exp, sm, block_size: int, layout: FloatLayout):
+def tile_blocks(block_size: int) -> int:
+    """Blocks per tile of the payloads this process encodes (one program of the fused kernels each)."""
+    return max(1, TILE_VALUES // block_size)
+
+
+def tile_slots_reference(changed, tile_blocks: int) -> torch.Tensor:
+    """int32 [ntiles]: each tile's first slot when the tiles take their slots in order (the exclusive
+    prefix sum of their changed-block counts)."""
+    per_tile = torch.nn.functional.pad(changed.to(torch.int64), (0, -changed.numel() % tile_blocks))
+    per_tile = per_tile.view(-1, tile_blocks).sum(1)
+    return (torch.cumsum(per_tile, 0) - per_tile).to(torch.int32)
+
+
+def block_slots_reference(changed, tile_slots, tile_blocks: int) -> torch.Tensor:
+    """int64 [nblocks]: each block's slot among the payload's changed blocks (meaningful where
+    ``changed``): its tile's first slot plus the changed blocks before it in its tile."""
+    nblocks = changed.numel()
+    flags = torch.nn.functional.pad(changed.to(torch.int64), (0, -nblocks % tile_blocks)).view(-1, tile_blocks)
+    before = torch.cumsum(flags, 1) - flags
+    return (tile_slots.to(torch.int64)[:, None] + before).view(-1)[:nblocks]
+
+
+def merge_blocks_reference(out_bits, changed, slots, new_exp, sm, block_size: int, layout: FloatLayout):
     """New bit patterns for ``out_bits`` (int16, n values holding the previous values): exponents of
-    changed blocks come from ``new_exp`` (uint8, the changed blocks in order, last one padded), the
-    others from ``out_bits`` itself; sign+mantissa from ``sm`` (n values). Returns int16 [n]."""
+    changed blocks come from ``new_exp`` (uint8, whole blocks, the last one padded), block b's from its
+    slot ``slots[b]`` there; the others from ``out_bits`` itself; sign+mantissa from ``sm`` (n values).
+    Returns int16 [n]."""
     n = out_bits.numel()
     m = layout.mant_bits
     exp = torch.zeros(changed.numel() * block_size, dtype=torch.int32, device=out_bits.device)
     exp[:n] = (_words(out_bits) >> m) & ((1 << layout.exp_bits) - 1)
     exp = exp.view(-1, block_size)
-    exp[changed] = new_exp.view(-1, block_size).to(torch.int32)
+    sent = slots[changed]
+    if sent.numel() and (int(sent.min()) < 0 or int(sent.max()) * block_size >= new_exp.numel()):
+        raise RuntimeError(f"CIERA payload's tile table points past its {new_exp.numel() // block_size} "
+                           "blocks of exponents")
+    exp[changed] = new_exp.view(-1, block_size)[sent].to(torch.int32)
     s = sm[:n].to(torch.int32) & 0xFFFF
     w = ((s >> m) << 15) | (exp.view(-1)[:n] << m) | (s & ((1 << m) - 1))
     return w.to(torch.int16)
@@ -169,23 +204,27 @@ if triton is not None:
         return changed
 
     @triton.jit
-    def _split_blocks_kernel(bits_ptr, exp_ptr, sm_ptr, flags_ptr, hashes_ptr, n, npad, nblocks,
-                             B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr, HASH: tl.constexpr,
-                             SAMPLE: tl.constexpr):
-        rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
+    def _split_blocks_kernel(bits_ptr, exp_ptr, sm_ptr, flags_ptr, hashes_ptr, slots_ptr, exp_out_ptr, count_ptr,
+                             n, npad, nblocks, B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr,
+                             HASH: tl.constexpr, SAMPLE: tl.constexpr, COMPACT: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BPP + tl.arange(0, BPP)
         offs, exp = _split_tile(bits_ptr, sm_ptr, rows, n, B)
         store = offs < npad
         if HASH:
             changed = _hash_blocks(hashes_ptr, rows, nblocks, exp, B, BPP, COMPARE)
-            tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store)
+            if SAMPLE > 1:  # every block's hash is kept, but only every SAMPLE-th is counted
+                changed = tl.where((rows % SAMPLE) == 0, changed, 0)
+            if not COMPACT:  # a dense encode: every block's exponents, in place of the payload's section
+                tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store)
         elif COMPARE and SAMPLE > 1:
             # Only every SAMPLE-th block is compared (the others' flags are 0); the others are stored at
             # once, and only tiles holding a compared block wait for its comparison.
             sampled = (rows % SAMPLE) == 0
             tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store & ~sampled[:, None])
             changed = tl.zeros([BPP], tl.int32)
-            first = tl.program_id(0) * BPP
-            if (first + SAMPLE - 1) // SAMPLE * SAMPLE < first + BPP:
+            first_row = pid * BPP
+            if (first_row + SAMPLE - 1) // SAMPLE * SAMPLE < first_row + BPP:
                 prev = tl.load(exp_ptr + offs, mask=store & sampled[:, None], other=0).to(tl.int32)
                 changed = tl.max(((exp != prev) & sampled[:, None]).to(tl.int32), axis=1)
                 tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store & (sampled & (changed != 0))[:, None])
@@ -199,48 +238,45 @@ if triton is not None:
         else:
             changed = tl.full([BPP], 1, tl.int32)
             tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store)
+        changed = tl.where(rows < nblocks, changed, 0)
         tl.store(flags_ptr + rows, changed, mask=rows < nblocks)
+        # One atomic per tile counts the changed blocks and, on a compact encode, gives the tile its slots:
+        # the tiles' slot ranges come in the order their programs got there (the payload's tile table says
+        # where each one starts), so no program waits for another.
+        first = tl.atomic_add(count_ptr, tl.sum(changed, axis=0), sem="relaxed")
+        if COMPACT:
+            tl.store(slots_ptr + pid, first)
+            slot = (first + tl.cumsum(changed, axis=0) - changed).to(tl.int64)
+            tl.store(exp_out_ptr + slot[:, None] * B + tl.arange(0, B)[None, :], exp.to(tl.uint8),
+                     mask=store & (changed[:, None] != 0))
 
     @triton.jit
-    def _gather_exponents_kernel(flags_ptr, ranks_ptr, exp_ptr, bitmap_ptr, out_exp_ptr, nblocks,
-                                 B: tl.constexpr, BPP: tl.constexpr, BITMAP_BYTES: tl.constexpr):
+    def _pack_bits_kernel(flags_ptr, bitmap_ptr, nblocks, TILE: tl.constexpr):
+        byte = tl.program_id(0) * TILE + tl.arange(0, TILE)
+        rows = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
+        bits = tl.load(flags_ptr + rows, mask=rows < nblocks, other=0)
+        value = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
+        tl.store(bitmap_ptr + byte, value.to(tl.uint8), mask=byte * 8 < nblocks)
+
+    @triton.jit
+    def _merge_kernel(out_ptr, bitmap_ptr, slots_ptr, sm_ptr, exp_ptr, n, nblocks, n_changed,
+                      B: tl.constexpr, BPP: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BPP + tl.arange(0, BPP)
         row_ok = rows < nblocks
-        changed = tl.load(flags_ptr + rows, mask=row_ok, other=0) != 0
-        slot = tl.load(ranks_ptr + rows, mask=row_ok, other=1).to(tl.int64) - 1  # ranks: inclusive sum
-        cols = tl.arange(0, B)[None, :]
-        copy = changed[:, None] & (cols < B)
-        exp = tl.load(exp_ptr + rows.to(tl.int64)[:, None] * B + cols, mask=copy)
-        tl.store(out_exp_ptr + slot[:, None] * B + cols, exp, mask=copy)
-        # The bitmap bytes whose first block is one of this program's (none if BPP < 8 and pid*BPP % 8).
-        byte = (pid * BPP + 7) // 8 + tl.arange(0, BITMAP_BYTES)
-        bit_rows = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
-        bits = tl.load(flags_ptr + bit_rows, mask=bit_rows < nblocks, other=0)
-        value = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
-        tl.store(bitmap_ptr + byte, value.to(tl.uint8), mask=(byte * 8 < (pid + 1) * BPP) & (byte * 8 < nblocks))
-
-    @triton.jit
-    def _unpack_bits_kernel(bitmap_ptr, flags_ptr, nblocks, TILE: tl.constexpr):
-        rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
-        ok = rows < nblocks
-        byte = tl.load(bitmap_ptr + rows // 8, mask=ok, other=0).to(tl.int32)
-        tl.store(flags_ptr + rows, (byte >> (rows % 8)) & 1, mask=ok)
-
-    @triton.jit
-    def _merge_kernel(out_ptr, bitmap_ptr, ranks_ptr, sm_ptr, exp_ptr, n, nblocks,
-                      B: tl.constexpr, BPP: tl.constexpr):
-        rows = tl.program_id(0) * BPP + tl.arange(0, BPP)
-        row_ok = rows < nblocks
         byte = tl.load(bitmap_ptr + rows // 8, mask=row_ok, other=0).to(tl.int32)
-        bit = ((byte >> (rows % 8)) & 1)[:, None]
-        slot = tl.load(ranks_ptr + rows, mask=row_ok, other=1).to(tl.int64) - 1
+        bit = (byte >> (rows % 8)) & 1
+        # The tile's first slot, an int32 read as 4 bytes: a payload in a gather's buffer starts at any byte.
+        k = tl.arange(0, 4)
+        first = tl.sum(tl.load(slots_ptr + 4 * pid + k).to(tl.int32) << (8 * k), axis=0)
+        slot = (first + tl.cumsum(bit, axis=0) - bit).to(tl.int64)
+        sent = (bit != 0) & (slot >= 0) & (slot < n_changed)  # a corrupt table reads nothing past the section
         cols = tl.arange(0, B)[None, :]
         offs = rows.to(tl.int64)[:, None] * B + cols
         in_shard = offs < n
-        new = tl.load(exp_ptr + slot[:, None] * B + cols, mask=(bit != 0) & in_shard, other=0).to(tl.int32)
-        old = tl.load(out_ptr + offs, mask=(bit == 0) & in_shard, other=0).to(tl.int32)
-        exp = tl.where(bit != 0, new, (old >> 7) & 0xFF)
+        new = tl.load(exp_ptr + slot[:, None] * B + cols, mask=sent[:, None] & in_shard, other=0).to(tl.int32)
+        old = tl.load(out_ptr + offs, mask=(bit == 0)[:, None] & in_shard, other=0).to(tl.int32)
+        exp = tl.where(bit[:, None] != 0, new, (old >> 7) & 0xFF)
         sm = tl.load(sm_ptr + offs, mask=in_shard, other=0).to(tl.int32)
         w = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
         tl.store(out_ptr + offs, w.to(tl.int16), mask=in_shard)
@@ -252,51 +288,42 @@ def use_triton(bits: torch.Tensor, block_size: int, layout: FloatLayout) -> bool
             and block_size <= MAX_TRITON_BLOCK and bits.numel() > 0 and bits.is_contiguous())
 
 
-def _blocks_per_program(block_size: int) -> int:
-    return max(1, TILE_VALUES // block_size)
-
-
-def _grid(nblocks: int, block_size: int) -> tuple:
-    return (triton.cdiv(nblocks, _blocks_per_program(block_size)),)
-
-
-def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None, sample: int = 1) -> torch.Tensor:
+def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None, sample: int = 1,
+                 compact=None) -> tuple:
     """bf16 ``bits`` (int16 [n]): sign+mantissa bytes into ``sm_out[:n]``, exponents into ``exp``
     (uint8 [nblocks * block_size], zero-padded). Without ``hashes``: after comparing them with the previous
-    exponents that ``exp`` holds if ``compare`` (``split_compare_reference``); ``sample`` > 1 compares only
-    the blocks ``b % sample == 0`` (the others' flags are 0), which saves reading the others' previous
-    exponents. With ``hashes`` (int64 [nblocks, 2]): ``block_hashes`` of the new exponents go there, after
-    comparing them with the previous ones it holds if ``compare``. Returns int32 [nblocks] flags: 1 where a
-    block changed (all if not ``compare``)."""
-    nblocks = exp.numel() // block_size
+    exponents that ``exp`` holds if ``compare`` (``split_compare_reference``), only the changed blocks' are
+    rewritten there; ``sample`` > 1 compares only the blocks ``b % sample == 0`` (the others' flags are 0),
+    which saves reading the others' previous exponents. With ``hashes`` (int64 [nblocks, 2]):
+    ``block_hashes`` of the new exponents go there, after comparing them with the previous ones it holds if
+    ``compare`` (with ``sample`` > 1, only the blocks ``b % sample == 0`` are flagged). ``compact`` = (exp_out uint8, tile_slots int32 [ntiles]): the changed blocks' exponents also
+    go to their slots in ``exp_out`` (tiles of ``tile_blocks``, each tile's first slot into
+    ``tile_slots``), and with ``hashes`` only there (``exp`` is then unused). Returns (flags int32
+    [nblocks]: 1 where a block changed, all if not ``compare``; count int32 [1]: how many)."""
+    nblocks = -(-bits.numel() // block_size)
     flags = torch.empty(nblocks, dtype=torch.int32, device=bits.device)
-    _split_blocks_kernel[_grid(nblocks, block_size)](
-        bits, exp, sm_out, flags, flags if hashes is None else hashes, bits.numel(), exp.numel(), nblocks,
-        B=block_size, BPP=_blocks_per_program(block_size), COMPARE=compare, HASH=hashes is not None,
-        SAMPLE=sample, num_warps=NUM_WARPS)
-    return flags
+    count = torch.zeros(1, dtype=torch.int32, device=bits.device)
+    exp_out, slots = compact if compact is not None else (flags, flags)  # (unused pointers where not compact)
+    tiles = tile_blocks(block_size)
+    _split_blocks_kernel[(triton.cdiv(nblocks, tiles),)](
+        bits, flags if exp is None else exp, sm_out, flags, flags if hashes is None else hashes, slots, exp_out,
+        count, bits.numel(), nblocks * block_size, nblocks, B=block_size, BPP=tiles, COMPARE=compare,
+        HASH=hashes is not None, SAMPLE=sample, COMPACT=compact is not None, num_warps=NUM_WARPS)
+    return flags, count
 
 
-def gather_exponents(flags, ranks, exp, bitmap_out, exp_out, block_size: int) -> None:
-    """Write the bitmap of ``flags`` (one bit per block, LSB first) into ``bitmap_out`` and copy the
-    exponents of each changed block of ``exp`` to ``exp_out[slot * block_size:]``, slot = its rank
-    among the changed blocks (``ranks``: inclusive prefix sum of ``flags``)."""
+def pack_bitmap(flags, bitmap_out) -> None:
+    """``flags`` (int32 [nblocks], 0 or 1) as bits, LSB first, into ``bitmap_out[:ceil(nblocks / 8)]``."""
     nblocks = flags.numel()
-    bpp = _blocks_per_program(block_size)
-    _gather_exponents_kernel[_grid(nblocks, block_size)](
-        flags, ranks, exp, bitmap_out, exp_out, nblocks, B=block_size, BPP=bpp,
-        BITMAP_BYTES=max(1, bpp // 8), num_warps=NUM_WARPS)
+    _pack_bits_kernel[(triton.cdiv(triton.cdiv(nblocks, 8), PACK_TILE),)](flags, bitmap_out, nblocks, TILE=PACK_TILE)
 
 
-def merge_payload(out_bits, bitmap, sm, exps, block_size: int) -> None:
-    """Merge in place of ``out_bits`` (int16 [n], the previous bf16 values): blocks flagged in
-    ``bitmap`` take their exponents from ``exps`` (the changed blocks in order), the others keep
-    theirs; sign+mantissa from ``sm`` (uint8 [n]). Equals ``merge_blocks_reference``."""
+def merge_payload(out_bits, bitmap, tile_slots, sm, exps, n_changed: int, block_size: int, tiles: int) -> None:
+    """Merge in place of ``out_bits`` (int16 [n], the previous bf16 values): blocks flagged in ``bitmap``
+    take their exponents from their slots in ``exps`` (``n_changed`` blocks; ``tile_slots``: the uint8
+    bytes of each tile's first slot, int32, tiles of ``tiles`` blocks), the others keep theirs;
+    sign+mantissa from ``sm`` (uint8 [n]). Equals ``merge_blocks_reference``."""
     n = out_bits.numel()
     nblocks = -(-n // block_size)
-    flags = torch.empty(nblocks, dtype=torch.int32, device=out_bits.device)
-    _unpack_bits_kernel[(triton.cdiv(nblocks, UNPACK_TILE),)](bitmap, flags, nblocks, TILE=UNPACK_TILE)
-    ranks = torch.cumsum(flags, 0, dtype=torch.int32)
-    _merge_kernel[_grid(nblocks, block_size)](
-        out_bits, bitmap, ranks, sm, exps, n, nblocks, B=block_size, BPP=_blocks_per_program(block_size),
-        num_warps=NUM_WARPS)
+    _merge_kernel[(triton.cdiv(nblocks, tiles),)](
+        out_bits, bitmap, tile_slots, sm, exps, n, nblocks, n_changed, B=block_size, BPP=tiles, num_warps=NUM_WARPS)

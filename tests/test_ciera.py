@@ -1,6 +1,6 @@
 """CIERA codec: bit-exact round trips over multi-step sequences, hash == compare, raw == ans, the payload
-layout (format version 2), the rANS coder, the block hash, the fused Triton path against the plain-PyTorch
-path byte for byte (TRITON_INTERPRET=1), and the kernel benchmark's CPU dry run."""
+layout (format version 3), tile runs in any order, the rANS coder, the block hash, the fused Triton path
+against the plain-PyTorch path byte for byte (TRITON_INTERPRET=1), and the kernel benchmark's CPU dry run."""
 
 import json
 import os
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from compression import ans
-from compression.ciera import (DENSE_SAMPLE_STRIDE, HEADER_BYTES, VERSION, CieraCodec, CieraConfig, field_nbytes,
-                               sections)
-from kernels.ciera import LAYOUTS, block_hashes
+from compression.ciera import (DENSE_SAMPLE_STRIDE, FLAG_ANS, HEADER, HEADER_BYTES, VERSION, CieraCodec, CieraConfig,
+                               field_nbytes, pack_field, sections, unpack_field)
+from kernels.ciera import LAYOUTS, block_hashes, block_slots_reference, tile_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 64
@@ -142,15 +142,16 @@ def test_payload_layout_sizes(dtype):
     shard = torch.randn(1000).to(dtype)
     sm_bits, exp_bits = (8, 8) if dtype == torch.bfloat16 else (11, 5)
     nblocks = -(-1000 // BLOCK)
-    sec = sections(1000, BLOCK, LAYOUTS[dtype])
-    assert sec.sm == HEADER_BYTES + 16  # 2 bitmap bytes, padded to 16
+    sec = sections(1000, BLOCK, LAYOUTS[dtype], tile_blocks(BLOCK))
+    assert sec.table == HEADER_BYTES + 16  # 2 bitmap bytes, padded to 16
+    assert sec.ntiles == 1 and sec.sm == sec.table + 16  # one tile of 64 blocks: 4 bytes, padded to 16
     assert sec.exp == sec.sm + -(-field_nbytes(1000, sm_bits) // 16) * 16
     assert codec.encode(shard).numel() == sec.exp + field_nbytes(nblocks * BLOCK, exp_bits) == sec.capacity
     assert codec.encode(shard).numel() == sec.exp  # nothing changed: no exponents at all
 
 
 def test_bf16_payload_bytes():
-    """Version 2, byte by byte: header | bitmap | sign+mantissa | exponents of the changed blocks."""
+    """Version 3, byte by byte: header | bitmap | tile table | sign+mantissa | exponents of the changed blocks."""
     g = torch.Generator().manual_seed(5)
     n = 1000
     shard = (torch.randn(n, generator=g) * 0.02).bfloat16()
@@ -160,8 +161,9 @@ def test_bf16_payload_bytes():
     new[70] *= 4  # exponent of block 1 changes; blocks 1 and 15 (the partial one) change
     new[n - 1] = -new[n - 1] * 1024
     payload = codec.encode(new)
-    sec = sections(n, BLOCK, LAYOUTS[torch.bfloat16])
-    assert payload[:8].tolist() == [ord("C"), ord("E"), VERSION, 0, 6, 0, 0, 0]
+    sec = sections(n, BLOCK, LAYOUTS[torch.bfloat16], tile_blocks(BLOCK))
+    assert tile_blocks(BLOCK) == 64  # the whole shard is one tile, whose changed blocks start at slot 0
+    assert payload[:8].tolist() == [ord("C"), ord("E"), VERSION, 0, 6, 0, 6, 0]
     assert payload[8:32].clone().view(torch.int64).tolist() == [n, 2, 2 * BLOCK]
     assert payload[32:34].tolist() == [0b10, 0b10000000] and not payload[34:sec.sm].any()
     w = new.view(torch.int16).to(torch.int32) & 0xFFFF
@@ -185,6 +187,74 @@ def test_raw_and_ans_decode_identically_and_ans_is_smaller():
         assert torch.equal(_bits(outs[0]), _bits(shard)) and torch.equal(_bits(outs[1]), _bits(shard))
         master += torch.randn(20000) * 1e-3
     assert p_ans.numel() < p_raw.numel()
+
+
+def _reorder_tile_runs(payload, order=None):
+    """``payload`` with its tiles' runs of changed exponents placed in the exponent section in ``order`` (a
+    permutation of the tiles; None: tile order, the plain-PyTorch encode's, in which a CUDA payload is compared)
+    and its tile table rewritten to match; ANS-coded exponents come out raw."""
+    payload = payload.cpu()
+    magic, version, flags, log2_block, dtype_code, log2_tile, n, n_changed, exp_bytes = HEADER.unpack(
+        payload[:HEADER_BYTES].numpy().tobytes())
+    B, tiles = 1 << log2_block, 1 << log2_tile
+    layout = LAYOUTS[(torch.bfloat16, torch.float16)[dtype_code]]
+    sec = sections(n, B, layout, tiles)
+    nblocks = -(-n // B)
+    changed = unpack_field(payload[HEADER_BYTES:sec.table], nblocks, 1).bool()
+    exps = payload[sec.exp:]
+    exps = ans.decode(exps, n_changed * B) if flags & FLAG_ANS else unpack_field(exps, n_changed * B, layout.exp_bits)
+    slots = block_slots_reference(changed, payload[sec.table:sec.table + 4 * sec.ntiles].clone().view(torch.int32),
+                                  tiles)
+    by_block = torch.zeros(nblocks, B, dtype=torch.int32)
+    by_block[changed] = exps.view(-1, B)[slots[changed]].to(torch.int32)
+    tile_of = torch.arange(nblocks) // tiles
+    order = range(sec.ntiles) if order is None else order
+    runs = [by_block[changed & (tile_of == t)].view(-1) for t in order]
+    counts = torch.tensor([r.numel() // B for r in runs], dtype=torch.int32)
+    table = torch.zeros(sec.ntiles, dtype=torch.int32)
+    table[list(order)] = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    exp_section = pack_field(torch.cat(runs), layout.exp_bits) if runs else payload.new_zeros(0)
+    header = HEADER.pack(magic, version, flags & ~FLAG_ANS, log2_block, dtype_code, log2_tile, n, n_changed,
+                         exp_section.numel())
+    table_bytes = table.view(torch.uint8)
+    return torch.cat([torch.frombuffer(bytearray(header), dtype=torch.uint8), payload[HEADER_BYTES:sec.table],
+                      table_bytes, payload[sec.table + table_bytes.numel():sec.exp], exp_section])
+
+
+def _tile_order_payloads(dtype=torch.bfloat16, n=9000 + 37):
+    """A keyframe, then a sparse payload whose changed blocks lie in each of its 3 tiles (B = 64), both as
+    encoded (tiles in order) and with the tiles' runs reversed and rotated."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    sender = CieraCodec(CieraConfig(BLOCK), 2, 0)
+    keyframe = sender.encode(x).clone()
+    y = x.clone()
+    y[[5, 64 * 70 + 3, 64 * 71, 64 * 130 + 9, n - 1]] *= 8  # blocks 0 (tile 0), 70, 71 (tile 1), 130, 140 (tile 2)
+    payload = sender.encode(y).clone()
+    assert sections(n, BLOCK, LAYOUTS[dtype], tile_blocks(BLOCK)).ntiles == 3
+    return x, y, keyframe, [payload, _reorder_tile_runs(payload, [2, 1, 0]), _reorder_tile_runs(payload, [1, 2, 0])]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tile_runs_decode_in_any_order(dtype):
+    """A payload's tiles may hold their slots in any order (the CUDA encode's atomics): every order decodes to the
+    same bits; reordering back to tile order gives the encoded bytes; a table pointing past the section is an
+    error, not a read of other memory."""
+    x, y, keyframe, payloads = _tile_order_payloads(dtype)
+    assert not torch.equal(payloads[0], payloads[1]) and payloads[0].numel() == payloads[1].numel()
+    for payload in payloads:
+        assert torch.equal(_reorder_tile_runs(payload), payloads[0])
+        receiver, out = CieraCodec(CieraConfig(BLOCK), 2, 1), torch.zeros_like(x)
+        receiver.decode(0, keyframe, out)
+        receiver.decode(0, payload, out)
+        assert torch.equal(_bits(out), _bits(y))
+    bad = payloads[0].clone()
+    table_at = sections(x.numel(), BLOCK, LAYOUTS[dtype], tile_blocks(BLOCK)).table
+    bad[table_at + 8:table_at + 12] = torch.tensor([5, 0, 0, 0], dtype=torch.uint8)  # tile 2 at slot 5 of 5
+    receiver = CieraCodec(CieraConfig(BLOCK), 2, 1)
+    receiver.decode(0, keyframe, torch.zeros_like(x))
+    with pytest.raises(RuntimeError, match="tile table points past"):
+        receiver.decode(0, bad, torch.zeros_like(x))
 
 
 def test_empty_shard_and_errors():
@@ -308,33 +378,28 @@ def _check_fused_hashes_match_reference():
         assert torch.equal(hashes, block_hashes(exp, block)), block
 
 
+def _check_fused_merge_any_tile_order():
+    """The merge kernel decodes every order of the tiles' runs to the same bits."""
+    from kernels import ciera as k
+
+    reference_path = k.use_triton
+    k.use_triton = _fused_on_cpu
+    try:
+        x, y, keyframe, payloads = _tile_order_payloads()
+        for payload in payloads:
+            receiver, out = CieraCodec(CieraConfig(BLOCK), 2, 1), torch.zeros_like(x)
+            receiver.decode(0, keyframe, out)
+            receiver.decode(0, payload, out)
+            assert torch.equal(_bits(out), _bits(y))
+    finally:
+        k.use_triton = reference_path
+
+
 def test_fused_path_matches_reference_interpreted():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    code = "import test_ciera; test_ciera._check_fused_matches_reference(); test_ciera._check_fused_hashes_match_reference()"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-def _check_lookback_diagnostic():
-    from benchmarks.delta_wire_ratio import simulated_step
-    from benchmarks.diag_ciera_split import LOOKBACK_VARIANTS, check_fused
-
-    # a partial last tile (several tiles of every variant), most and about half of the blocks changed, both modes
-    for n, lr, hash_mode in ((40_961, 1e-4, False), (50_000, 1e-5, True)):
-        previous, new = simulated_step(n, lr, 5, device="cpu")
-        for variant in ({"window": 1, "release": True}, *LOOKBACK_VARIANTS):
-            variant = {k: v for k, v in variant.items() if k != "warps"}  # the interpreter has no warps
-            check_fused(previous, new, 512, "cpu", hash_mode=hash_mode, **variant)
-
-
-def test_lookback_diagnostic_matches_production_interpreted():
-    """benchmarks/diag_ciera_split.py's one-kernel encoders (GPU experiments, not the codec's path: the look-back
-    variants, their oracle bound and the persistent tiled kernel) write the production path's payload sections and
-    sender state, under the interpreter (programs in order)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    code = "import test_ciera; test_ciera._check_lookback_diagnostic()"
+    code = ("import test_ciera; test_ciera._check_fused_matches_reference(); "
+            "test_ciera._check_fused_hashes_match_reference(); test_ciera._check_fused_merge_any_tile_order()")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -361,14 +426,19 @@ def test_kernel_benchmark_dry_run(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode,coder", [("compare", "raw"), ("hash", "raw"), ("compare", "ans")])
 def test_cuda_payloads_equal_cpu_payloads(dtype, mode, coder):
-    """The CUDA path (fused Triton kernels for bf16) produces the CPU reference's payload bytes."""
+    """The CUDA path (fused Triton kernels for bf16) produces the CPU reference's payload bytes (bf16: once both
+    have their tiles' runs in tile order)."""
     config = CieraConfig(512, mode, coder)
     cpu, gpu = CieraCodec(config, 2, 0), CieraCodec(config, 2, 0)
     receiver = CieraCodec(config, 2, 1)
     out = torch.zeros(N, dtype=dtype, device="cuda")
     for step, shard in enumerate(_sequence_with_samples(dtype, N, 512)):
         payload = gpu.encode(shard.cuda())
-        assert torch.equal(payload.cpu(), cpu.encode(shard)), step
+        want = cpu.encode(shard)
+        if dtype == torch.bfloat16:  # the fused kernels' tiles take their slots in any order
+            assert torch.equal(_reorder_tile_runs(payload), _reorder_tile_runs(want)), step
+        else:
+            assert torch.equal(payload.cpu(), want), step
         assert gpu.last_stats == cpu.last_stats, step
         receiver.decode(0, payload, out)
         assert torch.equal(_bits(out).cpu(), _bits(shard)), step
