@@ -61,7 +61,6 @@ VERSION = 3
 HEADER = struct.Struct("<2sBBBBBxqqq")  # magic, version, flags, log2(block), dtype, log2(tile), numel,
 # changed, exp bytes
 HEADER_BYTES = HEADER.size
-N_CHANGED_AT = 16  # byte offsets of n_changed and exp bytes (int64 each) in the header
 ALIGN = 16  # every section starts 16-byte aligned
 FLAG_KEYFRAME, FLAG_ANS = 1, 2
 # Encodes with raw exponents after one in which at least this fraction of the blocks changed send every
@@ -190,9 +189,10 @@ def _header(flags: int, block_size: int, dtype, numel: int, n_changed: int, exp_
 class _SplitBlocks:
     """A fused encode between its kernels and its header (``CieraCodec._split_fused``)."""
 
-    payload: torch.Tensor  # the codec's buffer: every section but the header written
+    payload: torch.Tensor  # the codec's buffer: every section written, the header as for raw exponents
     sec: "Sections"
     nblocks: int
+    size: object  # the payload's size with raw exponents: an int (dense), or an int64 [1] on the device
     n_changed: HostValues  # counted blocks whose exponents changed (or hashed as changed), on the way to the host
     counted: int  # blocks n_changed counts: all, or a sample on dense encodes
     dtype: torch.dtype
@@ -217,6 +217,7 @@ class CieraCodec(ShardCodec):
         self.last_stats = {}
         self._payload = None  # CUDA path's payload buffer: scratch, kept across reset()
         self._dense_sections = None  # CUDA path's bitmap and tile table of a dense payload
+        self._device_headers = {}  # CUDA path's headers (or templates) known on the host, by their fields
         self.reset()
 
     def reset(self) -> None:
@@ -262,16 +263,8 @@ class CieraCodec(ShardCodec):
         else:
             raw = self.config.exponent_coder == "raw"
             split = self._split_fused(bits, shard.dtype, layout, keyframe, dense or (keyframe and raw))
-            if raw:
-                B = self.config.block_size
-                sent = split.nblocks if split.dense else 0  # dense: every block, a size the host knows
-                header = bytes_to_device(_header(FLAG_KEYFRAME if keyframe else 0, B, shard.dtype, n, sent, sent * B)
-                                         .numpy().tobytes(), bits.device)
-                if split.dense:
-                    return EncodeStart(split.sec.capacity, header, split)
-                n_changed = split.n_changed.device_values.to(torch.int64)
-                header[N_CHANGED_AT:N_CHANGED_AT + 16] = torch.cat([n_changed, n_changed * B]).view(torch.uint8)
-                return EncodeStart(split.sec.exp + n_changed * B, header, split)
+            if raw:  # the kernels wrote the header and the size (dense: a size the host knows)
+                return EncodeStart(split.size, split.payload[:HEADER_BYTES], split)
             payload = self._finish_fused(split)
         return EncodeStart(payload.numel(), payload[:HEADER_BYTES], payload)
 
@@ -360,12 +353,28 @@ class CieraCodec(ShardCodec):
             bits, exp, not keyframe, payload[sec.sm:], B, None if compare else self._prev,
             DENSE_SAMPLE_STRIDE if sampled else 1, compact)
         nblocks = flags.numel()
+        flag = FLAG_KEYFRAME if keyframe else 0
         if dense:
             payload[HEADER_BYTES:sec.sm].copy_(self._dense_table(nblocks, sec, bits.device))
+            payload[:HEADER_BYTES].copy_(self._device_header(flag, dtype, n, nblocks))
+            size = sec.capacity
         else:
-            kernels.pack_bitmap(flags, payload[HEADER_BYTES:sec.table])
+            sizes = torch.empty(2, dtype=torch.int64, device=bits.device)
+            kernels.finish_split(flags, n_changed, payload[HEADER_BYTES:sec.table], self._device_header(flag, dtype, n, 0),
+                                 payload[:HEADER_BYTES], sizes, sec.exp, B)
+            n_changed, size = sizes[:1], sizes[1:]
         counted = -(-nblocks // DENSE_SAMPLE_STRIDE) if sampled else nblocks
-        return _SplitBlocks(payload, sec, nblocks, HostValues(n_changed), counted, dtype, keyframe, dense)
+        return _SplitBlocks(payload, sec, nblocks, size, HostValues(n_changed), counted, dtype, keyframe, dense)
+
+    def _device_header(self, flags: int, dtype, n: int, n_sent: int) -> torch.Tensor:
+        """The header of a payload sending ``n_sent`` blocks' raw exponents, on the device (kept: a codec needs two
+        or three; a sparse encode's kernel takes the first 16 bytes of ``n_sent`` = 0's and writes the rest)."""
+        key = (flags, dtype, n, n_sent, self._payload.device)
+        if key not in self._device_headers:
+            B = self.config.block_size
+            self._device_headers[key] = bytes_to_device(_header(flags, B, dtype, n, n_sent, n_sent * B).numpy().tobytes(),
+                                                        self._payload.device)
+        return self._device_headers[key]
 
     def _dense_table(self, nblocks: int, sec: Sections, device) -> torch.Tensor:
         """The bitmap and tile-table sections with every block set and every tile at its own slots (kept: they
@@ -385,12 +394,12 @@ class CieraCodec(ShardCodec):
         n_sent = split.nblocks if split.dense else changed
         raw = payload[sec.exp:sec.exp + n_sent * B]
         exp_section, coder_flag = self._exponent_section(raw, layout)
-        if coder_flag:
-            raw[:exp_section.numel()].copy_(exp_section)
         self._count_changed(split.keyframe, changed, split.counted, split.nblocks)
-        header = _header(coder_flag | (FLAG_KEYFRAME if split.keyframe else 0), B, split.dtype, n, n_sent,
-                         exp_section.numel())
-        payload[:HEADER_BYTES].copy_(header.pin_memory() if payload.is_cuda else header, non_blocking=True)
+        if coder_flag:  # the header the kernels wrote is for raw exponents
+            raw[:exp_section.numel()].copy_(exp_section)
+            header = _header(coder_flag | (FLAG_KEYFRAME if split.keyframe else 0), B, split.dtype, n, n_sent,
+                             exp_section.numel())
+            payload[:HEADER_BYTES].copy_(header.pin_memory() if payload.is_cuda else header, non_blocking=True)
         return payload[:sec.exp + exp_section.numel()]
 
     def _parse_header(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header):

@@ -20,7 +20,8 @@ instead runs fused Triton kernels that read and write the payload sections in pl
 compression/ciera.py for the layout):
   encode: ``split_blocks`` (sign+mantissa into the payload, exponents compared with the sender state,
           changed exponents into their slots and into the state, each tile's first slot, a changed flag
-          per block and the changed-block count), ``pack_bitmap`` (the flags as the payload's bitmap);
+          per block and the changed-block count), ``finish_split`` (the flags as the payload's bitmap, the
+          header and the payload size from the count);
   decode: ``merge_payload`` (one kernel: bitmap and tile table -> slots, merge into the output).
 A program handles one tile, a [tile_blocks, block_size] block of about ``TILE_VALUES`` values, more than
 the ``NUM_WARPS`` warps' threads, so every value belongs to exactly one thread.
@@ -251,12 +252,22 @@ if triton is not None:
                      mask=store & (changed[:, None] != 0))
 
     @triton.jit
-    def _pack_bits_kernel(flags_ptr, bitmap_ptr, nblocks, TILE: tl.constexpr):
+    def _finish_split_kernel(flags_ptr, bitmap_ptr, count_ptr, template_ptr, header_ptr, sizes_ptr, nblocks, exp_at,
+                             B: tl.constexpr, TILE: tl.constexpr):
         byte = tl.program_id(0) * TILE + tl.arange(0, TILE)
         rows = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
         bits = tl.load(flags_ptr + rows, mask=rows < nblocks, other=0)
         value = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
         tl.store(bitmap_ptr + byte, value.to(tl.uint8), mask=byte * 8 < nblocks)
+        if tl.program_id(0) == 0:  # the header and the payload size, from the changed-block count
+            changed = tl.load(count_ptr).to(tl.int64)
+            tl.store(sizes_ptr, changed)
+            tl.store(sizes_ptr + 1, exp_at + changed * B)
+            k = tl.arange(0, 32)
+            field = tl.where(k < 24, changed, changed * B)  # int64 at [16:24] and [24:32], little endian
+            counts = ((field >> (8 * (k % 8))) & 0xFF).to(tl.uint8)
+            template = tl.load(template_ptr + k, mask=k < 16, other=0)
+            tl.store(header_ptr + k, tl.where(k < 16, template, counts))
 
     @triton.jit
     def _merge_kernel(out_ptr, bitmap_ptr, slots_ptr, sm_ptr, exp_ptr, n, nblocks, n_changed,
@@ -312,10 +323,14 @@ def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None,
     return flags, count
 
 
-def pack_bitmap(flags, bitmap_out) -> None:
-    """``flags`` (int32 [nblocks], 0 or 1) as bits, LSB first, into ``bitmap_out[:ceil(nblocks / 8)]``."""
+def finish_split(flags, count, bitmap_out, template, header_out, sizes, exp_at: int, block_size: int) -> None:
+    """After ``split_blocks``: ``flags`` (int32 [nblocks], 0 or 1) as bits, LSB first, into
+    ``bitmap_out[:ceil(nblocks / 8)]``; and from ``count`` (its changed blocks), the payload's 32 header bytes
+    into ``header_out`` (``template``'s first 16, then the count and count * block_size as int64) and
+    ``sizes`` (int64 [2]: the count, and the payload's size ``exp_at + count * block_size``)."""
     nblocks = flags.numel()
-    _pack_bits_kernel[(triton.cdiv(triton.cdiv(nblocks, 8), PACK_TILE),)](flags, bitmap_out, nblocks, TILE=PACK_TILE)
+    _finish_split_kernel[(triton.cdiv(triton.cdiv(nblocks, 8), PACK_TILE),)](
+        flags, bitmap_out, count, template, header_out, sizes, nblocks, exp_at, B=block_size, TILE=PACK_TILE)
 
 
 def merge_payload(out_bits, bitmap, tile_slots, sm, exps, n_changed: int, block_size: int, tiles: int) -> None:
