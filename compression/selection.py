@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from compression.timing import call_seconds, default_device, queued_call_seconds, synchronize
-from kernels.ciera import LAYOUTS, split_compare_reference
+from kernels.ciera import LAYOUTS, split_compare_reference, tile_blocks
 
 HASH_BYTES_PER_BLOCK = 16
 SELECTION_WARMUP_GATHERS = 8  # gathers of each bucket measured before each choice
@@ -106,12 +106,13 @@ def cache_bytes(numel: int, block_size: int, change_detect: str) -> int:
 
 
 def expected_payload_bytes(s: ShardStats) -> float:
-    """S_sm + S_bm + q * S_e (+ the fixed header), raw exponent coding."""
+    """S_sm + S_bm + q * S_e (+ the fixed header and the tile table), raw exponent coding."""
     layout = LAYOUTS[s.dtype]
     nblocks = -(-s.numel // s.block_size)
     sm = s.numel * layout.sm_bits / 8
     exponents = nblocks * s.block_size * layout.exp_bits / 8
-    return HEADER_BYTES + -(-nblocks // 8) + sm + s.change_rate * exponents
+    table = 4 * -(-nblocks // tile_blocks(s.block_size))
+    return HEADER_BYTES + -(-nblocks // 8) + table + sm + s.change_rate * exponents
 
 
 @dataclass(frozen=True)

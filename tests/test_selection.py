@@ -22,12 +22,13 @@ def _shard(key, numel, rate, mode="compare"):
 
 def test_gain_formula_matches_the_paper():
     s = _shard("ln", 1 << 20, 0.25)
-    # bf16: S = 2 MiB, S_sm = 1 MiB, bitmap 2048 blocks / 8 = 256 B, S_e = 1 MiB, + 32 B header
-    assert expected_payload_bytes(s) == MIB + 256 + 0.25 * MIB + 32
+    # bf16: S = 2 MiB, S_sm = 1 MiB, bitmap 2048 blocks / 8 = 256 B, tile table 2048 / 8 tiles * 4 B = 1 KiB,
+    # S_e = 1 MiB, + 32 B header
+    assert expected_payload_bytes(s) == MIB + 256 + 1024 + 0.25 * MIB + 32
     want = SLOW_LINK.time(2 * MIB) - SLOW_LINK.time(expected_payload_bytes(s)) - 1e-12 * 2 * MIB
     assert gain_seconds(s, SLOW_LINK, merge_seconds_per_byte=1e-12) == pytest.approx(want)
     fp16 = ShardStats("x", 1024, 0.0, 0, dtype=torch.float16)
-    assert expected_payload_bytes(fp16) == 32 + 1 + 1024 * 11 / 8
+    assert expected_payload_bytes(fp16) == 32 + 1 + 4 + 1024 * 11 / 8  # 2 blocks: one tile
 
 
 def test_select_shards_ranks_by_gain_per_cache_byte_within_budget():
