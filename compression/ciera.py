@@ -47,6 +47,7 @@ one sync reads it). Elsewhere (CPU, fp16, larger blocks) the same bytes come fro
 """
 
 import struct
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -259,6 +260,9 @@ class CieraCodec(ShardCodec):
         keyframe = self._prev is None
         dense = self._dense_next and not keyframe
         if not kernels.use_triton(bits, self.config.block_size, layout):
+            if bits.is_cuda and bits.data_ptr() % 4 and keyframe:
+                warnings.warn(f"CIERA's fused CUDA kernels read pairs of values: a shard at an odd element offset "
+                              f"({bits.numel()} values) is coded by the PyTorch path (the same bytes, slower)")
             payload = self._encode_reference(bits, shard.dtype, layout, keyframe, dense)
         else:
             raw = self.config.exponent_coder == "raw"

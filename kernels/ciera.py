@@ -159,13 +159,23 @@ if triton is not None:
 
     @triton.jit
     def _split_tile(bits_ptr, sm_ptr, rows, n, B: tl.constexpr):
-        """Blocks ``rows`` of the bf16 bits: sign+mantissa bytes stored to ``sm_ptr``; returns the element
-        offsets [rows, B] and the exponents (int32)."""
-        offs = rows.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :]
-        in_shard = offs < n
-        w = tl.load(bits_ptr + offs, mask=in_shard, other=0).to(tl.int32) & 0xFFFF
-        tl.store(sm_ptr + offs, (((w >> 8) & 0x80) | (w & 0x7F)).to(tl.uint8), mask=in_shard)
-        return offs, (w >> 7) & 0xFF
+        """Blocks ``rows`` of the bf16 bits (4-byte aligned), two values per 32-bit word: sign+mantissa bytes
+        stored to ``sm_ptr``; returns the offsets of the tile's pairs of values [rows, B / 2] (in 32-bit words
+        of the values, 16-bit words of a byte section) and the exponent bytes of each pair as one 16-bit word
+        (int32: the pair's first exponent in the low byte). Pairs halve the integer work per value. Loads and
+        stores are bounded by whole pairs (``n // 2``, whose divisibility by 16 the compiler sees, so that they
+        stay 16-byte vectors); an odd shard's last value is loaded and stored alone."""
+        pairs = rows.to(tl.int64)[:, None] * (B // 2) + tl.arange(0, B // 2)[None, :]
+        x = tl.load(bits_ptr.to(tl.pointer_type(tl.int32)) + pairs, mask=pairs < n // 2, other=0)
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            if n % 2 == 1:
+                last = tl.load(bits_ptr + n - 1).to(tl.int32) & 0xFFFF
+                tl.store(sm_ptr + n - 1, (((last >> 8) & 0x80) | (last & 0x7F)).to(tl.uint8))
+                x = tl.where(pairs == n // 2, last, x)
+        sm = ((x >> 8) & 0x00800080) | (x & 0x007F007F)  # sign+mantissa of each value in the low byte of its half
+        exp = (x >> 7) & 0x00FF00FF
+        tl.store(sm_ptr.to(tl.pointer_type(tl.int16)) + pairs, (sm | (sm >> 8)).to(tl.int16), mask=pairs < n // 2)
+        return pairs, (exp | (exp >> 8)) & 0xFFFF
 
     _GAMMA, _MIX1, _MIX2 = tl.constexpr(GAMMA), tl.constexpr(MIX1), tl.constexpr(MIX2)
     _SEED0, _SEED1 = tl.constexpr(HASH_SEEDS[0]), tl.constexpr(HASH_SEEDS[1])
@@ -187,11 +197,12 @@ if triton is not None:
 
     @triton.jit
     def _hash_blocks(hashes_ptr, rows, nblocks, exp, B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr):
-        """block_hashes of the tile's exponents (int32 [BPP, B]) into hashes_ptr [nblocks, 2] (the bytes of 8
-        consecutive exponents make a little-endian word: a sum of disjoint bytes); if COMPARE, over the
-        previous hashes there, returning 1 where a block's hash changed (else 1 everywhere)."""
-        bytes8 = tl.reshape(exp, (BPP, B // 8, 8)).to(tl.int64)
-        words = tl.sum(bytes8 << (8 * tl.arange(0, 8)).to(tl.int64)[None, None, :], axis=2)
+        """block_hashes of the tile's exponents (int32 [BPP, B / 2], a pair of exponent bytes each) into
+        hashes_ptr [nblocks, 2] (the bytes of 8 consecutive exponents make a little-endian word: a sum of
+        disjoint 16-bit pairs); if COMPARE, over the previous hashes there, returning 1 where a block's hash
+        changed (else 1 everywhere)."""
+        pairs4 = tl.reshape(exp, (BPP, B // 8, 4)).to(tl.int64)
+        words = tl.sum(pairs4 << (16 * tl.arange(0, 4)).to(tl.int64)[None, None, :], axis=2)
         pos = (tl.arange(0, B // 8) + 1).to(tl.int64) * _GAMMA
         ok = rows < nblocks
         h0, h1 = _block_hash(words, pos, _SEED0), _block_hash(words, pos, _SEED1)
@@ -210,35 +221,37 @@ if triton is not None:
                              HASH: tl.constexpr, SAMPLE: tl.constexpr, COMPACT: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BPP + tl.arange(0, BPP)
-        offs, exp = _split_tile(bits_ptr, sm_ptr, rows, n, B)
-        store = offs < npad
+        offs, exp = _split_tile(bits_ptr, sm_ptr, rows, n, B)  # offs: of 16-bit words (exponent pairs)
+        store = (rows < nblocks)[:, None]
+        exp_ptr = exp_ptr.to(tl.pointer_type(tl.int16))
+        pairs = exp.to(tl.int16)
         if HASH:
             changed = _hash_blocks(hashes_ptr, rows, nblocks, exp, B, BPP, COMPARE)
             if SAMPLE > 1:  # every block's hash is kept, but only every SAMPLE-th is counted
                 changed = tl.where((rows % SAMPLE) == 0, changed, 0)
             if not COMPACT:  # a dense encode: every block's exponents, in place of the payload's section
-                tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store)
+                tl.store(exp_ptr + offs, pairs, mask=store)
         elif COMPARE and SAMPLE > 1:
             # Only every SAMPLE-th block is compared (the others' flags are 0); the others are stored at
             # once, and only tiles holding a compared block wait for its comparison.
             sampled = (rows % SAMPLE) == 0
-            tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store & ~sampled[:, None])
+            tl.store(exp_ptr + offs, pairs, mask=store & ~sampled[:, None])
             changed = tl.zeros([BPP], tl.int32)
             first_row = pid * BPP
             if (first_row + SAMPLE - 1) // SAMPLE * SAMPLE < first_row + BPP:
-                prev = tl.load(exp_ptr + offs, mask=store & sampled[:, None], other=0).to(tl.int32)
+                prev = tl.load(exp_ptr + offs, mask=store & sampled[:, None], other=0).to(tl.int32) & 0xFFFF
                 changed = tl.max(((exp != prev) & sampled[:, None]).to(tl.int32), axis=1)
-                tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store & (sampled & (changed != 0))[:, None])
+                tl.store(exp_ptr + offs, pairs, mask=store & (sampled & (changed != 0))[:, None])
         elif COMPARE:
-            prev = tl.load(exp_ptr + offs, mask=store, other=0).to(tl.int32)
+            prev = tl.load(exp_ptr + offs, mask=store, other=0).to(tl.int32) & 0xFFFF
             changed = tl.max((exp != prev).to(tl.int32), axis=1)
             # Only changed blocks are rewritten (the others' exponents are already stored): the store
             # then depends on its whole block's loads, so no barrier is needed, and it is 1.7x faster
             # than storing every block after a barrier (results/gpu/ciera_split_variants.json).
-            tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store & (changed[:, None] != 0))
+            tl.store(exp_ptr + offs, pairs, mask=store & (changed[:, None] != 0))
         else:
             changed = tl.full([BPP], 1, tl.int32)
-            tl.store(exp_ptr + offs, exp.to(tl.uint8), mask=store)
+            tl.store(exp_ptr + offs, pairs, mask=store)
         changed = tl.where(rows < nblocks, changed, 0)
         tl.store(flags_ptr + rows, changed, mask=rows < nblocks)
         # One atomic per tile counts the changed blocks and, on a compact encode, gives the tile its slots:
@@ -248,8 +261,8 @@ if triton is not None:
         if COMPACT:
             tl.store(slots_ptr + pid, first)
             slot = (first + tl.cumsum(changed, axis=0) - changed).to(tl.int64)
-            tl.store(exp_out_ptr + slot[:, None] * B + tl.arange(0, B)[None, :], exp.to(tl.uint8),
-                     mask=store & (changed[:, None] != 0))
+            tl.store(exp_out_ptr.to(tl.pointer_type(tl.int16)) + slot[:, None] * (B // 2) + tl.arange(0, B // 2)[None, :],
+                     pairs, mask=store & (changed[:, None] != 0))
 
     @triton.jit
     def _finish_split_kernel(flags_ptr, bitmap_ptr, count_ptr, template_ptr, header_ptr, sizes_ptr, nblocks, exp_at,
@@ -294,9 +307,11 @@ if triton is not None:
 
 
 def use_triton(bits: torch.Tensor, block_size: int, layout: FloatLayout) -> bool:
-    """Whether the fused kernels serve this (contiguous, non-empty) bf16 tensor on CUDA."""
+    """Whether the fused kernels serve this (contiguous, non-empty, 4-byte aligned: the split reads pairs of
+    values) bf16 tensor on CUDA."""
     return (triton is not None and bits.is_cuda and layout == LAYOUTS[torch.bfloat16]
-            and block_size <= MAX_TRITON_BLOCK and bits.numel() > 0 and bits.is_contiguous())
+            and block_size <= MAX_TRITON_BLOCK and bits.numel() > 0 and bits.is_contiguous()
+            and bits.data_ptr() % 4 == 0)
 
 
 def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None, sample: int = 1,

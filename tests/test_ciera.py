@@ -327,7 +327,8 @@ def _fused_on_cpu(bits, block_size, layout):
     """kernels.ciera.use_triton without the CUDA requirement (the interpreter runs CPU tensors)."""
     from kernels import ciera as k
 
-    return layout == k.LAYOUTS[torch.bfloat16] and block_size <= k.MAX_TRITON_BLOCK and bits.numel() > 0
+    return (layout == k.LAYOUTS[torch.bfloat16] and block_size <= k.MAX_TRITON_BLOCK and bits.numel() > 0
+            and bits.data_ptr() % 4 == 0)
 
 
 def _check_fused_matches_reference():
@@ -336,9 +337,9 @@ def _check_fused_matches_reference():
     from kernels import ciera as k
 
     reference_path = k.use_triton
-    n = 9000 + 37
-    for block, mode, coder in [(64, "compare", "raw"), (1024, "compare", "raw"), (8192, "compare", "raw"),
-                               (64, "hash", "ans"), (512, "hash", "raw")]:
+    # odd and even shards: the split reads pairs of values, an odd shard's last one alone
+    for block, mode, coder, n in [(64, "compare", "raw", 9037), (1024, "compare", "raw", 9036),
+                                  (8192, "compare", "raw", 9037), (64, "hash", "ans", 9036), (512, "hash", "raw", 9037)]:
         config = CieraConfig(block, mode, coder)
         fused, reference, receiver = (CieraCodec(config, 2, r) for r in (0, 0, 1))
         outs = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
@@ -445,6 +446,16 @@ def test_cuda_payloads_equal_cpu_payloads(dtype, mode, coder):
     # the selection's cache budget counts the buffer the CUDA path keeps (0 where there is none)
     kept = 0 if gpu._payload is None else gpu._payload.numel()
     assert CieraCodec.payload_buffer_bytes(torch.zeros(N, dtype=dtype, device="cuda"), 512) == kept
+
+
+@pytest.mark.gpu
+def test_cuda_shard_at_an_odd_offset_is_coded_by_the_reference():
+    """The fused split reads pairs of values (4-byte words): a shard starting at an odd element takes the PyTorch
+    path on the GPU, with a warning, and gives the same bytes."""
+    shard = (torch.randn(N + 1) * 0.02).bfloat16()
+    with pytest.warns(UserWarning, match="odd element offset"):
+        payload = CieraCodec(CieraConfig(512), 2, 0).encode(shard.cuda()[1:])
+    assert torch.equal(payload.cpu(), CieraCodec(CieraConfig(512), 2, 0).encode(shard[1:]))
 
 
 def test_payload_buffer_counted_only_where_kept():
