@@ -31,7 +31,7 @@ differently; every order decodes to the same bits. The plain-PyTorch encode give
 A keyframe (first payload after construction or ``reset()``) marks every block changed. An empty
 shard's payload is the header alone.
 
-CUDA path (bf16, block_size <= 8192): the codec keeps one payload buffer of the largest size (every
+CUDA path (bf16, block_size <= 8192, a 4-byte aligned shard): the codec keeps one payload buffer of the largest size (every
 block changed) per shard size and returns a view of it, so a payload is valid only until the next
 ``encode`` of the same codec (compression/shard_gather.py copies it into its send buffer at once).
 Encode: split kernel (sign+mantissa into the payload, exponents compared with and written over the

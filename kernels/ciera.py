@@ -24,7 +24,9 @@ compression/ciera.py for the layout):
           header and the payload size from the count);
   decode: ``merge_payload`` (one kernel: bitmap and tile table -> slots, merge into the output).
 A program handles one tile, a [tile_blocks, block_size] block of about ``TILE_VALUES`` values, more than
-the ``NUM_WARPS`` warps' threads, so every value belongs to exactly one thread.
+the ``NUM_WARPS`` warps' threads, so every value belongs to exactly one thread. The split reads the values
+in pairs (32-bit words: two values' bytes formed at once, half the integer work of one by one), so the fused
+path takes 4-byte aligned shards (``use_triton``).
 """
 
 from dataclasses import dataclass
