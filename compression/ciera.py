@@ -31,8 +31,8 @@ differently; every order decodes to the same bits. The plain-PyTorch encode give
 A keyframe (first payload after construction or ``reset()``) marks every block changed. An empty
 shard's payload is the header alone.
 
-CUDA path (bf16, block_size <= 8192, a 4-byte aligned shard): the codec keeps one payload buffer of the largest size (every
-block changed) per shard size and returns a view of it, so a payload is valid only until the next
+CUDA path (bf16, block_size <= 8192, a 4-byte aligned shard): the codec keeps one payload buffer of the
+largest size (every block changed) per shard size and returns a view of it, so a payload is valid only until the next
 ``encode`` of the same codec (compression/shard_gather.py copies it into its send buffer at once).
 Encode: split kernel (sign+mantissa into the payload, exponents compared with and written over the
 sender state, changed exponents into their slots, the tile table, changed flags and count), bitmap kernel;
@@ -217,7 +217,7 @@ class CieraCodec(ShardCodec):
         self.rank = rank
         self.last_stats = {}
         self._payload = None  # CUDA path's payload buffer: scratch, kept across reset()
-        self._dense_sections = None  # CUDA path's bitmap and tile table of a dense payload
+        self._dense_sections = None  # CUDA path's (key, bitmap and tile table) of a dense payload
         self._device_headers = {}  # CUDA path's headers (or templates) known on the host, by their fields
         self.reset()
 
@@ -364,8 +364,9 @@ class CieraCodec(ShardCodec):
             size = sec.capacity
         else:
             sizes = torch.empty(2, dtype=torch.int64, device=bits.device)
-            kernels.finish_split(flags, n_changed, payload[HEADER_BYTES:sec.table], self._device_header(flag, dtype, n, 0),
-                                 payload[:HEADER_BYTES], sizes, sec.exp, B)
+            template = self._device_header(flag, dtype, n, 0)
+            kernels.finish_split(flags, n_changed, payload[HEADER_BYTES:sec.table], template, payload[:HEADER_BYTES],
+                                 sizes, sec.exp, B)
             n_changed, size = sizes[:1], sizes[1:]
         counted = -(-nblocks // DENSE_SAMPLE_STRIDE) if sampled else nblocks
         return _SplitBlocks(payload, sec, nblocks, size, HostValues(n_changed), counted, dtype, keyframe, dense)
@@ -373,23 +374,24 @@ class CieraCodec(ShardCodec):
     def _device_header(self, flags: int, dtype, n: int, n_sent: int) -> torch.Tensor:
         """The header of a payload sending ``n_sent`` blocks' raw exponents, on the device (kept: a codec needs two
         or three; a sparse encode's kernel takes the first 16 bytes of ``n_sent`` = 0's and writes the rest)."""
-        key = (flags, dtype, n, n_sent, self._payload.device)
+        B = self.config.block_size
+        key = (flags, dtype, n, n_sent, kernels.tile_blocks(B), self._payload.device)
         if key not in self._device_headers:
-            B = self.config.block_size
-            self._device_headers[key] = bytes_to_device(_header(flags, B, dtype, n, n_sent, n_sent * B).numpy().tobytes(),
-                                                        self._payload.device)
+            header = _header(flags, B, dtype, n, n_sent, n_sent * B).numpy().tobytes()
+            self._device_headers[key] = bytes_to_device(header, self._payload.device)
         return self._device_headers[key]
 
     def _dense_table(self, nblocks: int, sec: Sections, device) -> torch.Tensor:
         """The bitmap and tile-table sections with every block set and every tile at its own slots (kept: they
         are the same for every dense payload)."""
-        cached = self._dense_sections
-        if cached is None or cached.numel() != sec.sm - HEADER_BYTES or cached.device != device:
+        tiles = kernels.tile_blocks(self.config.block_size)
+        key = (nblocks, tiles, device)
+        if self._dense_sections is None or self._dense_sections[0] != key:
             every = torch.ones(nblocks, dtype=torch.bool)
-            table = kernels.tile_slots_reference(every, kernels.tile_blocks(self.config.block_size))
-            cached = torch.cat([_pad(pack_field(every.to(torch.int32), 1)), _pad(table.view(torch.uint8))])
-            self._dense_sections = cached = cached.to(device)
-        return cached
+            table = kernels.tile_slots_reference(every, tiles)
+            sections_ = torch.cat([_pad(pack_field(every.to(torch.int32), 1)), _pad(table.view(torch.uint8))])
+            self._dense_sections = (key, sections_.to(device))
+        return self._dense_sections[1]
 
     def _finish_fused(self, split: "_SplitBlocks") -> torch.Tensor:
         """The exponent section (ANS-coded if asked) and the header of a ``_split_fused`` payload."""

@@ -219,7 +219,7 @@ if triton is not None:
 
     @triton.jit
     def _split_blocks_kernel(bits_ptr, exp_ptr, sm_ptr, flags_ptr, hashes_ptr, slots_ptr, exp_out_ptr, count_ptr,
-                             n, npad, nblocks, B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr,
+                             n, nblocks, B: tl.constexpr, BPP: tl.constexpr, COMPARE: tl.constexpr,
                              HASH: tl.constexpr, SAMPLE: tl.constexpr, COMPACT: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BPP + tl.arange(0, BPP)
@@ -263,8 +263,9 @@ if triton is not None:
         if COMPACT:
             tl.store(slots_ptr + pid, first)
             slot = (first + tl.cumsum(changed, axis=0) - changed).to(tl.int64)
-            tl.store(exp_out_ptr.to(tl.pointer_type(tl.int16)) + slot[:, None] * (B // 2) + tl.arange(0, B // 2)[None, :],
-                     pairs, mask=store & (changed[:, None] != 0))
+            slot_pairs = slot[:, None] * (B // 2) + tl.arange(0, B // 2)[None, :]
+            exp_out_ptr = exp_out_ptr.to(tl.pointer_type(tl.int16))
+            tl.store(exp_out_ptr + slot_pairs, pairs, mask=store & (changed[:, None] != 0))
 
     @triton.jit
     def _finish_split_kernel(flags_ptr, bitmap_ptr, count_ptr, template_ptr, header_ptr, sizes_ptr, nblocks, exp_at,
@@ -324,10 +325,11 @@ def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None,
     rewritten there; ``sample`` > 1 compares only the blocks ``b % sample == 0`` (the others' flags are 0),
     which saves reading the others' previous exponents. With ``hashes`` (int64 [nblocks, 2]):
     ``block_hashes`` of the new exponents go there, after comparing them with the previous ones it holds if
-    ``compare`` (with ``sample`` > 1, only the blocks ``b % sample == 0`` are flagged). ``compact`` = (exp_out uint8, tile_slots int32 [ntiles]): the changed blocks' exponents also
-    go to their slots in ``exp_out`` (tiles of ``tile_blocks``, each tile's first slot into
-    ``tile_slots``), and with ``hashes`` only there (``exp`` is then unused). Returns (flags int32
-    [nblocks]: 1 where a block changed, all if not ``compare``; count int32 [1]: how many)."""
+    ``compare`` (with ``sample`` > 1, only the blocks ``b % sample == 0`` are flagged). ``compact`` =
+    (exp_out uint8, tile_slots int32 [ntiles]): the changed blocks' exponents also go to their slots in
+    ``exp_out`` (tiles of ``tile_blocks``, each tile's first slot into ``tile_slots``), and with ``hashes``
+    only there (``exp`` is then unused). Returns (flags int32 [nblocks]: 1 where a block changed, all if not
+    ``compare``; count int32 [1]: how many)."""
     nblocks = -(-bits.numel() // block_size)
     flags = torch.empty(nblocks, dtype=torch.int32, device=bits.device)
     count = torch.zeros(1, dtype=torch.int32, device=bits.device)
@@ -335,7 +337,7 @@ def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None,
     tiles = tile_blocks(block_size)
     _split_blocks_kernel[(triton.cdiv(nblocks, tiles),)](
         bits, flags if exp is None else exp, sm_out, flags, flags if hashes is None else hashes, slots, exp_out,
-        count, bits.numel(), nblocks * block_size, nblocks, B=block_size, BPP=tiles, COMPARE=compare,
+        count, bits.numel(), nblocks, B=block_size, BPP=tiles, COMPARE=compare,
         HASH=hashes is not None, SAMPLE=sample, COMPACT=compact is not None, num_warps=NUM_WARPS)
     return flags, count
 

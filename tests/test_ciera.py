@@ -339,7 +339,8 @@ def _check_fused_matches_reference():
     reference_path = k.use_triton
     # odd and even shards: the split reads pairs of values, an odd shard's last one alone
     for block, mode, coder, n in [(64, "compare", "raw", 9037), (1024, "compare", "raw", 9036),
-                                  (8192, "compare", "raw", 9037), (64, "hash", "ans", 9036), (512, "hash", "raw", 9037)]:
+                                  (8192, "compare", "raw", 9037), (64, "hash", "ans", 9036),
+                                  (512, "hash", "raw", 9037)]:
         config = CieraConfig(block, mode, coder)
         fused, reference, receiver = (CieraCodec(config, 2, r) for r in (0, 0, 1))
         outs = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
