@@ -450,6 +450,23 @@ def test_cuda_payloads_equal_cpu_payloads(dtype, mode, coder):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_cuda_decode_of_a_payload_at_any_byte_offset(offset):
+    """A gather's receive buffer may hold a payload at any byte: the merge kernel reads the tile table byte by
+    byte, so a sparse payload decodes bit-exactly from every offset."""
+    x, y, keyframe, payloads = _tile_order_payloads()
+    sender = CieraCodec(CieraConfig(BLOCK), 2, 0)
+    out = torch.zeros_like(x, device="cuda")
+    receiver = CieraCodec(CieraConfig(BLOCK), 2, 1)
+    receiver.decode(0, sender.encode(x.cuda()).clone(), out)
+    payload = sender.encode(y.cuda())
+    shifted = torch.zeros(payload.numel() + offset, dtype=torch.uint8, device="cuda")
+    shifted[offset:] = payload
+    receiver.decode(0, shifted[offset:], out)
+    assert torch.equal(_bits(out).cpu(), _bits(y))
+
+
+@pytest.mark.gpu
 def test_cuda_shard_at_an_odd_offset_is_coded_by_the_reference():
     """The fused split reads pairs of values (4-byte words): a shard starting at an odd element takes the PyTorch
     path on the GPU, with a warning, and gives the same bytes."""
