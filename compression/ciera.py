@@ -326,7 +326,8 @@ class CieraCodec(ShardCodec):
         return self._payload
 
     def _split_fused(self, bits, dtype, layout, keyframe: bool, dense: bool) -> "_SplitBlocks":
-        """bf16 on CUDA: the kernels write the sections in place of the payload buffer, all but the header.
+        """bf16 on CUDA: the kernels write the sections in place of the payload buffer, and its header as for raw
+        exponents.
         ``dense``: every block's exponents go straight into the payload's exponent section, which in
         compare mode is then the sender state itself (compared and rewritten in place); otherwise the
         changed blocks' exponents go to their slots there (and in compare mode into the sender state)."""
