@@ -1,8 +1,11 @@
 # Sourced at the start of every command on the lent GPU machine (Python 3.12, torch and triton
-# preinstalled, no megatron-core): installs the carried wheels (.whl, see README "GPUs") into
-# /tmp/site and keeps NVLink multicast off as the machine requires.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# preinstalled, no megatron-core): installs the carried wheels (see README "GPUs") of the folder WHEELS (default .whl)
+# into /tmp/site (another folder .whlX: /tmp/siteX, e.g. WHEELS=.whl019 for megatron-core 0.19.2) and keeps NVLink
+# multicast off as the machine requires.
+WHEELS=${WHEELS:-.whl}
+SITE=/tmp/site${WHEELS#.whl}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $WHEELS/*.whl || return 1
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 - <<'PY'
 import torch, triton, megatron.core
 print("torch", torch.__version__, "triton", triton.__version__, "megatron-core", megatron.core.__version__,
