@@ -36,26 +36,28 @@ MARK_BEGIN, MARK_END = "<!-- BENCHMARK BEGIN -->", "<!-- BENCHMARK END -->"
 
 # --- trajectories ------------------------------------------------------------------------------
 
-def simulated_adamw(numel: int, lr: float, steps: int, seed: int = 0, device="cpu"):
-    """Yield the bf16 snapshot after each of ``steps`` AdamW steps (the first is the initial one)."""
+def simulated_adamw(numel: int, lr: float, steps: int, seed: int = 0, device="cpu", dtype=torch.bfloat16):
+    """Yield the snapshot (bf16, or the fp32 master weights with ``dtype``) after each of ``steps`` AdamW steps (the
+    first is the initial one)."""
     g = torch.Generator(device).manual_seed(seed)
     master = torch.nn.Parameter(torch.randn(numel, generator=g, device=device) * 0.02)
     scale = torch.exp(torch.randn(numel, generator=g, device=device))
     direction = torch.randn(numel, generator=g, device=device)
     opt = torch.optim.AdamW([master], lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
-    yield master.detach().bfloat16()
+    yield master.detach().to(dtype, copy=True)
     for _ in range(steps):
         master.grad = scale * (0.3 * direction + torch.randn(numel, generator=g, device=device))
         opt.step()
-        yield master.detach().bfloat16()
+        yield master.detach().to(dtype, copy=True)
 
 
-def simulated_step(numel: int, lr: float, steps: int, device="cpu") -> tuple:
-    """(previous, new): the snapshots after ``steps`` and ``steps + 1`` steps of ``simulated_adamw``."""
-    snapshots = simulated_adamw(numel, lr, steps + 1, device=device)
+def simulated_step(numel: int, lr: float, steps: int, device="cpu", new_dtype=torch.bfloat16) -> tuple:
+    """(previous, new): the bf16 snapshot after ``steps`` steps of ``simulated_adamw`` and the one after ``steps + 1``
+    (fp32 master weights with ``new_dtype``: what the optimizer rounds to the next bf16 snapshot)."""
+    snapshots = simulated_adamw(numel, lr, steps + 1, device=device, dtype=torch.float32)
     for _ in range(steps):
         previous = next(snapshots)
-    return previous.clone(), next(snapshots)
+    return previous.bfloat16(), next(snapshots).to(new_dtype)
 
 
 class TinyGPT(torch.nn.Module):

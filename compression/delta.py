@@ -198,6 +198,11 @@ class DeltaCodec(ShardCodec):
                                       rank=shard.rank)
         else:
             e = kernels.encode_blocks(self._prev, _as_bits(shard, "shard"), b, out=self._blocks)
+        return self._start_coded(e, fp16_flag, numel, shard.device)
+
+    def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device) -> EncodeStart:
+        """``begin_encode`` after the encode kernel: the payload's size and header on the device."""
+        b = self.config.block_size
         # few, fused torch ops from here to the gather's size exchange: the host launching them is what
         # the device waits for after the encode kernel (results/gpu/README.md, session 9)
         rank_end = torch.cumsum(e.changed, 0)
@@ -206,7 +211,7 @@ class DeltaCodec(ShardCodec):
         # The layout of _Layout.of with n_changed on the device: sections after the codes grow by
         # 2 + 1 + B / 8 bytes per changed block, then the value streams.
         nbytes = torch.add(stream_end[-1:], n_changed, alpha=3 + b // 8).add_(_Layout.of(numel, 0, b).values)
-        header = self._delta_header(fp16_flag, numel, shard.device)
+        header = self._delta_header(fp16_flag, numel, device)
         header[N_CHANGED_AT:N_CHANGED_AT + 4].view(torch.int32).copy_(n_changed)
         totals = torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]])
         self._totals = HostValues(totals) if self._totals is None else self._totals.update(totals)

@@ -465,6 +465,18 @@ def test_cuda_diagnostic_matches_reference_emulated():
     assert "checked 24 pairs byte for byte" in result.stdout
 
 
+def test_fused_cast_diagnostic_matches_production_interpreted():
+    """benchmarks/diag_delta_fused_cast.py (a GPU experiment: the encode kernel reading fp32 master weights and writing
+    their bf16 rounding into the parameter buffer): its payloads and buffers equal the production codec's."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    script = os.path.join(ROOT, "benchmarks", "diag_delta_fused_cast.py")
+    result = subprocess.run([sys.executable, script, "--check-only"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fused payloads and buffers equal production's" in result.stdout
+
+
 @pytest.mark.gpu
 def test_triton_matches_reference_cuda():
     _check_triton_matches_reference("cuda")
