@@ -7,7 +7,8 @@ previous values every repeat (untimed), and every decode is checked bit for bit.
 clock with a device sync on both sides (the codec's own host syncs included); GB/s are shard bytes
 (2 per value) per second; ``*_device_GBps`` count only the device's time in the call's kernels and
 copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps``
-sweeps the warps per block program of the codec kernels, ``--max-registers`` their register caps.
+sweeps the warps per block program of the codec kernels, ``--max-registers`` their register caps, ``--gather`` the
+tiles of the record gather (and of the decode's stream sizes) and its copy width and warps.
 ``*_host_us``: the host's time in each half of a gather's codec work (begin_encode, finish_encode, decode)
 with the device held busy, i.e. what every compressed bucket costs the host whatever its size.
 
@@ -103,42 +104,53 @@ def main():
     p.add_argument("--warps", default="", help="comma list of warps per block program to sweep (default: built-in)")
     p.add_argument("--max-registers", default="", help="comma list of encode:decode register caps to sweep, "
                    "e.g. 96:64,80:64 (0: the compiler's choice)")
+    p.add_argument("--gather", default="", help="comma list of TILExCHUNKxWARPS of the record gather to sweep (TILE "
+                   "blocks per program, also the stream-size kernel's; CHUNK stream bytes per block and pass)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = []
     default_warps, default_caps = kernels._num_warps, dict(kernels.MAX_REGISTERS)
+    default_tile, default_gather = kernels._tile_blocks, kernels._gather_launch
     caps = [[int(c) or None for c in pair.split(":")] for pair in args.max_registers.split(",") if pair]
-    configs = ([(None, None)] + [(int(w), None) for w in args.warps.split(",") if w]
-               + [(None, dict(encode=e, decode=d)) for e, d in caps])
+    gathers = [tuple(map(int, item.split("x"))) for item in args.gather.split(",") if item]
+    configs = ([(None, None, None)] + [(int(w), None, None) for w in args.warps.split(",") if w]
+               + [(None, dict(encode=e, decode=d), None) for e, d in caps] + [(None, None, g) for g in gathers])
     for lr in (float(x) for x in args.lrs.split(",")):
         previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
-        for warps, cap in configs:
+        for warps, cap, gather in configs:
             kernels._num_warps = default_warps if warps is None else (lambda block_size, w=warps: w)
             kernels.MAX_REGISTERS.update(cap or default_caps)
+            kernels._tile_blocks = default_tile if gather is None else (lambda block_size, t=gather[0]: t)
+            kernels._gather_launch = default_gather if gather is None else (lambda block_size, g=gather: g[1:])
             row = dict(lr=lr, warps=warps or default_warps(args.block_size), max_registers=dict(kernels.MAX_REGISTERS),
+                       gather=list(gather or (default_tile(args.block_size), *default_gather(args.block_size))),
                        block_size=args.block_size, numel=args.numel,
                        **measure(previous, new, args.block_size, args.repeats))
             rows.append(row)
-            print(f"lr {lr:g} warps {row['warps']} registers {row['max_registers']}: "
+            print(f"lr {lr:g} warps {row['warps']} registers {row['max_registers']} gather {row['gather']}: "
                   f"encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
                   f"blocks kernel {row['encode_blocks_ms']:.3f} ms), decode {row['decode_GBps']:.0f} GB/s "
                   f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x; "
                   f"device time only: encode {row['encode_device_GBps']:.0f}, decode {row['decode_device_GBps']:.0f}, "
                   f"copy {row['copy_device_GBps']:.0f} GB/s; host us: begin_encode {row['begin_encode_host_us']:.0f}, "
                   f"finish_encode {row['finish_encode_host_us']:.0f}, decode {row['decode_host_us']:.0f}", flush=True)
-        kernels._num_warps = default_warps
+        kernels._num_warps, kernels._tile_blocks, kernels._gather_launch = default_warps, default_tile, default_gather
         kernels.MAX_REGISTERS.update(default_caps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(0), torch=torch.__version__,
                        rows=rows), f, indent=1)
-    print("\n| lr | warps | unchanged | ratio | encode GB/s | decode GB/s | copy GB/s | encode/copy | decode/copy |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| lr | warps | gather (tile x chunk x warps) | unchanged | ratio | encode GB/s | decode GB/s | copy GB/s | "
+          "encode/copy | decode/copy | device: encode/copy, decode/copy | gather kernel us | stream sizes us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['lr']:g} | {r['warps']} | {r['unchanged']:.1%} | {r['ratio']:.2f}x | {r['encode_GBps']:.0f} | "
-              f"{r['decode_GBps']:.0f} | {r['copy_GBps']:.0f} | {r['encode_GBps'] / r['copy_GBps']:.0%} | "
-              f"{r['decode_GBps'] / r['copy_GBps']:.0%} |")
+        device = r["encode_device_GBps"] / r["copy_device_GBps"], r["decode_device_GBps"] / r["copy_device_GBps"]
+        print(f"| {r['lr']:g} | {r['warps']} | {'x'.join(map(str, r['gather']))} | {r['unchanged']:.1%} | "
+              f"{r['ratio']:.2f}x | {r['encode_GBps']:.0f} | {r['decode_GBps']:.0f} | {r['copy_GBps']:.0f} | "
+              f"{r['encode_GBps'] / r['copy_GBps']:.0%} | {r['decode_GBps'] / r['copy_GBps']:.0%} | "
+              f"{device[0]:.1%}, {device[1]:.1%} | {r['encode_ops_us'].get('_gather_kernel', 0):.1f} | "
+              f"{r['decode_ops_us'].get('_stream_sizes_kernel', 0):.1f} |")
 
 
 if __name__ == "__main__":

@@ -581,6 +581,11 @@ def _tile_blocks(block_size: int) -> int:
     return max(1, min(32, 1024 // (block_size // 8)))
 
 
+def _gather_launch(block_size: int) -> tuple:
+    """(CHUNK, num_warps) of the gather kernel: stream bytes copied per block and pass, and its warps."""
+    return max(32, block_size // 8), 4
+
+
 def _stream_words(block_size: int) -> int:
     """32-bit words of a record's value stream: ceil(17 B / 32) rounded up to whole rows of 8 (zeroed by row)."""
     return -(-block_size * MAX_WIDTH // 256) * 8
@@ -649,12 +654,12 @@ def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: byte
     if not n_blocks:  # an empty shard: the payload is the header
         payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return
-    tile = _tile_blocks(block_size)
+    tile, (chunk, warps) = _tile_blocks(block_size), _gather_launch(block_size)
     _gather_kernel[(triton.cdiv(n_blocks, tile),)](
         e.records.view(torch.uint8), e.codes, e.n_esc, e.exc_widths, e.nbytes, rank_end, stream_end, n_blocks, payload,
         *struct.unpack("<3q", header), n_esc_at, exc_widths_at, bitmaps_at, values_at,
         BLOCK=block_size, HEADER_BYTES=len(header), RECORD_BYTES=4 * e.records.shape[1], TILE=tile,
-        CHUNK=max(32, block_size // 8), num_warps=4)  # TILE * CHUNK = 1024 stream bytes per pass
+        CHUNK=chunk, num_warps=warps)
 
 
 @dataclass
