@@ -582,7 +582,9 @@ def _tile_blocks(block_size: int) -> int:
 
 
 def _gather_launch(block_size: int) -> tuple:
-    """(CHUNK, num_warps) of the gather kernel: stream bytes copied per block and pass, and its warps."""
+    """(CHUNK, num_warps) of the gather kernel: stream bytes copied per block and pass (TILE * CHUNK = 1024 at B <= 256;
+    wider passes mask off more lanes past each stream's end and were slower, results/gpu/README.md session 23), and
+    its warps."""
     return max(32, block_size // 8), 4
 
 
