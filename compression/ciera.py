@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from compression import ans
-from compression.codec import EncodeStart, HostValues, ShardCodec, bytes_to_device, check_block_size
+from compression.codec import CastShard, EncodeStart, HostValues, ShardCodec, bytes_to_device, check_block_size
 from kernels import ciera as kernels
 from kernels.ciera import LAYOUTS, block_hashes, merge_blocks_reference, split_compare_reference
 
@@ -250,6 +250,8 @@ class CieraCodec(ShardCodec):
     def begin_encode(self, shard: torch.Tensor) -> EncodeStart:
         """On the fused path with raw exponents, the payload size and header stay on the device until
         ``finish_encode``; otherwise (the reference, ANS, which codes on the host) the whole encode."""
+        if isinstance(shard, CastShard):
+            shard = shard.cast()
         layout = _layout(shard.dtype)
         n = shard.numel()
         if self._prev is not None and n != self._numel:

@@ -89,6 +89,52 @@ class EncodeStart:
     """Whatever ``finish_encode`` needs."""
 
 
+@dataclass
+class CastShard:
+    """A shard whose new values are still fp32 (the distributed optimizer's master weights): ``source`` rounded to
+    ``target``'s dtype is the new shard, and ``target`` (the shard in the parameter buffer, or a ``SegmentedShard`` of
+    several buckets' with one source per bucket) still holds what every rank received last. A codec writes the
+    rounded values into ``target`` (exactly ``copy_`` of the source) and codes them; delta does both in one pass
+    against ``target``'s old values (no sender copy)."""
+
+    target: Any  # a 1-D tensor, or a SegmentedShard
+    source: Any  # fp32: a tensor of the target's shape, or a tuple of one per part of a SegmentedShard
+
+    def __post_init__(self):
+        for part, source in self._pairs():
+            if source.dtype != torch.float32 or source.shape != part.shape:
+                raise ValueError(f"CastShard needs an fp32 source of its target's shape {tuple(part.shape)}, got "
+                                 f"{source.dtype} {tuple(source.shape)}")
+
+    def _pairs(self) -> list:
+        if isinstance(self.target, SegmentedShard):
+            if len(self.source) != len(self.target.parts):
+                raise ValueError(f"CastShard of {len(self.target.parts)} segments needs as many sources, got "
+                                 f"{len(self.source)}")
+            return list(zip(self.target.parts, self.source))
+        return [(self.target, self.source)]
+
+    @property
+    def dtype(self):
+        return self.target.dtype
+
+    @property
+    def device(self):
+        return self.target.device
+
+    def numel(self) -> int:
+        return self.target.numel()
+
+    def element_size(self) -> int:
+        return self.target.element_size()
+
+    def cast(self):
+        """The rounding alone (what the optimizer's copy would have done): ``target``, now holding the new values."""
+        for part, source in self._pairs():
+            part.copy_(source)
+        return self.target
+
+
 class ShardCodec(ABC):
     """Variable-size, stateful codec of one bucket's parameter shards (one instance per bucket)."""
 
@@ -114,8 +160,8 @@ class ShardCodec(ABC):
         """An encode in two halves, so that a gather can send the payload sizes before the host knows them
         (one host sync for both instead of one each): this half may leave the size on the device, and
         ``finish_encode`` then writes the payload into a buffer of that size. The default is the whole
-        ``encode`` here, the payload kept for ``finish_encode`` to copy."""
-        payload = self.encode(shard)
+        ``encode`` here, the payload kept for ``finish_encode`` to copy (of a ``CastShard``: its cast first)."""
+        payload = self.encode(shard.cast() if isinstance(shard, CastShard) else shard)
         return EncodeStart(payload.numel(), payload[:self.header_nbytes], payload)
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
@@ -192,6 +238,7 @@ class Segments:
         self.numels = tuple(b.numel() // world_size for b in buffers)  # values of each bucket's shard
         self.dtype, self.device = buffers[0].dtype, buffers[0].device
         self._tables = {}
+        self._source_tables = {}
 
     def shard(self, rank: int) -> "SegmentedShard":
         return SegmentedShard(self, rank)
@@ -226,6 +273,20 @@ class Segments:
                           for b, n in zip(self.buffers, self.numels))
             self._tables[block_size] = (base, start, stride, valid, aligned)
         return self._tables[block_size]
+
+
+    def source_table(self, sources, block_size: int) -> tuple:
+        """``(base, start, aligned)`` of fp32 ``sources``, one per bucket holding a rank's values of its shard
+        (``CastShard``): block b's values are at ``base[start[b]:]`` (int64 ``start`` on the device, made once per
+        set of sources); ``aligned``: every block starts on a multiple of 8 values."""
+        key = (block_size,) + tuple(s.data_ptr() for s in sources)
+        if key not in self._source_tables:
+            base = min(sources, key=lambda s: s.data_ptr())
+            offsets = [(s.data_ptr() - base.data_ptr()) // s.element_size() for s in sources]
+            start = torch.cat([offset + torch.arange(0, n, block_size, dtype=torch.int64)
+                               for offset, n in zip(offsets, self.numels)]).to(self.device)
+            self._source_tables = {key: (base, start, all(o % 8 == 0 for o in offsets))}  # one set in use at a time
+        return self._source_tables[key]
 
 
 class SegmentedShard:

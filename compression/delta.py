@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from compression.codec import (EncodeStart, HostValues, Segments, SegmentedShard, ShardCodec, bytes_to_device,
+from compression.codec import (CastShard, EncodeStart, HostValues, Segments, SegmentedShard, ShardCodec, bytes_to_device,
                                check_block_size)
 from kernels import delta as kernels
 from kernels import use_triton
@@ -113,7 +113,7 @@ class DeltaCodec(ShardCodec):
     header_nbytes = HEADER.size
     read_slack_bytes = kernels.WORD_READ_SLACK
 
-    def __init__(self, config: DeltaConfig, world_size: int, rank: int, *, triton=None):
+    def __init__(self, config: DeltaConfig, world_size: int, rank: int, *, triton=None, cast: bool = False):
         self.config = config
         self.world_size = world_size
         self.rank = rank
@@ -126,24 +126,43 @@ class DeltaCodec(ShardCodec):
         self._totals = None  # HostValues of the totals
         self._members = []  # of a fused codec: (member codec, its view of this one's sender copy)
         self._buffer_segments = None  # the last bucket buffer decoded by decode_gathered, as Segments
+        # CastShard encodes code against the parameter buffer itself and keep no sender copy: _casting once one ran
+        # (or from the start with ``cast``: a codec of --delta-fused-cast, whose plain shards are keyframes that keep
+        # no copy either), _synced the (numel, device) of the shard whose values in the buffer every rank holds
+        self._casting = cast
+        self._synced = None
 
     def reset(self) -> None:
         self._prev = None
+        self._synced = None
+
+    def cast_mode(self) -> None:
+        """Code ``CastShard``s from now on, as if constructed with ``cast`` (a keyframe next; call on every rank)."""
+        self.reset()
+        self._casting = True
 
     @classmethod
     def fused(cls, codecs: list, segments: Segments) -> "DeltaCodec":
         """One codec that codes ``segments`` (the buckets of ``codecs``, in order) as one shard: one encode and
         one payload instead of one per bucket. It shares their state: their sender copies move into its own,
         back to back and padded to whole blocks, and become views of it, so each codes against the same values
-        whichever of them (fused or alone) coded last. Every codec must hold a sender copy (``can_fuse``)."""
+        whichever of them (fused or alone) coded last. Every codec must hold a sender copy, or every one code
+        ``CastShard``s against a buffer every rank holds (``can_fuse``): then the buffers are the shared state."""
         first = codecs[0]
         if len(codecs) != len(segments.numels) or not all(c.can_fuse(n) for c, n in zip(codecs, segments.numels)):
-            raise ValueError("DeltaCodec.fused needs one codec per segment, each holding that segment's sender copy")
+            raise ValueError("DeltaCodec.fused needs one codec per segment, each holding that segment's sender copy "
+                             "or the buffer every rank holds")
         if any((c.config, c.world_size, c.rank, c.triton) != (first.config, first.world_size, first.rank, first.triton)
                for c in codecs):
             raise ValueError("DeltaCodec.fused needs codecs of one configuration, group and rank")
         fused = cls(first.config, first.world_size, first.rank, triton=first.triton)
         b = first.config.block_size
+        if all(c._prev is None for c in codecs):  # CastShard codecs: the buffers every rank holds are the state
+            fused._casting, fused._synced = True, (segments.padded_numel(b), str(segments.device))
+            fused._members = [(codec, None) for codec in codecs]
+            return fused
+        if any(c._prev is None for c in codecs):
+            raise ValueError("DeltaCodec.fused needs codecs that all hold sender copies or all code CastShards")
         fused._prev = torch.zeros(segments.padded_numel(b), dtype=torch.int16, device=segments.device)
         fused._members = []
         for codec, n, at in zip(codecs, segments.numels, segments.padded_offsets(b)):
@@ -154,11 +173,17 @@ class DeltaCodec(ShardCodec):
         return fused
 
     def can_fuse(self, numel: int) -> bool:
-        """Whether this codec holds the sender copy of a ``numel``-value shard (no keyframe due)."""
-        return self._prev is not None and self._prev.numel() == numel
+        """Whether this codec holds the sender copy of a ``numel``-value shard, or codes ``CastShard``s of one against
+        the buffer every rank holds (no keyframe due either way)."""
+        if self._prev is not None:
+            return self._prev.numel() == numel
+        return self._casting and self._synced is not None and self._synced[0] == numel
 
     def shares_state(self) -> bool:
-        """For a ``fused`` codec: whether every member still codes against its view (none was reset)."""
+        """For a ``fused`` codec: whether every member still codes against its view, or for ``CastShard`` codecs
+        against the buffer (none was reset)."""
+        if self._prev is None:
+            return self._synced is not None and all(codec._synced is not None for codec, _ in self._members)
         return all(codec._prev is view for codec, view in self._members)
 
     def observe(self, shard: torch.Tensor) -> None:
@@ -167,6 +192,8 @@ class DeltaCodec(ShardCodec):
         bits = _as_bits(shard, "shard")
         if self._prev is not None and self._prev.numel() == bits.numel() and self._prev.device == bits.device:
             self._prev.copy_(bits)
+        if self._casting:
+            self._synced = (bits.numel(), str(bits.device))
 
     # --- encode --------------------------------------------------------------------------------
 
@@ -182,6 +209,8 @@ class DeltaCodec(ShardCodec):
         """On the Triton path every block is coded and the payload size (and n_changed in the header)
         left on the device; otherwise (keyframe, the reference, an empty shard) the whole encode. ``shard``: a
         tensor, or a ``SegmentedShard`` coded as its padded values (``Segments``)."""
+        if isinstance(shard, CastShard) or self._casting:
+            return self._begin_cast_encode(shard)
         b = self.config.block_size
         segmented = isinstance(shard, SegmentedShard)
         _check_dtype(shard.dtype, "shard")
@@ -199,6 +228,50 @@ class DeltaCodec(ShardCodec):
         else:
             e = kernels.encode_blocks(self._prev, _as_bits(shard, "shard"), b, out=self._blocks)
         return self._start_coded(e, fp16_flag, numel, shard.device)
+
+    def _begin_cast_encode(self, shard) -> EncodeStart:
+        """``begin_encode`` of a ``CastShard``: the values in the parameter buffer are the previous ones every rank
+        holds (after a keyframe or an observed plain gather), so the Triton path rounds the fp32 source into the
+        buffer and codes it against the values it replaces in one kernel; no sender copy is kept. Segmented: the
+        buckets' padded values, as ``begin_encode``. A plain shard (no cast pending: its values are in the buffer
+        already, the old ones gone) is a keyframe."""
+        cast = isinstance(shard, CastShard)
+        b, target = self.config.block_size, shard.target if cast else shard
+        segmented = isinstance(target, SegmentedShard)
+        _check_dtype(target.dtype, "shard")
+        fp16_flag = FLAG_FP16 if target.dtype == torch.float16 else 0
+        numel = target.segments.padded_numel(b) if segmented else target.numel()
+        key = (numel, str(target.device))
+        self._prev, self._casting = None, True  # the buffer is the state from now on
+        for (member, _), n in zip(self._members, target.segments.numels if segmented else ()):
+            # so are the members' buffers, which every rank holds after this gather
+            member._prev, member._casting, member._synced = None, True, (n, str(target.device))
+
+        def bits():
+            return _as_bits(target.padded(b) if segmented else target, "shard")
+
+        if not cast or self._synced != key or not numel:
+            if cast:
+                shard.cast()
+            self._synced = key
+            payload = self._keyframe(bits(), fp16_flag)
+        elif not use_triton(target, self.triton):
+            self._prev = bits().clone()  # the reference codes against a copy of the old values
+            shard.cast()
+            payload = self._encode_delta(bits(), fp16_flag)
+            self._prev = None
+        else:
+            self._blocks = kernels.empty_blocks(numel, b, target.device, reuse=self._blocks)
+            if segmented:
+                table = target.segments.block_table(b)
+                sources = target.segments.source_table(shard.source, b)
+                e = kernels.encode_blocks(_as_bits(table[0], "shard"), sources[0], b, out=self._blocks, table=table,
+                                          rank=target.rank, cast_to=target.dtype, source_table=sources)
+            else:
+                e = kernels.encode_blocks(_as_bits(target, "shard"), shard.source, b, out=self._blocks,
+                                          cast_to=target.dtype)
+            return self._start_coded(e, fp16_flag, numel, target.device)
+        return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
 
     def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device) -> EncodeStart:
         """``begin_encode`` after the encode kernel: the payload's size and header on the device."""
@@ -239,11 +312,14 @@ class DeltaCodec(ShardCodec):
     def _encode_whole(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
         if self._keyframe_due(bits.numel(), bits.device):
             self._prev = bits.clone()
-            payload = self._header(FLAG_KEYFRAME | fp16_flag, bits.numel(), 0, bits.device)
-            payload = torch.cat([payload, bits.view(torch.uint8)])
-            self._record(payload, bits.numel(), -(-bits.numel() // self.config.block_size), bits.numel(), True)
-            return payload
+            return self._keyframe(bits, fp16_flag)
         return self._encode_delta(bits, fp16_flag)
+
+    def _keyframe(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
+        payload = self._header(FLAG_KEYFRAME | fp16_flag, bits.numel(), 0, bits.device)
+        payload = torch.cat([payload, bits.view(torch.uint8)])
+        self._record(payload, bits.numel(), -(-bits.numel() // self.config.block_size), bits.numel(), True)
+        return payload
 
     def _encode_delta(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
         """The PyTorch reference (also for empty shards on CUDA)."""

@@ -247,19 +247,31 @@ class DeltaCostMeter:
 
         self.sender, self.receiver = DeltaCodec(config, 2, 0), DeltaCodec(config, 2, 1)
         self.previous = None  # the receiver's copy of the shard at the last gather
+        self.sender_buffer = None  # with fp32 masters (--delta-fused-cast): the sender's values, cast into
         self.samples = []  # (payload bytes, encode seconds, decode seconds) per gather
         self._host_seconds = 0.05  # the host's time for one half, to size the sleep ahead of it
 
-    def update(self, shard: torch.Tensor) -> None:
-        if self.previous is None:
-            self.sender.encode(shard)  # a keyframe: the sender now holds the shard
+    def update(self, shard: torch.Tensor, master: torch.Tensor = None) -> None:
+        """``shard``: the new values. ``master`` (--delta-fused-cast): the fp32 values they are rounded from, and the
+        encode timed is the fused one, rounding them into the meter's copy of the previous values (no sender copy)."""
+        from compression.codec import CastShard
+
+        if master is not None and self.sender_buffer is None:  # a codec of CastShards, with its own buffer
+            self.sender, self.previous = type(self.sender)(self.sender.config, 2, 0, cast=True), None
+        if self.previous is None:  # a keyframe: the sender now holds the shard
             self.previous = shard.clone()
+            if master is None:
+                self.sender.encode(shard)
+            else:
+                self.sender_buffer = shard.clone()
+                self.sender.encode(CastShard(self.sender_buffer, master))
             return
+        new = shard if master is None else CastShard(self.sender_buffer, master)
         start = None
 
         def begin():
             nonlocal start
-            start = self.sender.begin_encode(shard)
+            start = self.sender.begin_encode(new)
 
         encode_s = self._seconds(begin, shard.device)
         slack = self.receiver.read_slack_bytes  # room after the payload, as a gather's receive buffer has

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from compression.codec import EncodeStart, Segments, ShardCodec, shard_of
+from compression.codec import CastShard, EncodeStart, Segments, ShardCodec, shard_of
 from compression.telemetry import TELEMETRY
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class ShardGather:
         self._message_nbytes = SIZE_BYTES + _round_up(codec.header_nbytes, SIZE_BYTES)
         self._stat_names = tuple(getattr(codec, "stat_names", ()))
         self._message = None  # the size exchange's send buffer (of prepare_gathers calls led by this gather)
+        self.cast_from = None  # fp32 values of the next encode, rounded into the own slice by the codec (CastShard)
         for name in self._stat_names:
             TELEMETRY.declare_counter(f"{comm_class}/{name}")
 
@@ -84,6 +85,12 @@ class ShardGather:
     def observe(self, buffer: torch.Tensor) -> None:
         """This rank's slice of ``buffer`` went out uncompressed: code the next gather against it."""
         self.codec.observe(self._own_slice(buffer, self.rank))
+
+    def _encode_input(self, buffer):
+        """What the next encode codes: the own slice of ``buffer``, or a ``CastShard`` of it with ``cast_from``."""
+        shard, source = self._own_slice(buffer, self.rank), self.cast_from
+        self.cast_from = None
+        return shard if source is None else CastShard(shard, source)
 
     def _write_message(self, start, message: torch.Tensor) -> None:
         """This rank's size message for one encode: its payload size, then its header."""
@@ -208,13 +215,18 @@ class GatherFusions:
         sets = {}
         for i, (g, buffer) in enumerate(zip(gathers, buffers)):
             if g not in alone and g.codec.can_fuse(buffer.numel() // g.world_size):
-                key = (buffer.untyped_storage().data_ptr(), buffer.dtype, buffer.device, g.comm_class)
+                key = (buffer.untyped_storage().data_ptr(), buffer.dtype, buffer.device, g.comm_class,
+                       g.cast_from is not None)
                 sets.setdefault(key, []).append(i)
         fused_indices = {i for members in sets.values() if len(members) > 1 for i in members}
         units = [(g, b, [i]) for i, (g, b) in enumerate(zip(gathers, buffers)) if i not in fused_indices]
         for members in sets.values():
             if len(members) > 1:
                 gather, segments = self._get([gathers[i] for i in members], [buffers[i] for i in members])
+                if gathers[members[0]].cast_from is not None:  # CastShard members: one source per segment
+                    gather.cast_from = tuple(gathers[i].cast_from for i in members)
+                    for i in members:
+                        gathers[i].cast_from = None
                 units.append((gather, segments, members))
         return units
 
@@ -266,7 +278,7 @@ def prepare_gathers(gathers: list, buffers: list, fusions: GatherFusions = None,
 def _exchange(gathers: list, buffers: list) -> list:
     """``prepare_gathers`` of units: begin each encode, one all-gather of every size message, one sync."""
     lead = gathers[0]
-    starts = [g.codec.begin_encode(g._own_slice(b, g.rank)) for g, b in zip(gathers, buffers)]
+    starts = [g.codec.begin_encode(g._encode_input(b)) for g, b in zip(gathers, buffers)]
     device = buffers[0].device
     offsets = [0]
     for g in gathers:

@@ -310,7 +310,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["shard_rank"])
     def _encode_kernel(prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr, changed_ptr,
                        counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, BLOCK: tl.constexpr,
-                       RECORD_WORDS: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr):
+                       RECORD_WORDS: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr,
+                       CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr):
         # the block as rows of 8 values, a row per thread (16-byte loads; ranks, bitmap bytes and the
         # packing of a row stay in its thread, only per-row totals cross threads). ``prev`` is contiguous
         # (segments: padded to whole blocks), the new values plain or segmented (_block_values).
@@ -321,7 +322,19 @@ if triton is not None:
         i = r[:, None] * 8 + j
         at, inside = _block_values(b, i, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, BLOCK, SEGMENTED, ALIGNED)
         idx = b * BLOCK + i
-        new16 = tl.load(new_ptr + at, mask=inside, other=0)
+        if SOURCE_TABLE:  # segments of fp32 sources (their own table), coded against the buffer they are cast into
+            src = tl.load(src_start_ptr + b)
+            if ALIGNED:
+                src = tl.multiple_of(src, 8)
+            new16 = tl.load(new_ptr + src + i, mask=inside, other=0)
+            idx = at
+        else:
+            new16 = tl.load(new_ptr + at, mask=inside, other=0)
+        if CAST:  # fp32 master weights, rounded to nearest even as torch's copy_ does
+            if FP16:
+                new16 = new16.to(tl.float16).to(tl.int16, bitcast=True)
+            else:
+                new16 = new16.to(tl.bfloat16).to(tl.int16, bitcast=True)
         old = tl.load(prev_ptr + idx, mask=inside, other=0)
         d = _ordered(new16.to(tl.int32)) - _ordered(old.to(tl.int32))
         z = (d << 1) ^ (d >> 31)
@@ -632,18 +645,29 @@ def _table_args(data: torch.Tensor, table) -> tuple:
 
 
 def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: EncodedBlocks = None,
-                  table=None, rank: int = 0) -> EncodedBlocks:
+                  table=None, rank: int = 0, cast_to: torch.dtype = None, source_table=None) -> EncodedBlocks:
     """Triton: code every block of ``new`` (int16) against ``prev``, which is overwritten with ``new``; into
     ``out`` (from ``empty_blocks`` for this shape) if given. Segmented (``table``: ``Segments.block_table``):
-    ``new`` is the table's base (int16) and rank ``rank``'s slices are coded, ``prev`` holds them padded."""
+    ``new`` is the table's base (int16) and rank ``rank``'s slices are coded, ``prev`` holds them padded.
+    ``cast_to`` (bf16 or fp16): ``new`` is fp32 and rounded to that dtype in the kernel, so that ``prev`` (e.g. the
+    parameter buffer's shard) ends holding exactly what ``prev.copy_(new)`` of that dtype would write. With ``table``,
+    ``cast_to`` and ``source_table`` (``Segments.source_table`` of the segments' fp32 sources): ``new`` is the sources'
+    base, ``prev`` the table's base (int16: the buffers, coded against and cast into)."""
     e = out if out is not None else empty_blocks(prev.numel(), block_size, prev.device)
     n_blocks, record_words = e.records.shape
-    pointers, flags = _table_args(new, table)
+    pointers, flags = _table_args(prev if source_table is not None else new, table)
+    src_start = new
+    if source_table is not None:
+        if table is None or cast_to is None:
+            raise ValueError("encode_blocks: a source_table needs a block table and cast_to")
+        src_start, flags["ALIGNED"] = source_table[1], flags["ALIGNED"] and source_table[2]
     if n_blocks:
         _encode_kernel[(n_blocks,)](prev, new, prev.numel(), *pointers, rank, e.codes, e.changed, e.counts, e.n_esc,
                                     e.exc_widths, e.nbytes, e.records,
                                     BLOCK=block_size, RECORD_WORDS=record_words, num_warps=_num_warps(block_size),
-                                    maxnreg=_max_registers("encode", block_size), **flags)
+                                    maxnreg=_max_registers("encode", block_size), CAST=cast_to is not None,
+                                    FP16=cast_to == torch.float16, src_start_ptr=src_start,
+                                    SOURCE_TABLE=source_table is not None, **flags)
     return e
 
 

@@ -277,6 +277,13 @@ def test_taco_requires_local_transformer_impl(monkeypatch):
     assert make("--tp-comm-compression taco").tp_comm_compression == "taco"
 
 
+def test_delta_fused_cast_needs_delta():
+    with pytest.raises(ValueError, match="--delta-fused-cast .* add --param-gather-compression delta"):
+        make("--use-distributed-optimizer --param-gather-compression ciera --delta-fused-cast")
+    assert not make("--use-distributed-optimizer --param-gather-compression delta").delta_fused_cast
+    assert make("--use-distributed-optimizer --param-gather-compression delta --delta-fused-cast").delta_fused_cast
+
+
 def test_missing_data_and_required_flags():
     with pytest.raises(ValueError, match="--data-path PREFIX, --mock-data or --builtin-corpus python-stdlib"):
         make(base=BASE.replace("--mock-data", ""))

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from compression.codec import Segments, shard_of
+from compression.codec import CastShard, Segments, shard_of
 from compression.delta import DeltaCodec, DeltaConfig, _Layout
 from kernels import delta as kernels
 
@@ -440,12 +440,107 @@ def _check_width_choice(device="cpu", block_size=64, n_blocks=150):
     assert len(codes & set(range(2, kernels.NARROW_WIDTHS + 2))) >= 5 and kernels.MAX_WIDTH + 1 in codes
 
 
+def _exact_master(bits: torch.Tensor, dtype, device) -> torch.Tensor:
+    """fp32 masters that round to ``bits`` under any rounding mode (no NaNs, no subnormals: see _check_cast_shards)."""
+    master = as_float(bits, dtype).float()
+    master = torch.where(master.isnan(), 1.0, master)
+    return torch.where(master.abs() < torch.finfo(dtype).tiny, 0.0, master).to(device)
+
+
+def _check_cast_shards(device="cpu", triton=False, exact=True, block_size=64, n=1000):
+    """A codec fed ``CastShard``s (fp32 masters rounded into the buffer by the encode: ``--delta-fused-cast``) sends
+    exactly the bytes of a codec fed the buffer after ``copy_`` of the masters, leaves the buffer holding exactly what
+    ``copy_`` writes, keeps no sender copy, and its payloads decode bit-exactly; through a reset (keyframe) and an
+    observed plain gather (no keyframe after it). ``exact``: masters that are normal 16-bit values already and no NaNs
+    (the Triton interpreter rounds by truncation, flushes subnormals and converts NaNs its own way); else also fp32
+    values between them."""
+    g = torch.Generator().manual_seed(block_size + n)
+    for dtype in (torch.bfloat16, torch.float16):
+        cast = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=triton)
+        plain = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=triton)
+        target = torch.zeros(n, dtype=dtype, device=device)
+        stock, received = target.clone(), target.clone()
+        for step, bits in enumerate(trajectory(n, seed=n) * 2):
+            if exact:
+                master = _exact_master(bits, dtype, device)
+            else:
+                master = (as_float(bits, dtype).float() * (1 + 2.0 ** -12 * torch.rand(n, generator=g))).to(device)
+            if step == 9:
+                cast.reset(), plain.reset()
+            stock.copy_(master)
+            if step == 11:  # a plain gather: the buffer is cast and goes out as is
+                target.copy_(master), cast.observe(target), plain.observe(stock)
+                received.copy_(stock)
+                continue
+            payload = plain.encode(stock)
+            cast_payload = cast.encode(CastShard(target, master))
+            assert torch.equal(payload, cast_payload), (dtype, step, _first_difference(payload.cpu(), cast_payload.cpu()))
+            assert cast.last_stats["keyframe"] == (step in (0, 9)) and cast._prev is None, (dtype, step)
+            assert torch.equal(target.view(torch.int16), stock.view(torch.int16)), (dtype, step)
+            cast.decode(0, cast_payload, received)
+            assert torch.equal(received.view(torch.int16), stock.view(torch.int16)), (dtype, step)
+
+
+def _check_cast_segments(device="cpu", triton=False, world=3, rank=1):
+    """A fused codec over several buckets' ``CastShard``s (``--delta-fused-cast`` with the buckets coded as one) sends
+    exactly the bytes of a reference codec fed the padded concatenation after ``copy_``, leaves the buffers holding what
+    ``copy_`` writes, and decodes bit-exactly; a member coding alone in between, and a member reset ending the set."""
+    for dtype, block_size, sizes, lead in ((torch.bfloat16, 64, (37, 128, 1001), 3),
+                                           (torch.float16, 256, (64, 264, 1024), 8)):
+        storage = torch.zeros(lead + world * sum(sizes), dtype=dtype, device=device)
+        buffers, at = [], lead
+        for n in sizes:
+            buffers.append(storage[at:at + world * n])
+            at += world * n
+        received = storage.clone()
+        received_buffers = [received[b.data_ptr() // 2 - storage.data_ptr() // 2:][:b.numel()] for b in buffers]
+        segments, received_segments = Segments(buffers, world), Segments(received_buffers, world)
+        masters = [[_exact_master(bits, dtype, device) for bits in trajectory(n, seed=n)] for n in sizes]
+        sources = [torch.empty(n, dtype=torch.float32, device=device) for n in sizes]  # persistent, as the hook's
+        members = [DeltaCodec(DeltaConfig(block_size), world, rank, triton=triton) for _ in sizes]
+        whole = DeltaCodec(DeltaConfig(block_size), world, rank, triton=False)
+        decoder = DeltaCodec(DeltaConfig(block_size), world, 0, triton=triton)
+        own = [slice(rank * n, (rank + 1) * n) for n in sizes]
+        for j, member in enumerate(members):  # keyframes
+            sources[j].copy_(masters[j][0])
+            decoder.decode(rank, member.encode(CastShard(buffers[j][own[j]], sources[j])), received_buffers[j][own[j]])
+        whole.encode(segments.shard(rank).padded(block_size).cpu())
+        fused = DeltaCodec.fused(members, segments)
+        assert fused._prev is None and all(m.can_fuse(n) for m, n in zip(members, sizes))
+        for k in range(1, len(masters[0][0:])):
+            for j in range(len(sizes)):
+                sources[j].copy_(masters[j][k])
+            if k == 3:  # one bucket alone in between
+                decoder.decode(rank, members[1].encode(CastShard(buffers[1][own[1]], sources[1])),
+                               received_buffers[1][own[1]])
+                assert fused.shares_state()
+                whole._prev[-(-sizes[0] // block_size) * block_size:][:sizes[1]].copy_(
+                    buffers[1][own[1]].view(torch.int16).cpu())
+                continue
+            payload = fused.encode(CastShard(segments.shard(rank), tuple(sources)))
+            for j in range(len(sizes)):
+                assert torch.equal(buffers[j][own[j]].view(torch.int16), masters[j][k].to(dtype).view(torch.int16))
+            expected = whole.encode(segments.shard(rank).padded(block_size).cpu())
+            assert torch.equal(payload.cpu(), expected), (block_size, k, _first_difference(expected, payload.cpu()))
+            assert fused._prev is None and all(m._prev is None for m in members)
+            decoder.decode(rank, payload, received_segments.shard(rank))
+            assert torch.equal(received.view(torch.int16), storage.view(torch.int16)), (block_size, k)
+        members[0].reset()
+        assert not fused.shares_state() and not members[0].can_fuse(sizes[0])
+
+
+def test_cast_shards_reference():
+    _check_cast_shards(exact=False)
+    _check_cast_segments()
+
+
 def test_triton_matches_reference_interpreted():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     code = ("import test_delta; test_delta._check_triton_matches_reference(); "
             "test_delta._check_tiled_kernels_match_reference(); test_delta._check_width_choice(); "
-            "test_delta._check_segments(triton=True); test_delta._check_decode_gathered(triton=True)")
+            "test_delta._check_segments(triton=True); test_delta._check_decode_gathered(triton=True); "
+            "test_delta._check_cast_shards(triton=True); test_delta._check_cast_segments(triton=True)")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -465,12 +560,12 @@ def test_cuda_diagnostic_matches_reference_emulated():
     assert "checked 24 pairs byte for byte" in result.stdout
 
 
-def test_fused_cast_diagnostic_matches_production_interpreted():
-    """benchmarks/diag_delta_fused_cast.py (a GPU experiment: the encode kernel reading fp32 master weights and writing
-    their bf16 rounding into the parameter buffer): its payloads and buffers equal the production codec's."""
+def test_fused_cast_bench_matches_production_interpreted():
+    """benchmarks/bench_delta_fused_cast.py's check (the codec's CastShard encode, ``--delta-fused-cast``, against the
+    encode with a sender copy) on the AdamW steps it times: payloads and buffers equal."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    script = os.path.join(ROOT, "benchmarks", "diag_delta_fused_cast.py")
+    script = os.path.join(ROOT, "benchmarks", "bench_delta_fused_cast.py")
     result = subprocess.run([sys.executable, script, "--check-only"], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -484,6 +579,9 @@ def test_triton_matches_reference_cuda():
     _check_width_choice("cuda")
     _check_segments("cuda", triton=True)
     _check_decode_gathered("cuda", triton=True)
+    _check_cast_shards("cuda", triton=True, exact=False)
+    _check_cast_shards("cuda", triton=True, exact=False, block_size=256, n=300_007)
+    _check_cast_segments("cuda", triton=True)
     g = torch.Generator().manual_seed(0)
     for block_size in (64, 256, 1024):  # many blocks: every program of the grid, partial last block
         ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)

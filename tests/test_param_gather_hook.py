@@ -46,6 +46,7 @@ METHODS = {  # run name -> compression flags
     # chosen (by _alternating_choice) after 2 measured gathers, measured again from step RESELECT_AT, chosen again
     "delta-reselect": dict(param_gather_compression="delta", param_gather_selection="benefit"),
 }
+CAST = "-cast"  # a run name with this after the method: --delta-fused-cast on top (megatron/hooks/fused_cast.py)
 RESELECT_AT = 5
 CAPPED_SHARD_BYTES = 16_000  # about three of the test model's bucket shards
 TRIAL_SWITCHES = {3: (False, False), 4: (True, False), 5: (False, False), 7: (True, False), 9: (False, True)}
@@ -57,8 +58,13 @@ def _args(method, verify_interval=0, **overrides):
         ciera_exponent_coder="raw", param_gather_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
         grad_reduce_compression="none", param_gather_trial_iters=0, param_gather_reselect_interval=0,
     )
-    vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), **overrides)
+    method, cast = _base(method), method.endswith(CAST)
+    vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), delta_fused_cast=cast, **overrides)
     return args
+
+
+def _base(method: str) -> str:
+    return method.removesuffix(CAST)
 
 
 def _build(overlap, bf16=True, distributed_optimizer=True):
@@ -145,6 +151,11 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     ddp, optimizer = _build(overlap)
     if method != "none":
         apply_dp_compression([ddp], _args(method, verify_interval))
+    if method.endswith(CAST):
+        from megatron.hooks.fused_cast import apply_delta_fused_cast
+
+        assert apply_delta_fused_cast([ddp], optimizer) == sum(len(g.buckets) for g in _compressed_groups(ddp))
+    method, cast = _base(method), method.endswith(CAST)
     exchanges = []  # gathers per size exchange
     prepare_gathers = param_gather.prepare_gathers
 
@@ -176,12 +187,16 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
         loss_bits.append(losses[0]["loss"].view(torch.int32).item())
         optimizer.step()
         if step == rewrite_at:
+            if cast and overlap:  # the step's new values are still fp32 only until a gather casts them: gather first,
+                ddp.start_param_sync(force_sync=True)  # as anything that reads or writes params there must
             with torch.no_grad():
                 for param in ddp.module.parameters():
                     param.mul_(0.5)
             optimizer.reload_model_params()
             if reset:
                 reset_param_gather_state([ddp])
+    raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
+    steps_sent_ratio = sent / max(raw, 1)  # a forced gather with no step before it is a keyframe with fused casts
     ddp.start_param_sync(force_sync=True)  # with overlap the last gather is still pending
     param_gather.prepare_gathers = prepare_gathers
     param_gather.PREPARE_SHARD_BYTES = cap
@@ -190,6 +205,7 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
     return dict(
         loss_bits=loss_bits, param_hash=_buffers_hash(ddp), sent_ratio=sent / max(raw, 1),
+        steps_sent_ratio=steps_sent_ratio,
         exchanges=exchanges, **_hook_counts(ddp),
     )
 
@@ -284,6 +300,8 @@ def _dense_world():
     runs += [("delta-capped", False, None), ("delta-capped", True, None)]
     runs += [("delta-trial", True, None), ("delta-trial", False, None), ("ciera-trial", True, None)]
     runs += [("delta-reselect", True, None)]
+    runs += [("delta-cast", False, None), ("delta-cast", True, 5), ("delta-trial-cast", True, None),
+             ("delta-reselect-cast", True, None)]
     _check_trial_wiring()
     return _compare_runs(runs)
 
@@ -350,8 +368,11 @@ def _assert_identical(results_by_rank):
     decisions = {run: result["num_compressed"] for run, result in results_by_rank[0].items()}
     for results in results_by_rank:
         assert {run: result["num_compressed"] for run, result in results.items()} == decisions  # ranks agree
-        for run, result in results.items():
-            assert result["same_losses"] and result["same_params"], (run, result)
+        for (name, *setting), result in results.items():
+            run = (_base(name), *setting)  # a --delta-fused-cast run behaves as its method's
+            assert result["same_losses"] and result["same_params"], (name, run, result)
+            if name != run[0] and run in results:  # and sends the same bytes in the steps (no extra keyframes)
+                assert result["steps_sent_ratio"] == results[run]["steps_sent_ratio"], (name, result, results[run])
             # Every bucket group gathers once per step (+1 before the first forward with overlap).
             assert result["num_groups"] > 1, (run, result)
             assert result["num_gathers"] >= result["num_groups"] * STEPS, (run, result)
@@ -436,6 +457,46 @@ def test_driver_dp2_lossless_and_resume(tmp_path):
                                 f"{GPT} {SMALL_BUCKETS} {COMPRESSED} delta --load {checkpoints}")
     assert [r["iteration"] for r in delta_all] == list(range(26, 51))
     _assert_same_iterations(reference, delta_all)
+
+
+@pytest.mark.slow
+def test_driver_dp2_delta_fused_cast(tmp_path):
+    """--delta-fused-cast (the optimizer's fp32 -> bf16 copy of delta buckets done by the delta encode) against the
+    uncompressed run: every bit of the parameters after each step without --overlap-param-gather (checksums); with it
+    (where the own shard, like every other shard, keeps the previous values until the next forward's gather) every
+    loss, resumed from a checkpoint with the benefit selection, its trial and a re-selection, and resumed on every
+    bucket from the checkpoint a fused-cast run saved."""
+    checkpoints = tmp_path / "checkpoints"
+    sync = GPT.replace("--train-iters 50", "--train-iters 30").replace("--overlap-param-gather", "")
+    reference = launch_training(tmp_path, "none", "pretrain_gpt.py", 2,
+                                f"{sync} {SMALL_BUCKETS} --save {checkpoints} --save-interval 15")
+    cast_checkpoints = tmp_path / "cast_checkpoints"
+    cast = launch_training(tmp_path, "cast", "pretrain_gpt.py", 2, f"{sync} {SMALL_BUCKETS} {COMPRESSED} delta "
+                           f"--delta-fused-cast --save {cast_checkpoints} --save-interval 15")
+    assert [r["iteration"] for r in cast] == list(range(1, 31))
+    _assert_same_iterations(reference, cast)
+    assert cast[-1]["comm"]["dp_param_gather"]["sent_bytes"] < cast[-1]["comm"]["dp_param_gather"]["raw_bytes"] / 2
+    for directory in checkpoints.glob("iter_*"):  # resume from iteration 15
+        if int(directory.name.removeprefix("iter_")) > 15:
+            shutil.rmtree(directory)
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("15")
+    overlap = GPT.replace("--train-iters 50", "--train-iters 30").replace("--params-checksum-interval 1", "")
+    benefit = ("--param-gather-verify-interval 2 --param-gather-compression delta --param-gather-selection benefit "
+               "--param-gather-trial-iters 2 --param-gather-reselect-interval 13 --delta-fused-cast")
+    resumed = launch_training(tmp_path, "cast-benefit", "pretrain_gpt.py", 2,
+                              f"{overlap} {SMALL_BUCKETS} {benefit} --load {checkpoints}")
+    assert [r["iteration"] for r in resumed] == list(range(16, 31))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference[15:]]
+    # every bucket compressed, from the checkpoint the fused-cast run saved: keyframes after the load, then the fused
+    # encodes overlapped with the forward
+    for directory in cast_checkpoints.glob("iter_*"):
+        if int(directory.name.removeprefix("iter_")) > 15:
+            shutil.rmtree(directory)
+    (cast_checkpoints / "latest_checkpointed_iteration.txt").write_text("15")
+    resumed = launch_training(tmp_path, "cast-all", "pretrain_gpt.py", 2,
+                              f"{overlap} {SMALL_BUCKETS} {COMPRESSED} delta --delta-fused-cast --load {cast_checkpoints}")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference[15:]]
+    assert resumed[-1]["comm"]["dp_param_gather"]["sent_bytes"] < resumed[-1]["comm"]["dp_param_gather"]["raw_bytes"] / 2
 
 
 @pytest.fixture(scope="module")

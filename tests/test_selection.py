@@ -115,3 +115,18 @@ def test_delta_cost_meter_measures_the_real_payload():
     assert 0 < payload < 2 * 10_000 / 2  # a small relative step: well under half of the bf16 bytes
     # the decodes kept the meter's copy equal, bit for bit, to the last shard it was given
     assert torch.equal(meter.previous.view(torch.int16), last_shard.view(torch.int16))
+
+
+def test_delta_cost_meter_times_the_fused_cast_encode():
+    """Given the fp32 masters (--delta-fused-cast), the meter times the fused encode: the same payloads as from the
+    rounded values, its own buffer holding them, no sender copy."""
+    plain, cast = DeltaCostMeter(DeltaConfig(block_size=256)), DeltaCostMeter(DeltaConfig(block_size=256))
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(10_000, generator=g) * 0.02
+    for _ in range(4):
+        plain.update(weights.to(torch.bfloat16))
+        cast.update(weights.to(torch.bfloat16), weights.clone())
+        weights = weights - 1e-4 * torch.randn(10_000, generator=g).sign() * weights.abs()
+    assert [p[0] for p in cast.samples] == [p[0] for p in plain.samples] and len(cast.samples) == 3
+    assert cast.sender._prev is None and torch.equal(cast.sender_buffer.view(torch.int16),
+                                                     cast.previous.view(torch.int16))

@@ -44,6 +44,9 @@ Invariants:
   then on: where compression would make the gather slower, the bucket keeps megatron-core's plain
   all-gather. ``--param-gather-reselect-interval N``: every N iterations the buckets are measured again
   (each keeping its gather meanwhile) and chosen again. ``all`` compresses every bucket from the start.
+- ``--delta-fused-cast`` (megatron/hooks/fused_cast.py): the optimizer leaves the fp32 -> 16-bit copy of delta
+  buckets ``cast_pending``; ``_param_gathers`` hands it to the bucket's delta encode (``ShardGather.cast_from``), or
+  does it first where the bucket is not compressed this time.
 - ``--param-gather-trial-iters`` (with ``benefit``): the per-bucket model can promise a gain that the
   iteration never sees (the gather overlaps compute, or costs less inside the step than alone), so
   after each choice the training loop (``SelectionSchedule``) alternates plain and compressed gathers
@@ -159,7 +162,10 @@ class _BenefitSelection:
     def before_gather(self, bucket_group) -> None:
         if self.measured[bucket_group] < SELECTION_WARMUP_GATHERS:
             for meter, bucket in zip(self.meters[bucket_group], bucket_group.buckets):
-                meter.update(_own_shard(bucket_group, bucket))
+                if self.method == "delta" and bucket_group.fused_cast:  # the encode the gathers will run
+                    meter.update(_new_shard(bucket_group, bucket), bucket.cast_masters.current())
+                else:
+                    meter.update(_new_shard(bucket_group, bucket))
             self.measured[bucket_group] += 1
         else:
             self._select()
@@ -229,6 +235,13 @@ class _BenefitSelection:
         ]
 
 
+def _cast(buckets: list) -> None:
+    """``--delta-fused-cast``: the optimizer's pending fp32 -> 16-bit copy of these buckets' shards, done now."""
+    for bucket in buckets:
+        bucket.cast_masters.shard.copy_(bucket.cast_masters.current())
+        bucket.cast_pending = False
+
+
 def _agreed(chosen: set, candidates: list, group, device) -> set:
     """The candidates chosen on every rank of ``group`` (normally all ranks already agree)."""
     flags = torch.tensor([c.key in chosen for c in candidates], dtype=torch.int32, device=device)
@@ -243,6 +256,14 @@ def _device(bucket_group) -> torch.device:
 def _own_shard(bucket_group, bucket) -> torch.Tensor:
     size = bucket_group.intra_distributed_optimizer_instance_size
     return bucket.param_data.view(size, -1)[bucket_group.intra_distributed_optimizer_instance_rank]
+
+
+def _new_shard(bucket_group, bucket) -> torch.Tensor:
+    """The values this rank's shard of ``bucket`` gathers next: with ``--delta-fused-cast``'s copy pending, a rounded
+    copy of the fp32 masters (the buffer keeps the old values for the delta encode), else the shard itself."""
+    if getattr(bucket, "cast_pending", False):
+        return bucket.cast_masters.current().to(bucket.param_data.dtype)
+    return _own_shard(bucket_group, bucket)
 
 
 class CompressedBucketGroup(_ParamAndGradBucketGroup):
@@ -277,11 +298,19 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
 
     def _param_gathers(self) -> list:
         """This gather's object per bucket (the selection measures first; a trial's plain iteration keeps
-        every codec's sender in step)."""
+        every codec's sender in step). ``--delta-fused-cast``: a bucket whose optimizer copy is pending has it done
+        by its delta encode if compressed now, else here first."""
+        pending = [bucket for bucket in self.buckets if getattr(bucket, "cast_pending", False)]
         if self.selection is not None:
             self.selection.before_gather(self)
         if not self.plain:
+            for gather, bucket in zip(self.shard_gathers, self.buckets):
+                if bucket in pending and isinstance(gather, ShardGather) and isinstance(gather.codec, DeltaCodec):
+                    gather.cast_from = bucket.cast_masters.current()
+                    bucket.cast_pending = False
+            _cast([bucket for bucket in pending if bucket.cast_pending])
             return self.shard_gathers
+        _cast(pending)
         for gather, bucket in zip(self.shard_gathers, self.buckets):
             gather.observe(bucket.param_data)
         return [_PlainGather(self.intra_distributed_optimizer_instance_group, self.comm_class)] * len(self.buckets)
@@ -363,7 +392,7 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         if compress != plain:
             return False
         self.prepared.fusions.drop(self.shard_gathers[index])
-        self.shard_gathers[index] = (build_gather(self.args, group, self.comm_class) if compress
+        self.shard_gathers[index] = (build_gather(self.args, group, self.comm_class, self.fused_cast) if compress
                                      else _PlainGather(group, self.comm_class))
         return True
 
@@ -500,9 +529,9 @@ def _check_args(args) -> None:
             )
 
 
-def build_gather(args, group, comm_class: str):
+def build_gather(args, group, comm_class: str, cast: bool = False):
     """The compressed gather of one bucket over ``group``, from ``--param-gather-compression`` and its
-    options; its bytes are counted as ``comm_class``."""
+    options; its bytes are counted as ``comm_class``. ``cast``: a delta codec of ``--delta-fused-cast``."""
     world_size, rank = group.size(), group.rank()
     method = args.param_gather_compression
     if method == "sdp4bit":
@@ -515,7 +544,7 @@ def build_gather(args, group, comm_class: str):
             exponent_coder=args.ciera_exponent_coder,
         )
         return ShardGather(CieraCodec(config, world_size, rank), group, comm_class)
-    return ShardGather(DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank), group,
+    return ShardGather(DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank, cast=cast), group,
                        comm_class)
 
 
@@ -563,6 +592,7 @@ def _install(bucket_group: _ParamAndGradBucketGroup, args, selection, comm_class
     bucket_group.selection = selection  # set while the selection measures (None once it has chosen)
     bucket_group.benefit = selection  # for good: re-selections restart it
     bucket_group.plain = False
+    bucket_group.fused_cast = False  # set by megatron/hooks/fused_cast.py
     method = args.grad_reduce_compression
     bucket_group.grad_quant = (
         None if method == "none" else HadamardQuantConfig.from_flags(method, args.grad_reduce_block_size)

@@ -585,6 +585,9 @@ class CompressionArgs:
                                                  "sender's exponent copy or block hashes, plus on GPUs the payload "
                                                  "buffer, of every compressed shard.")
     delta_block_size: int = arg(256, "Delta codec block size (power of two, 32..8192).")
+    delta_fused_cast: bool = arg(False, "With --param-gather-compression delta: round the optimizer's fp32 master "
+                                 "weights into the parameter buffer inside the delta encode instead of in the "
+                                 "optimizer step (bit-identical; no sender copy, 2 bytes per shard value less).")
     sdp4bit_group_size: int = arg(128, "SDP4Bit weight-difference quantization group (power of two, 16..4096).")
     sdp4bit_weight_bits: int = arg(4, "SDP4Bit weight-difference code bits.", choices=[4, 8])
     grad_reduce_compression: str = arg("none", "DP gradient reduce-scatter compression (lossy, SDP4Bit's Hadamard "
@@ -1359,6 +1362,9 @@ def _validate_compression(args) -> None:
     _check(args.param_gather_compression == "none" or args.use_distributed_optimizer,
            f"--param-gather-compression {args.param_gather_compression} compresses the distributed optimizer's "
            f"param all-gather: add --use-distributed-optimizer")
+    _check(not args.delta_fused_cast or args.param_gather_compression == "delta",
+           "--delta-fused-cast moves the optimizer's parameter copy into the delta encode: add "
+           "--param-gather-compression delta or drop --delta-fused-cast")
     _check(args.grad_reduce_compression == "none" or args.use_distributed_optimizer,
            f"--grad-reduce-compression {args.grad_reduce_compression} compresses the distributed optimizer's "
            f"gradient reduce-scatter: add --use-distributed-optimizer")

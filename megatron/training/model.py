@@ -351,4 +351,8 @@ def setup_model_and_optimizer(args):
         from megatron.hooks.param_gather import apply_dp_compression
 
         apply_dp_compression(ddp_chunks, args)
+    if args.delta_fused_cast:
+        from megatron.hooks.fused_cast import apply_delta_fused_cast
+
+        apply_delta_fused_cast(ddp_chunks, optimizer)
     return ddp_chunks, optimizer, scheduler, config

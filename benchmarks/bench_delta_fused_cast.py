@@ -1,32 +1,27 @@
-"""Diagnostic: the delta encode fused into the distributed optimizer's fp32 -> bf16 parameter copy (issue 5).
+"""The delta encode fused into the distributed optimizer's fp32 -> bf16 parameter copy (``--delta-fused-cast``), timed
+against the encode with a sender copy (issue 5).
 
-Session 21 found that the encode's first pass alone (read the new and the old values, write the sender copy: 6 bytes
-per value against a bf16 copy's 4) takes ~50% of a copy's time before any coding, so no code reaches the goal of an
-encode at 50% of copy while the sender copy is in its traffic. In training the new values come from the optimizer,
-which rounds its fp32 master weights into the bf16 parameter buffer (megatron-core's
-``_copy_main_params_to_model_params``): until it does, the buffer holds exactly the previous values the encode needs.
-So an encode that reads the fp32 master weights, rounds them itself and writes them into the buffer replaces that
-copy and needs no sender copy at all: 8 bytes per value for copy and encode together, against 6 + 6 now.
+In training the new values come from the optimizer, which rounds its fp32 master weights into the bf16 parameter
+buffer (megatron-core's ``_copy_main_params_to_model_params``): until it does, the buffer holds exactly the previous
+values the encode needs. So with ``--delta-fused-cast`` the encode kernel reads the fp32 master weights, rounds them
+itself and writes them into the buffer (``kernels.encode_blocks(..., cast_to=)``, ``compression.codec.CastShard``):
+it replaces that copy and needs no sender copy, 8 bytes per value for copy and encode together against 6 + 6.
 
-This measures that design with the production encode kernel, its load of the new values changed into a load of fp32
-values rounded to bf16 (``fused_kernels``: kernels/delta.py with that one line patched, nothing else), everything after
-the kernel as in production (``DeltaCodec._start_coded`` and ``finish_encode``). Checked first: the fused path's
-payload equals the production payload byte for byte, and the buffer it leaves equals torch's ``copy_`` of the master
-weights bit for bit, also on fp32 values that round to ties, subnormals, infinities and NaNs. Device time (PyTorch
-profiler) of: a bf16 copy of the shard (the yardstick), the optimizer's cast (``param.copy_(master)``), the production
-encode (sender copy) and its kernel, and the fused encode and its kernel. The encode's cost is what it adds to the
-cast: production ``encode``, fused ``fused - cast``.
+Checked first: the fused path's payload equals the sender-copy path's byte for byte, and the buffer it leaves equals
+torch's ``copy_`` of the master weights bit for bit, also on fp32 values that round to ties, subnormals, infinities and
+NaNs. Device time (PyTorch profiler) of: a bf16 copy of the shard (the yardstick), the optimizer's cast
+(``param.copy_(master)``), the encode with a sender copy and its kernel, and the fused encode (``encode`` of a
+``CastShard``) and its kernel. The encode's cost is what it adds to the cast: ``encode``, and ``fused - cast``.
+(Session 23 measured the same design as a diagnostic, the kernel patched from outside: results/gpu/session23/.)
 
-    python benchmarks/diag_delta_fused_cast.py --out results/gpu/session23/delta_fused_cast.json
-    TRITON_INTERPRET=1 python benchmarks/diag_delta_fused_cast.py --check-only   # CPU: the payload check only
+    python benchmarks/bench_delta_fused_cast.py --out results/gpu/session24/delta_fused_cast.json
+    TRITON_INTERPRET=1 python benchmarks/bench_delta_fused_cast.py --check-only   # CPU: the payload check only
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -35,38 +30,21 @@ sys.path.insert(0, ROOT)
 
 import kernels.delta as kernels  # noqa: E402
 from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
+from compression.codec import CastShard  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
 from compression.timing import device_throughput  # noqa: E402
 
-NEW_LOAD = "new16 = tl.load(new_ptr + at, mask=inside, other=0)"
+def fused_encode(codec: DeltaCodec, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """Payload of ``master`` (fp32) rounded to bf16 against ``param`` (bf16, the previous values every rank holds),
+    which ends holding the rounded values: the codec's ``CastShard`` path, as ``--delta-fused-cast`` runs it."""
+    return codec.encode(CastShard(param, master))
 
 
-def fused_kernels():
-    """kernels/delta.py whose encode kernel loads the new values as fp32 and rounds them to bf16 (round to nearest
-    even, as torch's cast), a module of its own; ``encode_blocks(param_bits, master_fp32, ...)`` then writes the
-    rounded values into ``param_bits`` where the production kernel writes the sender copy."""
-    with open(kernels.__file__) as f:
-        source = f.read()
-    if source.count(NEW_LOAD) != 1:
-        raise RuntimeError(f"kernels/delta.py no longer has one {NEW_LOAD!r}: update this diagnostic")
-    source = source.replace(NEW_LOAD, NEW_LOAD + ".to(tl.bfloat16).to(tl.int16, bitcast=True)")
-    path = os.path.join(tempfile.mkdtemp(), "delta_fused_cast.py")  # Triton reads a kernel's source from its file
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location("delta_fused_cast", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def fused_encode(fused, codec: DeltaCodec, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-    """Payload of ``master`` (fp32) rounded to bf16 against ``param`` (bf16, the previous values), which ends holding
-    the rounded values: the fused kernel, then production's steps after the kernel."""
-    e = fused.encode_blocks(param.view(torch.int16), master, codec.config.block_size)
-    start = codec._start_coded(e, 0, param.numel(), param.device)
-    payload = torch.empty(int(start.nbytes), dtype=torch.uint8, device=param.device)  # a host sync, as in training
-    codec.finish_encode(start, payload)
-    return payload
+def synced_codec(block_size: int, param: torch.Tensor) -> DeltaCodec:
+    """A codec whose receivers hold ``param`` (after its keyframe): its next ``CastShard`` encode is a delta."""
+    codec = DeltaCodec(DeltaConfig(block_size), 2, 0)
+    codec.encode(CastShard(param, param.float()))  # the values round back to themselves (no NaNs here)
+    return codec
 
 
 def special_values(device) -> torch.Tensor:
@@ -80,41 +58,41 @@ def special_values(device) -> torch.Tensor:
     return torch.tensor(signed, dtype=torch.int32).view(torch.float32).repeat(64).to(device)
 
 
-def rounding_mismatches(fused, block_size: int) -> list:
+def rounding_mismatches(block_size: int) -> list:
     """(fp32 bits, torch's bf16 bits, the fused kernel's) of every special value the two round differently."""
     x = special_values("cuda")
     param = torch.zeros(x.numel(), dtype=torch.bfloat16, device="cuda")
-    fused.encode_blocks(param.view(torch.int16), x, block_size)
+    kernels.encode_blocks(param.view(torch.int16), x, block_size, cast_to=torch.bfloat16)
     want, got = x.bfloat16().view(torch.int16), param.view(torch.int16)
     differ = (want != got).nonzero().squeeze(1)[: len(x) // 64]
     return [(hex(int(x.view(torch.int32)[i]) & 0xFFFFFFFF), hex(int(want[i]) & 0xFFFF), hex(int(got[i]) & 0xFFFF))
             for i in differ.tolist()]
 
 
-def check(fused, previous: torch.Tensor, master: torch.Tensor, block_size: int) -> None:
+def check(previous: torch.Tensor, master: torch.Tensor, block_size: int) -> None:
     """The fused path against the production path (torch's cast, then the encode against a sender copy)."""
     new = master.bfloat16()
     sender = DeltaCodec(DeltaConfig(block_size), 2, 0)
     sender.encode(previous)  # keyframe: the sender copy holds the previous values
     expected = sender.encode(new)
     param = previous.clone()
-    got = fused_encode(fused, DeltaCodec(DeltaConfig(block_size), 2, 0), param, master)
+    got = fused_encode(synced_codec(block_size, param), param, master)
     if not torch.equal(param.view(torch.int16), new.view(torch.int16)):
         raise AssertionError("the fused kernel's rounding differs from torch's cast")
     if not torch.equal(got, expected):
         raise AssertionError("the fused payload differs from the production payload")
 
 
-def measure(fused, lr: float, args) -> dict:
+def measure(lr: float, args) -> dict:
     previous, master = simulated_step(args.numel, lr, args.steps, device="cuda", new_dtype=torch.float32)
     new = master.bfloat16()
-    check(fused, previous, master, args.block_size)
+    check(previous, master, args.block_size)
     b = args.block_size
     sender = DeltaCodec(DeltaConfig(b), 2, 0)
     sender.encode(previous)
     state = sender._prev.clone()
-    codec = DeltaCodec(DeltaConfig(b), 2, 0)
     param, out = previous.clone(), torch.empty_like(new)
+    codec = synced_codec(b, param)
 
     def reset_sender():
         sender._prev.copy_(state)
@@ -127,8 +105,9 @@ def measure(fused, lr: float, args) -> dict:
         cast=(lambda: param.copy_(master), reset_param),
         encode=(lambda: sender.encode(new), reset_sender),
         encode_kernel=(lambda: kernels.encode_blocks(sender._prev, new.view(torch.int16), b), reset_sender),
-        fused=(lambda: fused_encode(fused, codec, param, master), reset_param),
-        fused_kernel=(lambda: fused.encode_blocks(param.view(torch.int16), master, b), reset_param),
+        fused=(lambda: fused_encode(codec, param, master), reset_param),
+        fused_kernel=(lambda: kernels.encode_blocks(param.view(torch.int16), master, b, cast_to=torch.bfloat16),
+                      reset_param),
     )
     nbytes = 2 * new.numel()
     row = dict(lr=lr, numel=args.numel, unchanged=float((new.view(torch.int16) == previous.view(torch.int16))
@@ -150,10 +129,9 @@ def measure(fused, lr: float, args) -> dict:
 def check_only() -> None:
     """CPU (TRITON_INTERPRET=1): payloads and buffers against production's on fp32 master weights that are bf16 values
     already, since the interpreter rounds fp32 to bf16 by truncation (the rounding is checked on CUDA only)."""
-    fused = fused_kernels()
     for lr, numel in ((1e-4, 3001), (1e-5, 2048)):
         previous, master = simulated_step(numel, lr, 3, new_dtype=torch.float32)
-        check(fused, previous, master.bfloat16().float(), 256)
+        check(previous, master.bfloat16().float(), 256)
     print("fused payloads and buffers equal production's")
 
 
@@ -169,13 +147,12 @@ def main():
     args = p.parse_args()
     if args.check_only:
         return check_only()
-    fused = fused_kernels()
-    mismatches = rounding_mismatches(fused, args.block_size)  # reported, not fatal: the timing holds either way
+    mismatches = rounding_mismatches(args.block_size)  # reported, not fatal: the timing holds either way
     print("special values rounded as torch does" if not mismatches else
           f"special values rounded differently from torch (fp32, torch, fused): {mismatches}", flush=True)
-    check(fused, *simulated_step(100_003, 1e-4, 3, device="cuda", new_dtype=torch.float32), args.block_size)
+    check(*simulated_step(100_003, 1e-4, 3, device="cuda", new_dtype=torch.float32), args.block_size)
     print("fused payload and buffer equal production's (odd size)", flush=True)
-    rows = [measure(fused, float(lr), args) for lr in args.lrs.split(",")]
+    rows = [measure(float(lr), args) for lr in args.lrs.split(",")]
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
