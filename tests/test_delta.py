@@ -243,23 +243,33 @@ def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 10
             previous = bits
 
 
+# (dtype, block size, bucket shard sizes, values before the first bucket): unaligned and aligned block tables
+SEGMENT_CASES = ((torch.bfloat16, 64, (37, 128, 1001), 3), (torch.float16, 256, (64, 264, 1024), 8))
+
+
+def _bucket_storages(dtype, sizes, lead, world, device) -> tuple:
+    """A storage of random patterns holding one bucket per size (``world`` slices each, after ``lead`` values), its
+    buckets, and a receiver's copy of it and its buckets."""
+    storage = torch.zeros(lead + world * sum(sizes), dtype=dtype, device=device)
+    buffers, at = [], lead
+    for n in sizes:
+        buffers.append(storage[at:at + world * n])
+        at += world * n
+    storage.view(torch.int16).copy_(random_bits(storage.numel(), torch.Generator().manual_seed(1)).to(device))
+    received = storage.clone()
+    received_buffers = [received[b.data_ptr() // 2 - storage.data_ptr() // 2:][:b.numel()] for b in buffers]
+    return storage, buffers, received, received_buffers
+
+
 def _check_segments(device="cpu", triton=False, world=3, rank=1):
     """A fused codec over the buckets of one storage (``Segments``) sends, step after step, exactly the bytes a
     plain reference codec sends for the padded concatenation of the buckets' slices; a receiver decodes them
     into rank ``rank``'s slices only; a member coding alone in between keeps the shared state; a member reset
     ends the sharing. Unaligned (odd sizes and offsets) and aligned (16-byte rows) block tables."""
-    for dtype, block_size, sizes, lead in ((torch.bfloat16, 64, (37, 128, 1001), 3),
-                                           (torch.float16, 256, (64, 264, 1024), 8)):
-        storage = torch.zeros(lead + world * sum(sizes), dtype=dtype, device=device)
-        buffers, at = [], lead
-        for n in sizes:
-            buffers.append(storage[at:at + world * n])
-            at += world * n
-        steps = [trajectory(n, seed=n) for n in sizes]
-        storage.view(torch.int16).copy_(random_bits(storage.numel(), torch.Generator().manual_seed(1)).to(device))
-        received = storage.clone()
-        received_buffers = [received[b.data_ptr() // 2 - storage.data_ptr() // 2:][:b.numel()] for b in buffers]
+    for dtype, block_size, sizes, lead in SEGMENT_CASES:
+        storage, buffers, received, received_buffers = _bucket_storages(dtype, sizes, lead, world, device)
         segments, received_segments = Segments(buffers, world), Segments(received_buffers, world)
+        steps = [trajectory(n, seed=n) for n in sizes]
         assert segments.block_table(block_size)[4] == (lead == 8)
         members = [DeltaCodec(DeltaConfig(block_size), world, rank, triton=triton) for _ in sizes]
         whole = DeltaCodec(DeltaConfig(block_size), world, rank, triton=False)
@@ -485,15 +495,8 @@ def _check_cast_segments(device="cpu", triton=False, world=3, rank=1):
     """A fused codec over several buckets' ``CastShard``s (``--delta-fused-cast`` with the buckets coded as one) sends
     exactly the bytes of a reference codec fed the padded concatenation after ``copy_``, leaves the buffers holding what
     ``copy_`` writes, and decodes bit-exactly; a member coding alone in between, and a member reset ending the set."""
-    for dtype, block_size, sizes, lead in ((torch.bfloat16, 64, (37, 128, 1001), 3),
-                                           (torch.float16, 256, (64, 264, 1024), 8)):
-        storage = torch.zeros(lead + world * sum(sizes), dtype=dtype, device=device)
-        buffers, at = [], lead
-        for n in sizes:
-            buffers.append(storage[at:at + world * n])
-            at += world * n
-        received = storage.clone()
-        received_buffers = [received[b.data_ptr() // 2 - storage.data_ptr() // 2:][:b.numel()] for b in buffers]
+    for dtype, block_size, sizes, lead in SEGMENT_CASES:
+        storage, buffers, received, received_buffers = _bucket_storages(dtype, sizes, lead, world, device)
         segments, received_segments = Segments(buffers, world), Segments(received_buffers, world)
         masters = [[_exact_master(bits, dtype, device) for bits in trajectory(n, seed=n)] for n in sizes]
         sources = [torch.empty(n, dtype=torch.float32, device=device) for n in sizes]  # persistent, as the hook's
