@@ -162,7 +162,7 @@ class _BenefitSelection:
     def before_gather(self, bucket_group) -> None:
         if self.measured[bucket_group] < SELECTION_WARMUP_GATHERS:
             for meter, bucket in zip(self.meters[bucket_group], bucket_group.buckets):
-                if self.method == "delta" and bucket_group.fused_cast:  # the encode the gathers will run
+                if bucket_group.fused_cast:  # delta's: the meter times the encode the gathers will run
                     meter.update(_new_shard(bucket_group, bucket), bucket.cast_masters.current())
                 else:
                     meter.update(_new_shard(bucket_group, bucket))
@@ -305,7 +305,7 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
             self.selection.before_gather(self)
         if not self.plain:
             for gather, bucket in zip(self.shard_gathers, self.buckets):
-                if bucket in pending and isinstance(gather, ShardGather) and isinstance(gather.codec, DeltaCodec):
+                if bucket in pending and isinstance(gather, ShardGather):  # (delta: the only codec fused_cast has)
                     gather.cast_from = bucket.cast_masters.current()
                     bucket.cast_pending = False
             _cast([bucket for bucket in pending if bucket.cast_pending])
