@@ -8,7 +8,7 @@ clock with a device sync on both sides (the codec's own host syncs included); GB
 (2 per value) per second; ``*_device_GBps`` count only the device's time in the call's kernels and
 copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps``
 sweeps the warps per block program of the codec kernels, ``--max-registers`` their register caps, ``--gather`` the
-tiles of the record gather (and of the decode's stream sizes) and its copy width and warps.
+tiles of the record gather and its copy width and warps.
 ``*_host_us``: the host's time in each half of a gather's codec work (begin_encode, finish_encode, decode)
 with the device held busy, i.e. what every compressed bucket costs the host whatever its size.
 
@@ -105,7 +105,7 @@ def main():
     p.add_argument("--max-registers", default="", help="comma list of encode:decode register caps to sweep, "
                    "e.g. 96:64,80:64 (0: the compiler's choice)")
     p.add_argument("--gather", default="", help="comma list of TILExCHUNKxWARPS of the record gather to sweep (TILE "
-                   "blocks per program, also the stream-size kernel's; CHUNK stream bytes per block and pass)")
+                   "blocks per program; CHUNK stream bytes per block and pass)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -142,7 +142,7 @@ def main():
         json.dump(dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(0), torch=torch.__version__,
                        rows=rows), f, indent=1)
     print("\n| lr | warps | gather (tile x chunk x warps) | unchanged | ratio | encode GB/s | decode GB/s | copy GB/s | "
-          "encode/copy | decode/copy | device: encode/copy, decode/copy | gather kernel us | stream sizes us |")
+          "encode/copy | decode/copy | device: encode/copy, decode/copy | gather kernel us | decode kernel us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         device = r["encode_device_GBps"] / r["copy_device_GBps"], r["decode_device_GBps"] / r["copy_device_GBps"]
@@ -150,7 +150,7 @@ def main():
               f"{r['ratio']:.2f}x | {r['encode_GBps']:.0f} | {r['decode_GBps']:.0f} | {r['copy_GBps']:.0f} | "
               f"{r['encode_GBps'] / r['copy_GBps']:.0%} | {r['decode_GBps'] / r['copy_GBps']:.0%} | "
               f"{device[0]:.1%}, {device[1]:.1%} | {r['encode_ops_us'].get('_gather_kernel', 0):.1f} | "
-              f"{r['decode_ops_us'].get('_stream_sizes_kernel', 0):.1f} |")
+              f"{r['decode_ops_us'].get('_decode_kernel', 0):.1f} |")
 
 
 if __name__ == "__main__":

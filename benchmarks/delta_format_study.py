@@ -136,7 +136,7 @@ def measure_step(prev, new, block_size: int) -> dict:
     either, either_used = cheapest(torch.cat([current_blocks[:, None], sizes], dim=1), changed, (0,) + WIDTHS)
     streams = {name: _stream_payload(codes_reference(prev, new, STREAM_ROWS, STREAM_THREADS, flags)[1].sum(1))
                for name, flags in (("stream", False), ("stream_row_flags", True))}
-    return dict(unchanged=float((z == 0).float().mean()), current=raw / delta_payload_nbytes(current_blocks),
+    return dict(unchanged=float((z == 0).float().mean()), current=raw / delta_payload_nbytes(current_blocks, block_size),
                 rows=raw / rows, rows_byte_entries=raw / rows_bytes, rows_w2=raw / rows_w2, either=raw / either,
                 **{name: raw / nbytes for name, nbytes in streams.items()},
                 stream_gaps=raw / _stream_payload(stream_gap_bits(prev, new)), widths=used, either_choice=either_used)

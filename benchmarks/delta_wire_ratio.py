@@ -26,7 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from compression.delta import HEADER, DeltaCodec, DeltaConfig  # noqa: E402
+from compression.delta import HEADER, DeltaCodec, DeltaConfig, _Layout  # noqa: E402
 from kernels.delta import analyze_blocks_reference, stream_nbytes, to_ordered  # noqa: E402
 
 BETAS, WEIGHT_DECAY = (0.9, 0.95), 0.1
@@ -113,23 +113,22 @@ def tiny_gpt(lr: float, steps: int, seq: int = 128, batch: int = 8, seed: int = 
 # --- measures ----------------------------------------------------------------------------------
 
 def delta_block_nbytes(prev, new, block_size: int) -> torch.Tensor:
-    """Bytes of each block's sections in the delta code (n_esc, exc_width, bitmap, value stream; 0 if the block is
-    unchanged), int64 [n_blocks]."""
+    """Bytes of each block's sections in the delta code (stream offset, exc_width, bitmap, value stream; 0 if the
+    block is unchanged), int64 [n_blocks]."""
     a = analyze_blocks_reference(prev.clone(), new, block_size)
     sections = 3 + block_size // 8 + stream_nbytes(a.counts, a.codes, a.n_esc, a.exc_widths)
     return torch.where(a.codes > 0, sections, 0)
 
 
-def delta_payload_nbytes(block_nbytes: torch.Tensor) -> int:
+def delta_payload_nbytes(block_nbytes: torch.Tensor, block_size: int) -> int:
     """Exact payload size of the delta code (the layout of compression/delta.py) from ``delta_block_nbytes``: the
-    header, a code byte per block, the even-alignment pad byte and the changed blocks' sections."""
-    n_blocks = block_nbytes.numel()
-    return HEADER.size + n_blocks + (HEADER.size + n_blocks) % 2 + int(block_nbytes.sum())
+    header, a code byte per block, the alignment pad, the group entries and the changed blocks' sections."""
+    return _Layout.of(block_nbytes.numel() * block_size, 0, block_size).values + int(block_nbytes.sum())
 
 
 def delta_nbytes(prev, new, block_size: int) -> int:
     """Exact payload size of the delta code at ``block_size``."""
-    return delta_payload_nbytes(delta_block_nbytes(prev, new, block_size))
+    return delta_payload_nbytes(delta_block_nbytes(prev, new, block_size), block_size)
 
 
 def version1_nbytes(prev, new, block_size: int) -> int:

@@ -1,7 +1,7 @@
-// Diagnostic: the delta codec's block kernels (format 2, B = 256) written in CUDA C++ with warp intrinsics, to
-// measure what the Triton kernels' integer work costs (docs/delta.md: "a CUDA kernel with warp intrinsics ...").
+// Diagnostic: the delta codec's block kernels (B = 256) written in CUDA C++ with warp intrinsics, to measure what
+// the Triton kernels' integer work costs (docs/delta.md: "a CUDA kernel with warp intrinsics ...").
 // Same inputs and outputs as kernels/delta.py's _encode_kernel and _decode_kernel (plain shards, one payload), so
-// the rest of the codec (prefix sums, record gather, stream sizes) runs unchanged around them and the payload
+// the rest of the codec (prefix sums, record gather) runs unchanged around them and the payload
 // bytes can be compared with the production path. benchmarks/diag_delta_cuda.py compiles it (NVRTC through CuPy
 // on the GPU; g++ with diag_delta_cuda_emu.h on the CPU, the warp intrinsics emulated) and checks and times it.
 //
@@ -185,50 +185,41 @@ delta_encode(u16* __restrict__ prev, const u16* __restrict__ newv, i64 numel, u8
 }
 
 // payload: 4-byte aligned, readable 3 bytes past its end; its sections as compression/delta.py lays them out: the
-// codes at codes_at, n_changed (u32) at n_changed_at, then n_esc, exc_widths, bitmaps, value streams from sections_at.
-// STAGED_LOADS 1: two rounds of independent loads (per-block fields and the old row; then the bitmap byte, exception
-// width and the block's whole stream into shared memory), instead of a chain of dependent loads (0).
-#ifndef STAGED_LOADS
-#define STAGED_LOADS 1
-#endif
-#define STREAM_READ_WORDS (STREAM_WORDS + 1)  // a stream of <= STREAM_WORDS words from any byte offset
+// codes at codes_at, n_changed (u32) at n_changed_at, then the group entries from groups_at, and offsets,
+// exc_widths, bitmaps, value streams. (Session 21 also timed a variant that staged each block's stream in shared
+// memory: 5-7% slower; format 3 no longer carries the stream sizes it needed.)
+#define GROUP 64  // kernels.delta.group_blocks(256)
+
+__device__ __forceinline__ u32 load_u32(const u8* p) {  // little-endian, any byte offset
+  return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 delta_decode(u16* __restrict__ out, i64 numel, const u8* __restrict__ payload, i64 codes_at, i64 n_changed_at,
-             i64 sections_at, const i64* __restrict__ rank_end, const i64* __restrict__ stream_end,
-             const i64* __restrict__ nbytes, i64 n_blocks) {
-  __shared__ u32 stream_s[WARPS][STREAM_READ_WORDS];
+             i64 groups_at, i64 n_blocks) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const i64 b = (i64)blockIdx.x * WARPS + warp;
   if (b >= n_blocks) return;
   const i64 first = b * BLOCK + lane * 8;
   const bool inside = first < numel;
-  const u8* h = payload + n_changed_at;
   const u32 code = payload[codes_at + b];
-  const i64 rank = rank_end[b] - 1, stream_at = stream_end[b] - nbytes[b], n_stream = nbytes[b];
-  const i64 n_changed = (i64)((u32)h[0] | ((u32)h[1] << 8) | ((u32)h[2] << 16) | ((u32)h[3] << 24));
-  uint4 q = make_uint4(0, 0, 0, 0);
-  if (STAGED_LOADS && inside) q = *reinterpret_cast<const uint4*>(out + first);
   if (!code) return;  // warp-uniform
-  const i64 exc_widths_at = sections_at + 2 * n_changed, bitmaps_at = exc_widths_at + n_changed;
+  // the block's record: its group's entry plus the changed blocks of the group before it (two codes a lane)
+  const i64 group_start = b - b % GROUP, k0 = group_start + lane, k1 = k0 + 32;
+  const u32 earlier = (k0 < b && payload[codes_at + k0]) + (k1 < b && payload[codes_at + k1]);
+  const u8* entry = payload + groups_at + 8 * (b / GROUP);
+  const i64 n_changed = load_u32(payload + n_changed_at);
+  const i64 offsets_at = groups_at + 8 * ((n_blocks + GROUP - 1) / GROUP);
+  const i64 exc_widths_at = offsets_at + 2 * n_changed, bitmaps_at = exc_widths_at + n_changed;
   const i64 values_at = bitmaps_at + n_changed * (BLOCK / 8);
+  const i64 rank = load_u32(entry) + __reduce_add_sync(FULL_MASK, earlier);
+  const u8* offset = payload + offsets_at + 2 * rank;
+  const i64 stream_at = load_u32(entry + 4) + (offset[0] | (offset[1] << 8));
   const u32 width = code - 1, mask = (1u << width) - 1u;
   const u32 xw = payload[exc_widths_at + rank];
   const u32 bm = payload[bitmaps_at + rank * (BLOCK / 8) + lane];
-  const u64 stream_byte = (u64)(values_at + stream_at);
-  const u32* words;
-  u64 stream_bit;
-  if (STAGED_LOADS) {  // the block's stream, from the 4-byte word holding its first byte, into shared memory
-    const u32* src = reinterpret_cast<const u32*>(payload) + (stream_byte >> 2);
-    const u32 n_words = (u32)(((stream_byte & 3) + n_stream + 3) >> 2);
-    for (u32 i = lane; i < n_words; i += 32) stream_s[warp][i] = src[i];
-    __syncwarp();
-    words = stream_s[warp];
-    stream_bit = (stream_byte & 3) * 8;
-  } else {
-    words = reinterpret_cast<const u32*>(payload);
-    stream_bit = stream_byte * 8;
-  }
+  const u32* words = reinterpret_cast<const u32*>(payload);
+  const u64 stream_bit = (u64)(values_at + stream_at) * 8;
   const u32 cnt = __popc(bm);
   const u32 slot0 = warp_exclusive_scan(cnt, lane);
   const u32 total = __shfl_sync(FULL_MASK, slot0 + cnt, 31);
@@ -277,7 +268,7 @@ delta_decode(u16* __restrict__ out, i64 numel, const u8* __restrict__ payload, i
     }
   }
   if (!bm || !inside) return;
-  if (!STAGED_LOADS) q = *reinterpret_cast<const uint4*>(out + first);
+  const uint4 q = *reinterpret_cast<const uint4*>(out + first);
   u32 qv[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
   for (int j = 0; j < 8; j++) {

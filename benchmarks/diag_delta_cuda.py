@@ -2,10 +2,11 @@
 
 Sessions 14 and 20 found every Triton version of the delta kernels bound by integer work (docs/delta.md: 2.1-2.7
 warp instructions per value; 50% of copy needs about 0.9) and named what was never tried: "a CUDA kernel with warp
-intrinsics (ballot/popc/shuffles, shared-memory word assembly)". ``diag_delta_cuda.cu`` is that, for format 2 as it
-is (B = 256): ``delta_encode`` and ``delta_decode`` take and give exactly what ``kernels.delta.encode_blocks`` and
+intrinsics (ballot/popc/shuffles, shared-memory word assembly)". ``diag_delta_cuda.cu`` is that, for the wire format
+as it is (B = 256; written for format 2 in session 21, its decoder moved to format 3's group entries in session 25):
+``delta_encode`` and ``delta_decode`` take and give exactly what ``kernels.delta.encode_blocks`` and
 ``decode_blocks`` do for a plain shard and one payload, so they are swapped in under the production codec (prefix
-sums, record gather, stream sizes unchanged) and the payloads compared byte for byte with the PyTorch reference's
+sums and record gather unchanged) and the payloads compared byte for byte with the PyTorch reference's
 before anything is timed. Then device time (PyTorch profiler) of whole encodes and decodes and of the kernels alone,
 production vs CUDA, against a bf16 copy, on the simulated AdamW step of bench_delta_kernels.py.
 
@@ -26,7 +27,7 @@ from unittest import mock
 
 import torch
 
-if not torch.cuda.is_available():  # the production gather and stream-size kernels run under Triton's interpreter
+if not torch.cuda.is_available():  # the production gather kernel runs under Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -45,10 +46,9 @@ extern "C" void emu_encode(long long grid, u16* prev, const u16* newv, i64 numel
                                                   records, n_blocks); });
 }
 extern "C" void emu_decode(long long grid, u16* out, i64 numel, const u8* payload, i64 codes_at,
-                           i64 n_changed_at, i64 sections_at, const i64* rank_end, const i64* stream_end,
-                           const i64* nbytes, i64 n_blocks) {
-  emu_launch(grid, WARPS * 32, [&] { delta_decode(out, numel, payload, codes_at, n_changed_at, sections_at, rank_end,
-                                                  stream_end, nbytes, n_blocks); });
+                           i64 n_changed_at, i64 groups_at, i64 n_blocks) {
+  emu_launch(grid, WARPS * 32, [&] { delta_decode(out, numel, payload, codes_at, n_changed_at, groups_at,
+                                                  n_blocks); });
 }
 """
 
@@ -101,17 +101,17 @@ class CudaKernels:
                                                        e.exc_widths, e.nbytes, e.records, n_blocks])
         return e
 
-    def decode_blocks(self, out, payloads, rank_end, stream_end, nbytes, block_size, table=None, src_base=0,
-                      skip_rank=-1):
+    def decode_blocks(self, out, payloads, block_size, table=None, src_base=0, skip_rank=-1):
         """kernels.delta.decode_blocks for one payload into a plain shard."""
         if block_size != BLOCK or table is not None or payloads.rows != 1 or out.numel() % 8:
             raise ValueError("the CUDA diagnostic decodes one payload into a plain shard of 8k values at B = 256")
         if payloads.base.data_ptr() % 4:
             raise ValueError("the CUDA diagnostic reads payloads as 32-bit words from a 4-byte aligned start")
-        n_blocks = rank_end.numel()
-        self._launch("decode", -(-n_blocks // WARPS), [out, out.numel(), payloads.base, payloads.codes_at,
-                                                       payloads.n_changed_at, payloads.sections_at, rank_end,
-                                                       stream_end, nbytes, n_blocks])
+        if kernels.group_blocks(block_size) != 64:
+            raise ValueError("diag_delta_cuda.cu's GROUP is kernels.delta.group_blocks(256) = 64")
+        self._launch("decode", -(-payloads.n_blocks // WARPS), [out, out.numel(), payloads.base, payloads.codes_at,
+                                                                payloads.n_changed_at, payloads.groups_at,
+                                                                payloads.n_blocks])
 
     def patched(self):
         """Context: the production codec with these kernels in place of the Triton block kernels."""
@@ -220,13 +220,12 @@ def time_codecs(cuda: CudaKernels, previous, new, repeats: int) -> dict:
     return result
 
 
-VARIANTS = ({"STAGED_LOADS": 0}, {"STAGE": 1, "STAGED_LOADS": 0}, {"STAGE": 2, "STAGED_LOADS": 0}, {"STAGE": 1},
-            {"STAGE": 2})
+VARIANTS = ({"STAGE": 1}, {"STAGE": 2})
 
 
 def variant_kernels_us(defines: dict, previous, new, repeats: int) -> dict:
     """Device time of the two kernels compiled with ``defines`` (``STAGE`` < 3: only part of their work, outputs not
-    valid; ``STAGED_LOADS``), inside the production codec's encode and decode of the same step."""
+    valid), inside the production codec's encode and decode of the same step."""
     from compression.timing import device_op_seconds
 
     k = CudaKernels("cuda", defines)
@@ -258,14 +257,13 @@ def main():
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = CudaKernels(device)
-    unstaged = CudaKernels(device, {"STAGED_LOADS": 0})
     g = torch.Generator().manual_seed(0)
-    sizes = (BLOCK * 37 + 8 * 5, 8 * 3) if device == "cpu" else (BLOCK * 1000 + 8 * 7, 8 * 3, BLOCK * 4096)
+    # on the CPU 71 blocks: a second, partial group of 64 (kernels.delta.group_blocks)
+    sizes = (BLOCK * 70 + 8 * 5, 8 * 3) if device == "cpu" else (BLOCK * 1000 + 8 * 7, 8 * 3, BLOCK * 4096)
     pairs = [pair for n in sizes for pair in adversarial_steps(n, g)]
     pairs += [simulated_step(sizes[0], lr, 3) for lr in (1e-4, 1e-5)]
-    n = check(cuda, pairs, device) + check(unstaged, pairs, device)
-    print(f"checked {n} pairs byte for byte against the reference ({device}; staged and unstaged decode loads)",
-          flush=True)
+    n = check(cuda, pairs, device)
+    print(f"checked {n} pairs byte for byte against the reference ({device})", flush=True)
     if args.check_only or device == "cpu":
         return
     rows = []

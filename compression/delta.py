@@ -12,14 +12,18 @@ Wire format (one uint8 tensor, little-endian):
     header, 24 bytes: magic b"DLTA" | version u8 | flags u8 (bit 0 keyframe, bit 1 fp16) |
                       reserved u16 | block_size u32 | n_changed u32 | numel u64
     keyframe:  the raw 16-bit values (numel * 2 bytes)
-    delta:     codes u8[n_blocks] | 0-1 pad byte to an even offset | n_esc u16[n_changed] |
+    delta:     codes u8[n_blocks] | 0-3 pad bytes to a multiple of 4 |
+               groups (rank u32, stream u32)[ceil(n_blocks / G)] | offsets u16[n_changed] |
                exc_widths u8[n_changed] | bitmaps u8[n_changed * block_size / 8] | value streams (the rest)
 
-``codes``/``n_esc``/``exc_widths``/``bitmaps``/value streams are the per-block fields of
-``kernels/delta.py``; all but the codes are present for changed blocks only, in block order. A
-block's count of changed values is the popcount of its bitmap; its value stream starts at the
-prefix sum of the previous streams' ``ceil((count * width + exc_width * n_esc) / 8)`` bytes.
-Version 2 (version 1 had no ``exc_widths``: every exception entry took 17 bits).
+``codes``/``exc_widths``/``bitmaps``/value streams are the per-block fields of ``kernels/delta.py``;
+all but the codes are present for changed blocks only, in block order. A block's count of changed
+values is the popcount of its bitmap. Blocks form groups of G = ``kernels.delta.group_blocks(block_size)``
+(64 at B <= 256): a group's entry holds the changed blocks and the value-stream bytes before its first
+block, and a changed block's ``offset`` is where its stream starts relative to its group's. So a decoder
+finds each block's record without a pass over the payload first.
+Version 3 (version 2 sent each block's escape count instead of its offset, and no groups: decoders
+summed stream sizes first; version 1 had no ``exc_widths``: every exception entry took 17 bits).
 """
 
 import struct
@@ -34,13 +38,12 @@ from kernels import use_triton
 from kernels.delta import analyze_blocks_reference, pack_values_reference, stream_nbytes, unpack_values_reference
 
 MAGIC = b"DLTA"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<4sBBHIIQ")
 N_CHANGED_AT = 12  # byte offset of n_changed in the header
 FLAG_KEYFRAME = 1
 FLAG_FP16 = 2
 DTYPES = (torch.bfloat16, torch.float16)
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,8 @@ class _Layout:
     """Byte offsets of the delta sections after the header."""
 
     n_blocks: int
-    n_esc: int
+    groups: int
+    offsets: int
     exc_widths: int
     bitmaps: int
     values: int
@@ -65,16 +69,24 @@ class _Layout:
     @classmethod
     def of(cls, numel: int, n_changed: int, block_size: int) -> "_Layout":
         n_blocks = -(-numel // block_size)
-        n_esc = HEADER.size + n_blocks + (HEADER.size + n_blocks) % 2
-        exc_widths = n_esc + 2 * n_changed
+        groups = -(-(HEADER.size + n_blocks) // 4) * 4
+        offsets = groups + 8 * -(-n_blocks // kernels.group_blocks(block_size))
+        exc_widths = offsets + 2 * n_changed
         bitmaps = exc_widths + n_changed
-        return cls(n_blocks, n_esc, exc_widths, bitmaps, bitmaps + n_changed * block_size // 8)
+        return cls(n_blocks, groups, offsets, exc_widths, bitmaps, bitmaps + n_changed * block_size // 8)
 
 
 def _check_dtype(dtype, what: str) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"DeltaCodec codes bf16/fp16 parameters, got {what} of {dtype}; use "
                          f"--param-gather-compression none (or bf16 params) for other dtypes")
+
+
+def _check_numel(numel: int, block_size: int) -> None:
+    """The wire format's group entries count stream bytes in u32: a shard's streams must stay below 4 GiB."""
+    if -(-numel // block_size) * -(-kernels.MAX_WIDTH * block_size // 8) >= 2**32:
+        raise ValueError(f"DeltaCodec codes shards of fewer than ~2e9 values, got {numel}: use smaller buckets "
+                         f"(--ddp-bucket-size) or more data-parallel ranks")
 
 
 def _as_bits(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -92,6 +104,16 @@ def _bytes_after(t: torch.Tensor) -> int:
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
+
+
+def _little_endian(x: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The non-negative int64 ``x`` as ``nbytes``-byte little-endian fields (uint8, flat)."""
+    return ((x.reshape(-1, 1) >> (8 * torch.arange(nbytes, device=x.device))) & 0xFF).to(torch.uint8).view(-1)
+
+
+def _from_little_endian(fields: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """Inverse of ``_little_endian`` (int64; ``fields`` may start at any byte)."""
+    return (fields.to(torch.int64).view(-1, nbytes) << (8 * torch.arange(nbytes, device=fields.device))).sum(1)
 
 
 @dataclass
@@ -215,6 +237,7 @@ class DeltaCodec(ShardCodec):
         segmented = isinstance(shard, SegmentedShard)
         _check_dtype(shard.dtype, "shard")
         numel = shard.segments.padded_numel(b) if segmented else shard.numel()
+        _check_numel(numel, b)
         fp16_flag = FLAG_FP16 if shard.dtype == torch.float16 else 0
         if self._keyframe_due(numel, shard.device) or not use_triton(shard, self.triton) or not numel:
             bits = _as_bits(shard.padded(b) if segmented else shard, "shard")
@@ -241,6 +264,7 @@ class DeltaCodec(ShardCodec):
         _check_dtype(target.dtype, "shard")
         fp16_flag = FLAG_FP16 if target.dtype == torch.float16 else 0
         numel = target.segments.padded_numel(b) if segmented else target.numel()
+        _check_numel(numel, b)
         key = (numel, str(target.device))
         self._prev, self._casting = None, True  # the buffer is the state from now on
         for (member, _), n in zip(self._members, target.segments.numels if segmented else ()):
@@ -275,20 +299,24 @@ class DeltaCodec(ShardCodec):
 
     def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device) -> EncodeStart:
         """``begin_encode`` after the encode kernel: the payload's size and header on the device."""
+        header = self._delta_header(fp16_flag, numel, device)
+        rank_end, stream_end, nbytes, totals = self._sizes(e, numel, header)
+        self._totals = HostValues(totals) if self._totals is None else self._totals.update(totals)
+        return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, self._totals, fp16_flag, numel))
+
+    def _sizes(self, e: kernels.EncodedBlocks, numel: int, header: torch.Tensor) -> tuple:
+        """The prefix sums over blocks of changed flags and stream bytes, the payload size (int64 [1]) and the totals
+        (changed blocks, changed values, stream bytes), all on the device; n_changed written into ``header``."""
         b = self.config.block_size
-        # few, fused torch ops from here to the gather's size exchange: the host launching them is what
-        # the device waits for after the encode kernel (results/gpu/README.md, session 9)
         rank_end = torch.cumsum(e.changed, 0)
         stream_end = torch.cumsum(e.nbytes, 0)
         n_changed = rank_end[-1:]
-        # The layout of _Layout.of with n_changed on the device: sections after the codes grow by
+        # The layout of _Layout.of with n_changed on the device: sections after the group entries grow by
         # 2 + 1 + B / 8 bytes per changed block, then the value streams.
         nbytes = torch.add(stream_end[-1:], n_changed, alpha=3 + b // 8).add_(_Layout.of(numel, 0, b).values)
-        header = self._delta_header(fp16_flag, numel, device)
         header[N_CHANGED_AT:N_CHANGED_AT + 4].view(torch.int32).copy_(n_changed)
         totals = torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]])
-        self._totals = HostValues(totals) if self._totals is None else self._totals.update(totals)
-        return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, self._totals, fp16_flag, numel))
+        return rank_end, stream_end, nbytes, totals
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _CodedBlocks):
@@ -300,8 +328,8 @@ class DeltaCodec(ShardCodec):
             raise ValueError(f"finish_encode needs a buffer of the payload's {layout.values + n_value_bytes} bytes, "
                              f"got {out.numel()}")
         kernels.gather_records(c.blocks, c.rank_end, c.stream_end, out,
-                               self._header_bytes(c.fp16_flag, c.numel, n_changed),
-                               layout.n_esc, layout.exc_widths, layout.bitmaps, layout.values, b)
+                               self._header_bytes(c.fp16_flag, c.numel, n_changed), layout.groups, layout.offsets,
+                               layout.exc_widths, layout.bitmaps, layout.values, b)
         if self._blocks is c.blocks:  # the records go back to the allocator (stream-ordered after the gather)
             self._blocks = replace(c.blocks, records=None)
         self._record(out, c.numel, n_changed, n_values, False)
@@ -332,10 +360,17 @@ class DeltaCodec(ShardCodec):
         payload = torch.zeros(layout.values + n_value_bytes, dtype=torch.uint8, device=bits.device)
         payload[: HEADER.size] = self._header(fp16_flag, bits.numel(), changed.numel(), bits.device)
         payload[HEADER.size : HEADER.size + layout.n_blocks] = a.codes
-        payload[layout.n_esc : layout.exc_widths].view(torch.int16).copy_(a.n_esc[changed])
+        block_bytes = torch.zeros(layout.n_blocks, dtype=torch.int64, device=bits.device)
+        block_bytes[changed] = value_bytes
+        stream_at, rank = _exclusive_cumsum(block_bytes), _exclusive_cumsum((a.codes != 0).to(torch.int64))
+        group = kernels.group_blocks(b)
+        groups = torch.stack([rank[::group], stream_at[::group]], 1)
+        payload[layout.groups : layout.offsets] = _little_endian(groups, 4)
+        offsets = stream_at[changed] - stream_at[changed - changed % group]
+        payload[layout.offsets : layout.exc_widths] = _little_endian(offsets, 2)
         payload[layout.exc_widths : layout.bitmaps] = a.exc_widths[changed]
         payload[layout.bitmaps : layout.values].view(-1, b // 8).copy_(a.bitmaps[changed])
-        pack_values_reference(a, changed, _exclusive_cumsum(value_bytes), payload[layout.values :])
+        pack_values_reference(a, changed, stream_at[changed], payload[layout.values :])
         self._record(payload, bits.numel(), changed.numel(), n_values, False)
         return payload
 
@@ -391,15 +426,13 @@ class DeltaCodec(ShardCodec):
         if use_triton(bits, self.triton):  # sections read as 32-bit words from any payload offset
             if _bytes_after(payload) < self.read_slack_bytes:
                 payload = torch.cat([payload, payload.new_zeros(self.read_slack_bytes)])[:payload.numel()]
-            self._decode_rows(bits, self._payloads(payload, 1, 0, numel), layout.n_blocks, table, rank, -1)
+            kernels.decode_blocks(bits, self._payloads(payload, 1, 0, numel), b, table, rank)
             return
-        codes, n_esc, exc_widths, bitmaps, values = self._sections(payload, layout)
+        codes, groups, offsets, exc_widths, bitmaps, values = self._sections(payload, layout)
         changed = torch.nonzero(codes).squeeze(1)
-        n_esc = n_esc.clone().view(torch.int16)  # a copy: the payload may start at an odd offset
-        bitmaps = bitmaps.view(-1, b // 8)
-        counts = _POPCOUNT.to(payload.device)[bitmaps.to(torch.int64)].sum(1)
-        value_bytes = stream_nbytes(counts, codes[changed], n_esc, exc_widths)
-        unpack_values_reference(bits, changed, codes, exc_widths, bitmaps, _exclusive_cumsum(value_bytes), values, b)
+        group_streams = _from_little_endian(groups, 4).view(-1, 2)[:, 1]
+        value_offsets = group_streams[changed // kernels.group_blocks(b)] + _from_little_endian(offsets, 2)
+        unpack_values_reference(bits, changed, codes, exc_widths, bitmaps.view(-1, b // 8), value_offsets, values, b)
 
     def decode_gathered(self, target, gathered, stride, sizes, headers, skip) -> None:
         """On the Triton path every source's payload in one launch of each decode kernel (one source, keyframes and
@@ -419,27 +452,18 @@ class DeltaCodec(ShardCodec):
             return super().decode_gathered(target, gathered, stride, sizes, headers, skip)
         table = segments.block_table(b)
         payloads = self._payloads(gathered, len(sizes), stride, numel)
-        self._decode_rows(_as_bits(table[0], "output buffer"), payloads, -(-numel // b), table, 0, skip)
+        kernels.decode_blocks(_as_bits(table[0], "output buffer"), payloads, b, table, 0, skip)
 
     def _payloads(self, base: torch.Tensor, rows: int, stride: int, numel: int) -> kernels.Payloads:
-        sections_at = _Layout.of(numel, 0, self.config.block_size).n_esc  # n_esc, the first section after the codes
-        return kernels.Payloads(base, rows, stride, HEADER.size, N_CHANGED_AT, sections_at)
-
-    def _decode_rows(self, bits, payloads: kernels.Payloads, n_blocks: int, table, src_base: int, skip: int) -> None:
-        """The Triton decode of payload rows (``kernels.decode_blocks``): the prefix sums of every row at once."""
-        b = self.config.block_size
-        codes = torch.as_strided(payloads.base, (payloads.rows, n_blocks), (payloads.stride, 1),
-                                 payloads.base.storage_offset() + HEADER.size)
-        rank_end = torch.cumsum((codes != 0).reshape(-1), 0)  # over all rows: the kernels subtract each row's start
-        nbytes = kernels.stream_sizes(payloads, rank_end, b)
-        kernels.decode_blocks(bits, payloads, rank_end, torch.cumsum(nbytes, 0), nbytes, b, table, src_base, skip)
+        layout = _Layout.of(numel, 0, self.config.block_size)
+        return kernels.Payloads(base, rows, stride, layout.n_blocks, HEADER.size, N_CHANGED_AT, layout.groups)
 
     @staticmethod
     def _sections(payload: torch.Tensor, layout: "_Layout") -> tuple:
-        """codes, n_esc, exc_widths, bitmaps and value streams of a delta payload (views)."""
-        return (payload[HEADER.size : HEADER.size + layout.n_blocks], payload[layout.n_esc : layout.exc_widths],
-                payload[layout.exc_widths : layout.bitmaps], payload[layout.bitmaps : layout.values],
-                payload[layout.values :])
+        """codes, groups, offsets, exc_widths, bitmaps and value streams of a delta payload (views)."""
+        return (payload[HEADER.size : HEADER.size + layout.n_blocks], payload[layout.groups : layout.offsets],
+                payload[layout.offsets : layout.exc_widths], payload[layout.exc_widths : layout.bitmaps],
+                payload[layout.bitmaps : layout.values], payload[layout.values :])
 
     def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int, header) -> tuple:
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < HEADER.size:

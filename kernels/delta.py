@@ -10,10 +10,15 @@ Per block of ``B`` values:
 - ``bitmap``: ``B / 8`` bytes, bit ``i % 8`` of byte ``i // 8`` set if value ``i`` changed; the
   decoder gets the block's ``count`` of changed values by popcount;
 - ``exc_width``: the bit length of the block's largest ``v`` (0..17);
-- ``n_esc`` and the value stream: each changed value, in order, in a ``width``-bit slot; the slot
+- the value stream: each changed value, in order, in a ``width``-bit slot; the slot
   value ``2**width - 1`` is an escape whose ``v`` follows the slots in an exception list of
-  ``exc_width``-bit entries (escapes in order). So ``count * width + exc_width * n_esc`` bits,
-  little-endian (bit ``k`` of the stream is bit ``k % 8`` of byte ``k // 8``), padded to whole bytes.
+  ``exc_width``-bit entries (escapes in order). So ``count * width + exc_width * n_esc`` bits (``n_esc``
+  escapes), little-endian (bit ``k`` of the stream is bit ``k % 8`` of byte ``k // 8``), padded to whole bytes.
+
+Where each stream starts: blocks form groups of ``group_blocks(B)``; per group the number of changed blocks and
+of stream bytes before it (u32 each), per changed block its stream's start relative to its group's (u16: a group's
+streams span less than 64 KiB). So a decoder finds any block's record from its group's entry and the codes of the
+group's earlier blocks, with no pass over the whole payload first.
 
 ``width`` minimizes ``count * width + exc_width * n_esc(width)`` over 1..7 and 17 (the smallest on
 ties; 17 never escapes since ``v <= 131069``), and is 0 when every changed value has ``v = 0``. Width 1
@@ -32,10 +37,10 @@ Two implementations give identical bytes (``tests/test_delta.py`` checks it):
   counts, escapes, bitmaps, slot and exception values compacted per block; copies ``new`` into
   ``prev``), ``pack_values_reference`` (bit-packs the changed blocks' streams at byte offsets from a
   prefix sum) and ``unpack_values_reference`` (applies the deltas to ``out`` in place).
-- Triton kernels (the CUDA path, one host sync per encode and per decode): ``encode_blocks`` codes
-  every block into its own fixed-size row and updates ``prev`` in the same pass; ``gather_records``
-  moves the changed rows into the payload at offsets from prefix sums; ``stream_sizes`` and
-  ``decode_blocks`` decode in place.
+- Triton kernels (the CUDA path, one host sync per encode): ``encode_blocks`` codes every block into its
+  own fixed-size row and updates ``prev`` in the same pass; ``gather_records`` moves the changed rows into
+  the payload at offsets from prefix sums and writes the group entries; ``decode_blocks`` decodes in place,
+  one launch for every payload of a gather.
 """
 
 import struct
@@ -52,6 +57,17 @@ except ImportError:  # CPU-only installs: the references run everywhere
 MAX_WIDTH = 17  # bits of v = z - 1 < 2**17; also the width of an exception entry
 NARROW_WIDTHS = 7  # the widths 1..7 and 17 are the candidates (module docstring)
 WORD_READ_SLACK = 3  # decode_blocks reads the value streams as 32-bit words: up to 3 bytes past their end
+MAX_GROUP_BLOCKS = 64  # blocks per group (module docstring) at B <= 256; a decode program reads its group's codes
+
+
+def group_blocks(block_size: int) -> int:
+    """Blocks per group: the largest power of two <= MAX_GROUP_BLOCKS whose streams, all but the last of at most
+    ``ceil(17 B / 8)`` bytes, start within a u16 of the group's first (64 at B <= 256, 4 at B = 8192)."""
+    longest = -(-MAX_WIDTH * block_size // 8)
+    g = MAX_GROUP_BLOCKS
+    while (g - 1) * longest > 0xFFFF:
+        g //= 2
+    return g
 
 
 @dataclass
@@ -194,13 +210,14 @@ def unpack_values_reference(out, changed_blocks, codes, exc_widths, bitmaps, val
 
 # --- Triton kernels ----------------------------------------------------------------------------
 #
-# The CUDA path needs one host sync per encode (the payload size) and one per decode (the header):
+# The CUDA path needs one host sync per encode (the payload size; the decode's headers come with it):
 #   encode: _encode_kernel (every block: code, counts, bitmap and value stream into the block's
 #           fixed-size row of ``records``; updates ``prev``) -> prefix sums (torch) -> size sync ->
-#           _gather_kernel (codes, n_esc, bitmaps and streams of changed blocks into the payload).
-#   decode: header sync -> _stream_sizes_kernel (popcounts) -> prefix sum -> _decode_kernel.
-# _gather_kernel and _stream_sizes_kernel take a tile of blocks per program (one block each was
-# latency bound: a few live bytes per program). The others run one program per block of B values as
+#           _gather_kernel (codes, group entries, and offsets, bitmaps and streams of changed blocks
+#           into the payload).
+#   decode: _decode_kernel (each block finds its record through its group's entry).
+# _gather_kernel takes a tile of blocks per program (one block each was latency bound: a few live
+# bytes per program). The others run one program per block of B values as
 # rows of 8, a row per thread (num_warps = B / 256, at least 1): below B = 256 several threads hold
 # each row, and one thread's in-place store could overtake another's load of the same value (the
 # first Triton version, with two threads per value, failed on CUDA that way), so a barrier separates
@@ -375,28 +392,52 @@ if triton is not None:
         tl.store(exc_widths_ptr + b, exc_width.to(tl.uint8))
         tl.store(nbytes_ptr + b, ((nbits + 7) // 8).to(tl.int64))
 
-    @triton.jit(do_not_specialize=["header0", "header1", "header2", "n_esc_at", "exc_widths_at", "bitmaps_at",
-                                   "values_at"])
-    def _gather_kernel(records_ptr, codes_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr,
-                       n_blocks, payload_ptr, header0, header1, header2, n_esc_at, exc_widths_at, bitmaps_at, values_at,
-                       BLOCK: tl.constexpr, HEADER_BYTES: tl.constexpr, RECORD_BYTES: tl.constexpr,
-                       TILE: tl.constexpr, CHUNK: tl.constexpr):
+    @triton.jit
+    def _store_le(ptr, value, NBYTES: tl.constexpr, mask):
+        """The low NBYTES bytes of each int64 ``value`` at ``ptr``, little-endian, bytewise (payloads may start
+        at any byte)."""
+        k = tl.arange(0, NBYTES)[None, :]
+        tl.store(ptr[:, None] + k, ((value[:, None] >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask[:, None] & (k < NBYTES))
+
+    @triton.jit
+    def _load_le(ptr, NBYTES: tl.constexpr):
+        """Inverse of ``_store_le`` for one value (int64; scalar loads, which a reduction over a tensor of the
+        bytes would spread across the warp)."""
+        value = tl.load(ptr).to(tl.uint32)
+        for k in tl.static_range(1, NBYTES):
+            value |= tl.load(ptr + k).to(tl.uint32) << (8 * k)
+        return value.to(tl.int64)
+
+    @triton.jit(do_not_specialize=["header0", "header1", "header2", "groups_at", "offsets_at", "exc_widths_at",
+                                   "bitmaps_at", "values_at"])
+    def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr,
+                       n_blocks, payload_ptr, header0, header1, header2, groups_at, offsets_at, exc_widths_at,
+                       bitmaps_at, values_at, BLOCK: tl.constexpr, GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr,
+                       RECORD_BYTES: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
         pid = tl.program_id(0)
-        t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad byte
+        t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad bytes
         word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), header2.to(tl.int64)))
         tl.store(payload_ptr + t, ((word >> (8 * (t % 8))) & 0xFF).to(tl.uint8), mask=(t < HEADER_BYTES) & (pid == 0))
         pad_at = HEADER_BYTES + n_blocks
-        tl.store(payload_ptr + pad_at + t, tl.zeros([32], dtype=tl.uint8), mask=(pad_at + t < n_esc_at) & (pid == 0))
+        tl.store(payload_ptr + pad_at + t, tl.zeros([32], dtype=tl.uint8), mask=(pad_at + t < groups_at) & (pid == 0))
         b = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
         inside = b < n_blocks
         code = tl.load(codes_ptr + b, mask=inside, other=0)
         tl.store(payload_ptr + HEADER_BYTES + b, code, mask=inside)
         changed = code != 0
-        rank = tl.load(rank_end_ptr + b, mask=changed, other=1) - 1
-        n_esc = tl.load(n_esc_ptr + b, mask=changed, other=0)
-        two = tl.arange(0, 2)[None, :]
-        tl.store(payload_ptr + n_esc_at + 2 * rank[:, None] + two, ((n_esc[:, None] >> (8 * two)) & 0xFF).to(tl.uint8),
-                 mask=changed[:, None] & (two < 2))
+        nbytes = tl.load(nbytes_ptr + b, mask=changed, other=0)
+        rank_end = tl.load(rank_end_ptr + b, mask=inside, other=0)
+        stream_at = tl.load(stream_end_ptr + b, mask=inside, other=0) - nbytes  # unchanged blocks: 0 bytes
+        # a group's entry from its first block: changed blocks and stream bytes before it
+        first = inside & (b % GROUP == 0)
+        entry = payload_ptr + groups_at + 8 * (b // GROUP)
+        _store_le(entry, rank_end - changed.to(tl.int64), 4, first)
+        _store_le(entry + 4, stream_at, 4, first)
+        rank = rank_end - 1
+        group_start = b - b % GROUP
+        group_stream = tl.load(stream_end_ptr + group_start, mask=changed, other=0) - tl.load(
+            nbytes_ptr + group_start, mask=changed, other=0)
+        _store_le(payload_ptr + offsets_at + 2 * rank, stream_at - group_stream, 2, changed)
         tl.store(payload_ptr + exc_widths_at + rank, tl.load(exc_widths_ptr + b, mask=changed), mask=changed)
         record = records_ptr + b[:, None] * RECORD_BYTES
         j = tl.arange(0, BLOCK // 8)[None, :]
@@ -405,8 +446,7 @@ if triton is not None:
                  mask=bitmap_mask)
         # only the live bytes of each stream: CHUNK-byte columns up to the tile's longest stream (a
         # fixed 17 B / 8-byte row per block left ~90% of the lanes masked off)
-        nbytes = tl.load(nbytes_ptr + b, mask=changed, other=0)
-        start = payload_ptr + values_at + tl.load(stream_end_ptr + b, mask=changed, other=0) - nbytes
+        start = payload_ptr + values_at + stream_at
         stream = record + BLOCK // 8
         s = tl.arange(0, CHUNK)[None, :]
         longest = tl.max(nbytes, axis=0)  # 0 in a tile of unchanged blocks
@@ -420,58 +460,16 @@ if triton is not None:
             chunk += 1
 
     @triton.jit
-    def _read_n_esc(n_esc_ptr, rank, changed):
-        lo = tl.load(n_esc_ptr + 2 * rank, mask=changed, other=0).to(tl.int32)
-        return lo | (tl.load(n_esc_ptr + 2 * rank + 1, mask=changed, other=0).to(tl.int32) << 8)
-
-    @triton.jit
-    def _popcount_bytes(x):
-        """Set bits of each 0 <= x < 256 (int32), SWAR: no libdevice, so the interpreter runs it too."""
-        x = x - ((x >> 1) & 0x55)
-        x = (x & 0x33) + ((x >> 2) & 0x33)
-        return (x + (x >> 4)) & 0x0F
-
-    @triton.jit
-    def _payload_sections(payload, n_changed_at, sections_at, BLOCK: tl.constexpr):
-        """Byte offsets in one delta payload of its n_esc, exc_widths, bitmaps and value-stream sections, which
-        follow each other from ``sections_at`` with 2, 1 and B / 8 bytes per changed block (compression/delta.py's
-        _Layout); n_changed comes from the payload's header (a u32 at ``n_changed_at``, read bytewise: payloads
-        may start at any byte)."""
-        at = payload + n_changed_at
-        n_changed = (tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)
-                     | (tl.load(at + 2).to(tl.int32) << 16) | (tl.load(at + 3).to(tl.int32) << 24)).to(tl.int64)
-        exc_widths = sections_at + 2 * n_changed
+    def _payload_sections(payload, n_changed_at, groups_at, n_blocks, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+        """Byte offsets in one delta payload of its offsets, exc_widths, bitmaps and value-stream sections, which
+        follow its group entries (8 bytes per group of GROUP blocks, from ``groups_at``) with 2, 1 and B / 8 bytes
+        per changed block (compression/delta.py's _Layout); n_changed comes from the payload's header (a u32 at
+        ``n_changed_at``)."""
+        n_changed = _load_le(payload + n_changed_at, 4)
+        offsets = groups_at + 8 * ((n_blocks + GROUP - 1) // GROUP)
+        exc_widths = offsets + 2 * n_changed
         bitmaps = exc_widths + n_changed
-        return sections_at, exc_widths, bitmaps, bitmaps + n_changed * (BLOCK // 8)
-
-    @triton.jit
-    def _row_start(prefix_ptr, row, n_blocks):
-        """What an inclusive prefix sum over all rows' blocks (flat) holds before ``row``'s first block: one scan over
-        every row (torch's scan along the last dim of a few long rows is several times slower)."""
-        return tl.load(prefix_ptr + row * n_blocks - 1, mask=row > 0, other=0)
-
-    @triton.jit
-    def _stream_sizes_kernel(payload_ptr, payload_stride, codes_at, n_changed_at, sections_at, rank_end_ptr,
-                             nbytes_ptr, n_blocks, BLOCK: tl.constexpr, TILE: tl.constexpr):
-        # payload row = program_id(1), at row * payload_stride. The bitmaps of a tile's changed blocks are
-        # contiguous: one coalesced [TILE, B / 8] byte load (one block per program, one byte per lane, used 3 of
-        # 32 bytes per sector)
-        row = tl.program_id(1).to(tl.int64)
-        payload = payload_ptr + row * payload_stride
-        n_esc_at, exc_widths_at, bitmaps_at, _ = _payload_sections(payload, n_changed_at, sections_at, BLOCK)
-        b = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-        inside = b < n_blocks
-        code = tl.load(payload + codes_at + b, mask=inside, other=0).to(tl.int32)
-        changed = code != 0
-        rank = tl.load(rank_end_ptr + row * n_blocks + b, mask=changed, other=1) - 1 - _row_start(rank_end_ptr, row,
-                                                                                                  n_blocks)
-        j = tl.arange(0, BLOCK // 8)[None, :]
-        bitmap = tl.load(payload + bitmaps_at + rank[:, None] * (BLOCK // 8) + j,
-                         mask=changed[:, None] & (j < BLOCK // 8), other=0)
-        count = tl.sum(_popcount_bytes(bitmap.to(tl.int32)), axis=1)
-        exc_width = tl.load(payload + exc_widths_at + rank, mask=changed, other=0).to(tl.int32)
-        nbits = count * tl.maximum(code - 1, 0) + exc_width * _read_n_esc(payload + n_esc_at, rank, changed)
-        tl.store(nbytes_ptr + row * n_blocks + b, ((nbits + 7) // 8).to(tl.int64), mask=inside)
+        return offsets, exc_widths, bitmaps, bitmaps + n_changed * (BLOCK // 8)
 
     @triton.jit
     def _load_bits(words_ptr, bitpos, width, mask):
@@ -511,8 +509,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["base_misalign", "src_base", "skip_rank"])
     def _decode_kernel(out_ptr, numel, start_ptr, stride_ptr, valid_ptr, payload_ptr, payload_stride, base_misalign,
-                       codes_at, n_changed_at, sections_at, src_base, skip_rank, rank_end_ptr, stream_end_ptr,
-                       nbytes_ptr, n_blocks, BLOCK: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr):
+                       codes_at, n_changed_at, groups_at, src_base, skip_rank, n_blocks, BLOCK: tl.constexpr,
+                       GROUP: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr):
         # rows of 8 values, a row per thread, as in _encode_kernel. program_id(1) picks the source rank: src_base
         # and up, ``skip_rank`` skipped; its payload is row src - src_base, at that many payload_strides. The
         # value streams are read as 32-bit words from the 4-byte boundary at or before their first byte,
@@ -525,9 +523,15 @@ if triton is not None:
         payload = payload_ptr + row * payload_stride
         code = tl.load(payload + codes_at + b).to(tl.int32)
         if code != 0:
-            _, exc_widths_at, bitmaps_at, values_at = _payload_sections(payload, n_changed_at, sections_at, BLOCK)
+            offsets_at, exc_widths_at, bitmaps_at, values_at = _payload_sections(payload, n_changed_at, groups_at,
+                                                                                 n_blocks, BLOCK, GROUP)
             width = code - 1
-            rank = tl.load(rank_end_ptr + row * n_blocks + b) - 1 - _row_start(rank_end_ptr, row, n_blocks)
+            # the block's record: its group's entry plus the changed blocks of the group before it
+            in_group = (b % GROUP).to(tl.int32)
+            k = tl.arange(0, GROUP)
+            earlier = tl.load(payload + codes_at + (b - in_group) + k, mask=k < in_group, other=0)
+            entry = payload + groups_at + 8 * (b // GROUP)
+            rank = _load_le(entry, 4) + tl.sum((earlier != 0).to(tl.int32), axis=0)
             r = tl.arange(0, ROWS)
             j = tl.arange(0, 8)[None, :]
             idx, inside = _block_values(b, r[:, None] * 8 + j, numel, start_ptr, stride_ptr, valid_ptr, src, BLOCK,
@@ -545,8 +549,7 @@ if triton is not None:
             row_start = tl.cumsum(row_count, axis=0) - row_count
             exc_width = tl.load(payload + exc_widths_at + rank).to(tl.int32)
             values_lead = (base_misalign + row * payload_stride + values_at) & 3
-            stream_at = (tl.load(stream_end_ptr + row * n_blocks + b) - tl.load(nbytes_ptr + row * n_blocks + b)
-                         - _row_start(stream_end_ptr, row, n_blocks) + values_lead)
+            stream_at = _load_le(entry + 4, 4) + _load_le(payload + offsets_at + 2 * rank, 2) + values_lead
             stream_words = (payload + values_at - values_lead).to(tl.pointer_type(tl.int32)) + (stream_at >> 2)
             base = (stream_at & 3).to(tl.int32) * 8
             if tl.max(row_count, axis=0) * width <= 64:
@@ -589,7 +592,7 @@ def _num_warps(block_size: int) -> int:
 
 
 def _tile_blocks(block_size: int) -> int:
-    """Blocks per program of the gather and stream-size kernels: 1024 bitmap bytes (fewer for B < 256),
+    """Blocks per program of the gather kernel: 1024 bitmap bytes (fewer for B < 256),
     8 per thread of 4 warps (16 needed 141 registers); 10^4 blocks of 256 still make 313 programs."""
     return max(1, min(32, 1024 // (block_size // 8)))
 
@@ -671,65 +674,53 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
     return e
 
 
-def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: bytes, n_esc_at, exc_widths_at,
-                   bitmaps_at, values_at, block_size: int) -> None:
-    """Triton: write ``header`` (24 bytes), the pad byte, the codes, and n_esc, exc_width, bitmap and stream of each
-    changed block into ``payload`` (uint8) at the given section offsets; ``rank_end``/``stream_end``
-    are inclusive prefix sums over blocks of (code != 0) and ``nbytes``."""
+def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: bytes, groups_at, offsets_at,
+                   exc_widths_at, bitmaps_at, values_at, block_size: int) -> None:
+    """Triton: write ``header`` (24 bytes), the pad bytes, the codes, the group entries, and the stream offset,
+    exc_width, bitmap and stream of each changed block into ``payload`` (uint8) at the given section offsets;
+    ``rank_end``/``stream_end`` are inclusive prefix sums over blocks of (code != 0) and ``nbytes``."""
     n_blocks = e.codes.numel()
     if not n_blocks:  # an empty shard: the payload is the header
         payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return
     tile, (chunk, warps) = _tile_blocks(block_size), _gather_launch(block_size)
     _gather_kernel[(triton.cdiv(n_blocks, tile),)](
-        e.records.view(torch.uint8), e.codes, e.n_esc, e.exc_widths, e.nbytes, rank_end, stream_end, n_blocks, payload,
-        *struct.unpack("<3q", header), n_esc_at, exc_widths_at, bitmaps_at, values_at,
-        BLOCK=block_size, HEADER_BYTES=len(header), RECORD_BYTES=4 * e.records.shape[1], TILE=tile,
-        CHUNK=chunk, num_warps=warps)
+        e.records.view(torch.uint8), e.codes, e.exc_widths, e.nbytes, rank_end, stream_end, n_blocks, payload,
+        *struct.unpack("<3q", header), groups_at, offsets_at, exc_widths_at, bitmaps_at, values_at,
+        BLOCK=block_size, GROUP=group_blocks(block_size), HEADER_BYTES=len(header),
+        RECORD_BYTES=4 * e.records.shape[1], TILE=tile, CHUNK=chunk, num_warps=warps)
 
 
 @dataclass
 class Payloads:
-    """Delta payloads for the decode kernels: ``rows`` of them, row k at ``base[k * stride:]`` (uint8; one payload, or
-    every rank's in a gather's receive buffer). Their sections, from compression/delta.py's wire format: the codes
-    at byte ``codes_at``, n_changed (u32) at ``n_changed_at``, then n_esc, exc_widths, bitmaps and the value streams
-    one after another from ``sections_at`` (which depends only on the shard's size). The last row needs
-    WORD_READ_SLACK readable bytes after its payload (the value streams are read as 32-bit words)."""
+    """Delta payloads for the decode kernel: ``rows`` of them, row k at ``base[k * stride:]`` (uint8; one payload, or
+    every rank's in a gather's receive buffer), each of ``n_blocks`` blocks. Their sections, from compression/delta.py's
+    wire format: the codes at byte ``codes_at``, n_changed (u32) at ``n_changed_at``, the group entries from
+    ``groups_at`` (which depends only on the shard's size), then offsets, exc_widths, bitmaps and the value streams.
+    The last row needs WORD_READ_SLACK readable bytes after its payload (the value streams are read as 32-bit
+    words)."""
 
     base: torch.Tensor
     rows: int
     stride: int
+    n_blocks: int
     codes_at: int
     n_changed_at: int
-    sections_at: int
-
-    def args(self) -> tuple:
-        return self.base, self.stride, self.codes_at, self.n_changed_at, self.sections_at
+    groups_at: int
 
 
-def stream_sizes(payloads: Payloads, rank_end: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Triton: value stream bytes of every block of every payload row (0 if unchanged; int64 [rows * n_blocks], row
-    after row); ``rank_end``: the inclusive prefix sum of the rows' changed-block flags, flat in the same order."""
-    nbytes = torch.empty(rank_end.shape, dtype=torch.int64, device=rank_end.device)
-    n_blocks, tile = rank_end.numel() // payloads.rows, _tile_blocks(block_size)
-    if n_blocks:
-        _stream_sizes_kernel[(triton.cdiv(n_blocks, tile), payloads.rows)](
-            *payloads.args(), rank_end, nbytes, n_blocks, BLOCK=block_size, TILE=tile, num_warps=4)
-    return nbytes
-
-
-def decode_blocks(out, payloads: Payloads, rank_end, stream_end, nbytes, block_size: int, table=None,
-                  src_base: int = 0, skip_rank: int = -1) -> None:
+def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base: int = 0,
+                  skip_rank: int = -1) -> None:
     """Triton: apply the deltas of payload rows to ``out`` (int16 view of the previous values): row k is source rank
     ``src_base + k``, and every row but ``skip_rank``'s (-1: none) is decoded, all in one launch. Plain (``table``
     None): ``out`` is the source's shard (one row); segmented, as in ``encode_blocks``: ``out`` is the table's base
-    and each source's slices are decoded. ``rank_end``, ``stream_end`` (inclusive prefix sums of the changed-block
-    flags and of ``nbytes``) and ``nbytes``: int64 [rows * n_blocks], row after row."""
+    and each source's slices are decoded."""
     pointers, flags = _table_args(out, table)
-    n_blocks, sources = rank_end.numel() // payloads.rows, payloads.rows - (0 <= skip_rank - src_base < payloads.rows)
-    if n_blocks and sources:
-        _decode_kernel[(n_blocks, sources)](out, out.numel(), *pointers, payloads.base, payloads.stride,
-                                            payloads.base.data_ptr() % 4, *payloads.args()[2:], src_base, skip_rank,
-                                            rank_end, stream_end, nbytes, n_blocks,
-                                            BLOCK=block_size, num_warps=_num_warps(block_size),
-                                            maxnreg=_max_registers("decode", block_size), **flags)
+    p = payloads
+    sources = p.rows - (0 <= skip_rank - src_base < p.rows)
+    if p.n_blocks and sources:
+        _decode_kernel[(p.n_blocks, sources)](out, out.numel(), *pointers, p.base, p.stride, p.base.data_ptr() % 4,
+                                              p.codes_at, p.n_changed_at, p.groups_at, src_base, skip_rank,
+                                              p.n_blocks, BLOCK=block_size, GROUP=group_blocks(block_size),
+                                              num_warps=_num_warps(block_size),
+                                              maxnreg=_max_registers("decode", block_size), **flags)

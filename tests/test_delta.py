@@ -108,7 +108,7 @@ def test_unchanged_shard_costs_a_byte_per_block():
     payload = codec.encode(x.clone())
     stats = codec.last_stats
     assert stats["blocks_total"] == 40 and stats["blocks_changed"] == 0 and stats["values_changed"] == 0
-    assert payload.numel() == 24 + 40  # header + one code byte per block
+    assert payload.numel() == 24 + 40 + 8  # header, one code byte per block, the entry of the one group (64 blocks)
 
 
 def test_all_changed_stays_bounded_and_counts_are_right():
@@ -119,8 +119,9 @@ def test_all_changed_stays_bounded_and_counts_are_right():
     payload = codec.encode(as_float(b, torch.bfloat16))
     assert codec.last_stats["values_changed"] == int((a != b).sum())
     assert codec.last_stats["blocks_changed"] == 8
-    # worst case: 17 bits per value plus the bitmap, escape counts and codes
-    assert payload.numel() <= 24 + 8 + 8 * (2 + 16) + (1000 * 17 + 7) // 8 + 8
+    # worst case: 17 bits per value (whole bytes per block here) plus the codes, the one group entry and per block
+    # the offset, exception width and bitmap
+    assert payload.numel() <= 24 + 8 + 8 + 8 * (2 + 1 + 16) + (1000 * 17 + 7) // 8
 
 
 def test_ranks_decode_each_other_over_many_steps():
@@ -185,10 +186,13 @@ def test_bad_input_is_rejected():
         codec.decode(2, payload, torch.zeros(10, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="magic"):
         codec.decode(0, torch.zeros(40, dtype=torch.uint8), torch.zeros(10, dtype=torch.bfloat16))
-    version1 = payload.clone()
-    version1[4] = 1  # format version 1 had 17-bit exception entries: refused, not misread
-    with pytest.raises(ValueError, match="version 1"):
-        codec.decode(0, version1, torch.zeros(10, dtype=torch.bfloat16))
+    for version in (1, 2):  # 17-bit exception entries, escape counts instead of offsets: refused, not misread
+        old_version = payload.clone()
+        old_version[4] = version
+        with pytest.raises(ValueError, match=f"version {version}"):
+            codec.decode(0, old_version, torch.zeros(10, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="--ddp-bucket-size"):  # stream bytes past the group entries' u32
+        codec.encode(torch.zeros(1, dtype=torch.bfloat16).expand(2**31))
 
 
 def test_wire_ratio_on_simulated_adamw():
@@ -392,10 +396,11 @@ def _reference_records(prev: torch.Tensor, bits: torch.Tensor, block_size: int, 
 
 
 def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5), (1024, 34 * 1024 - 100))):
-    """``gather_records`` and ``stream_sizes`` run a tile of blocks per program (32 of B = 32, 8 of B = 1024):
-    grids of several programs with a partial last tile, on every step of the trajectory (all unchanged,
-    mixed, all changed), give the reference payload bytes and stream sizes (also from a payload at an odd
-    offset). Their inputs come from the references: the interpreted block kernels would take minutes here."""
+    """``gather_records`` runs a tile of blocks per program (32 of B = 32, 8 of B = 1024): grids of several programs
+    with a partial last tile and group (64 blocks of B = 32, 16 of B = 1024), on every step of the trajectory (all
+    unchanged, mixed, all changed), give the reference payload bytes, which the decode kernel decodes (also from a
+    payload at an odd offset). Its inputs come from the references: the interpreted encode kernel would take minutes
+    here."""
     for block_size, n in cases:
         ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
         steps = trajectory(n, seed=n)
@@ -406,13 +411,16 @@ def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5),
             rank_end, stream_end = torch.cumsum(e.codes != 0, 0), torch.cumsum(e.nbytes, 0)
             layout = _Layout.of(n, int(rank_end[-1]), block_size)
             gathered = torch.full_like(payload, 0x5A, device=device)
-            kernels.gather_records(e, rank_end, stream_end, gathered, bytes(payload[:24].tolist()), layout.n_esc,
-                                   layout.exc_widths, layout.bitmaps, layout.values, block_size)
+            kernels.gather_records(e, rank_end, stream_end, gathered, bytes(payload[:24].tolist()), layout.groups,
+                                   layout.offsets, layout.exc_widths, layout.bitmaps, layout.values, block_size)
             assert torch.equal(gathered.cpu(), payload), (block_size, step, _first_difference(payload, gathered.cpu()))
-            for p in (payload.to(device), torch.cat([payload.new_zeros(1), payload]).to(device)[1:]):
-                rows = kernels.Payloads(p, 1, 0, 24, 12, layout.n_esc)
-                sizes = kernels.stream_sizes(rows, rank_end.to(device), block_size)
-                assert torch.equal(sizes.cpu(), e.nbytes.cpu()), (block_size, step)
+            with_slack = torch.cat([payload.new_zeros(1), payload, payload.new_zeros(kernels.WORD_READ_SLACK)])
+            for at in (0, 1):  # the payload at an even and at an odd offset
+                p = with_slack[1 - at:].to(device)[at:at + payload.numel()]
+                out = prev.clone().to(device)
+                kernels.decode_blocks(out, kernels.Payloads(p, 1, 0, layout.n_blocks, 24, 12, layout.groups),
+                                      block_size)
+                assert torch.equal(out.cpu(), bits), (block_size, step)
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -551,8 +559,8 @@ def test_triton_matches_reference_interpreted():
 def test_cuda_diagnostic_matches_reference_emulated():
     """benchmarks/diag_delta_cuda.py's CUDA C++ block kernels (a GPU experiment, not the codec's path), compiled by g++
     with their warp intrinsics emulated and swapped in under the production codec: payloads byte for byte the
-    reference's (every pattern, jumps across zero, every block density, the AdamW steps), decodes bit-exact, with
-    both of the decoder's load orders."""
+    reference's (every pattern, jumps across zero, every block density, the AdamW steps; a partial second group of
+    blocks), decodes bit-exact."""
     pytest.importorskip("triton")
     if shutil.which("g++") is None:
         pytest.skip("needs g++ for the CPU emulation")
@@ -560,7 +568,7 @@ def test_cuda_diagnostic_matches_reference_emulated():
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "diag_delta_cuda.py"), "--check-only"],
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "checked 24 pairs byte for byte" in result.stdout
+    assert "checked 12 pairs byte for byte" in result.stdout
 
 
 def test_fused_cast_bench_matches_production_interpreted():

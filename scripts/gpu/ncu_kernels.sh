@@ -8,7 +8,7 @@ set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
 source scripts/gpu/ncu_profile.sh
 $NCU --version | tail -1
-profile delta_encode "_encode_kernel|_stream_sizes_kernel" 4 4 python3 benchmarks/bench_delta_kernels.py --lrs 1e-4 --repeats 3 --out $RES/ncu_delta_bench.json
+profile delta_encode "_encode_kernel|_gather_kernel" 4 4 python3 benchmarks/bench_delta_kernels.py --lrs 1e-4 --repeats 3 --out $RES/ncu_delta_bench.json
 profile delta_decode "_decode_kernel" 2 1 python3 benchmarks/bench_delta_kernels.py --lrs 1e-4 --repeats 3 --out $RES/ncu_delta_bench.json
 profile taco "_taco_encode_kernel|_taco_decode_kernel" 4 6 python3 benchmarks/bench_taco_kernels.py --sizes-mib 64 --format int8 --reference-max-mib 0 --out $RES/ncu_taco_bench.json
 profile ciera "_split_blocks_kernel|_merge_kernel" 4 6 python3 benchmarks/bench_ciera_kernels.py --lrs 1e-4 --repeats 3 --out $RES/ncu_ciera_bench.json
