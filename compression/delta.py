@@ -146,6 +146,7 @@ class DeltaCodec(ShardCodec):
         self._header_cache = None  # (key, device header) of _delta_header
         self._blocks = None  # kernels.EncodedBlocks of the last encode (its per-block fields are reused)
         self._totals = None  # HostValues of the totals
+        self._sizes_graph = None  # (key, CUDA graph, outputs) of _sizes_replayed
         self._members = []  # of a fused codec: (member codec, its view of this one's sender copy)
         self._buffer_segments = None  # the last bucket buffer decoded by decode_gathered, as Segments
         # CastShard encodes code against the parameter buffer itself and keep no sender copy: _casting once one ran
@@ -300,7 +301,8 @@ class DeltaCodec(ShardCodec):
     def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device) -> EncodeStart:
         """``begin_encode`` after the encode kernel: the payload's size and header on the device."""
         header = self._delta_header(fp16_flag, numel, device)
-        rank_end, stream_end, nbytes, totals = self._sizes(e, numel, header)
+        sizes = self._sizes_replayed if e.codes.is_cuda else self._sizes
+        rank_end, stream_end, nbytes, totals = sizes(e, numel, header)
         self._totals = HostValues(totals) if self._totals is None else self._totals.update(totals)
         return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, self._totals, fp16_flag, numel))
 
@@ -317,6 +319,24 @@ class DeltaCodec(ShardCodec):
         header[N_CHANGED_AT:N_CHANGED_AT + 4].view(torch.int32).copy_(n_changed)
         totals = torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]])
         return rank_end, stream_end, nbytes, totals
+
+    def _sizes_replayed(self, e: kernels.EncodedBlocks, numel: int, header: torch.Tensor) -> tuple:
+        """``_sizes`` as one CUDA graph: its seven torch launches cost the host more than the device work they queue,
+        and they sit between the encode kernel and the gather's size exchange. Captured after an eager call for the
+        per-block tensors (which ``empty_blocks`` reuses across encodes of a shape) and header it reads and writes;
+        its outputs are the graph's, overwritten by the next replay (one encode in flight, as for ``_blocks``)."""
+        key = (e.changed.data_ptr(), e.nbytes.data_ptr(), e.counts.data_ptr(), e.codes.numel(), numel,
+               header.data_ptr())
+        if self._sizes_graph is not None and self._sizes_graph[0] == key:
+            _, graph, outputs = self._sizes_graph
+            graph.replay()
+            return outputs
+        outputs = self._sizes(e, numel, header)  # this encode's sizes, and the warm-up of the capture
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: NCCL's watchdog thread keeps querying its events while this thread captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._sizes_graph = (key, graph, self._sizes(e, numel, header))
+        return outputs
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _CodedBlocks):

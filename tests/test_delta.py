@@ -215,7 +215,8 @@ def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 10
                                                             (torch.float16, 256, 200), (torch.bfloat16, 32, 0))):
     """Same payload bytes, same sender state and same decoded bits from the Triton path as from the
     references, step after step (keyframe, unchanged, small moves, jumps between special patterns,
-    all changed, sparse moves), for every block size case given."""
+    all changed, sparse moves), for every block size case given; on CUDA the encodes after the first delta replay
+    the sizes' CUDA graph."""
     for dtype, block_size, n in cases:
         ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
         tri = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=True)
@@ -245,6 +246,8 @@ def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 10
                 tri.decode(0, moved[lead:lead + payload.numel()], out_tri)
                 assert_same_bits(out_tri.cpu(), bits)
             previous = bits
+        if device == "cuda" and n:  # the encodes after the first delta replayed its sizes' CUDA graph
+            assert tri._sizes_graph is not None and tri._sizes_graph[0][0] == tri._blocks.changed.data_ptr()
 
 
 # (dtype, block size, bucket shard sizes, values before the first bucket): unaligned and aligned block tables
