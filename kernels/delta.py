@@ -226,6 +226,7 @@ def unpack_values_reference(out, changed_blocks, codes, exc_widths, bitmaps, val
 if triton is not None:
     _NARROW_WIDTHS = tl.constexpr(NARROW_WIDTHS)
     _MAX_WIDTH = tl.constexpr(MAX_WIDTH)
+    _NO_ESCAPE = tl.constexpr(1 << MAX_WIDTH)  # above every v
 
     @triton.jit
     def _ordered(s):
@@ -271,14 +272,15 @@ if triton is not None:
         return tl.where(trivial, 0, width), tl.where(trivial, 0, n_esc), count, exc_width
 
     @triton.jit
-    def _or_bits(stream_ptr, value, bitpos, present):
-        """OR each present value (< 2**17) into the 32-bit stream words at bit ``bitpos``: its shifted 64-bit
-        window spans word ``bitpos >> 5`` and possibly the next. Relaxed atomics (the L2 combines them)."""
+    def _or_bits(stream_ptr, value, bitpos):
+        """OR each value (< 2**17) into the 32-bit stream words at bit ``bitpos``: its shifted 64-bit window spans
+        word ``bitpos >> 5`` and possibly the next; absent values are 0 and send nothing (their bit positions are
+        never used). Relaxed atomics (the L2 combines them)."""
         word = stream_ptr + (bitpos >> 5)
         placed = value.to(tl.int64) << (bitpos & 31)
         lo, hi = placed.to(tl.int32), (placed >> 32).to(tl.int32)
-        tl.atomic_or(word, lo, mask=present & (lo != 0), sem="relaxed")
-        tl.atomic_or(word + 1, hi, mask=present & (hi != 0), sem="relaxed")
+        tl.atomic_or(word, lo, mask=lo != 0, sem="relaxed")
+        tl.atomic_or(word + 1, hi, mask=hi != 0, sem="relaxed")
 
     @triton.jit
     def _or_rows(stream_ptr, values, slots, width, first_bit, row_bits):
@@ -359,7 +361,8 @@ if triton is not None:
         v = z - 1
         width, n_esc, count, exc_width = _best_width(z)
         escape = (1 << width) - 1
-        escaped = changed & (width > 0) & (v >= escape)
+        # unchanged values have v = -1, and width 0 escapes nothing: a bound above every v there
+        escaped = v >= tl.where(width > 0, escape, _NO_ESCAPE)
         both = changed.to(tl.int32) | (escaped.to(tl.int32) << 16)  # changed and escaped counts, both < 2**14
         in_row = tl.cumsum(both, axis=1) - both  # exclusive ranks within the row
         row_both = tl.sum(both, axis=1)
@@ -374,8 +377,8 @@ if triton is not None:
         tl.store(stream + i, tl.zeros([ROWS, 8], dtype=tl.int32), mask=(r[:, None] * 256 < nbits) & (j < 8))
         tl.debug_barrier()  # every thread has read prev before it is overwritten, and the zeros are stored
         tl.store(prev_ptr + idx, new16, mask=inside)
-        slot = tl.where(changed, tl.minimum(v, escape), 0)
-        exception = tl.where(escaped, v, 0)
+        slot = tl.maximum(tl.minimum(v, escape), 0)  # 0 where unchanged (v = -1)
+        exception = v * (both >> 16)  # v where escaped, else 0
         row_bits = tl.maximum((row_both & 0xFFFF) * width, (row_both >> 16) * exc_width)
         if tl.max(row_bits, axis=0) <= 64:  # narrow widths: every block of the steady state
             _or_rows(stream, slot, in_row & 0xFFFF, width, (row_start & 0xFFFF) * width, (row_both & 0xFFFF) * width)
@@ -383,8 +386,8 @@ if triton is not None:
                      (row_both >> 16) * exc_width)
         else:
             ranks = row_start[:, None] + in_row
-            _or_bits(stream, slot, (ranks & 0xFFFF) * width, changed)
-            _or_bits(stream, exception, exc_start + (ranks >> 16) * exc_width, escaped)
+            _or_bits(stream, slot, (ranks & 0xFFFF) * width)
+            _or_bits(stream, exception, exc_start + (ranks >> 16) * exc_width)
         tl.store(codes_ptr + b, tl.where(count > 0, width + 1, 0).to(tl.uint8))
         tl.store(changed_ptr + b, (count > 0).to(tl.int64))
         tl.store(counts_ptr + b, count)
@@ -400,9 +403,13 @@ if triton is not None:
         tl.store(ptr[:, None] + k, ((value[:, None] >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask[:, None] & (k < NBYTES))
 
     @triton.jit
-    def _load_le(ptr, NBYTES: tl.constexpr):
+    def _load_le(ptr, NBYTES: tl.constexpr, ALIGNED: tl.constexpr = False):
         """Inverse of ``_store_le`` for one value (int64; scalar loads, which a reduction over a tensor of the
-        bytes would spread across the warp)."""
+        bytes would spread across the warp). ``ALIGNED``: ``ptr`` is a multiple of NBYTES (2 or 4), read as one
+        word (the GPU is little-endian)."""
+        if ALIGNED:
+            word = tl.uint32 if NBYTES == 4 else tl.uint16
+            return tl.load(ptr.to(tl.pointer_type(word))).to(tl.int64)
         value = tl.load(ptr).to(tl.uint32)
         for k in tl.static_range(1, NBYTES):
             value |= tl.load(ptr + k).to(tl.uint32) << (8 * k)
@@ -460,12 +467,13 @@ if triton is not None:
             chunk += 1
 
     @triton.jit
-    def _payload_sections(payload, n_changed_at, groups_at, n_blocks, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    def _payload_sections(payload, n_changed_at, groups_at, n_blocks, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                          WORDS: tl.constexpr):
         """Byte offsets in one delta payload of its offsets, exc_widths, bitmaps and value-stream sections, which
         follow its group entries (8 bytes per group of GROUP blocks, from ``groups_at``) with 2, 1 and B / 8 bytes
         per changed block (compression/delta.py's _Layout); n_changed comes from the payload's header (a u32 at
         ``n_changed_at``)."""
-        n_changed = _load_le(payload + n_changed_at, 4)
+        n_changed = _load_le(payload + n_changed_at, 4, WORDS)
         offsets = groups_at + 8 * ((n_blocks + GROUP - 1) // GROUP)
         exc_widths = offsets + 2 * n_changed
         bitmaps = exc_widths + n_changed
@@ -510,11 +518,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["base_misalign", "src_base", "skip_rank"])
     def _decode_kernel(out_ptr, numel, start_ptr, stride_ptr, valid_ptr, payload_ptr, payload_stride, base_misalign,
                        codes_at, n_changed_at, groups_at, src_base, skip_rank, n_blocks, BLOCK: tl.constexpr,
-                       GROUP: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr):
+                       GROUP: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr):
         # rows of 8 values, a row per thread, as in _encode_kernel. program_id(1) picks the source rank: src_base
         # and up, ``skip_rank`` skipped; its payload is row src - src_base, at that many payload_strides. The
         # value streams are read as 32-bit words from the 4-byte boundary at or before their first byte,
-        # ``values_lead`` bytes earlier (the payload's previous section; ``base_misalign``: payload_ptr % 4)
+        # ``values_lead`` bytes earlier (the payload's previous section; ``base_misalign``: payload_ptr % 4). ``WORDS``:
+        # every row starts 4-byte aligned (gathers align them), so n_changed, the group entries and the offsets are
+        # read as whole words (14 byte loads a block fewer)
         ROWS: tl.constexpr = BLOCK // 8
         b = tl.program_id(0).to(tl.int64)
         src = tl.program_id(1) + src_base
@@ -524,14 +534,14 @@ if triton is not None:
         code = tl.load(payload + codes_at + b).to(tl.int32)
         if code != 0:
             offsets_at, exc_widths_at, bitmaps_at, values_at = _payload_sections(payload, n_changed_at, groups_at,
-                                                                                 n_blocks, BLOCK, GROUP)
+                                                                                 n_blocks, BLOCK, GROUP, WORDS)
             width = code - 1
             # the block's record: its group's entry plus the changed blocks of the group before it
             in_group = (b % GROUP).to(tl.int32)
             k = tl.arange(0, GROUP)
             earlier = tl.load(payload + codes_at + (b - in_group) + k, mask=k < in_group, other=0)
             entry = payload + groups_at + 8 * (b // GROUP)
-            rank = _load_le(entry, 4) + tl.sum((earlier != 0).to(tl.int32), axis=0)
+            rank = _load_le(entry, 4, WORDS) + tl.sum((earlier != 0).to(tl.int32), axis=0)
             r = tl.arange(0, ROWS)
             j = tl.arange(0, 8)[None, :]
             idx, inside = _block_values(b, r[:, None] * 8 + j, numel, start_ptr, stride_ptr, valid_ptr, src, BLOCK,
@@ -548,15 +558,19 @@ if triton is not None:
             row_count = tl.sum(c, axis=1)
             row_start = tl.cumsum(row_count, axis=0) - row_count
             exc_width = tl.load(payload + exc_widths_at + rank).to(tl.int32)
-            values_lead = (base_misalign + row * payload_stride + values_at) & 3
-            stream_at = _load_le(entry + 4, 4) + _load_le(payload + offsets_at + 2 * rank, 2) + values_lead
+            if WORDS:
+                values_lead = values_at & 3
+            else:
+                values_lead = (base_misalign + row * payload_stride + values_at) & 3
+            stream_at = (_load_le(entry + 4, 4, WORDS) + _load_le(payload + offsets_at + 2 * rank, 2, WORDS)
+                         + values_lead)
             stream_words = (payload + values_at - values_lead).to(tl.pointer_type(tl.int32)) + (stream_at >> 2)
             base = (stream_at & 3).to(tl.int32) * 8
             if tl.max(row_count, axis=0) * width <= 64:
                 slot = _read_rows(stream_words, base + row_start * width, in_row, width, row_count * width)
             else:
                 slot = _load_bits(stream_words, base + (row_start[:, None] + in_row) * width, width, changed)
-            escaped = changed & (width > 0) & (slot == (1 << width) - 1)
+            escaped = changed & (slot == tl.where(width > 0, (1 << width) - 1, -1))  # width 0 never escapes
             e = escaped.to(tl.int32)
             in_esc = tl.cumsum(e, axis=1) - e
             row_esc = tl.sum(e, axis=1)
@@ -566,7 +580,8 @@ if triton is not None:
             else:
                 exception = _load_bits(stream_words, exc_at[:, None] + in_esc * exc_width, exc_width, escaped)
             z = tl.where(escaped, exception, slot) + 1
-            d = tl.where(changed, (z >> 1) ^ -(z & 1), 0)
+            # masked by a product, not a select: no predicate per value lives across the stream reads
+            d = ((z >> 1) ^ -(z & 1)) * c
             new = _from_ordered(_ordered(old.to(tl.int32)) + d)
             tl.debug_barrier()  # every thread has read out before it is overwritten
             tl.store(out_ptr + idx, new, mask=inside)
@@ -719,8 +734,10 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
     p = payloads
     sources = p.rows - (0 <= skip_rank - src_base < p.rows)
     if p.n_blocks and sources:
-        _decode_kernel[(p.n_blocks, sources)](out, out.numel(), *pointers, p.base, p.stride, p.base.data_ptr() % 4,
+        misalign = p.base.data_ptr() % 4
+        _decode_kernel[(p.n_blocks, sources)](out, out.numel(), *pointers, p.base, p.stride, misalign,
                                               p.codes_at, p.n_changed_at, p.groups_at, src_base, skip_rank,
                                               p.n_blocks, BLOCK=block_size, GROUP=group_blocks(block_size),
+                                              WORDS=misalign == 0 and p.stride % 4 == 0,
                                               num_warps=_num_warps(block_size),
                                               maxnreg=_max_registers("decode", block_size), **flags)
