@@ -417,9 +417,9 @@ def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5),
             kernels.gather_records(e, rank_end, stream_end, gathered, bytes(payload[:24].tolist()), layout.groups,
                                    layout.offsets, layout.exc_widths, layout.bitmaps, layout.values, block_size)
             assert torch.equal(gathered.cpu(), payload), (block_size, step, _first_difference(payload, gathered.cpu()))
-            with_slack = torch.cat([payload.new_zeros(1), payload, payload.new_zeros(kernels.WORD_READ_SLACK)])
-            for at in (0, 1):  # the payload at an even and at an odd offset
-                p = with_slack[1 - at:].to(device)[at:at + payload.numel()]
+            for at in (0, 1):  # the payload word-aligned (its fields read as words) and at an odd offset
+                padded = torch.cat([payload.new_zeros(at), payload, payload.new_zeros(kernels.WORD_READ_SLACK)])
+                p = padded.to(device)[at:at + payload.numel()]
                 out = prev.clone().to(device)
                 kernels.decode_blocks(out, kernels.Payloads(p, 1, 0, layout.n_blocks, 24, 12, layout.groups),
                                       block_size)
