@@ -1,0 +1,91 @@
+"""Diagnostic: what the delta encode kernel's atomic ORs cost (one GPU, timing only).
+
+The encode kernel packs each row's slots and exceptions into its block's stream with relaxed atomic ORs (two or three
+per row of 8 values and section, ~20M per 62.5M values), which the L2 executes one read-modify-write at a time. Fewer
+instructions moved the encode kernel little (docs/delta.md, session 26), so this times three builds of
+``kernels/delta.py`` on the benchmark's AdamW step: production; the atomic ORs replaced by plain stores to the same
+words (wrong streams: only the L2's atomic work removed); and no stream writes at all (the packing and its atomics
+removed). Each variant is the module's source with those lines changed, imported from a temporary file. Device time of
+the encode kernel (PyTorch profiler, best of ``--repeats``), against a bf16 copy.
+
+    python benchmarks/diag_delta_encode_atomics.py --out results/gpu/sessionN/delta_encode_atomics.json
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
+from compression.timing import device_op_seconds  # noqa: E402
+
+SOURCE = os.path.join(ROOT, "kernels", "delta.py")
+ATOMIC = re.compile(r"tl\.atomic_or\(([^,]+), ([^,]+), mask=([^)]*?), sem=\"relaxed\"\)")
+
+
+def variants() -> dict:
+    """name -> source of kernels/delta.py: production, atomics as stores, no stream packing."""
+    source = open(SOURCE).read()
+    stores = ATOMIC.sub(r"tl.store(\1, \2, mask=\3)", source)
+    if stores == source:
+        raise RuntimeError(f"no relaxed atomic_or found in {SOURCE}: update this diagnostic's pattern")
+    packing = re.compile(r"^(\s+)(_or_rows|_or_bits)\(", re.M)
+    unpacked = packing.sub(r"\1pass  # \2(", source)
+    # the calls span two lines: comment their continuation lines out as well
+    unpacked = re.sub(r"(pass  # _or_rows\([^\n]*\n)(\s+)(\(row_both)", r"\1\2# \3", unpacked)
+    return {"production": source, "stores": stores, "no_packing": unpacked}
+
+
+def load(name: str, source: str, folder: str):
+    path = os.path.join(folder, f"delta_{name}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"delta_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # Triton reads the kernels' source from this file
+    return module
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--numel", type=int, default=62_500_000)
+    p.add_argument("--steps", type=int, default=20, help="AdamW steps before the timed one (as bench_delta_kernels)")
+    p.add_argument("--lrs", default="1e-4,1e-5")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        modules = {name: load(name, source, folder) for name, source in variants().items()}
+        for lr in map(float, args.lrs.split(",")):
+            previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
+            old_bits, new_bits = previous.view(torch.int16), new.view(torch.int16)
+            prev = old_bits.clone()
+            copy_out = torch.empty_like(new_bits)
+            copy_us = 1e6 * sum(device_op_seconds(lambda: copy_out.copy_(new_bits), args.repeats).values())
+            row = dict(lr=lr, numel=args.numel, copy_us=copy_us)
+            for name, module in modules.items():
+                out = module.empty_blocks(args.numel, args.block_size, prev.device)
+                ops = device_op_seconds(lambda: module.encode_blocks(prev, new_bits, args.block_size, out=out),
+                                        args.repeats, setup=lambda: prev.copy_(old_bits))
+                row[f"{name}_us"] = 1e6 * sum(ops.values())
+            rows.append(row)
+            print(f"lr {lr:g}: copy {copy_us:.1f} us; encode kernel " + ", ".join(
+                f"{name} {row[f'{name}_us']:.1f} us ({100 * copy_us / row[f'{name}_us']:.1f}% of copy)"
+                for name in modules), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+                       device=torch.cuda.get_device_name(0), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
