@@ -5,8 +5,10 @@ per row of 8 values and section, ~20M per 62.5M values), which the L2 executes o
 instructions moved the encode kernel little (docs/delta.md, session 26), so this times three builds of
 ``kernels/delta.py`` on the benchmark's AdamW step: production; the atomic ORs replaced by plain stores to the same
 words (wrong streams: only the L2's atomic work removed); and no stream writes at all (the packing and its atomics
-removed). Each variant is the module's source with those lines changed, imported from a temporary file. Device time of
-the encode kernel (PyTorch profiler, best of ``--repeats``), against a bf16 copy.
+removed). Each variant is the module's source with those lines changed, imported from a temporary file; all three
+code the same per-block fields (checked first; ``--check-only`` on the CPU with TRITON_INTERPRET=1,
+``tests/test_delta.py``). Device time of the encode kernel (PyTorch profiler, best of ``--repeats``), against a bf16
+copy.
 
     python benchmarks/diag_delta_encode_atomics.py --out results/gpu/sessionN/delta_encode_atomics.json
 """
@@ -54,6 +56,23 @@ def load(name: str, source: str, folder: str):
     return module
 
 
+def check(modules: dict, block_size: int) -> None:
+    """Every variant codes the same per-block fields as production (codes, counts, escapes, widths, stream sizes),
+    so the timings compare the same work but for the stream writes (CPU: run with TRITON_INTERPRET=1)."""
+    previous, new = simulated_step(37 * block_size + 5, 1e-4, 3, device="cuda" if torch.cuda.is_available() else "cpu")
+    results = {}
+    for name, module in modules.items():
+        prev = previous.view(torch.int16).clone()
+        e = module.encode_blocks(prev, new.view(torch.int16), block_size)
+        results[name] = (e.codes, e.counts, e.n_esc, e.exc_widths, e.nbytes)
+        if not torch.equal(prev, new.view(torch.int16)):
+            raise AssertionError(f"{name}: the sender copy was not updated")
+    for name, fields in results.items():
+        if not all(torch.equal(a, b) for a, b in zip(fields, results["production"])):
+            raise AssertionError(f"{name} codes other per-block fields than production")
+    print(f"variants agree on every per-block field: {', '.join(results)}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=62_500_000)
@@ -61,11 +80,17 @@ def main():
     p.add_argument("--lrs", default="1e-4,1e-5")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out")
+    p.add_argument("--check-only", action="store_true", help="only check the variants' per-block fields (CPU)")
     args = p.parse_args()
+    if not args.check_only and not args.out:
+        p.error("--out is required unless --check-only")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         modules = {name: load(name, source, folder) for name, source in variants().items()}
+        check(modules, args.block_size)
+        if args.check_only:
+            return
         for lr in map(float, args.lrs.split(",")):
             previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
             old_bits, new_bits = previous.view(torch.int16), new.view(torch.int16)

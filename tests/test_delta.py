@@ -586,6 +586,18 @@ def test_fused_cast_bench_matches_production_interpreted():
     assert "fused payloads and buffers equal production's" in result.stdout
 
 
+
+def test_encode_atomics_diagnostic_variants_interpreted():
+    """benchmarks/diag_delta_encode_atomics.py's builds of kernels/delta.py (atomic ORs as stores, no stream packing)
+    still match its patterns and code production's per-block fields, so its timings compare the same work."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    script = os.path.join(ROOT, "benchmarks", "diag_delta_encode_atomics.py")
+    result = subprocess.run([sys.executable, script, "--check-only"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "variants agree on every per-block field: production, stores, no_packing" in result.stdout
+
 @pytest.mark.gpu
 def test_triton_matches_reference_cuda():
     _check_triton_matches_reference("cuda")
