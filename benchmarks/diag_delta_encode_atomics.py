@@ -1,7 +1,8 @@
 """Diagnostic: what the delta encode kernel's atomic ORs cost (one GPU, timing only).
 
-The encode kernel packs each row's slots and exceptions into its block's stream with relaxed atomic ORs (two or three
-per row of 8 values and section, ~20M per 62.5M values), which the L2 executes one read-modify-write at a time. Fewer
+The encode kernel packs each row's slots and exceptions into its block's stream with relaxed atomic ORs (per row of 8
+values and section two on the 32-bit path, three on the 64-bit one, words that get no bits skipped: at most ~31M for
+62.5M values), each a read-modify-write in the L2. Fewer
 instructions moved the encode kernel little (docs/delta.md, session 26), so this times three builds of
 ``kernels/delta.py`` on the benchmark's AdamW step: production; the atomic ORs replaced by plain stores to the same
 words (wrong streams: only the L2's atomic work removed); and no stream writes at all (the packing and its atomics
