@@ -472,7 +472,7 @@ if triton is not None:
         """Byte offsets in one delta payload of its offsets, exc_widths, bitmaps and value-stream sections, which
         follow its group entries (8 bytes per group of GROUP blocks, from ``groups_at``) with 2, 1 and B / 8 bytes
         per changed block (compression/delta.py's _Layout); n_changed comes from the payload's header (a u32 at
-        ``n_changed_at``)."""
+        ``n_changed_at``; one word load with ``WORDS``, the payload 4-byte aligned)."""
         n_changed = _load_le(payload + n_changed_at, 4, WORDS)
         offsets = groups_at + 8 * ((n_blocks + GROUP - 1) // GROUP)
         exc_widths = offsets + 2 * n_changed
