@@ -558,7 +558,7 @@ if triton is not None:
             row_count = tl.sum(c, axis=1)
             row_start = tl.cumsum(row_count, axis=0) - row_count
             exc_width = tl.load(payload + exc_widths_at + rank).to(tl.int32)
-            if WORDS:
+            if WORDS:  # the row's start is a multiple of 4
                 values_lead = values_at & 3
             else:
                 values_lead = (base_misalign + row * payload_stride + values_at) & 3

@@ -567,36 +567,32 @@ def test_cuda_diagnostic_matches_reference_emulated():
     pytest.importorskip("triton")
     if shutil.which("g++") is None:
         pytest.skip("needs g++ for the CPU emulation")
+    assert "checked 12 pairs byte for byte" in _benchmark_check("diag_delta_cuda.py")
+
+
+def _benchmark_check(script: str) -> str:
+    """The stdout of ``benchmarks/<script> --check-only`` run in the Triton interpreter, which must succeed."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "diag_delta_cuda.py"), "--check-only"],
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--check-only"], env=env,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "checked 12 pairs byte for byte" in result.stdout
+    return result.stdout
 
 
 def test_fused_cast_bench_matches_production_interpreted():
     """benchmarks/bench_delta_fused_cast.py's check (the codec's CastShard encode, ``--delta-fused-cast``, against the
     encode with a sender copy) on the AdamW steps it times: payloads and buffers equal."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    script = os.path.join(ROOT, "benchmarks", "bench_delta_fused_cast.py")
-    result = subprocess.run([sys.executable, script, "--check-only"], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "fused payloads and buffers equal production's" in result.stdout
-
+    assert "fused payloads and buffers equal production's" in _benchmark_check("bench_delta_fused_cast.py")
 
 
 def test_encode_atomics_diagnostic_variants_interpreted():
     """benchmarks/diag_delta_encode_atomics.py's builds of kernels/delta.py (atomic ORs as stores, no stream packing)
     still match its patterns and code production's per-block fields, so its timings compare the same work."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    script = os.path.join(ROOT, "benchmarks", "diag_delta_encode_atomics.py")
-    result = subprocess.run([sys.executable, script, "--check-only"], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "variants agree on every per-block field: production, stores, no_packing" in result.stdout
+    assert ("variants agree on every per-block field: production, stores, no_packing"
+            in _benchmark_check("diag_delta_encode_atomics.py"))
+
 
 @pytest.mark.gpu
 def test_triton_matches_reference_cuda():
