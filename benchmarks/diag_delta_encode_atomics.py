@@ -2,14 +2,13 @@
 
 The encode kernel packs each row's slots and exceptions into its block's stream with relaxed atomic ORs (per row of 8
 values and section two on the 32-bit path, three on the 64-bit one, words that get no bits skipped: at most ~31M for
-62.5M values), each a read-modify-write in the L2. Fewer
-instructions moved the encode kernel little (docs/delta.md, session 26), so this times three builds of
-``kernels/delta.py`` on the benchmark's AdamW step: production; the atomic ORs replaced by plain stores to the same
-words (wrong streams: only the L2's atomic work removed); and no stream writes at all (the packing and its atomics
-removed). Each variant is the module's source with those lines changed, imported from a temporary file; all three
-code the same per-block fields (checked first; ``--check-only`` on the CPU with TRITON_INTERPRET=1,
-``tests/test_delta.py``). Device time of the encode kernel (PyTorch profiler, best of ``--repeats``), against a bf16
-copy.
+62.5M values), each a read-modify-write in the L2. Fewer instructions moved the encode kernel little (docs/delta.md,
+session 26), so this times three builds of ``kernels/delta.py`` on the benchmark's AdamW step: production; the atomic
+ORs replaced by plain stores to the same words (wrong streams: only the L2's atomic work removed); and no stream
+writes at all (the packing and its atomics removed). Each variant is the module's source with those lines changed,
+imported from a temporary file; all three code the same per-block fields (checked first; ``--check-only`` on the CPU
+with TRITON_INTERPRET=1, ``tests/test_delta.py``). Device time of the encode kernel (PyTorch profiler, best of
+``--repeats``), against a bf16 copy.
 
     python benchmarks/diag_delta_encode_atomics.py --out results/gpu/sessionN/delta_encode_atomics.json
 """

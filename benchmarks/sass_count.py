@@ -97,7 +97,8 @@ KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per pro
         "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at n_changed_at "
         "groups_at src_base skip_rank n_blocks",
         dict(out_ptr="*i16", payload_ptr="*u8", **_TABLE)),
-        dict(BLOCK=B, GROUP=delta.group_blocks(B), WORDS=True, **_PLAIN), delta._num_warps(B), B, delta.MAX_REGISTERS["decode"]),
+        dict(BLOCK=B, GROUP=delta.group_blocks(B), WORDS=True, **_PLAIN), delta._num_warps(B), B,
+        delta.MAX_REGISTERS["decode"]),
     # TACO INT8 encode and decode at their launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual
     "TACO encode, INT8": (taco._taco_encode_kernel, TACO_ENCODE_SIGNATURE,
                           dict(TACO_SHAPE, GAIN=taco._gain(B, "ash"), SOURCES=0, RESCALE=taco._rescales("ash", "dual"),
