@@ -7,8 +7,8 @@ previous values every repeat (untimed), and every decode is checked bit for bit.
 clock with a device sync on both sides (the codec's own host syncs included); GB/s are shard bytes
 (2 per value) per second; ``*_device_GBps`` count only the device's time in the call's kernels and
 copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps``
-sweeps the warps per block program of the codec kernels, ``--max-registers`` their register caps, ``--gather`` the
-tiles of the record gather and its copy width and warps.
+sweeps the warps per block program of the codec kernels, ``--max-registers`` their register caps (with each warps
+setting), ``--gather`` the tiles of the record gather and its copy width and warps.
 ``*_host_us``: the host's time in each half of a gather's codec work (begin_encode, finish_encode, decode)
 with the device held busy, i.e. what every compressed bucket costs the host whatever its size.
 
@@ -114,16 +114,18 @@ def main():
     default_tile, default_gather = kernels._tile_blocks, kernels._gather_launch
     caps = [[int(c) or None for c in pair.split(":")] for pair in args.max_registers.split(",") if pair]
     gathers = [tuple(map(int, item.split("x"))) for item in args.gather.split(",") if item]
-    configs = ([(None, None, None)] + [(int(w), None, None) for w in args.warps.split(",") if w]
-               + [(None, dict(encode=e, decode=d), None) for e, d in caps] + [(None, None, g) for g in gathers])
+    # every warps setting with every register cap (the built-in ones first), then the gather's launches
+    configs = ([(warps, cap, None) for warps in [None] + [int(w) for w in args.warps.split(",") if w]
+                for cap in [None] + [dict(encode=e, decode=d) for e, d in caps]] + [(None, None, g) for g in gathers])
     for lr in (float(x) for x in args.lrs.split(",")):
         previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
         for warps, cap, gather in configs:
             kernels._num_warps = default_warps if warps is None else (lambda block_size, w=warps: w)
-            kernels.MAX_REGISTERS.update(cap or default_caps)
+            kernels.MAX_REGISTERS.update({key: cap[key[0]] for key in default_caps} if cap else default_caps)
             kernels._tile_blocks = default_tile if gather is None else (lambda block_size, t=gather[0]: t)
             kernels._gather_launch = default_gather if gather is None else (lambda block_size, g=gather: g[1:])
-            row = dict(lr=lr, warps=warps or default_warps(args.block_size), max_registers=dict(kernels.MAX_REGISTERS),
+            row = dict(lr=lr, warps=warps or default_warps(args.block_size),
+                       max_registers={k: kernels._max_registers(k, args.block_size) for k in ("encode", "decode")},
                        gather=list(gather or (default_tile(args.block_size), *default_gather(args.block_size))),
                        block_size=args.block_size, numel=args.numel,
                        **measure(previous, new, args.block_size, args.repeats))

@@ -20,6 +20,7 @@ stores vectorize. ``--specialize`` compiles that way: every pointer aligned and 
 import argparse
 
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -41,12 +42,12 @@ SPECIALIZED_INTS = ("numel", "x_start", "row_len", "blocks_per_row", "n_blocks")
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4}\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def sass_opcodes(kernel, signature: dict, constexprs: dict, num_warps: int, specialize: bool = False,
-                 max_registers=None):
-    """(opcode -> count in the SASS, registers per thread) of ``kernel`` compiled for sm_90 (Hopper), with
-    the launch options the codecs use (TACO disables FP contraction for bit-identity with its reference);
-    ``specialize``: pointers and ``SPECIALIZED_INTS`` marked divisible by 16, as a launch with such values
-    compiles."""
+def _disassemble(kernel, signature: dict, constexprs: dict, num_warps: int, specialize: bool, max_registers,
+                 line_info: bool = False) -> tuple:
+    """(SASS text, registers per thread) of ``kernel`` compiled for sm_90 (Hopper), with the launch options the
+    codecs use (TACO disables FP contraction for bit-identity with its reference); ``specialize``: pointers and
+    ``SPECIALIZED_INTS`` marked divisible by 16, as a launch with such values compiles; ``line_info``: each
+    instruction's source line in comments."""
     options = {"num_warps": num_warps, "maxnreg": max_registers,
                "enable_fp_fusion": kernel not in (taco._taco_encode_kernel, taco._taco_decode_kernel)}
     names = list(signature)
@@ -60,12 +61,37 @@ def sass_opcodes(kernel, signature: dict, constexprs: dict, num_warps: int, spec
         f.write(compiled.asm["cubin"])
         f.flush()
         tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-        text = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run([os.path.join(tools, "nvdisasm"), "-c"] + ["-g"] * line_info + [f.name],
+                              capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
                                text=True, check=True).stdout
-    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    return text, int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def sass_opcodes(kernel, signature: dict, constexprs: dict, num_warps: int, specialize: bool = False,
+                 max_registers=None):
+    """(opcode -> count in the SASS, registers per thread) of ``kernel`` compiled for sm_90 as ``_disassemble``."""
+    text, registers = _disassemble(kernel, signature, constexprs, num_warps, specialize, max_registers)
     return collections.Counter(m.group(1) for m in map(_INSTRUCTION.match, text.splitlines()) if m), registers
+
+
+def spill_stores(kernel, signature: dict, constexprs: dict, num_warps: int, max_registers, outside=()) -> int:
+    """Local-memory stores (register spills) in ``kernel`` compiled for sm_90 as ``_disassemble`` with the
+    pointers and sizes specialized, leaving out those on the source lines of the Triton functions ``outside``
+    (after inlining, each instruction keeps its line)."""
+    text, _ = _disassemble(kernel, signature, constexprs, num_warps, True, max_registers, line_info=True)
+    skipped = set()
+    for fn in outside:
+        lines, first = inspect.getsourcelines(fn.fn)
+        skipped.update((os.path.realpath(inspect.getsourcefile(fn.fn)), first + k) for k in range(len(lines)))
+    where, stores = None, 0
+    for line in text.splitlines():
+        at = re.search(r'File "([^"]+)", line (\d+)', line)
+        if at:
+            where = (os.path.realpath(at.group(1)), int(at.group(2)))
+        elif re.match(r"\s*/\*[0-9a-f]{4}\*/.*\bSTL\b", line) and where not in skipped:
+            stores += 1
+    return stores
 
 
 def _sig(names: str, types: dict) -> dict:
@@ -92,13 +118,13 @@ KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per pro
         dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", changed_ptr="*i64", counts_ptr="*i32", n_esc_ptr="*i32",
              exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", **_TABLE)),
         dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B), **_PLAIN), delta._num_warps(B), B,
-        delta.MAX_REGISTERS["encode"]),
+        delta._max_registers("encode", B)),
     "delta decode": (delta._decode_kernel, _sig(
         "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at n_changed_at "
         "groups_at src_base skip_rank n_blocks",
         dict(out_ptr="*i16", payload_ptr="*u8", **_TABLE)),
         dict(BLOCK=B, GROUP=delta.group_blocks(B), WORDS=True, **_PLAIN), delta._num_warps(B), B,
-        delta.MAX_REGISTERS["decode"]),
+        delta._max_registers("decode", B)),
     # TACO INT8 encode and decode at their launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual
     "TACO encode, INT8": (taco._taco_encode_kernel, TACO_ENCODE_SIGNATURE,
                           dict(TACO_SHAPE, GAIN=taco._gain(B, "ash"), SOURCES=0, RESCALE=taco._rescales("ash", "dual"),

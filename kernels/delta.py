@@ -218,7 +218,7 @@ def unpack_values_reference(out, changed_blocks, codes, exc_widths, bitmaps, val
 #   decode: _decode_kernel (each block finds its record through its group's entry).
 # _gather_kernel takes a tile of blocks per program (one block each was latency bound: a few live
 # bytes per program). The others run one program per block of B values as
-# rows of 8, a row per thread (num_warps = B / 256, at least 1): below B = 256 several threads hold
+# rows of 8, a row per thread (two from B = 512: _num_warps): below B = 256 several threads hold
 # each row, and one thread's in-place store could overtake another's load of the same value (the
 # first Triton version, with two threads per value, failed on CUDA that way), so a barrier separates
 # the last read of an updated buffer from the write to it; the atomic ORs are idempotent.
@@ -331,7 +331,7 @@ if triton is not None:
                        counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, BLOCK: tl.constexpr,
                        RECORD_WORDS: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr,
                        CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr):
-        # the block as rows of 8 values, a row per thread (16-byte loads; ranks, bitmap bytes and the
+        # the block as rows of 8 values, a row per thread (or two; 16-byte loads; ranks, bitmap bytes and the
         # packing of a row stay in its thread, only per-row totals cross threads). ``prev`` is contiguous
         # (segments: padded to whole blocks), the new values plain or segmented (_block_values).
         ROWS: tl.constexpr = BLOCK // 8
@@ -587,23 +587,32 @@ if triton is not None:
             tl.store(out_ptr + idx, new, mask=inside)
 
 
-# Register caps (PTX .maxnreg) of the block kernels, None: the compiler's choice. A one-warp program
-# runs at most 32 per SM, at most 65536 / (32 * registers) with more than 64 registers. Session 8 (per-value
-# packing): the encoder's 122 registers allowed 16 programs per SM, a cap of 80 25 (+10-12% device
-# throughput), the decoder's 70 28, 64 32 (+2-6%; benchmarks/bench_delta_kernels.py --max-registers). The
-# row kernels need 57 (encode, narrow path) and 44 (decode) registers, their per-value paths ~90 and ~62:
-# 64 keeps 32 programs per SM without spills. Applied up to CAPPED_MAX_BLOCK values per block: larger
-# blocks spill heavily under them (benchmarks/sass_count.py, tests/test_register_caps.py).
-MAX_REGISTERS = {"encode": 64, "decode": 64}
+# Register caps (PTX .maxnreg) of the block kernels by rows of 8 values per thread, None: the compiler's choice.
+# A one-warp program runs at most 32 per SM, at most 65536 / (32 * registers) with more than 64 registers.
+# Session 8 (per-value packing): the encoder's 122 registers allowed 16 programs per SM, a cap of 80 25 (+10-12%
+# device throughput), the decoder's 70 28, 64 32 (+2-6%; benchmarks/bench_delta_kernels.py --max-registers). The
+# row kernels need 57 (encode, narrow path) and 44 (decode) registers at a row per thread, their per-value paths
+# ~90 and ~62: 64 keeps 32 programs per SM without spills. At two rows per thread (B = 512 and 1024, session 27)
+# 80 was as fast as 64 or faster than 64 and the compiler's choice (B = 512: 96-128 registers), the encoder's
+# spills all on its per-value path. Applied up to CAPPED_MAX_BLOCK values per block: larger blocks spill heavily
+# under them (benchmarks/sass_count.py, tests/test_register_caps.py).
+MAX_REGISTERS = {("encode", 1): 64, ("decode", 1): 64, ("encode", 2): 80, ("decode", 2): 80}
 CAPPED_MAX_BLOCK = 1024
 
 
+def _rows_per_thread(block_size: int) -> int:
+    return max(1, block_size // (256 * _num_warps(block_size)))
+
+
 def _max_registers(kernel: str, block_size: int):
-    return MAX_REGISTERS[kernel] if block_size <= CAPPED_MAX_BLOCK else None
+    return MAX_REGISTERS[kernel, min(2, _rows_per_thread(block_size))] if block_size <= CAPPED_MAX_BLOCK else None
 
 
 def _num_warps(block_size: int) -> int:
-    return max(1, min(8, block_size // 256))  # B >= 32 * num_warps: no value held by two threads
+    """Warps per block program: two rows of 8 values per thread from B = 512 (B = 512-2048: 1.10-1.17x the encode
+    and 1.07-1.35x the decode device throughput of a row per thread; results/gpu/README.md, session 27), one
+    below (B >= 32 * num_warps: no value held by two threads)."""
+    return max(1, min(8, block_size // 512))
 
 
 def _tile_blocks(block_size: int) -> int:

@@ -250,6 +250,27 @@ def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 10
             assert tri._sizes_graph is not None and tri._sizes_graph[0][0] == tri._blocks.changed.data_ptr()
 
 
+def _check_decode_unchanged_neighbours(device="cpu", n=1800):
+    """Unchanged blocks (code 0, no record) before and after changed ones, at B = 32, 64 and 256, decode to the
+    reference's bits: each changed block finds its record past its unchanged neighbours. Stripes of moved values,
+    32 wide in every third 32 and absent from every third 256, leave such neighbours at each size."""
+    g = torch.Generator().manual_seed(7)
+    i = torch.arange(n)
+    stripes = ((i // 32) % 3 == 1) & ((i // 256) % 3 != 2)
+    for block_size in (32, 64, 256):
+        before = random_bits(n, g)
+        after = torch.where(stripes, nudge(before, 0.5, 2, g), before)
+        codec = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
+        codec.encode(as_float(before, torch.bfloat16))
+        payload = codec.encode(as_float(after, torch.bfloat16))
+        codes = payload[24:24 + -(-n // block_size)]
+        live = codes != 0
+        assert (live[:-1] & ~live[1:]).any() and (~live[:-1] & live[1:]).any(), block_size
+        out = as_float(before, torch.bfloat16).to(device)
+        DeltaCodec(DeltaConfig(block_size), 1, 0, triton=True).decode(0, payload.to(device), out)
+        assert_same_bits(out.cpu(), after)
+
+
 # (dtype, block size, bucket shard sizes, values before the first bucket): unaligned and aligned block tables
 SEGMENT_CASES = ((torch.bfloat16, 64, (37, 128, 1001), 3), (torch.float16, 256, (64, 264, 1024), 8))
 
@@ -552,6 +573,7 @@ def test_triton_matches_reference_interpreted():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     code = ("import test_delta; test_delta._check_triton_matches_reference(); "
+            "test_delta._check_decode_unchanged_neighbours(); "
             "test_delta._check_tiled_kernels_match_reference(); test_delta._check_width_choice(); "
             "test_delta._check_segments(triton=True); test_delta._check_decode_gathered(triton=True); "
             "test_delta._check_cast_shards(triton=True); test_delta._check_cast_segments(triton=True)")
@@ -597,6 +619,7 @@ def test_encode_atomics_diagnostic_variants_interpreted():
 @pytest.mark.gpu
 def test_triton_matches_reference_cuda():
     _check_triton_matches_reference("cuda")
+    _check_decode_unchanged_neighbours("cuda")
     _check_tiled_kernels_match_reference("cuda")
     _check_width_choice("cuda")
     _check_segments("cuda", triton=True)
