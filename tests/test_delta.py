@@ -625,10 +625,12 @@ def test_triton_matches_reference_cuda():
     _check_segments("cuda", triton=True)
     _check_decode_gathered("cuda", triton=True)
     _check_cast_shards("cuda", triton=True, exact=False)
-    _check_cast_shards("cuda", triton=True, exact=False, block_size=256, n=300_007)
+    for block_size in (256, 512):
+        _check_cast_shards("cuda", triton=True, exact=False, block_size=block_size, n=300_007)
     _check_cast_segments("cuda", triton=True)
     g = torch.Generator().manual_seed(0)
-    for block_size in (64, 256, 1024):  # many blocks: every program of the grid, partial last block
+    # many blocks: every program of the grid, partial last block; a row per thread up to 256, two from 512
+    for block_size in (64, 256, 512, 1024, 2048):
         ref = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
         gpu = DeltaCodec(DeltaConfig(block_size), 1, 0)
         out = torch.empty(300_007, dtype=torch.bfloat16, device="cuda")
