@@ -75,11 +75,11 @@ def sass_opcodes(kernel, signature: dict, constexprs: dict, num_warps: int, spec
     return collections.Counter(m.group(1) for m in map(_INSTRUCTION.match, text.splitlines()) if m), registers
 
 
-def spill_stores(kernel, signature: dict, constexprs: dict, num_warps: int, max_registers, outside=()) -> int:
-    """Local-memory stores (register spills) in ``kernel`` compiled for sm_90 as ``_disassemble`` with the
-    pointers and sizes specialized, leaving out those on the source lines of the Triton functions ``outside``
-    (after inlining, each instruction keeps its line)."""
-    text, _ = _disassemble(kernel, signature, constexprs, num_warps, True, max_registers, line_info=True)
+def spill_stores(kernel, signature: dict, constexprs: dict, num_warps: int, max_registers, outside=()) -> tuple:
+    """(local-memory stores, i.e. register spills, registers per thread) of ``kernel`` compiled for sm_90 as
+    ``_disassemble`` with the pointers and sizes specialized, leaving out the stores on the source lines of the
+    Triton functions ``outside`` (after inlining, each instruction keeps its line)."""
+    text, registers = _disassemble(kernel, signature, constexprs, num_warps, True, max_registers, line_info=True)
     skipped = set()
     for fn in outside:
         lines, first = inspect.getsourcelines(fn.fn)
@@ -91,7 +91,7 @@ def spill_stores(kernel, signature: dict, constexprs: dict, num_warps: int, max_
             where = (os.path.realpath(at.group(1)), int(at.group(2)))
         elif re.match(r"\s*/\*[0-9a-f]{4}\*/.*\bSTL\b", line) and where not in skipped:
             stores += 1
-    return stores
+    return stores, registers
 
 
 def _sig(names: str, types: dict) -> dict:
