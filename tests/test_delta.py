@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from compression.codec import CastShard, Segments, shard_of
-from compression.delta import DeltaCodec, DeltaConfig, _Layout
+from compression.delta import HEADER, DeltaCodec, DeltaConfig, _Layout
 from kernels import delta as kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -263,7 +263,7 @@ def _check_decode_unchanged_neighbours(device="cpu", n=1800):
         codec = DeltaCodec(DeltaConfig(block_size), 1, 0, triton=False)
         codec.encode(as_float(before, torch.bfloat16))
         payload = codec.encode(as_float(after, torch.bfloat16))
-        codes = payload[24:24 + -(-n // block_size)]
+        codes = payload[HEADER.size:HEADER.size + -(-n // block_size)]
         live = codes != 0
         assert (live[:-1] & ~live[1:]).any() and (~live[:-1] & live[1:]).any(), block_size
         out = as_float(before, torch.bfloat16).to(device)
