@@ -113,17 +113,17 @@ def tiny_gpt(lr: float, steps: int, seq: int = 128, batch: int = 8, seed: int = 
 # --- measures ----------------------------------------------------------------------------------
 
 def delta_block_nbytes(prev, new, block_size: int) -> torch.Tensor:
-    """Bytes of each block's sections in the delta code (stream offset, exc_width, bitmap, value stream; 0 if the
+    """Bytes of each block's sections in the delta code (record offset, exc_width, bitmap, value stream; 0 if the
     block is unchanged), int64 [n_blocks]."""
     a = analyze_blocks_reference(prev.clone(), new, block_size)
-    sections = 3 + block_size // 8 + stream_nbytes(a.counts, a.codes, a.n_esc, a.exc_widths)
+    sections = 3 + a.bitmap_nbytes + stream_nbytes(a.counts, a.codes, a.n_esc, a.exc_widths)
     return torch.where(a.codes > 0, sections, 0)
 
 
 def delta_payload_nbytes(block_nbytes: torch.Tensor, block_size: int) -> int:
     """Exact payload size of the delta code (the layout of compression/delta.py) from ``delta_block_nbytes``: the
     header, a code byte per block, the alignment pad, the group entries and the changed blocks' sections."""
-    return _Layout.of(block_nbytes.numel() * block_size, 0, block_size).values + int(block_nbytes.sum())
+    return _Layout.of(block_nbytes.numel() * block_size, 0, block_size).records + int(block_nbytes.sum())
 
 
 def delta_nbytes(prev, new, block_size: int) -> int:

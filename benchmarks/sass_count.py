@@ -117,16 +117,16 @@ TACO_SHAPE = dict(B=B, LOG_B=8, R=taco.PROGRAM_VALUES // B, FORMAT=taco._FORMAT_
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     "delta encode": (delta._encode_kernel, _sig(
         "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr changed_ptr counts_ptr n_esc_ptr "
-        "exc_widths_ptr nbytes_ptr records_ptr",
+        "exc_widths_ptr nbytes_ptr bitmap_nbytes_ptr records_ptr",
         dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", changed_ptr="*i64", counts_ptr="*i32", n_esc_ptr="*i32",
-             exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", **_TABLE)),
-        dict(BLOCK=B, RECORD_WORDS=B // 32 + delta._stream_words(B), **_PLAIN), delta._num_warps(B), B,
+             exc_widths_ptr="*u8", nbytes_ptr="*i64", bitmap_nbytes_ptr="*i32", records_ptr="*i32", **_TABLE)),
+        dict(delta._launch_shape("encode", B), **_PLAIN), delta._num_warps(B), B,
         delta._max_registers("encode", B)),
     "delta decode": (delta._decode_kernel, _sig(
         "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at n_changed_at "
         "groups_at src_base skip_rank n_blocks",
         dict(out_ptr="*i16", payload_ptr="*u8", **_TABLE)),
-        dict(BLOCK=B, GROUP=delta.group_blocks(B), WORDS=True, **_PLAIN), delta._num_warps(B), B,
+        dict(delta._launch_shape("decode", B), WORDS=True, **_PLAIN), delta._num_warps(B), B,
         delta._max_registers("decode", B)),
     # TACO INT8 encode and decode at their launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual
     "TACO encode, INT8": (taco._taco_encode_kernel, TACO_ENCODE_SIGNATURE,

@@ -13,17 +13,19 @@ Wire format (one uint8 tensor, little-endian):
                       reserved u16 | block_size u32 | n_changed u32 | numel u64
     keyframe:  the raw 16-bit values (numel * 2 bytes)
     delta:     codes u8[n_blocks] | 0-3 pad bytes to a multiple of 4 |
-               groups (rank u32, stream u32)[ceil(n_blocks / G)] | offsets u16[n_changed] |
-               exc_widths u8[n_changed] | bitmaps u8[n_changed * block_size / 8] | value streams (the rest)
+               groups (rank u32, record u32)[ceil(n_blocks / G)] | offsets u16[n_changed] |
+               exc_widths u8[n_changed] | records (the rest: per changed block its bitmap, then its value stream)
 
-``codes``/``exc_widths``/``bitmaps``/value streams are the per-block fields of ``kernels/delta.py``;
-all but the codes are present for changed blocks only, in block order. A block's count of changed
-values is the popcount of its bitmap. Blocks form groups of G = ``kernels.delta.group_blocks(block_size)``
-(64 at B <= 256): a group's entry holds the changed blocks and the value-stream bytes before its first
-block, and a changed block's ``offset`` is where its stream starts relative to its group's. So a decoder
+``codes``/``exc_widths``/bitmaps/value streams are the per-block fields of ``kernels/delta.py``;
+all but the codes are present for changed blocks only, in block order. A code's bit 7 says whether the
+block's bitmap is flat (B / 8 bytes) or sparse (row flags, then the non-empty rows' bytes). A block's count
+of changed values is the popcount of its bitmap. Blocks form groups of G = ``kernels.delta.group_blocks(block_size)``
+(64 at B <= 256): a group's entry holds the changed blocks and the record bytes before its first
+block, and a changed block's ``offset`` is where its record starts relative to its group's. So a decoder
 finds each block's record without a pass over the payload first.
-Version 3 (version 2 sent each block's escape count instead of its offset, and no groups: decoders
-summed stream sizes first; version 1 had no ``exc_widths``: every exception entry took 17 bits).
+Version 4 (version 3 had flat bitmaps only, in a section of their own; version 2 sent each block's escape
+count instead of its offset, and no groups: decoders summed stream sizes first; version 1 had no
+``exc_widths``: every exception entry took 17 bits).
 """
 
 import struct
@@ -35,10 +37,10 @@ from compression.codec import (CastShard, EncodeStart, HostValues, Segments, Seg
                                check_block_size)
 from kernels import delta as kernels
 from kernels import use_triton
-from kernels.delta import analyze_blocks_reference, pack_values_reference, stream_nbytes, unpack_values_reference
+from kernels.delta import analyze_blocks_reference, pack_records_reference, stream_nbytes, unpack_records_reference
 
 MAGIC = b"DLTA"
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("<4sBBHIIQ")
 N_CHANGED_AT = 12  # byte offset of n_changed in the header
 FLAG_KEYFRAME = 1
@@ -63,8 +65,7 @@ class _Layout:
     groups: int
     offsets: int
     exc_widths: int
-    bitmaps: int
-    values: int
+    records: int
 
     @classmethod
     def of(cls, numel: int, n_changed: int, block_size: int) -> "_Layout":
@@ -72,8 +73,7 @@ class _Layout:
         groups = -(-(HEADER.size + n_blocks) // 4) * 4
         offsets = groups + 8 * -(-n_blocks // kernels.group_blocks(block_size))
         exc_widths = offsets + 2 * n_changed
-        bitmaps = exc_widths + n_changed
-        return cls(n_blocks, groups, offsets, exc_widths, bitmaps, bitmaps + n_changed * block_size // 8)
+        return cls(n_blocks, groups, offsets, exc_widths, exc_widths + n_changed)
 
 
 def _check_dtype(dtype, what: str) -> None:
@@ -83,8 +83,8 @@ def _check_dtype(dtype, what: str) -> None:
 
 
 def _check_numel(numel: int, block_size: int) -> None:
-    """The wire format's group entries count stream bytes in u32: a shard's streams must stay below 4 GiB."""
-    if -(-numel // block_size) * -(-kernels.MAX_WIDTH * block_size // 8) >= 2**32:
+    """The wire format's group entries count record bytes in u32: a shard's records must stay below 4 GiB."""
+    if -(-numel // block_size) * kernels.record_max_nbytes(block_size) >= 2**32:
         raise ValueError(f"DeltaCodec codes shards of fewer than ~2e9 values, got {numel}: use smaller buckets "
                          f"(--ddp-bucket-size) or more data-parallel ranks")
 
@@ -122,8 +122,8 @@ class _CodedBlocks:
 
     blocks: kernels.EncodedBlocks
     rank_end: torch.Tensor  # inclusive prefix sum of changed blocks
-    stream_end: torch.Tensor  # inclusive prefix sum of value stream bytes
-    totals: HostValues  # changed blocks, changed values, value stream bytes
+    stream_end: torch.Tensor  # inclusive prefix sum of record bytes
+    totals: HostValues  # changed blocks, changed values, record bytes
     fp16_flag: int
     numel: int
 
@@ -307,15 +307,15 @@ class DeltaCodec(ShardCodec):
         return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, self._totals, fp16_flag, numel))
 
     def _sizes(self, e: kernels.EncodedBlocks, numel: int, header: torch.Tensor) -> tuple:
-        """The prefix sums over blocks of changed flags and stream bytes, the payload size (int64 [1]) and the totals
-        (changed blocks, changed values, stream bytes), all on the device; n_changed written into ``header``."""
+        """The prefix sums over blocks of changed flags and record bytes, the payload size (int64 [1]) and the totals
+        (changed blocks, changed values, record bytes), all on the device; n_changed written into ``header``."""
         b = self.config.block_size
         rank_end = torch.cumsum(e.changed, 0)
         stream_end = torch.cumsum(e.nbytes, 0)
         n_changed = rank_end[-1:]
         # The layout of _Layout.of with n_changed on the device: sections after the group entries grow by
-        # 2 + 1 + B / 8 bytes per changed block, then the value streams.
-        nbytes = torch.add(stream_end[-1:], n_changed, alpha=3 + b // 8).add_(_Layout.of(numel, 0, b).values)
+        # 2 + 1 bytes per changed block, then the records.
+        nbytes = torch.add(stream_end[-1:], n_changed, alpha=3).add_(_Layout.of(numel, 0, b).records)
         header[N_CHANGED_AT:N_CHANGED_AT + 4].view(torch.int32).copy_(n_changed)
         totals = torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]])
         return rank_end, stream_end, nbytes, totals
@@ -342,14 +342,14 @@ class DeltaCodec(ShardCodec):
         if not isinstance(start.state, _CodedBlocks):
             return super().finish_encode(start, out)
         c, b = start.state, self.config.block_size
-        n_changed, n_values, n_value_bytes = c.totals.get()  # landed with the size the caller waited for
+        n_changed, n_values, n_record_bytes = c.totals.get()  # landed with the size the caller waited for
         layout = _Layout.of(c.numel, n_changed, b)
-        if out.numel() != layout.values + n_value_bytes:
-            raise ValueError(f"finish_encode needs a buffer of the payload's {layout.values + n_value_bytes} bytes, "
+        if out.numel() != layout.records + n_record_bytes:
+            raise ValueError(f"finish_encode needs a buffer of the payload's {layout.records + n_record_bytes} bytes, "
                              f"got {out.numel()}")
         kernels.gather_records(c.blocks, c.rank_end, c.stream_end, out,
                                self._header_bytes(c.fp16_flag, c.numel, n_changed), layout.groups, layout.offsets,
-                               layout.exc_widths, layout.bitmaps, layout.values, b)
+                               layout.exc_widths, layout.records, b)
         if self._blocks is c.blocks:  # the records go back to the allocator (stream-ordered after the gather)
             self._blocks = replace(c.blocks, records=None)
         self._record(out, c.numel, n_changed, n_values, False)
@@ -374,23 +374,23 @@ class DeltaCodec(ShardCodec):
         b = self.config.block_size
         a = analyze_blocks_reference(self._prev, bits, b)
         changed = torch.nonzero(a.codes).squeeze(1)
-        value_bytes = stream_nbytes(a.counts[changed], a.codes[changed], a.n_esc[changed], a.exc_widths[changed])
-        n_values, n_value_bytes = int(a.counts.sum()), int(value_bytes.sum())
+        record_bytes = a.bitmap_nbytes[changed] + stream_nbytes(a.counts[changed], a.codes[changed], a.n_esc[changed],
+                                                                a.exc_widths[changed])
+        n_values, n_record_bytes = int(a.counts.sum()), int(record_bytes.sum())
         layout = _Layout.of(bits.numel(), changed.numel(), b)
-        payload = torch.zeros(layout.values + n_value_bytes, dtype=torch.uint8, device=bits.device)
+        payload = torch.zeros(layout.records + n_record_bytes, dtype=torch.uint8, device=bits.device)
         payload[: HEADER.size] = self._header(fp16_flag, bits.numel(), changed.numel(), bits.device)
         payload[HEADER.size : HEADER.size + layout.n_blocks] = a.codes
         block_bytes = torch.zeros(layout.n_blocks, dtype=torch.int64, device=bits.device)
-        block_bytes[changed] = value_bytes
-        stream_at, rank = _exclusive_cumsum(block_bytes), _exclusive_cumsum((a.codes != 0).to(torch.int64))
+        block_bytes[changed] = record_bytes
+        record_at, rank = _exclusive_cumsum(block_bytes), _exclusive_cumsum((a.codes != 0).to(torch.int64))
         group = kernels.group_blocks(b)
-        groups = torch.stack([rank[::group], stream_at[::group]], 1)
+        groups = torch.stack([rank[::group], record_at[::group]], 1)
         payload[layout.groups : layout.offsets] = _little_endian(groups, 4)
-        offsets = stream_at[changed] - stream_at[changed - changed % group]
+        offsets = record_at[changed] - record_at[changed - changed % group]
         payload[layout.offsets : layout.exc_widths] = _little_endian(offsets, 2)
-        payload[layout.exc_widths : layout.bitmaps] = a.exc_widths[changed]
-        payload[layout.bitmaps : layout.values].view(-1, b // 8).copy_(a.bitmaps[changed])
-        pack_values_reference(a, changed, stream_at[changed], payload[layout.values :])
+        payload[layout.exc_widths : layout.records] = a.exc_widths[changed]
+        pack_records_reference(a, changed, record_at[changed], payload[layout.records :])
         self._record(payload, bits.numel(), changed.numel(), n_values, False)
         return payload
 
@@ -448,11 +448,11 @@ class DeltaCodec(ShardCodec):
                 payload = torch.cat([payload, payload.new_zeros(self.read_slack_bytes)])[:payload.numel()]
             kernels.decode_blocks(bits, self._payloads(payload, 1, 0, numel), b, table, rank)
             return
-        codes, groups, offsets, exc_widths, bitmaps, values = self._sections(payload, layout)
+        codes, groups, offsets, exc_widths, records = self._sections(payload, layout)
         changed = torch.nonzero(codes).squeeze(1)
-        group_streams = _from_little_endian(groups, 4).view(-1, 2)[:, 1]
-        value_offsets = group_streams[changed // kernels.group_blocks(b)] + _from_little_endian(offsets, 2)
-        unpack_values_reference(bits, changed, codes, exc_widths, bitmaps.view(-1, b // 8), value_offsets, values, b)
+        group_records = _from_little_endian(groups, 4).view(-1, 2)[:, 1]
+        record_offsets = group_records[changed // kernels.group_blocks(b)] + _from_little_endian(offsets, 2)
+        unpack_records_reference(bits, changed, codes, exc_widths, record_offsets, records, b)
 
     def decode_gathered(self, target, gathered, stride, sizes, headers, skip) -> None:
         """On the Triton path every source's payload in one launch of each decode kernel (one source, keyframes and
@@ -480,10 +480,10 @@ class DeltaCodec(ShardCodec):
 
     @staticmethod
     def _sections(payload: torch.Tensor, layout: "_Layout") -> tuple:
-        """codes, groups, offsets, exc_widths, bitmaps and value streams of a delta payload (views)."""
+        """codes, groups, offsets, exc_widths and records of a delta payload (views)."""
         return (payload[HEADER.size : HEADER.size + layout.n_blocks], payload[layout.groups : layout.offsets],
-                payload[layout.offsets : layout.exc_widths], payload[layout.exc_widths : layout.bitmaps],
-                payload[layout.bitmaps : layout.values], payload[layout.values :])
+                payload[layout.offsets : layout.exc_widths], payload[layout.exc_widths : layout.records],
+                payload[layout.records :])
 
     def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int, header) -> tuple:
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < HEADER.size:

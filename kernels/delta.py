@@ -6,18 +6,20 @@ integer order); the per-value delta ``d = o_new - o_old`` needs 17 bits and is z
 ``z = 2|d| - (d < 0)``. A changed value (``z > 0``) carries ``v = z - 1`` (17 bits at most).
 Per block of ``B`` values:
 
-- ``code``: 0 if nothing changed, else ``width + 1``;
-- ``bitmap``: ``B / 8`` bytes, bit ``i % 8`` of byte ``i // 8`` set if value ``i`` changed; the
-  decoder gets the block's ``count`` of changed values by popcount;
+- ``code``: 0 if nothing changed, else ``width + 1``, plus ``SPARSE`` (0x80) where the bitmap is sparse;
+- ``bitmap``: bit ``i % 8`` of byte ``i // 8`` set if value ``i`` changed, in one of two forms, whichever is
+  smaller (flat on ties): flat, ``B / 8`` bytes; or sparse, a bit per row of 8 values (``flag_bytes(B)`` bytes,
+  set where the row's byte is not 0) followed by the bytes of those rows only. The decoder gets the block's
+  ``count`` of changed values by popcount;
 - ``exc_width``: the bit length of the block's largest ``v`` (0..17);
 - the value stream: each changed value, in order, in a ``width``-bit slot; the slot
   value ``2**width - 1`` is an escape whose ``v`` follows the slots in an exception list of
   ``exc_width``-bit entries (escapes in order). So ``count * width + exc_width * n_esc`` bits (``n_esc``
   escapes), little-endian (bit ``k`` of the stream is bit ``k % 8`` of byte ``k // 8``), padded to whole bytes.
 
-Where each stream starts: blocks form groups of ``group_blocks(B)``; per group the number of changed blocks and
-of stream bytes before it (u32 each), per changed block its stream's start relative to its group's (u16: a group's
-streams span less than 64 KiB). So a decoder finds any block's record from its group's entry and the codes of the
+A changed block's record is its bitmap followed by its value stream. Where each record starts: blocks form
+groups of ``group_blocks(B)``; per group the number of changed blocks and of record bytes before it (u32 each),
+per changed block its record's start relative to its group's (u16: a group's records span less than 64 KiB). So a decoder finds any block's record from its group's entry and the codes of the
 group's earlier blocks, with no pass over the whole payload first.
 
 ``width`` minimizes ``count * width + exc_width * n_esc(width)`` over 1..7 and 17 (the smallest on
@@ -35,8 +37,8 @@ Two implementations give identical bytes (``tests/test_delta.py`` checks it):
 
 - PyTorch references (the CPU path and the test oracle): ``analyze_blocks_reference`` (codes,
   counts, escapes, bitmaps, slot and exception values compacted per block; copies ``new`` into
-  ``prev``), ``pack_values_reference`` (bit-packs the changed blocks' streams at byte offsets from a
-  prefix sum) and ``unpack_values_reference`` (applies the deltas to ``out`` in place).
+  ``prev``), ``pack_records_reference`` (the changed blocks' bitmaps and bit-packed streams at byte offsets
+  from a prefix sum) and ``unpack_records_reference`` (applies the deltas to ``out`` in place).
 - Triton kernels (the CUDA path, one host sync per encode): ``encode_blocks`` codes every block into its
   own fixed-size row and updates ``prev`` in the same pass; ``gather_records`` moves the changed rows into
   the payload at offsets from prefix sums and writes the group entries; ``decode_blocks`` decodes in place,
@@ -58,12 +60,23 @@ MAX_WIDTH = 17  # bits of v = z - 1 < 2**17; also the width of an exception entr
 NARROW_WIDTHS = 7  # the widths 1..7 and 17 are the candidates (module docstring)
 WORD_READ_SLACK = 3  # decode_blocks reads the value streams as 32-bit words: up to 3 bytes past their end
 MAX_GROUP_BLOCKS = 64  # blocks per group (module docstring) at B <= 256; a decode program reads its group's codes
+SPARSE = 0x80  # code bit of a block whose bitmap is sparse: row flags, then the non-empty rows' bytes
+
+
+def flag_bytes(block_size: int) -> int:
+    """Bytes of a sparse bitmap's row flags: a bit per row of 8 values."""
+    return -(-block_size // 64)
+
+
+def record_max_nbytes(block_size: int) -> int:
+    """The longest record of a block: a flat bitmap and 17 bits per value."""
+    return block_size // 8 + -(-MAX_WIDTH * block_size // 8)
 
 
 def group_blocks(block_size: int) -> int:
-    """Blocks per group: the largest power of two <= MAX_GROUP_BLOCKS whose streams, all but the last of at most
-    ``ceil(17 B / 8)`` bytes, start within a u16 of the group's first (64 at B <= 256, 4 at B = 8192)."""
-    longest = -(-MAX_WIDTH * block_size // 8)
+    """Blocks per group: the largest power of two <= MAX_GROUP_BLOCKS whose records, all but the last of at most
+    ``record_max_nbytes(B)`` bytes, start within a u16 of the group's first (64 at B <= 256, 4 at B = 8192)."""
+    longest = record_max_nbytes(block_size)
     g = MAX_GROUP_BLOCKS
     while (g - 1) * longest > 0xFFFF:
         g //= 2
@@ -74,16 +87,23 @@ def group_blocks(block_size: int) -> int:
 class BlockAnalysis:
     slots: torch.Tensor  # int32 [n_blocks, B]: row b starts with its changed values' slot values
     exceptions: torch.Tensor  # int32 [n_blocks, B]: row b starts with its escaped values' v
-    codes: torch.Tensor  # uint8 [n_blocks]: 0 = unchanged, else width + 1
+    codes: torch.Tensor  # uint8 [n_blocks]: 0 = unchanged, else width + 1 (| SPARSE)
     counts: torch.Tensor  # int32 [n_blocks]: changed values per block
     n_esc: torch.Tensor  # int32 [n_blocks]: escaped values per block
     exc_widths: torch.Tensor  # uint8 [n_blocks]: bits per exception entry
-    bitmaps: torch.Tensor  # uint8 [n_blocks, B // 8]
+    bitmaps: torch.Tensor  # uint8 [n_blocks, B // 8]: flat
+    record_bitmaps: torch.Tensor  # uint8 [n_blocks, B // 8]: the bitmap as the record holds it, then zeros
+    bitmap_nbytes: torch.Tensor  # int64 [n_blocks]: bytes of the record's bitmap (of changed blocks)
+
+
+def width_of(codes):
+    """The slot width of each changed block's code (int64)."""
+    return (codes.to(torch.int64) & ~SPARSE) - 1
 
 
 def stream_nbytes(counts, codes, n_esc, exc_widths):
     """Bytes of each block's value stream (int64), from its count, code, escapes and exception width."""
-    width = (codes.to(torch.int64) - 1).clamp(min=0)
+    width = width_of(codes).clamp(min=0)
     return (counts.to(torch.int64) * width + exc_widths.to(torch.int64) * n_esc.to(torch.int64) + 7) // 8
 
 
@@ -156,8 +176,40 @@ def analyze_blocks_reference(prev: torch.Tensor, new: torch.Tensor, block_size: 
     escaped = changed & (width.unsqueeze(1) > 0) & (v >= escape)
     slots = _compact(torch.minimum(v, escape), changed)
     prev.copy_(new)
-    return BlockAnalysis(slots, _compact(v, escaped), codes, counts, n_esc, exc_width.to(torch.uint8),
-                         _pack_bits(changed))
+    bitmaps = _pack_bits(changed)
+    sparse, record_bitmaps, bitmap_nbytes = _record_bitmaps(bitmaps, block_size)
+    codes = torch.where(counts > 0, codes | torch.where(sparse, SPARSE, 0).to(torch.uint8), 0)
+    return BlockAnalysis(slots, _compact(v, escaped), codes, counts, n_esc, exc_width.to(torch.uint8), bitmaps,
+                         record_bitmaps, bitmap_nbytes)
+
+
+def _record_bitmaps(bitmaps: torch.Tensor, block_size: int) -> tuple:
+    """Per block: whether its sparse bitmap is smaller than the flat one, the bitmap in its record's form (uint8
+    [n_blocks, B / 8], zeros after it) and its bytes."""
+    rows, flags = block_size // 8, flag_bytes(block_size)
+    nonempty = bitmaps != 0
+    flag_bits = torch.nn.functional.pad(nonempty.to(torch.int32), (0, 8 * flags - rows))
+    sparse_form = torch.cat([_pack_bits(flag_bits), _compact(bitmaps, nonempty)], 1)[:, :rows]
+    sparse_nbytes = flags + nonempty.sum(1)
+    sparse = sparse_nbytes < rows
+    return (sparse, torch.where(sparse.unsqueeze(1), sparse_form, bitmaps),
+            torch.where(sparse, sparse_nbytes, rows).to(torch.int64))
+
+
+def _read_bitmaps(padded: torch.Tensor, record_offsets, codes, block_size: int) -> tuple:
+    """Inverse of ``_record_bitmaps`` for the records at ``record_offsets`` of ``padded`` (int64 bytes, at least
+    B / 8 readable past the last record): the flat bitmaps (bool [n, B]) and the bitmaps' bytes."""
+    rows, flags = block_size // 8, flag_bytes(block_size)
+    raw = padded[record_offsets.unsqueeze(1) + torch.arange(rows, device=padded.device)]
+    row = torch.arange(rows, device=padded.device)
+    flag = ((raw[:, row // 8] >> (row % 8)) & 1) == 1
+    rank = flag.cumsum(1) - 1
+    sparse_bytes = torch.where(flag, raw.gather(1, (flags + rank).clamp(0, rows - 1)), 0)
+    sparse = (codes.to(torch.int64) & SPARSE) != 0
+    bitmaps = torch.where(sparse.unsqueeze(1), sparse_bytes, raw)
+    nbytes = torch.where(sparse, flags + flag.sum(1), rows)
+    i = torch.arange(block_size, device=padded.device)
+    return ((bitmaps.repeat_interleave(8, 1) >> (i % 8)) & 1) == 1, nbytes
 
 
 def _scatter_bits(bits, start, values, width, present) -> None:
@@ -167,18 +219,23 @@ def _scatter_bits(bits, start, values, width, present) -> None:
     bits[(start.unsqueeze(-1) + k)[on]] = True
 
 
-def pack_values_reference(a: BlockAnalysis, changed_blocks, value_offsets, values: torch.Tensor) -> None:
-    """Write each changed block's stream at its byte offset in ``values`` (uint8, rewritten here)."""
-    width = (a.codes[changed_blocks].to(torch.int64) - 1).unsqueeze(1)
+def pack_records_reference(a: BlockAnalysis, changed_blocks, record_offsets, values: torch.Tensor) -> None:
+    """Write each changed block's record (bitmap, value stream) at its byte offset in ``values`` (uint8, rewritten
+    here)."""
+    width = width_of(a.codes[changed_blocks]).unsqueeze(1)
     counts = a.counts[changed_blocks].to(torch.int64).unsqueeze(1)
     n_esc = a.n_esc[changed_blocks].to(torch.int64).unsqueeze(1)
     exc_width = a.exc_widths[changed_blocks].to(torch.int64).unsqueeze(1)
     i = torch.arange(a.slots.shape[1], device=values.device)
-    base = value_offsets.unsqueeze(1) * 8
+    bitmap_nbytes = a.bitmap_nbytes[changed_blocks].unsqueeze(1)
+    base = (record_offsets.unsqueeze(1) + bitmap_nbytes) * 8
     bits = torch.zeros(values.numel() * 8, dtype=torch.bool, device=values.device)
     _scatter_bits(bits, base + i * width, a.slots[changed_blocks], width, i < counts)
     _scatter_bits(bits, base + counts * width + i * exc_width, a.exceptions[changed_blocks], exc_width, i < n_esc)
     values.copy_(_pack_bits(bits))
+    k = torch.arange(a.record_bitmaps.shape[1], device=values.device)
+    in_bitmap = k < bitmap_nbytes
+    values[(record_offsets.unsqueeze(1) + k)[in_bitmap]] = a.record_bitmaps[changed_blocks][in_bitmap]
 
 
 def _read_bits(padded, bitpos, width):
@@ -188,15 +245,15 @@ def _read_bits(padded, bitpos, width):
     return (word >> (bitpos & 7)) & _escape_code(width)
 
 
-def unpack_values_reference(out, changed_blocks, codes, exc_widths, bitmaps, value_offsets, values,
-                            block_size) -> None:
-    """Apply the changed blocks' deltas to ``out`` (int16 view holding the previous values)."""
+def unpack_records_reference(out, changed_blocks, codes, exc_widths, record_offsets, values, block_size) -> None:
+    """Apply the deltas of the changed blocks' records (at ``record_offsets`` of ``values``) to ``out`` (int16 view
+    holding the previous values)."""
     i = torch.arange(block_size, device=out.device)
-    changed = ((bitmaps.to(torch.int32).repeat_interleave(8, 1) >> (i % 8)) & 1) == 1
-    width = (codes[changed_blocks].to(torch.int64) - 1).unsqueeze(1)
+    padded = torch.cat([values, values.new_zeros(block_size // 8 + 3)]).to(torch.int64)
+    changed, bitmap_nbytes = _read_bitmaps(padded, record_offsets, codes[changed_blocks], block_size)
+    width = width_of(codes[changed_blocks]).unsqueeze(1)
     exc_width = exc_widths.to(torch.int64).unsqueeze(1)
-    base = value_offsets.unsqueeze(1) * 8
-    padded = torch.cat([values, values.new_zeros(3)]).to(torch.int64)
+    base = (record_offsets + bitmap_nbytes).unsqueeze(1) * 8
     slot = _read_bits(padded, base + (changed.cumsum(1) - 1) * width, width)
     escaped = changed & (width > 0) & (slot == _escape_code(width))
     exc_pos = base + changed.sum(1, keepdim=True) * width + (escaped.cumsum(1) - 1) * exc_width
@@ -227,6 +284,7 @@ if triton is not None:
     _NARROW_WIDTHS = tl.constexpr(NARROW_WIDTHS)
     _MAX_WIDTH = tl.constexpr(MAX_WIDTH)
     _NO_ESCAPE = tl.constexpr(1 << MAX_WIDTH)  # above every v
+    _SPARSE = tl.constexpr(SPARSE)
 
     @triton.jit
     def _ordered(s):
@@ -328,13 +386,17 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["shard_rank"])
     def _encode_kernel(prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr, changed_ptr,
-                       counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, BLOCK: tl.constexpr,
-                       RECORD_WORDS: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr,
-                       CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr):
+                       counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, bitmap_nbytes_ptr, records_ptr,
+                       BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr,
+                       CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr,
+                       FIELD: tl.constexpr, WIDE_SCAN: tl.constexpr, FLAG_BYTES: tl.constexpr,
+                       FLAG_WORDS: tl.constexpr):
         # the block as rows of 8 values, a row per thread (or two; 16-byte loads; ranks, bitmap bytes and the
         # packing of a row stay in its thread, only per-row totals cross threads). ``prev`` is contiguous
-        # (segments: padded to whole blocks), the new values plain or segmented (_block_values).
+        # (segments: padded to whole blocks), the new values plain or segmented (_block_values). The scans carry
+        # changed values, escapes and (across rows) non-empty rows as fields of one integer (_launch_shape).
         ROWS: tl.constexpr = BLOCK // 8
+        MASK: tl.constexpr = (1 << FIELD) - 1
         b = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, ROWS)
         j = tl.arange(0, 8)[None, :]
@@ -363,14 +425,33 @@ if triton is not None:
         escape = (1 << width) - 1
         # unchanged values have v = -1, and width 0 escapes nothing: a bound above every v there
         escaped = v >= tl.where(width > 0, escape, _NO_ESCAPE)
-        both = changed.to(tl.int32) | (escaped.to(tl.int32) << 16)  # changed and escaped counts, both < 2**14
+        both = changed.to(tl.int32) | (escaped.to(tl.int32) << FIELD)  # changed and escaped counts
+        if WIDE_SCAN:
+            both = both.to(tl.int64)
         in_row = tl.cumsum(both, axis=1) - both  # exclusive ranks within the row
         row_both = tl.sum(both, axis=1)
-        row_start = tl.cumsum(row_both, axis=0) - row_both  # exclusive ranks of the rows' first values
+        row_byte = tl.sum(changed.to(tl.int32) << j, axis=1)  # the row's bitmap byte
+        nonempty = row_byte != 0
+        row_all = row_both + (nonempty.to(row_both.dtype) << (2 * FIELD))
+        row_start = tl.cumsum(row_all, axis=0) - row_all  # exclusive ranks of the rows' first values, and rows
+        slot_rank, esc_rank = (in_row & MASK).to(tl.int32), (in_row >> FIELD).to(tl.int32)
+        row_count, row_esc = (row_both & MASK).to(tl.int32), (row_both >> FIELD).to(tl.int32)
+        first_slot, first_esc = (row_start & MASK).to(tl.int32), ((row_start >> FIELD) & MASK).to(tl.int32)
         exc_start = count * width
         nbits = exc_start + exc_width * n_esc
         record = records_ptr + b * RECORD_WORDS
-        tl.store(record.to(tl.pointer_type(tl.uint8)) + r, tl.sum(changed.to(tl.int32) << j, axis=1).to(tl.uint8))
+        record_bytes = record.to(tl.pointer_type(tl.uint8))
+        # the bitmap, flat or sparse (row flags, then the non-empty rows' bytes), whichever is smaller
+        bitmap_nbytes = tl.minimum(FLAG_BYTES + tl.sum(nonempty.to(tl.int32), axis=0), ROWS)
+        flat = bitmap_nbytes == ROWS
+        bitmap_at = tl.where(flat, r, FLAG_BYTES + (row_start >> (2 * FIELD)).to(tl.int32))
+        tl.store(record_bytes + bitmap_at, row_byte.to(tl.uint8), mask=nonempty | flat)
+        if bitmap_nbytes < ROWS:
+            flag_bits = tl.reshape(nonempty.to(tl.int32) << (r % 32), [FLAG_WORDS, ROWS // FLAG_WORDS])
+            flag_words = tl.sum(flag_bits, axis=1)[:, None]
+            flag_at = tl.arange(0, FLAG_WORDS)[:, None] * 4 + tl.arange(0, 4)[None, :]
+            tl.store(record_bytes + flag_at, ((flag_words >> (8 * (flag_at % 4))) & 0xFF).to(tl.uint8),
+                     mask=flag_at < FLAG_BYTES)
         # the stream's live words are zeroed here and the values OR their bits in after the barrier
         stream = record + BLOCK // 32
         # whole rows (a mask constant along a row keeps the 16-byte stores), within _stream_words(B) <= B
@@ -378,22 +459,21 @@ if triton is not None:
         tl.debug_barrier()  # every thread has read prev before it is overwritten, and the zeros are stored
         tl.store(prev_ptr + idx, new16, mask=inside)
         slot = tl.maximum(tl.minimum(v, escape), 0)  # 0 where unchanged (v = -1)
-        exception = v * (both >> 16)  # v where escaped, else 0
-        row_bits = tl.maximum((row_both & 0xFFFF) * width, (row_both >> 16) * exc_width)
+        exception = v * escaped.to(tl.int32)  # v where escaped, else 0
+        row_bits = tl.maximum(row_count * width, row_esc * exc_width)
         if tl.max(row_bits, axis=0) <= 64:  # narrow widths: every block of the steady state
-            _or_rows(stream, slot, in_row & 0xFFFF, width, (row_start & 0xFFFF) * width, (row_both & 0xFFFF) * width)
-            _or_rows(stream, exception, in_row >> 16, exc_width, exc_start + (row_start >> 16) * exc_width,
-                     (row_both >> 16) * exc_width)
+            _or_rows(stream, slot, slot_rank, width, first_slot * width, row_count * width)
+            _or_rows(stream, exception, esc_rank, exc_width, exc_start + first_esc * exc_width, row_esc * exc_width)
         else:
-            ranks = row_start[:, None] + in_row
-            _or_bits(stream, slot, (ranks & 0xFFFF) * width)
-            _or_bits(stream, exception, exc_start + (ranks >> 16) * exc_width)
-        tl.store(codes_ptr + b, tl.where(count > 0, width + 1, 0).to(tl.uint8))
+            _or_bits(stream, slot, (first_slot[:, None] + slot_rank) * width)
+            _or_bits(stream, exception, exc_start + (first_esc[:, None] + esc_rank) * exc_width)
+        tl.store(codes_ptr + b, tl.where(count > 0, (width + 1) | tl.where(flat, 0, _SPARSE), 0).to(tl.uint8))
         tl.store(changed_ptr + b, (count > 0).to(tl.int64))
         tl.store(counts_ptr + b, count)
         tl.store(n_esc_ptr + b, n_esc)
         tl.store(exc_widths_ptr + b, exc_width.to(tl.uint8))
-        tl.store(nbytes_ptr + b, ((nbits + 7) // 8).to(tl.int64))
+        tl.store(bitmap_nbytes_ptr + b, bitmap_nbytes)
+        tl.store(nbytes_ptr + b, tl.where(count > 0, bitmap_nbytes + (nbits + 7) // 8, 0).to(tl.int64))
 
     @triton.jit
     def _store_le(ptr, value, NBYTES: tl.constexpr, mask):
@@ -416,10 +496,10 @@ if triton is not None:
         return value.to(tl.int64)
 
     @triton.jit(do_not_specialize=["header0", "header1", "header2", "groups_at", "offsets_at", "exc_widths_at",
-                                   "bitmaps_at", "values_at"])
-    def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr,
-                       n_blocks, payload_ptr, header0, header1, header2, groups_at, offsets_at, exc_widths_at,
-                       bitmaps_at, values_at, BLOCK: tl.constexpr, GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr,
+                                   "records_at"])
+    def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, bitmap_nbytes_ptr, rank_end_ptr,
+                       stream_end_ptr, n_blocks, payload_ptr, header0, header1, header2, groups_at, offsets_at,
+                       exc_widths_at, records_at, BLOCK: tl.constexpr, GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr,
                        RECORD_BYTES: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad bytes
@@ -435,7 +515,7 @@ if triton is not None:
         nbytes = tl.load(nbytes_ptr + b, mask=changed, other=0)
         rank_end = tl.load(rank_end_ptr + b, mask=inside, other=0)
         stream_at = tl.load(stream_end_ptr + b, mask=inside, other=0) - nbytes  # unchanged blocks: 0 bytes
-        # a group's entry from its first block: changed blocks and stream bytes before it
+        # a group's entry from its first block: changed blocks and record bytes before it
         first = inside & (b % GROUP == 0)
         entry = payload_ptr + groups_at + 8 * (b // GROUP)
         _store_le(entry, rank_end - changed.to(tl.int64), 4, first)
@@ -446,14 +526,17 @@ if triton is not None:
             nbytes_ptr + group_start, mask=changed, other=0)
         _store_le(payload_ptr + offsets_at + 2 * rank, stream_at - group_stream, 2, changed)
         tl.store(payload_ptr + exc_widths_at + rank, tl.load(exc_widths_ptr + b, mask=changed), mask=changed)
+        # the record: the bitmap (its first bitmap_nbytes of B / 8 bytes), then the stream
         record = records_ptr + b[:, None] * RECORD_BYTES
+        start = payload_ptr + records_at + stream_at
+        bitmap_nbytes = tl.load(bitmap_nbytes_ptr + b, mask=changed, other=0)
         j = tl.arange(0, BLOCK // 8)[None, :]
-        bitmap_mask = changed[:, None] & (j < BLOCK // 8)
-        tl.store(payload_ptr + bitmaps_at + rank[:, None] * (BLOCK // 8) + j, tl.load(record + j, mask=bitmap_mask),
-                 mask=bitmap_mask)
+        bitmap_mask = j < bitmap_nbytes[:, None]
+        tl.store(start[:, None] + j, tl.load(record + j, mask=bitmap_mask), mask=bitmap_mask)
         # only the live bytes of each stream: CHUNK-byte columns up to the tile's longest stream (a
         # fixed 17 B / 8-byte row per block left ~90% of the lanes masked off)
-        start = payload_ptr + values_at + stream_at
+        start += bitmap_nbytes
+        nbytes -= bitmap_nbytes
         stream = record + BLOCK // 8
         s = tl.arange(0, CHUNK)[None, :]
         longest = tl.max(nbytes, axis=0)  # 0 in a tile of unchanged blocks
@@ -467,17 +550,15 @@ if triton is not None:
             chunk += 1
 
     @triton.jit
-    def _payload_sections(payload, n_changed_at, groups_at, n_blocks, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                          WORDS: tl.constexpr):
-        """Byte offsets in one delta payload of its offsets, exc_widths, bitmaps and value-stream sections, which
-        follow its group entries (8 bytes per group of GROUP blocks, from ``groups_at``) with 2, 1 and B / 8 bytes
-        per changed block (compression/delta.py's _Layout); n_changed comes from the payload's header (a u32 at
-        ``n_changed_at``; one word load with ``WORDS``, the payload 4-byte aligned)."""
+    def _payload_sections(payload, n_changed_at, groups_at, n_blocks, GROUP: tl.constexpr, WORDS: tl.constexpr):
+        """Byte offsets in one delta payload of its offsets, exc_widths and records sections, which follow its group
+        entries (8 bytes per group of GROUP blocks, from ``groups_at``) with 2 and 1 bytes per changed block
+        (compression/delta.py's _Layout); n_changed comes from the payload's header (a u32 at ``n_changed_at``; one
+        word load with ``WORDS``, the payload 4-byte aligned)."""
         n_changed = _load_le(payload + n_changed_at, 4, WORDS)
         offsets = groups_at + 8 * ((n_blocks + GROUP - 1) // GROUP)
         exc_widths = offsets + 2 * n_changed
-        bitmaps = exc_widths + n_changed
-        return offsets, exc_widths, bitmaps, bitmaps + n_changed * (BLOCK // 8)
+        return offsets, exc_widths, exc_widths + n_changed
 
     @triton.jit
     def _load_bits(words_ptr, bitpos, width, mask):
@@ -518,11 +599,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["base_misalign", "src_base", "skip_rank"])
     def _decode_kernel(out_ptr, numel, start_ptr, stride_ptr, valid_ptr, payload_ptr, payload_stride, base_misalign,
                        codes_at, n_changed_at, groups_at, src_base, skip_rank, n_blocks, BLOCK: tl.constexpr,
-                       GROUP: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr):
+                       GROUP: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr,
+                       FLAG_BYTES: tl.constexpr):
         # rows of 8 values, a row per thread, as in _encode_kernel. program_id(1) picks the source rank: src_base
         # and up, ``skip_rank`` skipped; its payload is row src - src_base, at that many payload_strides. The
-        # value streams are read as 32-bit words from the 4-byte boundary at or before their first byte,
-        # ``values_lead`` bytes earlier (the payload's previous section; ``base_misalign``: payload_ptr % 4). ``WORDS``:
+        # records are read as 32-bit words from the 4-byte boundary at or before the records section,
+        # ``records_lead`` bytes earlier (the payload's previous section; ``base_misalign``: payload_ptr % 4). ``WORDS``:
         # every row starts 4-byte aligned (gathers align them), so n_changed, the group entries and the offsets are
         # read as whole words (14 byte loads a block fewer)
         ROWS: tl.constexpr = BLOCK // 8
@@ -533,9 +615,9 @@ if triton is not None:
         payload = payload_ptr + row * payload_stride
         code = tl.load(payload + codes_at + b).to(tl.int32)
         if code != 0:
-            offsets_at, exc_widths_at, bitmaps_at, values_at = _payload_sections(payload, n_changed_at, groups_at,
-                                                                                 n_blocks, BLOCK, GROUP, WORDS)
-            width = code - 1
+            offsets_at, exc_widths_at, records_at = _payload_sections(payload, n_changed_at, groups_at, n_blocks,
+                                                                      GROUP, WORDS)
+            width = (code & ~_SPARSE) - 1
             # the block's record: its group's entry plus the changed blocks of the group before it
             in_group = (b % GROUP).to(tl.int32)
             k = tl.arange(0, GROUP)
@@ -551,21 +633,30 @@ if triton is not None:
             # tensor the row-per-thread layout of out's 16-byte loads; from the bitmap bytes alone Triton
             # spreads a row over 8 threads and its in-row scans shuffle
             zero = (old.to(tl.int32) & 0xFFFF) >> 16
-            bitmap = tl.load(payload + bitmaps_at + rank * (BLOCK // 8) + r).to(tl.int32)
+            if WORDS:  # the row's start is a multiple of 4
+                records_lead = records_at & 3
+            else:
+                records_lead = (base_misalign + row * payload_stride + records_at) & 3
+            record_at = (_load_le(entry + 4, 4, WORDS) + _load_le(payload + offsets_at + 2 * rank, 2, WORDS)
+                         + records_lead)
+            records = payload + records_at - records_lead
+            if code >= _SPARSE:  # row flags, then the non-empty rows' bytes
+                flag = (tl.load(records + record_at + r // 8).to(tl.int32) >> (r % 8)) & 1
+                bitmap = tl.load(records + record_at + FLAG_BYTES + tl.cumsum(flag, axis=0) - flag, mask=flag != 0,
+                                 other=0).to(tl.int32)
+                bitmap_nbytes = FLAG_BYTES + tl.sum(flag, axis=0)
+            else:
+                bitmap = tl.load(records + record_at + r).to(tl.int32)
+                bitmap_nbytes = code * 0 + ROWS
             changed = ((bitmap[:, None] >> (j + zero)) & 1) != 0
             c = changed.to(tl.int32)
             in_row = tl.cumsum(c, axis=1) - c
             row_count = tl.sum(c, axis=1)
             row_start = tl.cumsum(row_count, axis=0) - row_count
             exc_width = tl.load(payload + exc_widths_at + rank).to(tl.int32)
-            if WORDS:  # the row's start is a multiple of 4
-                values_lead = values_at & 3
-            else:
-                values_lead = (base_misalign + row * payload_stride + values_at) & 3
-            stream_at = (_load_le(entry + 4, 4, WORDS) + _load_le(payload + offsets_at + 2 * rank, 2, WORDS)
-                         + values_lead)
-            stream_words = (payload + values_at - values_lead).to(tl.pointer_type(tl.int32)) + (stream_at >> 2)
-            base = (stream_at & 3).to(tl.int32) * 8
+            # the value stream follows the bitmap
+            stream_words = records.to(tl.pointer_type(tl.int32)) + (record_at >> 2)
+            base = ((record_at & 3).to(tl.int32) + bitmap_nbytes) * 8
             if tl.max(row_count, axis=0) * width <= 64:
                 slot = _read_rows(stream_words, base + row_start * width, in_row, width, row_count * width)
             else:
@@ -608,6 +699,18 @@ def _max_registers(kernel: str, block_size: int):
     return MAX_REGISTERS[kernel, min(2, _rows_per_thread(block_size))] if block_size <= CAPPED_MAX_BLOCK else None
 
 
+def _launch_shape(kernel: str, block_size: int) -> dict:
+    """The block-size constexprs of the encode or decode kernel. The encoder's scans carry changed values and
+    escapes (up to B: FIELD bits each) and non-empty rows (up to B / 8) as fields of one integer: an int32 up to
+    B = 1024, an int64 above (WIDE_SCAN)."""
+    if kernel == "encode":
+        field = block_size.bit_length()
+        return dict(BLOCK=block_size, RECORD_WORDS=block_size // 32 + _stream_words(block_size), FIELD=field,
+                    WIDE_SCAN=2 * field + (block_size // 8).bit_length() > 31, FLAG_BYTES=flag_bytes(block_size),
+                    FLAG_WORDS=max(1, block_size // 256))
+    return dict(BLOCK=block_size, GROUP=group_blocks(block_size), FLAG_BYTES=flag_bytes(block_size))
+
+
 def _num_warps(block_size: int) -> int:
     """Warps per block program: two rows of 8 values per thread from B = 512 (B = 512-2048: 1.10-1.17x the encode
     and 1.07-1.35x the decode device throughput of a row per thread; results/gpu/README.md, session 27), one
@@ -635,14 +738,16 @@ def _stream_words(block_size: int) -> int:
 
 @dataclass
 class EncodedBlocks:
-    """Per-block results of ``encode_blocks``; ``records`` row b: bitmap, then the value stream."""
+    """Per-block results of ``encode_blocks``; ``records`` row b: the bitmap in its record's form (B / 8 bytes, of
+    which ``bitmap_nbytes`` live), then the value stream."""
 
     codes: torch.Tensor  # uint8 [n_blocks]
     changed: torch.Tensor  # int64 [n_blocks]: 1 where code != 0 (int64: prefix sums need no conversion)
     counts: torch.Tensor  # int32 [n_blocks]
     n_esc: torch.Tensor  # int32 [n_blocks]
     exc_widths: torch.Tensor  # uint8 [n_blocks]
-    nbytes: torch.Tensor  # int64 [n_blocks]: value stream bytes
+    nbytes: torch.Tensor  # int64 [n_blocks]: record bytes (bitmap and value stream)
+    bitmap_nbytes: torch.Tensor  # int32 [n_blocks]
     records: torch.Tensor  # int32 [n_blocks, B / 32 + 8 * ceil(17 B / 256)]
 
 
@@ -659,7 +764,7 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
 
     return EncodedBlocks(codes=per_block(torch.uint8), changed=per_block(torch.int64), counts=per_block(torch.int32),
                          n_esc=per_block(torch.int32), exc_widths=per_block(torch.uint8),
-                         nbytes=per_block(torch.int64), records=records)
+                         nbytes=per_block(torch.int64), bitmap_nbytes=per_block(torch.int32), records=records)
 
 
 def _table_args(data: torch.Tensor, table) -> tuple:
@@ -681,7 +786,7 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
     ``cast_to`` and ``source_table`` (``Segments.source_table`` of the segments' fp32 sources): ``new`` is the sources'
     base, ``prev`` the table's base (int16: the buffers, coded against and cast into)."""
     e = out if out is not None else empty_blocks(prev.numel(), block_size, prev.device)
-    n_blocks, record_words = e.records.shape
+    n_blocks = e.records.shape[0]
     pointers, flags = _table_args(prev if source_table is not None else new, table)
     src_start = new
     if source_table is not None:
@@ -690,8 +795,8 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
         src_start, flags["ALIGNED"] = source_table[1], flags["ALIGNED"] and source_table[2]
     if n_blocks:
         _encode_kernel[(n_blocks,)](prev, new, prev.numel(), *pointers, rank, e.codes, e.changed, e.counts, e.n_esc,
-                                    e.exc_widths, e.nbytes, e.records,
-                                    BLOCK=block_size, RECORD_WORDS=record_words, num_warps=_num_warps(block_size),
+                                    e.exc_widths, e.nbytes, e.bitmap_nbytes, e.records,
+                                    **_launch_shape("encode", block_size), num_warps=_num_warps(block_size),
                                     maxnreg=_max_registers("encode", block_size), CAST=cast_to is not None,
                                     FP16=cast_to == torch.float16, src_start_ptr=src_start,
                                     SOURCE_TABLE=source_table is not None, **flags)
@@ -699,18 +804,18 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
 
 
 def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: bytes, groups_at, offsets_at,
-                   exc_widths_at, bitmaps_at, values_at, block_size: int) -> None:
-    """Triton: write ``header`` (24 bytes), the pad bytes, the codes, the group entries, and the stream offset,
-    exc_width, bitmap and stream of each changed block into ``payload`` (uint8) at the given section offsets;
-    ``rank_end``/``stream_end`` are inclusive prefix sums over blocks of (code != 0) and ``nbytes``."""
+                   exc_widths_at, records_at, block_size: int) -> None:
+    """Triton: write ``header`` (24 bytes), the pad bytes, the codes, the group entries, and the record offset,
+    exc_width and record (bitmap, stream) of each changed block into ``payload`` (uint8) at the given section
+    offsets; ``rank_end``/``stream_end`` are inclusive prefix sums over blocks of (code != 0) and ``nbytes``."""
     n_blocks = e.codes.numel()
     if not n_blocks:  # an empty shard: the payload is the header
         payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return
     tile, (chunk, warps) = _tile_blocks(block_size), _gather_launch(block_size)
     _gather_kernel[(triton.cdiv(n_blocks, tile),)](
-        e.records.view(torch.uint8), e.codes, e.exc_widths, e.nbytes, rank_end, stream_end, n_blocks, payload,
-        *struct.unpack("<3q", header), groups_at, offsets_at, exc_widths_at, bitmaps_at, values_at,
+        e.records.view(torch.uint8), e.codes, e.exc_widths, e.nbytes, e.bitmap_nbytes, rank_end, stream_end, n_blocks,
+        payload, *struct.unpack("<3q", header), groups_at, offsets_at, exc_widths_at, records_at,
         BLOCK=block_size, GROUP=group_blocks(block_size), HEADER_BYTES=len(header),
         RECORD_BYTES=4 * e.records.shape[1], TILE=tile, CHUNK=chunk, num_warps=warps)
 
@@ -720,7 +825,7 @@ class Payloads:
     """Delta payloads for the decode kernel: ``rows`` of them, row k at ``base[k * stride:]`` (uint8; one payload, or
     every rank's in a gather's receive buffer), each of ``n_blocks`` blocks. Their sections, from compression/delta.py's
     wire format: the codes at byte ``codes_at``, n_changed (u32) at ``n_changed_at``, the group entries from
-    ``groups_at`` (which depends only on the shard's size), then offsets, exc_widths, bitmaps and the value streams.
+    ``groups_at`` (which depends only on the shard's size), then offsets, exc_widths and the records.
     The last row needs WORD_READ_SLACK readable bytes after its payload (the value streams are read as 32-bit
     words)."""
 
@@ -746,7 +851,7 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
         misalign = p.base.data_ptr() % 4
         _decode_kernel[(p.n_blocks, sources)](out, out.numel(), *pointers, p.base, p.stride, misalign,
                                               p.codes_at, p.n_changed_at, p.groups_at, src_base, skip_rank,
-                                              p.n_blocks, BLOCK=block_size, GROUP=group_blocks(block_size),
+                                              p.n_blocks, **_launch_shape("decode", block_size),
                                               WORDS=misalign == 0 and p.stride % 4 == 0,
                                               num_warps=_num_warps(block_size),
                                               maxnreg=_max_registers("decode", block_size), **flags)

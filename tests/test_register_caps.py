@@ -26,11 +26,7 @@ def test_delta_caps_do_not_spill(block_size):
         if block_size > delta.CAPPED_MAX_BLOCK:
             assert cap is None
             continue
-        shape = dict(constexprs, BLOCK=block_size)
-        if "RECORD_WORDS" in shape:
-            shape["RECORD_WORDS"] = block_size // 32 + delta._stream_words(block_size)
-        if "GROUP" in shape:
-            shape["GROUP"] = delta.group_blocks(block_size)
+        shape = dict(constexprs, **delta._launch_shape(kernel, block_size))
         stores, registers = sc.spill_stores(fn, signature, shape, delta._num_warps(block_size), cap,
                                             PER_VALUE_FALLBACKS)
         assert registers <= cap and stores <= MAX_SPILL_STORES, (name, registers, stores)
