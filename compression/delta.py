@@ -133,10 +133,10 @@ class DeltaCodec(ShardCodec):
     lossless = True
     stat_names = ("blocks_total", "blocks_changed", "values_changed")  # telemetry counters
     header_nbytes = HEADER.size
-    read_slack_bytes = kernels.WORD_READ_SLACK
 
     def __init__(self, config: DeltaConfig, world_size: int, rank: int, *, triton=None, cast: bool = False):
         self.config = config
+        self.read_slack_bytes = kernels.read_slack_bytes(config.block_size)  # room after a payload its decode reads
         self.world_size = world_size
         self.rank = rank
         self.triton = triton  # None: Triton on CUDA, the PyTorch reference elsewhere

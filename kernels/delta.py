@@ -19,8 +19,9 @@ Per block of ``B`` values:
 
 A changed block's record is its bitmap followed by its value stream. Where each record starts: blocks form
 groups of ``group_blocks(B)``; per group the number of changed blocks and of record bytes before it (u32 each),
-per changed block its record's start relative to its group's (u16: a group's records span less than 64 KiB). So a decoder finds any block's record from its group's entry and the codes of the
-group's earlier blocks, with no pass over the whole payload first.
+per changed block its record's start relative to its group's (u16: a group's records span less than 64 KiB).
+So a decoder finds any block's record from its group's entry and the codes of the group's earlier blocks, with
+no pass over the whole payload first.
 
 ``width`` minimizes ``count * width + exc_width * n_esc(width)`` over 1..7 and 17 (the smallest on
 ties; 17 never escapes since ``v <= 131069``), and is 0 when every changed value has ``v = 0``. Width 1
@@ -58,9 +59,14 @@ except ImportError:  # CPU-only installs: the references run everywhere
 
 MAX_WIDTH = 17  # bits of v = z - 1 < 2**17; also the width of an exception entry
 NARROW_WIDTHS = 7  # the widths 1..7 and 17 are the candidates (module docstring)
-WORD_READ_SLACK = 3  # decode_blocks reads the value streams as 32-bit words: up to 3 bytes past their end
 MAX_GROUP_BLOCKS = 64  # blocks per group (module docstring) at B <= 256; a decode program reads its group's codes
 SPARSE = 0x80  # code bit of a block whose bitmap is sparse: row flags, then the non-empty rows' bytes
+
+
+def read_slack_bytes(block_size: int) -> int:
+    """Bytes ``decode_blocks`` may read past a payload: each record's first B / 8 bytes (whichever its bitmap's form),
+    and the value streams as 32-bit words (up to 3 bytes past their end)."""
+    return max(3, block_size // 8)
 
 
 def flag_bytes(block_size: int) -> int:
@@ -446,7 +452,7 @@ if triton is not None:
         flat = bitmap_nbytes == ROWS
         bitmap_at = tl.where(flat, r, FLAG_BYTES + (row_start >> (2 * FIELD)).to(tl.int32))
         tl.store(record_bytes + bitmap_at, row_byte.to(tl.uint8), mask=nonempty | flat)
-        if bitmap_nbytes < ROWS:
+        if bitmap_nbytes < ROWS:  # the row flags as 32-bit words, stored bytewise
             flag_bits = tl.reshape(nonempty.to(tl.int32) << (r % 32), [FLAG_WORDS, ROWS // FLAG_WORDS])
             flag_words = tl.sum(flag_bits, axis=1)[:, None]
             flag_at = tl.arange(0, FLAG_WORDS)[:, None] * 4 + tl.arange(0, 4)[None, :]
@@ -604,9 +610,9 @@ if triton is not None:
         # rows of 8 values, a row per thread, as in _encode_kernel. program_id(1) picks the source rank: src_base
         # and up, ``skip_rank`` skipped; its payload is row src - src_base, at that many payload_strides. The
         # records are read as 32-bit words from the 4-byte boundary at or before the records section,
-        # ``records_lead`` bytes earlier (the payload's previous section; ``base_misalign``: payload_ptr % 4). ``WORDS``:
-        # every row starts 4-byte aligned (gathers align them), so n_changed, the group entries and the offsets are
-        # read as whole words (14 byte loads a block fewer)
+        # ``records_lead`` bytes earlier (the payload's previous section; ``base_misalign``: payload_ptr % 4).
+        # ``WORDS``: every row starts 4-byte aligned (gathers align them), so n_changed, the group entries and the
+        # offsets are read as whole words (14 byte loads a block fewer)
         ROWS: tl.constexpr = BLOCK // 8
         b = tl.program_id(0).to(tl.int64)
         src = tl.program_id(1) + src_base
@@ -640,13 +646,15 @@ if triton is not None:
             record_at = (_load_le(entry + 4, 4, WORDS) + _load_le(payload + offsets_at + 2 * rank, 2, WORDS)
                          + records_lead)
             records = payload + records_at - records_lead
+            # the record's first B / 8 bytes hold either bitmap (a sparse one is smaller), so one load serves both
+            # and the sparse one is picked out of it across the warp, not by loads that wait on each other
+            bitmap = tl.load(records + record_at + r).to(tl.int32)
             if code >= _SPARSE:  # row flags, then the non-empty rows' bytes
-                flag = (tl.load(records + record_at + r // 8).to(tl.int32) >> (r % 8)) & 1
-                bitmap = tl.load(records + record_at + FLAG_BYTES + tl.cumsum(flag, axis=0) - flag, mask=flag != 0,
-                                 other=0).to(tl.int32)
+                flag = (tl.gather(bitmap, r // 8, 0) >> (r % 8)) & 1
+                at = tl.minimum(FLAG_BYTES + tl.cumsum(flag, axis=0) - flag, ROWS - 1)
+                bitmap = tl.gather(bitmap, at, 0) * flag
                 bitmap_nbytes = FLAG_BYTES + tl.sum(flag, axis=0)
             else:
-                bitmap = tl.load(records + record_at + r).to(tl.int32)
                 bitmap_nbytes = code * 0 + ROWS
             changed = ((bitmap[:, None] >> (j + zero)) & 1) != 0
             c = changed.to(tl.int32)
@@ -826,8 +834,7 @@ class Payloads:
     every rank's in a gather's receive buffer), each of ``n_blocks`` blocks. Their sections, from compression/delta.py's
     wire format: the codes at byte ``codes_at``, n_changed (u32) at ``n_changed_at``, the group entries from
     ``groups_at`` (which depends only on the shard's size), then offsets, exc_widths and the records.
-    The last row needs WORD_READ_SLACK readable bytes after its payload (the value streams are read as 32-bit
-    words)."""
+    The last row needs ``read_slack_bytes(B)`` readable bytes after its payload."""
 
     base: torch.Tensor
     rows: int

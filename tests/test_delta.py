@@ -360,7 +360,8 @@ def _check_decode_gathered(device="cpu", triton=False, world=3, receiver=1):
                 buffers[k][r * sizes_used[k]:(r + 1) * sizes_used[k]].view(torch.int16).copy_(bits[step].to(device))
             payloads = [codec.encode(shard_of(target, r, world)) for r, codec in enumerate(senders)]
             stride = -(-max(p.numel() for p in payloads) // 16) * 16
-            gathered = torch.zeros(world * stride + kernels.WORD_READ_SLACK, dtype=torch.uint8, device=device)
+            gathered = torch.zeros(world * stride + kernels.read_slack_bytes(block_size), dtype=torch.uint8,
+                                   device=device)
             for r, p in enumerate(payloads):
                 gathered[r * stride:r * stride + p.numel()] = p
             received_own = shard_of(received_target, receiver, world)
@@ -441,7 +442,8 @@ def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5),
                                    layout.offsets, layout.exc_widths, layout.records, block_size)
             assert torch.equal(gathered.cpu(), payload), (block_size, step, _first_difference(payload, gathered.cpu()))
             for at in (0, 1):  # the payload word-aligned (its fields read as words) and at an odd offset
-                padded = torch.cat([payload.new_zeros(at), payload, payload.new_zeros(kernels.WORD_READ_SLACK)])
+                slack = payload.new_zeros(kernels.read_slack_bytes(block_size))
+                padded = torch.cat([payload.new_zeros(at), payload, slack])
                 p = padded.to(device)[at:at + payload.numel()]
                 out = prev.clone().to(device)
                 kernels.decode_blocks(out, kernels.Payloads(p, 1, 0, layout.n_blocks, 24, 12, layout.groups),
