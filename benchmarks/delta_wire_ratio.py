@@ -76,8 +76,8 @@ class TinyGPT(torch.nn.Module):
 
     def forward(self, tokens):
         seq = tokens.shape[1]
-        x = self.tok(tokens) + self.pos(torch.arange(seq))
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(seq)
+        x = self.tok(tokens) + self.pos(torch.arange(seq, device=tokens.device))
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(seq, device=tokens.device)
         return self.head(self.norm(self.blocks(x, mask=mask, is_causal=True)))
 
 

@@ -663,3 +663,38 @@ def test_format_study_sizes_by_hand(tmp_path):
     assert [r["step"] for r in rows] == [3, 4]
     for r in rows:
         assert r["either"] >= max(r["current"], r["rows"]) - 1e-9 and r["rows"] > 1.0
+
+
+def test_sparse_bitmaps_pay_where_rows_are_empty():
+    """Format 4 picks the sparse bitmap per block where it is smaller (flat on ties): a block with one changed value
+    costs the row flags plus one row byte instead of B / 8 bytes, a block with every row busy keeps its flat bitmap,
+    and ``benchmarks/delta_wire_gpt_gpu.py``'s accounting of what flat bitmaps would cost matches the codes."""
+    from benchmarks.delta_wire_gpt_gpu import sparse_savings
+
+    b = 256
+    before = random_bits(3 * b, torch.Generator().manual_seed(5))
+    after = before.clone()
+    after[5] += 1  # block 0: one changed value, sparse (4 flag bytes + 1 row byte < 32)
+    after[b:2 * b:8] += 1  # block 1: a change in every row, flat
+    a = kernels.analyze_blocks_reference(before.clone(), after, b)
+    assert [int(c) & kernels.SPARSE for c in a.codes] == [kernels.SPARSE, 0, 0] and a.codes[2] == 0
+    assert a.bitmap_nbytes.tolist()[:2] == [kernels.flag_bytes(b) + 1, b // 8]
+    assert sparse_savings(before, after, b) == b // 8 - kernels.flag_bytes(b) - 1
+    codec = DeltaCodec(DeltaConfig(b), 1, 0)
+    codec.encode(as_float(before, torch.bfloat16))
+    payload = codec.encode(as_float(after, torch.bfloat16))
+    out = as_float(before, torch.bfloat16)
+    DeltaCodec(DeltaConfig(b), 1, 0).decode(0, payload, out)
+    assert_same_bits(out, after)
+
+
+def test_wire_ratio_gpu_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/delta_wire_gpt_gpu.py (GPT-125M-shaped training on one GPU) on a tiny model on the CPU: every
+    shard decodes bit for bit (the script checks), and format 4 sends no more than flat bitmaps would."""
+    from benchmarks import delta_wire_gpt_gpu as bench
+
+    out = tmp_path / "wire.json"
+    bench.main(["--device", "cpu", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "32", "--batch", "2",
+                "--iters", "6", "--warmup", "2", "--lrs", "1e-5", "--out", str(out)])
+    summary = json.loads(out.read_text())["results"]["1e-5"]["summary"]
+    assert summary["steady_ratio"] >= summary["steady_ratio_flat_bitmaps"] > 1.0
