@@ -4,7 +4,9 @@ The real measurement is a DP=2 run of ``pretrain_gpt.py`` (results/gpu/README.md
 standard library text, AdamW, 150 iterations), which needs two GPUs. This trains the same shape in plain PyTorch on
 one: 12 layers, d = 768, 12 heads, byte vocabulary, seq 2048, batch 16 on the same text, fp32 master weights and
 AdamW (0.9 / 0.95, weight decay 0.1, gradient clipping 1.0; lr warmed up linearly over 20 iterations, then
-constant), bf16 autocast. After each optimizer step the bf16 parameters (what the distributed optimizer gathers) are
+constant), bf16 autocast; weights N(0, 0.02), the output projections of attention and MLP N(0, 0.02 / sqrt(2 *
+layers)) as megatron-core initializes them (``--no-scaled-init``: 0.02 everywhere; smaller weights have smaller
+bf16 steps, so more of them change). After each optimizer step the bf16 parameters (what the distributed optimizer gathers) are
 split into ``--shards`` data-parallel shards, each coded by its own ``DeltaCodec`` on the Triton path (iteration 1:
 keyframes) and decoded bit for bit into a receiver's copy. Per iteration: bf16 bytes over payload bytes (``ratio``),
 the same over what format 3 sent (the payloads with every changed block's bitmap flat, B / 8 bytes:
@@ -33,6 +35,10 @@ def train(lr: float, args, device):
     """Yield the flat bf16 parameters after each of ``args.iters`` optimizer steps."""
     torch.manual_seed(0)
     model = TinyGPT(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq).to(device)
+    if args.scaled_init:
+        for layer in model.blocks.layers:
+            for out in (layer.self_attn.out_proj, layer.linear2):
+                torch.nn.init.normal_(out.weight, std=0.02 / (2 * args.layers) ** 0.5)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     text = stdlib_bytes(16 << 20).to(device)
     for it in range(1, args.iters + 1):
@@ -109,6 +115,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--scaled-init", action=argparse.BooleanOptionalAction, default=True,
+                   help="output projections at 0.02 / sqrt(2 * layers), as megatron-core initializes them")
     p.add_argument("--shards", type=int, default=2, help="data-parallel shards, a codec each")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--device", default="cuda", help="cuda (the Triton kernels), or cpu for a small check")
