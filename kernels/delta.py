@@ -693,7 +693,8 @@ if triton is not None:
 # row kernels need 57 (encode, narrow path) and 44 (decode) registers at a row per thread, their per-value paths
 # ~90 and ~62: 64 keeps 32 programs per SM without spills. At two rows per thread (B = 512 and 1024, session 27)
 # 80 was as fast as 64 or faster than 64 and the compiler's choice (B = 512: 96-128 registers), the encoder's
-# spills all on its per-value path. Applied up to CAPPED_MAX_BLOCK values per block: larger blocks spill heavily
+# spills all on its per-value path. Format 4's encoder (session 28) wants 72 at B = 256 and stores 2 under 64, as
+# fast as under 80 or uncapped. Applied up to CAPPED_MAX_BLOCK values per block: larger blocks spill heavily
 # under them (benchmarks/sass_count.py, tests/test_register_caps.py).
 MAX_REGISTERS = {("encode", 1): 64, ("decode", 1): 64, ("encode", 2): 80, ("decode", 2): 80}
 CAPPED_MAX_BLOCK = 1024
