@@ -1,9 +1,12 @@
 """Wire ratio of the parameter all-gather over a training run, per iteration, from the metrics files of
 ``--metrics-file`` (JSON lines): raw bf16 bytes over bytes sent, dense and expert buckets together, warm-up
 and keyframe included. Iterations where nothing was gathered through a codec (the trial's plain ones, a
-choice of none) are left out, since their 1.0x says nothing about the code.
+choice of none) are left out, since their 1.0x says nothing about the code. A curve may also come from the JSON
+of ``benchmarks/delta_wire_gpt_gpu.py`` (``PATH.json@LR``, its ``ratio`` per iteration, or ``PATH.json@LR@FIELD``
+for another per-iteration field such as ``ratio_flat_bitmaps``, format 3's bytes of the same run).
 
     python benchmarks/plot_wire_ratio.py 'lr 1e-4=results/gpu/wire_delta_v2_lr1e-4.jsonl' --out ratio.png
+    python benchmarks/plot_wire_ratio.py 'format 4, lr 1e-5=delta_wire_gpt.json@1e-5' --out ratio.png
 """
 
 import argparse
@@ -16,7 +19,13 @@ from compression.telemetry import PARAM_GATHER_CLASSES, raw_and_sent  # noqa: E4
 
 
 def wire_ratios(path: str) -> list:
-    """(iteration, raw / sent) of every record whose gathers went through a codec."""
+    """(iteration, raw / sent) of every record whose gathers went through a codec (a metrics file), or of every
+    iteration of one learning rate of a ``delta_wire_gpt_gpu.py`` JSON (``PATH.json@LR[@FIELD]``)."""
+    if "@" in path:
+        path, lr, *field = path.split("@")
+        with open(path) as f:
+            iterations = json.load(f)["results"][lr]["iterations"]
+        return [(it["iteration"], it[field[0] if field else "ratio"]) for it in iterations]
     points = []
     with open(path) as f:
         for line in f:
@@ -54,7 +63,7 @@ def main():
     args = parser.parse_args()
     curves = {}
     for spec in args.curves:
-        label, sep, path = spec.partition("=")
+        label, sep, path = spec.rpartition("=")  # labels may hold "=" (DP=2)
         if not sep:
             parser.error(f"expected LABEL=PATH, got {spec!r}")
         curves[label] = wire_ratios(path)

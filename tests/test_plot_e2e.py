@@ -40,3 +40,17 @@ def test_wire_ratio_curve_from_metrics(tmp_path):
     assert [i for i, _ in points] == [1, 2] and abs(points[1][1] - 1600 / 300) < 1e-12
     plot({"run": points}, str(tmp_path / "ratio.png"), "test")
     assert (tmp_path / "ratio.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_wire_ratio_curve_from_gpu_benchmark_json(tmp_path):
+    """plot_wire_ratio.py reads delta_wire_gpt_gpu.py's JSON: one learning rate's per-iteration ratio, or another
+    field of it."""
+    from plot_wire_ratio import wire_ratios
+
+    iterations = [dict(iteration=1, ratio=1.0, ratio_flat_bitmaps=1.0),
+                  dict(iteration=2, ratio=6.5, ratio_flat_bitmaps=6.0)]
+    path = tmp_path / "wire.json"
+    path.write_text(json.dumps({"results": {"1e-5": {"iterations": iterations}, "1e-4": {"iterations": []}}}))
+    assert wire_ratios(f"{path}@1e-5") == [(1, 1.0), (2, 6.5)]
+    assert wire_ratios(f"{path}@1e-5@ratio_flat_bitmaps") == [(1, 1.0), (2, 6.0)]
+    assert wire_ratios(f"{path}@1e-4") == []
