@@ -40,10 +40,10 @@ Two implementations give identical bytes (``tests/test_delta.py`` checks it):
   counts, escapes, bitmaps, slot and exception values compacted per block; copies ``new`` into
   ``prev``), ``pack_records_reference`` (the changed blocks' bitmaps and bit-packed streams at byte offsets
   from a prefix sum) and ``unpack_records_reference`` (applies the deltas to ``out`` in place).
-- Triton kernels (the CUDA path, one host sync per encode): ``encode_blocks`` codes every block into its
-  own fixed-size row and updates ``prev`` in the same pass; ``gather_records`` moves the changed rows into
-  the payload at offsets from prefix sums and writes the group entries; ``decode_blocks`` decodes in place,
-  one launch for every payload of a gather.
+- Triton kernels (the CUDA path, one host sync per encode): ``encode_blocks`` codes every block's record into
+  its own fixed-size row and updates ``prev`` in the same pass; ``gather_records`` moves the changed blocks'
+  records into the payload at offsets from prefix sums and writes the group entries; ``decode_blocks`` decodes
+  in place, one launch for every payload of a gather.
 """
 
 import struct
@@ -274,10 +274,10 @@ def unpack_records_reference(out, changed_blocks, codes, exc_widths, record_offs
 # --- Triton kernels ----------------------------------------------------------------------------
 #
 # The CUDA path needs one host sync per encode (the payload size; the decode's headers come with it):
-#   encode: _encode_kernel (every block: code, counts, bitmap and value stream into the block's
-#           fixed-size row of ``records``; updates ``prev``) -> prefix sums (torch) -> size sync ->
-#           _gather_kernel (codes, group entries, and offsets, bitmaps and streams of changed blocks
-#           into the payload).
+#   encode: _encode_kernel (every block: code, counts, and its record, bitmap then value stream, into
+#           the block's fixed-size row of ``records``; updates ``prev``) -> prefix sums (torch) -> size
+#           sync -> _gather_kernel (codes, group entries, and offsets and records of changed blocks
+#           into the payload, the records as whole 32-bit words but for their first and last).
 #   decode: _decode_kernel (each block finds its record through its group's entry).
 # _gather_kernel takes a tile of blocks per program (one block each was latency bound: a few live
 # bytes per program). The others run one program per block of B values as
@@ -336,10 +336,12 @@ if triton is not None:
         return tl.where(trivial, 0, width), tl.where(trivial, 0, n_esc), count, exc_width
 
     @triton.jit
-    def _or_bits(stream_ptr, value, bitpos):
-        """OR each value (< 2**17) into the 32-bit stream words at bit ``bitpos``: its shifted 64-bit window spans
-        word ``bitpos >> 5`` and possibly the next; absent values are 0 and send nothing (their bit positions are
-        never used). Relaxed atomics (the L2 combines them)."""
+    def _or_bits(stream_ptr, value, slots, width, first_bit):
+        """OR each value (< 2**17) of rows [rows, 8] into the 32-bit stream words, value k of row r at bit ``bitpos =
+        first_bit[r] + slots[r, k] * width``: its shifted 64-bit window spans word ``bitpos >> 5`` and possibly the
+        next; absent values are 0 and send nothing (their bit positions are never used). Relaxed atomics (the L2
+        combines them)."""
+        bitpos = first_bit[:, None] + slots * width
         word = stream_ptr + (bitpos >> 5)
         placed = value.to(tl.int64) << (bitpos & 31)
         lo, hi = placed.to(tl.int32), (placed >> 32).to(tl.int32)
@@ -392,7 +394,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["shard_rank"])
     def _encode_kernel(prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr, changed_ptr,
-                       counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, bitmap_nbytes_ptr, records_ptr,
+                       counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr,
                        BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr,
                        CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr,
                        FIELD: tl.constexpr, WIDE_SCAN: tl.constexpr, FLAG_BYTES: tl.constexpr,
@@ -443,42 +445,40 @@ if triton is not None:
         slot_rank, esc_rank = (in_row & MASK).to(tl.int32), (in_row >> FIELD).to(tl.int32)
         row_count, row_esc = (row_both & MASK).to(tl.int32), (row_both >> FIELD).to(tl.int32)
         first_slot, first_esc = (row_start & MASK).to(tl.int32), ((row_start >> FIELD) & MASK).to(tl.int32)
-        exc_start = count * width
-        nbits = exc_start + exc_width * n_esc
+        nbits = count * width + exc_width * n_esc
+        # the record as the payload holds it, from its row's first word: the bitmap, flat or sparse (row flags, then
+        # the non-empty rows' bytes), whichever is smaller, then the value stream (so the gather copies whole words)
         record = records_ptr + b * RECORD_WORDS
-        record_bytes = record.to(tl.pointer_type(tl.uint8))
-        # the bitmap, flat or sparse (row flags, then the non-empty rows' bytes), whichever is smaller
         bitmap_nbytes = tl.minimum(FLAG_BYTES + tl.sum(nonempty.to(tl.int32), axis=0), ROWS)
         flat = bitmap_nbytes == ROWS
         bitmap_at = tl.where(flat, r, FLAG_BYTES + (row_start >> (2 * FIELD)).to(tl.int32))
-        tl.store(record_bytes + bitmap_at, row_byte.to(tl.uint8), mask=nonempty | flat)
-        if bitmap_nbytes < ROWS:  # the row flags as 32-bit words, stored bytewise
-            flag_bits = tl.reshape(nonempty.to(tl.int32) << (r % 32), [FLAG_WORDS, ROWS // FLAG_WORDS])
-            flag_words = tl.sum(flag_bits, axis=1)[:, None]
-            flag_at = tl.arange(0, FLAG_WORDS)[:, None] * 4 + tl.arange(0, 4)[None, :]
-            tl.store(record_bytes + flag_at, ((flag_words >> (8 * (flag_at % 4))) & 0xFF).to(tl.uint8),
-                     mask=flag_at < FLAG_BYTES)
-        # the stream's live words are zeroed here and the values OR their bits in after the barrier
-        stream = record + BLOCK // 32
-        # whole rows (a mask constant along a row keeps the 16-byte stores), within _stream_words(B) <= B
-        tl.store(stream + i, tl.zeros([ROWS, 8], dtype=tl.int32), mask=(r[:, None] * 256 < nbits) & (j < 8))
+        stream_bit = 8 * bitmap_nbytes
+        exc_start = stream_bit + count * width
+        # the record's live words are zeroed here, and the bitmap and values OR their bits in after the barrier:
+        # whole rows of 8 words (a mask constant along a row keeps the 16-byte stores), within _record_words(B) <= B
+        live_rows = r[:, None] * 256 < stream_bit + nbits
+        tl.store(record + i, tl.zeros([ROWS, 8], dtype=tl.int32), mask=live_rows & (j < 8))
         tl.debug_barrier()  # every thread has read prev before it is overwritten, and the zeros are stored
         tl.store(prev_ptr + idx, new16, mask=inside)
+        tl.atomic_or(record + (bitmap_at >> 2), row_byte << (8 * (bitmap_at & 3)), mask=nonempty, sem="relaxed")
+        if bitmap_nbytes < ROWS:  # the row flags as 32-bit words (FLAG_BYTES of them live)
+            flag_bits = tl.reshape(nonempty.to(tl.int32) << (r % 32), [FLAG_WORDS, ROWS // FLAG_WORDS])
+            flag_words = tl.sum(flag_bits, axis=1)
+            tl.atomic_or(record + tl.arange(0, FLAG_WORDS), flag_words, mask=flag_words != 0, sem="relaxed")
         slot = tl.maximum(tl.minimum(v, escape), 0)  # 0 where unchanged (v = -1)
         exception = v * escaped.to(tl.int32)  # v where escaped, else 0
         row_bits = tl.maximum(row_count * width, row_esc * exc_width)
         if tl.max(row_bits, axis=0) <= 64:  # narrow widths: every block of the steady state
-            _or_rows(stream, slot, slot_rank, width, first_slot * width, row_count * width)
-            _or_rows(stream, exception, esc_rank, exc_width, exc_start + first_esc * exc_width, row_esc * exc_width)
+            _or_rows(record, slot, slot_rank, width, stream_bit + first_slot * width, row_count * width)
+            _or_rows(record, exception, esc_rank, exc_width, exc_start + first_esc * exc_width, row_esc * exc_width)
         else:
-            _or_bits(stream, slot, (first_slot[:, None] + slot_rank) * width)
-            _or_bits(stream, exception, exc_start + (first_esc[:, None] + esc_rank) * exc_width)
+            _or_bits(record, slot, slot_rank, width, stream_bit + first_slot * width)
+            _or_bits(record, exception, esc_rank, exc_width, exc_start + first_esc * exc_width)
         tl.store(codes_ptr + b, tl.where(count > 0, (width + 1) | tl.where(flat, 0, _SPARSE), 0).to(tl.uint8))
         tl.store(changed_ptr + b, (count > 0).to(tl.int64))
         tl.store(counts_ptr + b, count)
         tl.store(n_esc_ptr + b, n_esc)
         tl.store(exc_widths_ptr + b, exc_width.to(tl.uint8))
-        tl.store(bitmap_nbytes_ptr + b, bitmap_nbytes)
         tl.store(nbytes_ptr + b, tl.where(count > 0, bitmap_nbytes + (nbits + 7) // 8, 0).to(tl.int64))
 
     @triton.jit
@@ -501,12 +501,22 @@ if triton is not None:
             value |= tl.load(ptr + k).to(tl.uint32) << (8 * k)
         return value.to(tl.int64)
 
+    @triton.jit
+    def _record_word(rows, t, lead, RECORD_WORDS: tl.constexpr, mask):
+        """Word ``t`` of each record's span in the payload, whose first word holds ``lead`` bytes before the record:
+        the record's bytes 4t - lead .. 4t - lead + 3, from its words t - 1 and t (``rows``: the records' int32
+        rows; bytes past a record are junk, which the caller does not store)."""
+        cur = tl.load(rows + t, mask=mask & (t < RECORD_WORDS), other=0).to(tl.uint32, bitcast=True)
+        prev = tl.load(rows + t - 1, mask=mask & (t > 0) & (lead > 0), other=0).to(tl.uint32, bitcast=True)
+        shift = (8 * lead).to(tl.uint32)
+        return ((cur << shift) | tl.where(lead > 0, prev >> (32 - shift), 0)).to(tl.int32, bitcast=True)
+
     @triton.jit(do_not_specialize=["header0", "header1", "header2", "groups_at", "offsets_at", "exc_widths_at",
-                                   "records_at"])
-    def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, bitmap_nbytes_ptr, rank_end_ptr,
-                       stream_end_ptr, n_blocks, payload_ptr, header0, header1, header2, groups_at, offsets_at,
-                       exc_widths_at, records_at, BLOCK: tl.constexpr, GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr,
-                       RECORD_BYTES: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
+                                   "records_at", "payload_misalign"])
+    def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr, n_blocks,
+                       payload_ptr, payload_misalign, header0, header1, header2, groups_at, offsets_at, exc_widths_at,
+                       records_at, GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr, RECORD_WORDS: tl.constexpr,
+                       TILE: tl.constexpr, CHUNK: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad bytes
         word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), header2.to(tl.int64)))
@@ -532,28 +542,33 @@ if triton is not None:
             nbytes_ptr + group_start, mask=changed, other=0)
         _store_le(payload_ptr + offsets_at + 2 * rank, stream_at - group_stream, 2, changed)
         tl.store(payload_ptr + exc_widths_at + rank, tl.load(exc_widths_ptr + b, mask=changed), mask=changed)
-        # the record: the bitmap (its first bitmap_nbytes of B / 8 bytes), then the stream
-        record = records_ptr + b[:, None] * RECORD_BYTES
-        start = payload_ptr + records_at + stream_at
-        bitmap_nbytes = tl.load(bitmap_nbytes_ptr + b, mask=changed, other=0)
-        j = tl.arange(0, BLOCK // 8)[None, :]
-        bitmap_mask = j < bitmap_nbytes[:, None]
-        tl.store(start[:, None] + j, tl.load(record + j, mask=bitmap_mask), mask=bitmap_mask)
-        # only the live bytes of each stream: CHUNK-byte columns up to the tile's longest stream (a
-        # fixed 17 B / 8-byte row per block left ~90% of the lanes masked off)
-        start += bitmap_nbytes
-        nbytes -= bitmap_nbytes
-        stream = record + BLOCK // 8
-        s = tl.arange(0, CHUNK)[None, :]
-        longest = tl.max(nbytes, axis=0)  # 0 in a tile of unchanged blocks
+        # the record (bitmap and stream, contiguous from its row's first word) as the 32-bit words of the payload it
+        # spans: whole words stored as words, the partial first and last ones bytewise (their other bytes belong to
+        # the neighbours); CHUNK words per block and pass up to the tile's longest record
+        at = records_at + stream_at
+        lead = ((payload_misalign + at) & 3).to(tl.int32)  # the record's offset in its first word
+        span = payload_ptr + at - lead  # a 4-byte boundary
+        words = span.to(tl.pointer_type(tl.int32))
+        end = lead + nbytes.to(tl.int32)  # the record's end within its span
+        n_words = tl.where(changed, (end + 3) >> 2, 0)
+        rows = records_ptr + b[:, None] * RECORD_WORDS
+        c = tl.arange(0, CHUNK)[None, :]
+        longest = tl.max(n_words, axis=0)  # 0 in a tile of unchanged blocks
         chunk = longest * 0
         while chunk * CHUNK < longest:
-            at = chunk * CHUNK + s
-            # whole chunks of a live row (within the record) are loaded: vectorized, unlike per-byte masks
-            row = (chunk * CHUNK < nbytes[:, None]) & (at < RECORD_BYTES - BLOCK // 8)
-            live = at < nbytes[:, None]
-            tl.store(start[:, None] + at, tl.load(stream + at, mask=row), mask=live)
+            w = chunk * CHUNK + c
+            live = w < n_words[:, None]
+            whole = live & (4 * w >= lead[:, None]) & (4 * w + 4 <= end[:, None])
+            tl.store(words[:, None] + w, _record_word(rows, w, lead[:, None], RECORD_WORDS, live), mask=whole)
             chunk += 1
+        k = tl.arange(0, 4)[None, :]
+        for edge in tl.static_range(2):  # the first and the last word (the same one for a short record)
+            w = tl.where(edge == 0, 0, n_words - 1)[:, None]
+            value = _record_word(rows, w, lead[:, None], RECORD_WORDS, changed[:, None])
+            byte = 4 * w + k
+            whole = (4 * w >= lead[:, None]) & (4 * w + 4 <= end[:, None])  # stored in the loop
+            mine = changed[:, None] & ~whole & (byte >= lead[:, None]) & (byte < end[:, None])
+            tl.store(span[:, None] + byte, ((value >> (8 * k)) & 0xFF).to(tl.uint8), mask=mine)
 
     @triton.jit
     def _payload_sections(payload, n_changed_at, groups_at, n_blocks, GROUP: tl.constexpr, WORDS: tl.constexpr):
@@ -714,7 +729,7 @@ def _launch_shape(kernel: str, block_size: int) -> dict:
     B = 1024, an int64 above (WIDE_SCAN)."""
     if kernel == "encode":
         field = block_size.bit_length()
-        return dict(BLOCK=block_size, RECORD_WORDS=block_size // 32 + _stream_words(block_size), FIELD=field,
+        return dict(BLOCK=block_size, RECORD_WORDS=_record_words(block_size), FIELD=field,
                     WIDE_SCAN=2 * field + (block_size // 8).bit_length() > 31, FLAG_BYTES=flag_bytes(block_size),
                     FLAG_WORDS=max(1, block_size // 256))
     return dict(BLOCK=block_size, GROUP=group_blocks(block_size), FLAG_BYTES=flag_bytes(block_size))
@@ -728,27 +743,29 @@ def _num_warps(block_size: int) -> int:
 
 
 def _tile_blocks(block_size: int) -> int:
-    """Blocks per program of the gather kernel: 1024 bitmap bytes (fewer for B < 256),
-    8 per thread of 4 warps (16 needed 141 registers); 10^4 blocks of 256 still make 313 programs."""
-    return max(1, min(32, 1024 // (block_size // 8)))
+    """Blocks per program of the gather kernel (any B: its passes copy CHUNK words of each record); 10^4 blocks
+    still make 313 programs."""
+    return 32
 
 
 def _gather_launch(block_size: int) -> tuple:
-    """(CHUNK, num_warps) of the gather kernel: stream bytes copied per block and pass (TILE * CHUNK = 1024 at B <= 256;
-    wider passes mask off more lanes past each stream's end and were slower, results/gpu/README.md session 23), and
-    its warps."""
-    return max(32, block_size // 8), 4
+    """(CHUNK, num_warps) of the gather kernel: record words copied per block and pass, 4 per thread of 4 warps. At
+    B = 256 the gather took 34 / 24 us (lr 1e-4 / 1e-5) against 43 / 40 with 32 words and 83 / 79 with 64, whose
+    passes mask off more lanes past each record's end, and 8 words or 64 blocks per program took 34-36 / 20-25 us; at
+    B = 512 31 / 16 us against 31 / 24 with 16 blocks of 32 words (results/gpu/README.md session 29)."""
+    return 16, 4
 
 
-def _stream_words(block_size: int) -> int:
-    """32-bit words of a record's value stream: ceil(17 B / 32) rounded up to whole rows of 8 (zeroed by row)."""
-    return -(-block_size * MAX_WIDTH // 256) * 8
+def _record_words(block_size: int) -> int:
+    """32-bit words of a block's record row: its longest record (a flat bitmap and 17 bits per value, 18 B bits)
+    rounded up to whole rows of 8 words (zeroed by row)."""
+    return -(-block_size * (MAX_WIDTH + 1) // 256) * 8
 
 
 @dataclass
 class EncodedBlocks:
-    """Per-block results of ``encode_blocks``; ``records`` row b: the bitmap in its record's form (B / 8 bytes, of
-    which ``bitmap_nbytes`` live), then the value stream."""
+    """Per-block results of ``encode_blocks``; ``records`` row b: the block's record as the payload holds it (its
+    bitmap, then its value stream; ``nbytes`` live bytes, then junk)."""
 
     codes: torch.Tensor  # uint8 [n_blocks]
     changed: torch.Tensor  # int64 [n_blocks]: 1 where code != 0 (int64: prefix sums need no conversion)
@@ -756,16 +773,14 @@ class EncodedBlocks:
     n_esc: torch.Tensor  # int32 [n_blocks]
     exc_widths: torch.Tensor  # uint8 [n_blocks]
     nbytes: torch.Tensor  # int64 [n_blocks]: record bytes (bitmap and value stream)
-    bitmap_nbytes: torch.Tensor  # int32 [n_blocks]
-    records: torch.Tensor  # int32 [n_blocks, B / 32 + 8 * ceil(17 B / 256)]
+    records: torch.Tensor  # int32 [n_blocks, 8 * ceil(18 B / 256)]
 
 
 def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = None) -> EncodedBlocks:
     """Uninitialized ``encode_blocks`` outputs for a shard of ``numel`` values: the per-block fields of
     ``reuse`` if it has this shape (no allocations), the records (1.13x the shard at B=256) always new."""
     n_blocks = -(-numel // block_size)
-    record_words = block_size // 32 + _stream_words(block_size)
-    records = torch.empty(n_blocks, record_words, dtype=torch.int32, device=device)
+    records = torch.empty(n_blocks, _record_words(block_size), dtype=torch.int32, device=device)
     if reuse is not None and reuse.codes.numel() == n_blocks and reuse.codes.device == records.device:
         return replace(reuse, records=records)
     def per_block(dtype):
@@ -773,7 +788,7 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
 
     return EncodedBlocks(codes=per_block(torch.uint8), changed=per_block(torch.int64), counts=per_block(torch.int32),
                          n_esc=per_block(torch.int32), exc_widths=per_block(torch.uint8),
-                         nbytes=per_block(torch.int64), bitmap_nbytes=per_block(torch.int32), records=records)
+                         nbytes=per_block(torch.int64), records=records)
 
 
 def _table_args(data: torch.Tensor, table) -> tuple:
@@ -804,7 +819,7 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
         src_start, flags["ALIGNED"] = source_table[1], flags["ALIGNED"] and source_table[2]
     if n_blocks:
         _encode_kernel[(n_blocks,)](prev, new, prev.numel(), *pointers, rank, e.codes, e.changed, e.counts, e.n_esc,
-                                    e.exc_widths, e.nbytes, e.bitmap_nbytes, e.records,
+                                    e.exc_widths, e.nbytes, e.records,
                                     **_launch_shape("encode", block_size), num_warps=_num_warps(block_size),
                                     maxnreg=_max_registers("encode", block_size), CAST=cast_to is not None,
                                     FP16=cast_to == torch.float16, src_start_ptr=src_start,
@@ -823,10 +838,10 @@ def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: byte
         return
     tile, (chunk, warps) = _tile_blocks(block_size), _gather_launch(block_size)
     _gather_kernel[(triton.cdiv(n_blocks, tile),)](
-        e.records.view(torch.uint8), e.codes, e.exc_widths, e.nbytes, e.bitmap_nbytes, rank_end, stream_end, n_blocks,
-        payload, *struct.unpack("<3q", header), groups_at, offsets_at, exc_widths_at, records_at,
-        BLOCK=block_size, GROUP=group_blocks(block_size), HEADER_BYTES=len(header),
-        RECORD_BYTES=4 * e.records.shape[1], TILE=tile, CHUNK=chunk, num_warps=warps)
+        e.records, e.codes, e.exc_widths, e.nbytes, rank_end, stream_end, n_blocks, payload, payload.data_ptr() % 4,
+        *struct.unpack("<3q", header), groups_at, offsets_at, exc_widths_at, records_at,
+        GROUP=group_blocks(block_size), HEADER_BYTES=len(header), RECORD_WORDS=e.records.shape[1], TILE=tile,
+        CHUNK=chunk, num_warps=warps)
 
 
 @dataclass

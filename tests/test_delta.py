@@ -402,30 +402,25 @@ def test_bench_delta_buckets_cpu(tmp_path):
 
 
 def _reference_records(prev: torch.Tensor, bits: torch.Tensor, block_size: int, device) -> "kernels.EncodedBlocks":
-    """What ``encode_blocks`` returns, built by the references; record bytes past each stream are junk
+    """What ``encode_blocks`` returns, built by the references; record bytes past each record are junk
     (the gather must copy only live bytes)."""
     a = kernels.analyze_blocks_reference(prev.clone(), bits, block_size)
-    nbytes = kernels.stream_nbytes(a.counts, a.codes, a.n_esc, a.exc_widths)
-    row_bytes = 4 * (block_size // 32 + kernels._stream_words(block_size))
+    nbytes = torch.where(a.codes != 0, a.bitmap_nbytes + kernels.stream_nbytes(a.counts, a.codes, a.n_esc,
+                                                                              a.exc_widths), 0)
+    row_bytes = 4 * kernels._record_words(block_size)
     changed = torch.nonzero(a.codes).squeeze(1)
     rows = torch.zeros(a.codes.numel() * row_bytes, dtype=torch.uint8)
-    # the record's bitmap in the row's first bitmap_nbytes bytes, its stream from byte B / 8
-    kernels.pack_records_reference(a, changed, changed * row_bytes + block_size // 8 - a.bitmap_nbytes[changed], rows)
-    rows = rows.view(-1, row_bytes)
-    at = torch.arange(row_bytes) - block_size // 8
-    rows = torch.where((at >= 0) & (at < nbytes.unsqueeze(1)), rows, 0xA5)
-    k = torch.arange(block_size // 8)
-    rows[:, : block_size // 8] = torch.where(k < a.bitmap_nbytes.unsqueeze(1), a.record_bitmaps, 0xA5)
-    fields = (a.codes, (a.codes != 0).to(torch.int64), a.counts, a.n_esc, a.exc_widths,
-              torch.where(a.codes != 0, a.bitmap_nbytes + nbytes, 0), a.bitmap_nbytes.to(torch.int32),
-              rows.view(torch.int32))
+    kernels.pack_records_reference(a, changed, changed * row_bytes, rows)  # each record from its row's first byte
+    rows = torch.where(torch.arange(row_bytes) < nbytes.unsqueeze(1), rows.view(-1, row_bytes), 0xA5)
+    fields = (a.codes, (a.codes != 0).to(torch.int64), a.counts, a.n_esc, a.exc_widths, nbytes, rows.view(torch.int32))
     return kernels.EncodedBlocks(*(f.to(device) for f in fields))
 
 
 def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5), (1024, 34 * 1024 - 100))):
-    """``gather_records`` runs a tile of blocks per program (32 of B = 32, 8 of B = 1024): grids of several programs
-    with a partial last tile and group (64 blocks of B = 32, 16 of B = 1024), on every step of the trajectory (all
-    unchanged, mixed, all changed), give the reference payload bytes, which the decode kernel decodes (also from a
+    """``gather_records`` runs a tile of 32 blocks per program: grids of several programs with a partial last tile
+    and group (groups of 64 blocks of B = 32, 16 of B = 1024), on every step of the trajectory (all
+    unchanged, mixed, all changed), give the reference payload bytes into a payload at any offset in a 32-bit word
+    (its records copied as whole words but for their first and last), which the decode kernel decodes (also from a
     payload at an odd offset). Its inputs come from the references: the interpreted encode kernel would take minutes
     here."""
     for block_size, n in cases:
@@ -437,10 +432,15 @@ def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5),
             e = _reference_records(prev, bits, block_size, device)
             rank_end, stream_end = torch.cumsum(e.codes != 0, 0), torch.cumsum(e.nbytes, 0)
             layout = _Layout.of(n, int(rank_end[-1]), block_size)
-            gathered = torch.full_like(payload, 0x5A, device=device)
-            kernels.gather_records(e, rank_end, stream_end, gathered, bytes(payload[:24].tolist()), layout.groups,
-                                   layout.offsets, layout.exc_widths, layout.records, block_size)
-            assert torch.equal(gathered.cpu(), payload), (block_size, step, _first_difference(payload, gathered.cpu()))
+            for lead in range(4):  # the payload at every offset in a 32-bit word; the bytes around it untouched
+                buffer = torch.full((payload.numel() + 8,), 0x5A, dtype=torch.uint8, device=device)
+                gathered = buffer[lead:lead + payload.numel()]
+                kernels.gather_records(e, rank_end, stream_end, gathered, bytes(payload[:24].tolist()), layout.groups,
+                                       layout.offsets, layout.exc_widths, layout.records, block_size)
+                assert torch.equal(gathered.cpu(), payload), (block_size, step, lead,
+                                                              _first_difference(payload, gathered.cpu()))
+                around = torch.cat([buffer[:lead], buffer[lead + payload.numel():]]).cpu()
+                assert bool((around == 0x5A).all()), (block_size, step, lead)
             for at in (0, 1):  # the payload word-aligned (its fields read as words) and at an odd offset
                 slack = payload.new_zeros(kernels.read_slack_bytes(block_size))
                 padded = torch.cat([payload.new_zeros(at), payload, slack])
