@@ -757,9 +757,9 @@ def _gather_launch(block_size: int) -> tuple:
 
 
 def _record_words(block_size: int) -> int:
-    """32-bit words of a block's record row: its longest record (a flat bitmap and 17 bits per value, 18 B bits)
-    rounded up to whole rows of 8 words (zeroed by row)."""
-    return -(-block_size * (MAX_WIDTH + 1) // 256) * 8
+    """32-bit words of a block's record row: its longest record (``record_max_nbytes``) rounded up to whole rows of
+    8 words (zeroed by row)."""
+    return -(-record_max_nbytes(block_size) // 32) * 8
 
 
 @dataclass
