@@ -116,10 +116,10 @@ TACO_SHAPE = dict(B=B, LOG_B=8, R=taco.PROGRAM_VALUES // B, FORMAT=taco._FORMAT_
                   SKIP=False)
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     "delta encode": (delta._encode_kernel, _sig(
-        "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr changed_ptr counts_ptr n_esc_ptr "
-        "exc_widths_ptr nbytes_ptr records_ptr",
-        dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", changed_ptr="*i64", counts_ptr="*i32", n_esc_ptr="*i32",
-             exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", **_TABLE)),
+        "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr counts_ptr n_esc_ptr "
+        "exc_widths_ptr nbytes_ptr records_ptr tile_sums_ptr",
+        dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", counts_ptr="*i32", n_esc_ptr="*i32",
+             exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", tile_sums_ptr="*i64", **_TABLE)),
         dict(delta._launch_shape("encode", B), **_PLAIN), delta._num_warps(B), B,
         delta._max_registers("encode", B)),
     "delta decode": (delta._decode_kernel, _sig(

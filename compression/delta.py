@@ -120,10 +120,8 @@ def _from_little_endian(fields: torch.Tensor, nbytes: int) -> torch.Tensor:
 class _CodedBlocks:
     """Between ``begin_encode`` and ``finish_encode`` on the Triton path: every block coded, sizes on the device."""
 
-    blocks: kernels.EncodedBlocks
-    rank_end: torch.Tensor  # inclusive prefix sum of changed blocks
-    stream_end: torch.Tensor  # inclusive prefix sum of record bytes
-    totals: HostValues  # changed blocks, changed values, record bytes
+    blocks: kernels.EncodedBlocks  # with its tiles' starts and the totals (kernels.scan_tiles)
+    totals: HostValues  # changed blocks, changed values, record bytes, payload size
     fp16_flag: int
     numel: int
 
@@ -146,7 +144,6 @@ class DeltaCodec(ShardCodec):
         self._header_cache = None  # (key, device header) of _delta_header
         self._blocks = None  # kernels.EncodedBlocks of the last encode (its per-block fields are reused)
         self._totals = None  # HostValues of the totals
-        self._sizes_graph = None  # (key, CUDA graph, outputs) of _sizes_replayed
         self._members = []  # of a fused codec: (member codec, its view of this one's sender copy)
         self._buffer_segments = None  # the last bucket buffer decoded by decode_gathered, as Segments
         # CastShard encodes code against the parameter buffer itself and keep no sender copy: _casting once one ran
@@ -299,57 +296,25 @@ class DeltaCodec(ShardCodec):
         return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
 
     def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device) -> EncodeStart:
-        """``begin_encode`` after the encode kernel: the payload's size and header on the device."""
+        """``begin_encode`` after the encode kernel: the payload's size and header on the device (one launch: the
+        tiles' starts, the totals, and n_changed written into the header)."""
         header = self._delta_header(fp16_flag, numel, device)
-        sizes = self._sizes_replayed if e.codes.is_cuda else self._sizes
-        rank_end, stream_end, nbytes, totals = sizes(e, numel, header)
-        self._totals = HostValues(totals) if self._totals is None else self._totals.update(totals)
-        return EncodeStart(nbytes, header, _CodedBlocks(e, rank_end, stream_end, self._totals, fp16_flag, numel))
-
-    def _sizes(self, e: kernels.EncodedBlocks, numel: int, header: torch.Tensor) -> tuple:
-        """The prefix sums over blocks of changed flags and record bytes, the payload size (int64 [1]) and the totals
-        (changed blocks, changed values, record bytes), all on the device; n_changed written into ``header``."""
-        b = self.config.block_size
-        rank_end = torch.cumsum(e.changed, 0)
-        stream_end = torch.cumsum(e.nbytes, 0)
-        n_changed = rank_end[-1:]
-        # The layout of _Layout.of with n_changed on the device: sections after the group entries grow by
-        # 2 + 1 bytes per changed block, then the records.
-        nbytes = torch.add(stream_end[-1:], n_changed, alpha=3).add_(_Layout.of(numel, 0, b).records)
-        header[N_CHANGED_AT:N_CHANGED_AT + 4].view(torch.int32).copy_(n_changed)
-        totals = torch.cat([n_changed, e.counts.sum(dtype=torch.int64).reshape(1), stream_end[-1:]])
-        return rank_end, stream_end, nbytes, totals
-
-    def _sizes_replayed(self, e: kernels.EncodedBlocks, numel: int, header: torch.Tensor) -> tuple:
-        """``_sizes`` as one CUDA graph: its seven torch launches cost the host more than the device work they queue,
-        and they sit between the encode kernel and the gather's size exchange. Captured after an eager call for the
-        per-block tensors (which ``empty_blocks`` reuses across encodes of a shape) and header it reads and writes;
-        its outputs are the graph's, overwritten by the next replay (one encode in flight, as for ``_blocks``)."""
-        key = (e.changed.data_ptr(), e.nbytes.data_ptr(), e.counts.data_ptr(), e.codes.numel(), numel,
-               header.data_ptr())
-        if self._sizes_graph is not None and self._sizes_graph[0] == key:
-            _, graph, outputs = self._sizes_graph
-            graph.replay()
-            return outputs
-        outputs = self._sizes(e, numel, header)  # this encode's sizes, and the warm-up of the capture
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: NCCL's watchdog thread keeps querying its events while this thread captures
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._sizes_graph = (key, graph, self._sizes(e, numel, header))
-        return outputs
+        # the layout of _Layout.of with n_changed on the device: 2 + 1 bytes per changed block before the records
+        kernels.scan_tiles(e, header[N_CHANGED_AT:N_CHANGED_AT + 4], _Layout.of(numel, 0, self.config.block_size).records)
+        self._totals = HostValues(e.totals) if self._totals is None else self._totals.update(e.totals)
+        return EncodeStart(e.totals[3:], header, _CodedBlocks(e, self._totals, fp16_flag, numel))
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _CodedBlocks):
             return super().finish_encode(start, out)
         c, b = start.state, self.config.block_size
-        n_changed, n_values, n_record_bytes = c.totals.get()  # landed with the size the caller waited for
+        n_changed, n_values, n_record_bytes, _ = c.totals.get()  # landed with the size the caller waited for
         layout = _Layout.of(c.numel, n_changed, b)
         if out.numel() != layout.records + n_record_bytes:
             raise ValueError(f"finish_encode needs a buffer of the payload's {layout.records + n_record_bytes} bytes, "
                              f"got {out.numel()}")
-        kernels.gather_records(c.blocks, c.rank_end, c.stream_end, out,
-                               self._header_bytes(c.fp16_flag, c.numel, n_changed), layout.groups, layout.offsets,
-                               layout.exc_widths, layout.records, b)
+        kernels.gather_records(c.blocks, out, self._header_bytes(c.fp16_flag, c.numel, n_changed), layout.groups,
+                               layout.offsets, layout.exc_widths, layout.records, b)
         if self._blocks is c.blocks:  # the records go back to the allocator (stream-ordered after the gather)
             self._blocks = replace(c.blocks, records=None)
         self._record(out, c.numel, n_changed, n_values, False)

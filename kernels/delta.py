@@ -41,8 +41,10 @@ Two implementations give identical bytes (``tests/test_delta.py`` checks it):
   ``prev``), ``pack_records_reference`` (the changed blocks' bitmaps and bit-packed streams at byte offsets
   from a prefix sum) and ``unpack_records_reference`` (applies the deltas to ``out`` in place).
 - Triton kernels (the CUDA path, one host sync per encode): ``encode_blocks`` codes every block's record into
-  its own fixed-size row and updates ``prev`` in the same pass; ``gather_records`` moves the changed blocks'
-  records into the payload at offsets from prefix sums and writes the group entries; ``decode_blocks`` decodes
+  its own fixed-size row, updates ``prev`` in the same pass and sums record bytes, changed values and changed
+  blocks per tile of 32 blocks (atomics); ``scan_tiles`` turns the tiles' sums into the payload size, the totals and
+  where each span of 16 tiles starts (one small program); ``gather_records`` moves the changed blocks' records into
+  the payload at those starts plus a scan within each tile and writes the group entries; ``decode_blocks`` decodes
   in place, one launch for every payload of a gather.
 """
 
@@ -61,6 +63,8 @@ MAX_WIDTH = 17  # bits of v = z - 1 < 2**17; also the width of an exception entr
 NARROW_WIDTHS = 7  # the widths 1..7 and 17 are the candidates (module docstring)
 MAX_GROUP_BLOCKS = 64  # blocks per group (module docstring) at B <= 256; a decode program reads its group's codes
 SPARSE = 0x80  # code bit of a block whose bitmap is sparse: row flags, then the non-empty rows' bytes
+TILE_FIELD = 24  # bits of each of a tile's sums in the encoder's packed tile sums (_tile_fields)
+SPAN_TILES = 16  # tiles per entry of the scan over a shard's tiles (_scan_tiles_kernel)
 
 
 def read_slack_bytes(block_size: int) -> int:
@@ -275,9 +279,11 @@ def unpack_records_reference(out, changed_blocks, codes, exc_widths, record_offs
 #
 # The CUDA path needs one host sync per encode (the payload size; the decode's headers come with it):
 #   encode: _encode_kernel (every block: code, counts, and its record, bitmap then value stream, into
-#           the block's fixed-size row of ``records``; updates ``prev``) -> prefix sums (torch) -> size
-#           sync -> _gather_kernel (codes, group entries, and offsets and records of changed blocks
-#           into the payload, the records as whole 32-bit words but for their first and last).
+#           the block's fixed-size row of ``records``; updates ``prev``; adds its sizes to its tile's sums)
+#           -> _scan_tiles_kernel (each tile's start, the totals, the payload size) -> size sync
+#           -> _gather_kernel (codes, group entries, and offsets and records of changed blocks into the
+#           payload at its tile's start plus a scan within the tile, the records as whole 32-bit words but
+#           for their first and last).
 #   decode: _decode_kernel (each block finds its record through its group's entry).
 # _gather_kernel takes a tile of blocks per program (one block each was latency bound: a few live
 # bytes per program). The others run one program per block of B values as
@@ -291,6 +297,9 @@ if triton is not None:
     _MAX_WIDTH = tl.constexpr(MAX_WIDTH)
     _NO_ESCAPE = tl.constexpr(1 << MAX_WIDTH)  # above every v
     _SPARSE = tl.constexpr(SPARSE)
+    _TILE_FIELD = tl.constexpr(TILE_FIELD)
+    _TILE_BLOCKS_AT = tl.constexpr(2 * TILE_FIELD)  # bit of a tile's changed blocks in its sums
+    _TILE_MASK = tl.constexpr((1 << TILE_FIELD) - 1)
 
     @triton.jit
     def _ordered(s):
@@ -393,9 +402,10 @@ if triton is not None:
         return idx, idx < numel
 
     @triton.jit(do_not_specialize=["shard_rank"])
-    def _encode_kernel(prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr, changed_ptr,
-                       counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr,
-                       BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr,
+    def _encode_kernel(prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr,
+                       counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, tile_sums_ptr,
+                       BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr, TILE: tl.constexpr, SEGMENTED: tl.constexpr,
+                       ALIGNED: tl.constexpr,
                        CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr,
                        FIELD: tl.constexpr, WIDE_SCAN: tl.constexpr, FLAG_BYTES: tl.constexpr,
                        FLAG_WORDS: tl.constexpr):
@@ -475,11 +485,54 @@ if triton is not None:
             _or_bits(record, slot, slot_rank, width, stream_bit + first_slot * width)
             _or_bits(record, exception, esc_rank, exc_width, exc_start + first_esc * exc_width)
         tl.store(codes_ptr + b, tl.where(count > 0, (width + 1) | tl.where(flat, 0, _SPARSE), 0).to(tl.uint8))
-        tl.store(changed_ptr + b, (count > 0).to(tl.int64))
         tl.store(counts_ptr + b, count)
         tl.store(n_esc_ptr + b, n_esc)
         tl.store(exc_widths_ptr + b, exc_width.to(tl.uint8))
-        tl.store(nbytes_ptr + b, tl.where(count > 0, bitmap_nbytes + (nbits + 7) // 8, 0).to(tl.int64))
+        nbytes = tl.where(count > 0, bitmap_nbytes + (nbits + 7) // 8, 0).to(tl.int64)
+        tl.store(nbytes_ptr + b, nbytes)
+        # the tile's sums (_scan_tiles_kernel): one relaxed atomic per changed block, 32 blocks to an address
+        changed_block = count > 0
+        tl.atomic_add(tile_sums_ptr + b // TILE, _tile_fields(nbytes, count.to(tl.int64), changed_block.to(tl.int64)),
+                      mask=changed_block, sem="relaxed")
+
+    @triton.jit
+    def _tile_fields(nbytes, values, blocks):
+        """A tile's (or span's) record bytes, changed values and changed blocks as fields of one int64 (TILE_FIELD bits
+        each, the blocks above: ``_launch_shape`` checks that a span's sums fit, so fields of tiles add up)."""
+        return nbytes | (values << _TILE_FIELD) | (blocks << _TILE_BLOCKS_AT)
+
+    @triton.jit
+    def _record_start(fields):
+        """Changed blocks and record bytes of tile fields as one int64 for a prefix sum over a shard: the bytes in its
+        low 32 bits (a shard's records stay below 4 GiB: compression/delta.py's _check_numel), the blocks above."""
+        return (fields & _TILE_MASK) | ((fields >> _TILE_BLOCKS_AT) << 32)
+
+    @triton.jit
+    def _scan_tiles_kernel(tile_sums_ptr, n_tiles, span_starts_ptr, totals_ptr, header_ptr, records_at,
+                           SPAN: tl.constexpr, CHUNK: tl.constexpr):
+        """One program: per span of SPAN tiles, the changed blocks and record bytes before it (``span_starts``, as
+        ``_record_start``: one scan of CHUNK spans per pass, each span's tiles summed in its thread), the totals
+        (changed blocks, changed values, record bytes, and the payload size ``records_at + 3 * changed blocks +
+        record bytes``: 2 + 1 bytes of offset and exc_width per changed block) and n_changed as the header's u32 at
+        ``header_ptr``."""
+        c = tl.arange(0, CHUNK)
+        start = n_tiles * 0
+        before, values = start.to(tl.int64), start.to(tl.int64)
+        while start * SPAN < n_tiles:
+            span = start + c
+            t = span[:, None] * SPAN + tl.arange(0, SPAN)[None, :]
+            fields = tl.sum(tl.load(tile_sums_ptr + t, mask=t < n_tiles, other=0), axis=1)
+            x = _record_start(fields)
+            tl.store(span_starts_ptr + span, before + tl.cumsum(x, axis=0) - x, mask=span * SPAN < n_tiles)
+            before += tl.sum(x, axis=0)
+            values += tl.sum((fields >> _TILE_FIELD) & _TILE_MASK, axis=0)
+            start += CHUNK
+        blocks, nbytes = before >> 32, before & 0xFFFFFFFF
+        tl.store(totals_ptr, blocks)
+        tl.store(totals_ptr + 1, values)
+        tl.store(totals_ptr + 2, nbytes)
+        tl.store(totals_ptr + 3, records_at + 3 * blocks + nbytes)
+        _store_le(header_ptr + tl.arange(0, 1), blocks + tl.zeros([1], tl.int64), 4, tl.full([1], True, tl.int1))
 
     @triton.jit
     def _store_le(ptr, value, NBYTES: tl.constexpr, mask):
@@ -513,10 +566,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["header0", "header1", "header2", "groups_at", "offsets_at", "exc_widths_at",
                                    "records_at", "payload_misalign"])
-    def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, rank_end_ptr, stream_end_ptr, n_blocks,
+    def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, tile_sums_ptr, span_starts_ptr, n_blocks,
                        payload_ptr, payload_misalign, header0, header1, header2, groups_at, offsets_at, exc_widths_at,
                        records_at, GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr, RECORD_WORDS: tl.constexpr,
-                       TILE: tl.constexpr, CHUNK: tl.constexpr):
+                       TILE: tl.constexpr, SPAN: tl.constexpr, CHUNK: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad bytes
         word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), header2.to(tl.int64)))
@@ -529,17 +582,27 @@ if triton is not None:
         tl.store(payload_ptr + HEADER_BYTES + b, code, mask=inside)
         changed = code != 0
         nbytes = tl.load(nbytes_ptr + b, mask=changed, other=0)
-        rank_end = tl.load(rank_end_ptr + b, mask=inside, other=0)
-        stream_at = tl.load(stream_end_ptr + b, mask=inside, other=0) - nbytes  # unchanged blocks: 0 bytes
+        # the changed blocks and record bytes before each block: its span's start (_scan_tiles_kernel), the sums of
+        # the span's earlier tiles, then a scan within the tile (unchanged blocks: 0 bytes)
+        k = tl.arange(0, SPAN)
+        earlier = tl.load(tile_sums_ptr + pid - pid % SPAN + k, mask=k < pid % SPAN, other=0)
+        tile_start = tl.load(span_starts_ptr + pid // SPAN) + _record_start(tl.sum(earlier, axis=0))
+        rank_end = (tile_start >> 32) + tl.cumsum(changed.to(tl.int64), axis=0)
+        stream_at = (tile_start & 0xFFFFFFFF) + tl.cumsum(nbytes, axis=0) - nbytes
         # a group's entry from its first block: changed blocks and record bytes before it
         first = inside & (b % GROUP == 0)
         entry = payload_ptr + groups_at + 8 * (b // GROUP)
         _store_le(entry, rank_end - changed.to(tl.int64), 4, first)
         _store_le(entry + 4, stream_at, 4, first)
         rank = rank_end - 1
-        group_start = b - b % GROUP
-        group_stream = tl.load(stream_end_ptr + group_start, mask=changed, other=0) - tl.load(
-            nbytes_ptr + group_start, mask=changed, other=0)
+        if GROUP >= TILE:  # the tile lies in one group (both powers of two), which starts at a tile of its span
+            GROUP_TILES: tl.constexpr = GROUP // TILE
+            g = tl.arange(0, GROUP_TILES)
+            back = tl.load(tile_sums_ptr + pid - pid % GROUP_TILES + g, mask=g < pid % GROUP_TILES, other=0)
+            group_stream = (tile_start & 0xFFFFFFFF) - (tl.sum(back, axis=0) & _TILE_MASK)
+        else:
+            i = tl.arange(0, TILE)
+            group_stream = tl.gather(stream_at, i - i % GROUP, 0)
         _store_le(payload_ptr + offsets_at + 2 * rank, stream_at - group_stream, 2, changed)
         tl.store(payload_ptr + exc_widths_at + rank, tl.load(exc_widths_ptr + b, mask=changed), mask=changed)
         # the record (bitmap and stream, contiguous from its row's first word) as the 32-bit words of the payload it
@@ -728,8 +791,10 @@ def _launch_shape(kernel: str, block_size: int) -> dict:
     escapes (up to B: FIELD bits each) and non-empty rows (up to B / 8) as fields of one integer: an int32 up to
     B = 1024, an int64 above (WIDE_SCAN)."""
     if kernel == "encode":
-        field = block_size.bit_length()
-        return dict(BLOCK=block_size, RECORD_WORDS=_record_words(block_size), FIELD=field,
+        field, tile = block_size.bit_length(), _tile_blocks(block_size)
+        # a span's sums (_tile_fields): its record bytes and changed values, each below 2**TILE_FIELD
+        assert SPAN_TILES * tile * max(record_max_nbytes(block_size), block_size) < 2**TILE_FIELD, block_size
+        return dict(BLOCK=block_size, RECORD_WORDS=_record_words(block_size), TILE=tile, FIELD=field,
                     WIDE_SCAN=2 * field + (block_size // 8).bit_length() > 31, FLAG_BYTES=flag_bytes(block_size),
                     FLAG_WORDS=max(1, block_size // 256))
     return dict(BLOCK=block_size, GROUP=group_blocks(block_size), FLAG_BYTES=flag_bytes(block_size))
@@ -743,8 +808,8 @@ def _num_warps(block_size: int) -> int:
 
 
 def _tile_blocks(block_size: int) -> int:
-    """Blocks per program of the gather kernel (any B: its passes copy CHUNK words of each record); 10^4 blocks
-    still make 313 programs."""
+    """Blocks per program of the gather kernel (any B: its passes copy CHUNK words of each record; 10^4 blocks
+    still make 313 programs), and per sum of the encoder's tile sums (a power of two)."""
     return 32
 
 
@@ -765,14 +830,17 @@ def _record_words(block_size: int) -> int:
 @dataclass
 class EncodedBlocks:
     """Per-block results of ``encode_blocks``; ``records`` row b: the block's record as the payload holds it (its
-    bitmap, then its value stream; ``nbytes`` live bytes, then junk)."""
+    bitmap, then its value stream; ``nbytes`` live bytes, then junk). Per tile of ``_tile_blocks(B)`` blocks the
+    encoder's sums, per span of SPAN_TILES tiles ``scan_tiles``'s starts; ``totals``: ``scan_tiles``'s."""
 
     codes: torch.Tensor  # uint8 [n_blocks]
-    changed: torch.Tensor  # int64 [n_blocks]: 1 where code != 0 (int64: prefix sums need no conversion)
     counts: torch.Tensor  # int32 [n_blocks]
     n_esc: torch.Tensor  # int32 [n_blocks]
     exc_widths: torch.Tensor  # uint8 [n_blocks]
     nbytes: torch.Tensor  # int64 [n_blocks]: record bytes (bitmap and value stream)
+    tile_sums: torch.Tensor  # int64 [n_tiles]: record bytes, changed values and changed blocks (_tile_fields)
+    span_starts: torch.Tensor  # int64 [n_spans]: changed blocks (high 32 bits) and record bytes before the span
+    totals: torch.Tensor  # int64 [4]: changed blocks, changed values, record bytes, payload size
     records: torch.Tensor  # int32 [n_blocks, 8 * ceil(18 B / 256)]
 
 
@@ -786,9 +854,12 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
     def per_block(dtype):
         return torch.empty(n_blocks, dtype=dtype, device=device)
 
-    return EncodedBlocks(codes=per_block(torch.uint8), changed=per_block(torch.int64), counts=per_block(torch.int32),
-                         n_esc=per_block(torch.int32), exc_widths=per_block(torch.uint8),
-                         nbytes=per_block(torch.int64), records=records)
+    n_tiles = -(-n_blocks // _tile_blocks(block_size))
+    return EncodedBlocks(codes=per_block(torch.uint8), counts=per_block(torch.int32), n_esc=per_block(torch.int32),
+                         exc_widths=per_block(torch.uint8), nbytes=per_block(torch.int64),
+                         tile_sums=torch.empty(n_tiles, dtype=torch.int64, device=device),
+                         span_starts=torch.empty(-(-n_tiles // SPAN_TILES), dtype=torch.int64, device=device),
+                         totals=torch.empty(4, dtype=torch.int64, device=device), records=records)
 
 
 def _table_args(data: torch.Tensor, table) -> tuple:
@@ -808,7 +879,7 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
     ``cast_to`` (bf16 or fp16): ``new`` is fp32 and rounded to that dtype in the kernel, so that ``prev`` (e.g. the
     parameter buffer's shard) ends holding exactly what ``prev.copy_(new)`` of that dtype would write. With ``table``,
     ``cast_to`` and ``source_table`` (``Segments.source_table`` of the segments' fp32 sources): ``new`` is the sources'
-    base, ``prev`` the table's base (int16: the buffers, coded against and cast into)."""
+    base, ``prev`` the table's base (int16: the buffers, coded against and cast into). ``scan_tiles`` comes next."""
     e = out if out is not None else empty_blocks(prev.numel(), block_size, prev.device)
     n_blocks = e.records.shape[0]
     pointers, flags = _table_args(prev if source_table is not None else new, table)
@@ -818,8 +889,9 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
             raise ValueError("encode_blocks: a source_table needs a block table and cast_to")
         src_start, flags["ALIGNED"] = source_table[1], flags["ALIGNED"] and source_table[2]
     if n_blocks:
-        _encode_kernel[(n_blocks,)](prev, new, prev.numel(), *pointers, rank, e.codes, e.changed, e.counts, e.n_esc,
-                                    e.exc_widths, e.nbytes, e.records,
+        e.tile_sums.zero_()
+        _encode_kernel[(n_blocks,)](prev, new, prev.numel(), *pointers, rank, e.codes, e.counts, e.n_esc,
+                                    e.exc_widths, e.nbytes, e.records, e.tile_sums,
                                     **_launch_shape("encode", block_size), num_warps=_num_warps(block_size),
                                     maxnreg=_max_registers("encode", block_size), CAST=cast_to is not None,
                                     FP16=cast_to == torch.float16, src_start_ptr=src_start,
@@ -827,21 +899,31 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
     return e
 
 
-def gather_records(e: EncodedBlocks, rank_end, stream_end, payload, header: bytes, groups_at, offsets_at,
-                   exc_widths_at, records_at, block_size: int) -> None:
+def scan_tiles(e: EncodedBlocks, header: torch.Tensor, records_at: int) -> None:
+    """Triton, after ``encode_blocks``: ``e.span_starts`` and ``e.totals`` from the encoder's tile sums (one program;
+    ``records_at``: where the records would start if no block had changed, so that the payload size is ``records_at
+    + 3 * changed blocks + record bytes``); n_changed into ``header`` (uint8 [4], on the device)."""
+    n_tiles = e.tile_sums.numel()
+    n_spans = e.span_starts.numel()
+    _scan_tiles_kernel[(1,)](e.tile_sums, n_tiles, e.span_starts, e.totals, header, records_at, SPAN=SPAN_TILES,
+                             CHUNK=min(512, max(16, triton.next_power_of_2(n_spans))), num_warps=8)
+
+
+def gather_records(e: EncodedBlocks, payload, header: bytes, groups_at, offsets_at, exc_widths_at, records_at,
+                   block_size: int) -> None:
     """Triton: write ``header`` (24 bytes), the pad bytes, the codes, the group entries, and the record offset,
     exc_width and record (bitmap, stream) of each changed block into ``payload`` (uint8) at the given section
-    offsets; ``rank_end``/``stream_end`` are inclusive prefix sums over blocks of (code != 0) and ``nbytes``."""
+    offsets, after ``scan_tiles``."""
     n_blocks = e.codes.numel()
     if not n_blocks:  # an empty shard: the payload is the header
         payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return
     tile, (chunk, warps) = _tile_blocks(block_size), _gather_launch(block_size)
     _gather_kernel[(triton.cdiv(n_blocks, tile),)](
-        e.records, e.codes, e.exc_widths, e.nbytes, rank_end, stream_end, n_blocks, payload, payload.data_ptr() % 4,
-        *struct.unpack("<3q", header), groups_at, offsets_at, exc_widths_at, records_at,
+        e.records, e.codes, e.exc_widths, e.nbytes, e.tile_sums, e.span_starts, n_blocks, payload,
+        payload.data_ptr() % 4, *struct.unpack("<3q", header), groups_at, offsets_at, exc_widths_at, records_at,
         GROUP=group_blocks(block_size), HEADER_BYTES=len(header), RECORD_WORDS=e.records.shape[1], TILE=tile,
-        CHUNK=chunk, num_warps=warps)
+        SPAN=SPAN_TILES, CHUNK=chunk, num_warps=warps)
 
 
 @dataclass
