@@ -899,14 +899,14 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
     return e
 
 
-def scan_tiles(e: EncodedBlocks, header: torch.Tensor, records_at: int) -> None:
-    """Triton, after ``encode_blocks``: ``e.span_starts`` and ``e.totals`` from the encoder's tile sums (one program;
-    ``records_at``: where the records would start if no block had changed, so that the payload size is ``records_at
-    + 3 * changed blocks + record bytes``); n_changed into ``header`` (uint8 [4], on the device)."""
-    n_tiles = e.tile_sums.numel()
-    n_spans = e.span_starts.numel()
-    _scan_tiles_kernel[(1,)](e.tile_sums, n_tiles, e.span_starts, e.totals, header, records_at, SPAN=SPAN_TILES,
-                             CHUNK=min(512, max(16, triton.next_power_of_2(n_spans))), num_warps=8)
+def scan_tiles(e: EncodedBlocks, header: torch.Tensor, records_at: int, max_chunk: int = 512) -> None:
+    """Triton, after ``encode_blocks``: ``e.span_starts`` and ``e.totals`` from the encoder's tile sums (one program,
+    ``max_chunk`` spans per pass; ``records_at``: where the records would start if no block had changed, so that the
+    payload size is ``records_at + 3 * changed blocks + record bytes``); n_changed into ``header`` (uint8 [4], on the
+    device)."""
+    chunk = min(max_chunk, max(16, triton.next_power_of_2(e.span_starts.numel())))
+    _scan_tiles_kernel[(1,)](e.tile_sums, e.tile_sums.numel(), e.span_starts, e.totals, header, records_at,
+                             SPAN=SPAN_TILES, CHUNK=chunk, num_warps=8)
 
 
 def gather_records(e: EncodedBlocks, payload, header: bytes, groups_at, offsets_at, exc_widths_at, records_at,

@@ -463,6 +463,32 @@ def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5),
                 assert torch.equal(out.cpu(), bits), (block_size, step)
 
 
+def _check_scan_tiles(device="cpu", n_tiles=1001, max_chunk=16, block_size=8192):
+    """``scan_tiles`` over many passes (``max_chunk`` spans each; 63 spans, the last partial, at the defaults): the
+    span starts, totals and header's n_changed against torch's sums of the same tile sums, which are drawn up to the
+    largest a tile can hold at B = 8192 (a shard's records kept below 4 GiB, as the codec requires)."""
+    g = torch.Generator().manual_seed(n_tiles)
+    tile = kernels._tile_blocks(block_size)
+    nbytes = torch.randint(0, tile * kernels.record_max_nbytes(block_size) // 8, (n_tiles,), generator=g)
+    values = torch.randint(0, tile * block_size + 1, (n_tiles,), generator=g)
+    blocks = torch.randint(0, tile + 1, (n_tiles,), generator=g)
+    e = _reference_records(torch.zeros(1, dtype=torch.int16), torch.zeros(1, dtype=torch.int16), 32, device)
+    n_spans = -(-n_tiles // kernels.SPAN_TILES)
+    e.tile_sums = (nbytes | (values << kernels.TILE_FIELD) | (blocks << 2 * kernels.TILE_FIELD)).to(device)
+    e.span_starts = torch.full((n_spans,), -1, dtype=torch.int64, device=device)
+    header = torch.zeros(4, dtype=torch.uint8, device=device)
+    kernels.scan_tiles(e, header, 1000, max_chunk=max_chunk)
+    spans = torch.arange(n_tiles) // kernels.SPAN_TILES
+    span_bytes = torch.zeros(n_spans, dtype=torch.int64).index_add_(0, spans, nbytes)
+    span_blocks = torch.zeros(n_spans, dtype=torch.int64).index_add_(0, spans, blocks)
+    starts = e.span_starts.cpu()
+    assert torch.equal(starts & 0xFFFFFFFF, torch.cumsum(span_bytes, 0) - span_bytes)
+    assert torch.equal(starts >> 32, torch.cumsum(span_blocks, 0) - span_blocks)
+    total = [int(blocks.sum()), int(values.sum()), int(nbytes.sum())]
+    assert e.totals.cpu().tolist() == total + [1000 + 3 * total[0] + total[2]]
+    assert header.cpu().tolist() == list(total[0].to_bytes(4, "little"))
+
+
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     if a.numel() != b.numel():
         return f"sizes {a.numel()} != {b.numel()}"
@@ -590,7 +616,8 @@ def test_triton_matches_reference_interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     code = ("import test_delta; test_delta._check_triton_matches_reference(); "
             "test_delta._check_decode_unchanged_neighbours(); "
-            "test_delta._check_tiled_kernels_match_reference(); test_delta._check_width_choice(); "
+            "test_delta._check_tiled_kernels_match_reference(); test_delta._check_scan_tiles(); "
+            "test_delta._check_width_choice(); "
             "test_delta._check_segments(triton=True); test_delta._check_decode_gathered(triton=True); "
             "test_delta._check_cast_shards(triton=True); test_delta._check_cast_segments(triton=True)")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -626,6 +653,8 @@ def test_triton_matches_reference_cuda():
     _check_triton_matches_reference("cuda")
     _check_decode_unchanged_neighbours("cuda")
     _check_tiled_kernels_match_reference("cuda")
+    _check_scan_tiles("cuda")
+    _check_scan_tiles("cuda", n_tiles=20_000, max_chunk=512)  # 1250 spans: three passes at the production chunk
     _check_width_choice("cuda")
     _check_segments("cuda", triton=True)
     _check_decode_gathered("cuda", triton=True)
