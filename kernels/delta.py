@@ -847,14 +847,14 @@ class EncodedBlocks:
 def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = None) -> EncodedBlocks:
     """Uninitialized ``encode_blocks`` outputs for a shard of ``numel`` values: the per-block fields of
     ``reuse`` if it has this shape (no allocations), the records (1.13x the shard at B=256) always new."""
-    n_blocks = -(-numel // block_size)
+    n_blocks, n_tiles = -(-numel // block_size), -(-numel // (block_size * _tile_blocks(block_size)))
     records = torch.empty(n_blocks, _record_words(block_size), dtype=torch.int32, device=device)
-    if reuse is not None and reuse.codes.numel() == n_blocks and reuse.codes.device == records.device:
+    if (reuse is not None and reuse.codes.numel() == n_blocks and reuse.tile_sums.numel() == n_tiles
+            and reuse.codes.device == records.device):
         return replace(reuse, records=records)
     def per_block(dtype):
         return torch.empty(n_blocks, dtype=dtype, device=device)
 
-    n_tiles = -(-n_blocks // _tile_blocks(block_size))
     return EncodedBlocks(codes=per_block(torch.uint8), counts=per_block(torch.int32), n_esc=per_block(torch.int32),
                          exc_widths=per_block(torch.uint8), nbytes=per_block(torch.int64),
                          tile_sums=torch.empty(n_tiles, dtype=torch.int64, device=device),
