@@ -120,7 +120,7 @@ def _from_little_endian(fields: torch.Tensor, nbytes: int) -> torch.Tensor:
 class _CodedBlocks:
     """Between ``begin_encode`` and ``finish_encode`` on the Triton path: every block coded, sizes on the device."""
 
-    blocks: kernels.EncodedBlocks  # with its tiles' starts and the totals (kernels.scan_tiles)
+    blocks: kernels.EncodedBlocks  # with its spans' starts and the totals (kernels.scan_tiles)
     totals: HostValues  # changed blocks, changed values, record bytes, payload size
     fp16_flag: int
     numel: int
@@ -297,7 +297,7 @@ class DeltaCodec(ShardCodec):
 
     def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device) -> EncodeStart:
         """``begin_encode`` after the encode kernel: the payload's size and header on the device (one launch: the
-        tiles' starts, the totals, and n_changed written into the header)."""
+        spans' starts, the totals, and n_changed written into the header)."""
         header = self._delta_header(fp16_flag, numel, device)
         # the layout of _Layout.of with n_changed on the device: 2 + 1 bytes per changed block before the records
         kernels.scan_tiles(e, header[N_CHANGED_AT:N_CHANGED_AT + 4], _Layout.of(numel, 0, self.config.block_size).records)
