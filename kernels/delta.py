@@ -282,8 +282,8 @@ def unpack_records_reference(out, changed_blocks, codes, exc_widths, record_offs
 #           the block's fixed-size row of ``records``; updates ``prev``; adds its sizes to its tile's sums)
 #           -> _scan_tiles_kernel (each span's start, the totals, the payload size) -> size sync
 #           -> _gather_kernel (codes, group entries, and offsets and records of changed blocks into the
-#           payload at its span's start plus its earlier tiles and a scan within the tile, the records as whole 32-bit words but
-#           for their first and last).
+#           payload at its span's start plus its earlier tiles and a scan within the tile, the records as
+#           whole 32-bit words but for their first and last).
 #   decode: _decode_kernel (each block finds its record through its group's entry).
 # _gather_kernel takes a tile of blocks per program (one block each was latency bound: a few live
 # bytes per program). The others run one program per block of B values as
