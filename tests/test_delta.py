@@ -398,6 +398,11 @@ def test_bench_delta_buckets_cpu(tmp_path):
         assert row["alone"]["ratio"] > 1.0
 
 
+def _tile_fields(nbytes, values, blocks):
+    """Tile sums packed as the encode kernel adds them (``kernels.delta._tile_fields``), int64 tensors."""
+    return nbytes | (values << kernels.TILE_FIELD) | (blocks << 2 * kernels.TILE_FIELD)
+
+
 def _reference_records(prev: torch.Tensor, bits: torch.Tensor, block_size: int, device) -> "kernels.EncodedBlocks":
     """What ``encode_blocks`` returns, built by the references; record bytes past each record are junk
     (the gather must copy only live bytes), the tiles' sums packed as the encode kernel adds them and their starts
@@ -415,7 +420,7 @@ def _reference_records(prev: torch.Tensor, bits: torch.Tensor, block_size: int, 
     per_tile = torch.zeros(3, n_tiles * tile, dtype=torch.int64)
     per_tile[:, :a.codes.numel()] = torch.stack([nbytes, a.counts.long(), (a.codes != 0).long()])
     sums = per_tile.view(3, n_tiles, tile).sum(2)
-    tile_sums = sums[0] | (sums[1] << kernels.TILE_FIELD) | (sums[2] << 2 * kernels.TILE_FIELD)
+    tile_sums = _tile_fields(*sums)
     e = kernels.EncodedBlocks(codes=a.codes, counts=a.counts, n_esc=a.n_esc, exc_widths=a.exc_widths, nbytes=nbytes,
                               tile_sums=tile_sums,
                               span_starts=torch.full((-(-n_tiles // kernels.SPAN_TILES),), -1, dtype=torch.int64),
@@ -474,7 +479,7 @@ def _check_scan_tiles(device="cpu", n_tiles=1001, max_chunk=16, block_size=8192)
     blocks = torch.randint(0, tile + 1, (n_tiles,), generator=g)
     e = _reference_records(torch.zeros(1, dtype=torch.int16), torch.zeros(1, dtype=torch.int16), 32, device)
     n_spans = -(-n_tiles // kernels.SPAN_TILES)
-    e.tile_sums = (nbytes | (values << kernels.TILE_FIELD) | (blocks << 2 * kernels.TILE_FIELD)).to(device)
+    e.tile_sums = _tile_fields(nbytes, values, blocks).to(device)
     e.span_starts = torch.full((n_spans,), -1, dtype=torch.int64, device=device)
     header = torch.zeros(4, dtype=torch.uint8, device=device)
     kernels.scan_tiles(e, header, 1000, max_chunk=max_chunk)
