@@ -469,7 +469,7 @@ if triton is not None:
         live_rows = r[:, None] * 256 < stream_bit + nbits
         tl.store(record + i, tl.zeros([ROWS, 8], dtype=tl.int32), mask=live_rows & (j < 8))
         tl.debug_barrier()  # every thread has read prev before it is overwritten, and the zeros are stored
-        tl.store(prev_ptr + idx, new16, mask=inside)
+        tl.store(prev_ptr + idx, new16, mask=inside & nonempty[:, None])  # a row with no change holds its values
         tl.atomic_or(record + (bitmap_at >> 2), row_byte << (8 * (bitmap_at & 3)), mask=nonempty, sem="relaxed")
         if bitmap_nbytes < ROWS:  # the row flags as 32-bit words (FLAG_BYTES of them live)
             flag_bits = tl.reshape(nonempty.to(tl.int32) << (r % 32), [FLAG_WORDS, ROWS // FLAG_WORDS])
