@@ -123,7 +123,7 @@ def delta_block_nbytes(prev, new, block_size: int) -> torch.Tensor:
 def delta_payload_nbytes(block_nbytes: torch.Tensor, block_size: int) -> int:
     """Exact payload size of the delta code (the layout of compression/delta.py) from ``delta_block_nbytes``: the
     header, a code byte per block, the alignment pad, the group entries and the changed blocks' sections."""
-    return _Layout.of(block_nbytes.numel() * block_size, 0, block_size).records + int(block_nbytes.sum())
+    return _Layout.of(block_nbytes.numel() * block_size, block_size).regions + int(block_nbytes.sum())
 
 
 def delta_nbytes(prev, new, block_size: int) -> int:

@@ -123,8 +123,8 @@ KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per pro
         dict(delta._launch_shape("encode", B), **_PLAIN), delta._num_warps(B), B,
         delta._max_registers("encode", B)),
     "delta decode": (delta._decode_kernel, _sig(
-        "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at n_changed_at "
-        "groups_at src_base skip_rank n_blocks",
+        "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at "
+        "groups_at regions_at src_base skip_rank n_blocks",
         dict(out_ptr="*i16", payload_ptr="*u8", **_TABLE)),
         dict(delta._launch_shape("decode", B), WORDS=True, **_PLAIN), delta._num_warps(B), B,
         delta._max_registers("decode", B)),

@@ -12,20 +12,21 @@ Wire format (one uint8 tensor, little-endian):
     header, 24 bytes: magic b"DLTA" | version u8 | flags u8 (bit 0 keyframe, bit 1 fp16) |
                       reserved u16 | block_size u32 | n_changed u32 | numel u64
     keyframe:  the raw 16-bit values (numel * 2 bytes)
-    delta:     codes u8[n_blocks] | 0-3 pad bytes to a multiple of 4 |
-               groups (rank u32, record u32)[ceil(n_blocks / G)] | offsets u16[n_changed] |
-               exc_widths u8[n_changed] | records (the rest: per changed block its bitmap, then its value stream)
+    delta:     codes u8[n_blocks] | 0-3 pad bytes to a multiple of 4 | group entries u32[ceil(n_blocks / G)] |
+               the groups' regions, in group order, each: offsets u16[n] | exc_widths u8[n] | records
+               (the group's n changed blocks in block order: per changed block its bitmap, then its value stream)
 
-``codes``/``exc_widths``/bitmaps/value streams are the per-block fields of ``kernels/delta.py``;
-all but the codes are present for changed blocks only, in block order. A code's bit 7 says whether the
-block's bitmap is flat (B / 8 bytes) or sparse (row flags, then the non-empty rows' bytes). A block's count
-of changed values is the popcount of its bitmap. Blocks form groups of G = ``kernels.delta.group_blocks(block_size)``
-(64 at B <= 256): a group's entry holds the changed blocks and the record bytes before its first
-block, and a changed block's ``offset`` is where its record starts relative to its group's. So a decoder
-finds each block's record without a pass over the payload first.
-Version 4 (version 3 had flat bitmaps only, in a section of their own; version 2 sent each block's escape
-count instead of its offset, and no groups: decoders summed stream sizes first; version 1 had no
-``exc_widths``: every exception entry took 17 bits).
+``codes``/``exc_widths``/bitmaps/value streams are the per-block fields of ``kernels/delta.py``.
+A code's bit 7 says whether the block's bitmap is flat (B / 8 bytes) or sparse (row flags, then the non-empty rows'
+bytes). A block's count of changed values is the popcount of its bitmap. Blocks form groups of
+G = ``kernels.delta.group_blocks(block_size)`` (32 at B <= 512): a group's entry is where its region starts (from the
+first region), and a changed block's ``offset`` is where its record starts relative to its group's first record; a
+group's n is the number of its nonzero codes. So a decoder finds each block's record without a pass over the payload
+first.
+Version 5 (version 4 had the offsets, then the exc_widths of every changed block in sections of their own, and group
+entries of 64 blocks holding the changed blocks and record bytes before the group; version 3 had flat bitmaps only, in
+a section of their own; version 2 sent each block's escape count instead of its offset, and no groups: decoders
+summed stream sizes first; version 1 had no ``exc_widths``: every exception entry took 17 bits).
 """
 
 import struct
@@ -40,7 +41,7 @@ from kernels import use_triton
 from kernels.delta import analyze_blocks_reference, pack_records_reference, stream_nbytes, unpack_records_reference
 
 MAGIC = b"DLTA"
-VERSION = 4
+VERSION = 5
 HEADER = struct.Struct("<4sBBHIIQ")
 N_CHANGED_AT = 12  # byte offset of n_changed in the header
 FLAG_KEYFRAME = 1
@@ -59,21 +60,17 @@ class DeltaConfig:
 
 @dataclass
 class _Layout:
-    """Byte offsets of the delta sections after the header."""
+    """Byte offsets of the delta sections after the header: the group entries, then the groups' regions."""
 
     n_blocks: int
     groups: int
-    offsets: int
-    exc_widths: int
-    records: int
+    regions: int
 
     @classmethod
-    def of(cls, numel: int, n_changed: int, block_size: int) -> "_Layout":
+    def of(cls, numel: int, block_size: int) -> "_Layout":
         n_blocks = -(-numel // block_size)
         groups = -(-(HEADER.size + n_blocks) // 4) * 4
-        offsets = groups + 8 * -(-n_blocks // kernels.group_blocks(block_size))
-        exc_widths = offsets + 2 * n_changed
-        return cls(n_blocks, groups, offsets, exc_widths, exc_widths + n_changed)
+        return cls(n_blocks, groups, groups + 4 * -(-n_blocks // kernels.group_blocks(block_size)))
 
 
 def _check_dtype(dtype, what: str) -> None:
@@ -114,6 +111,31 @@ def _little_endian(x: torch.Tensor, nbytes: int) -> torch.Tensor:
 def _from_little_endian(fields: torch.Tensor, nbytes: int) -> torch.Tensor:
     """Inverse of ``_little_endian`` (int64; ``fields`` may start at any byte)."""
     return (fields.to(torch.int64).view(-1, nbytes) << (8 * torch.arange(nbytes, device=fields.device))).sum(1)
+
+
+def _group_changed(codes: torch.Tensor, group: int) -> torch.Tensor:
+    """Changed flags of the blocks as [groups, G] (int64; the last group padded with unchanged blocks)."""
+    n_groups = -(-codes.numel() // group)
+    return torch.nn.functional.pad((codes != 0).to(torch.int64), (0, n_groups * group - codes.numel())).view(-1, group)
+
+
+def _region_starts(codes: torch.Tensor, block_bytes: torch.Tensor, group: int) -> tuple:
+    """Each group's region start (bytes from the first region) and each block's record start within its group's
+    records, from every block's record bytes."""
+    record_at = _exclusive_cumsum(block_bytes)
+    group_stream = record_at[::group]
+    starts = 3 * _exclusive_cumsum(_group_changed(codes, group).sum(1)) + group_stream
+    return starts, record_at - group_stream.repeat_interleave(group)[:codes.numel()]
+
+
+def _region_places(codes: torch.Tensor, changed: torch.Tensor, group: int, starts: torch.Tensor) -> tuple:
+    """Per changed block (indices ``changed``), in bytes from the first region: where its offset is, where its
+    exc_width is, and where its group's records start."""
+    per_group = _group_changed(codes, group)
+    in_group = (torch.cumsum(per_group, 1) - per_group).view(-1)[changed]
+    g = changed // group
+    base, n = starts[g], per_group.sum(1)[g]
+    return base + 2 * in_group, base + 2 * n + in_group, base + 3 * n
 
 
 @dataclass
@@ -299,8 +321,8 @@ class DeltaCodec(ShardCodec):
         """``begin_encode`` after the encode kernel: the payload's size and header on the device (one launch: the
         spans' starts, the totals, and n_changed written into the header)."""
         header = self._delta_header(fp16_flag, numel, device)
-        # the layout of _Layout.of with n_changed on the device: 2 + 1 bytes per changed block before the records
-        kernels.scan_tiles(e, header[N_CHANGED_AT:N_CHANGED_AT + 4], _Layout.of(numel, 0, self.config.block_size).records)
+        # the payload size: the regions' start, then 2 + 1 bytes of offset and exc_width per changed block and the records
+        kernels.scan_tiles(e, header[N_CHANGED_AT:N_CHANGED_AT + 4], _Layout.of(numel, self.config.block_size).regions)
         self._totals = HostValues(e.totals) if self._totals is None else self._totals.update(e.totals)
         return EncodeStart(e.totals[3:], header, _CodedBlocks(e, self._totals, fp16_flag, numel))
 
@@ -309,12 +331,12 @@ class DeltaCodec(ShardCodec):
             return super().finish_encode(start, out)
         c, b = start.state, self.config.block_size
         n_changed, n_values, n_record_bytes, _ = c.totals.get()  # landed with the size the caller waited for
-        layout = _Layout.of(c.numel, n_changed, b)
-        if out.numel() != layout.records + n_record_bytes:
-            raise ValueError(f"finish_encode needs a buffer of the payload's {layout.records + n_record_bytes} bytes, "
-                             f"got {out.numel()}")
+        layout = _Layout.of(c.numel, b)
+        size = layout.regions + 3 * n_changed + n_record_bytes
+        if out.numel() != size:
+            raise ValueError(f"finish_encode needs a buffer of the payload's {size} bytes, got {out.numel()}")
         kernels.gather_records(c.blocks, out, self._header_bytes(c.fp16_flag, c.numel, n_changed), layout.groups,
-                               layout.offsets, layout.exc_widths, layout.records, b)
+                               layout.regions, b)
         if self._blocks is c.blocks:  # the records go back to the allocator (stream-ordered after the gather)
             self._blocks = replace(c.blocks, records=None)
         self._record(out, c.numel, n_changed, n_values, False)
@@ -342,20 +364,21 @@ class DeltaCodec(ShardCodec):
         record_bytes = a.bitmap_nbytes[changed] + stream_nbytes(a.counts[changed], a.codes[changed], a.n_esc[changed],
                                                                 a.exc_widths[changed])
         n_values, n_record_bytes = int(a.counts.sum()), int(record_bytes.sum())
-        layout = _Layout.of(bits.numel(), changed.numel(), b)
-        payload = torch.zeros(layout.records + n_record_bytes, dtype=torch.uint8, device=bits.device)
+        layout = _Layout.of(bits.numel(), b)
+        payload = torch.zeros(layout.regions + 3 * changed.numel() + n_record_bytes, dtype=torch.uint8,
+                              device=bits.device)
         payload[: HEADER.size] = self._header(fp16_flag, bits.numel(), changed.numel(), bits.device)
         payload[HEADER.size : HEADER.size + layout.n_blocks] = a.codes
         block_bytes = torch.zeros(layout.n_blocks, dtype=torch.int64, device=bits.device)
         block_bytes[changed] = record_bytes
-        record_at, rank = _exclusive_cumsum(block_bytes), _exclusive_cumsum((a.codes != 0).to(torch.int64))
         group = kernels.group_blocks(b)
-        groups = torch.stack([rank[::group], record_at[::group]], 1)
-        payload[layout.groups : layout.offsets] = _little_endian(groups, 4)
-        offsets = record_at[changed] - record_at[changed - changed % group]
-        payload[layout.offsets : layout.exc_widths] = _little_endian(offsets, 2)
-        payload[layout.exc_widths : layout.records] = a.exc_widths[changed]
-        pack_records_reference(a, changed, record_at[changed], payload[layout.records :])
+        starts, offsets = _region_starts(a.codes, block_bytes, group)
+        payload[layout.groups : layout.regions] = _little_endian(starts, 4)
+        regions = payload[layout.regions :]
+        offset_at, exc_width_at, records_at = _region_places(a.codes, changed, group, starts)
+        pack_records_reference(a, changed, records_at + offsets[changed], regions)  # rewrites every region byte
+        regions[torch.stack([offset_at, offset_at + 1], 1).view(-1)] = _little_endian(offsets[changed], 2)
+        regions[exc_width_at] = a.exc_widths[changed]
         self._record(payload, bits.numel(), changed.numel(), n_values, False)
         return payload
 
@@ -407,17 +430,19 @@ class DeltaCodec(ShardCodec):
             bits.view(torch.uint8).copy_(payload[HEADER.size : HEADER.size + 2 * numel])
             return
         b = self.config.block_size
-        layout = _Layout.of(numel, n_changed, b)
+        layout = _Layout.of(numel, b)
         if use_triton(bits, self.triton):  # sections read as 32-bit words from any payload offset
             if _bytes_after(payload) < self.read_slack_bytes:
                 payload = torch.cat([payload, payload.new_zeros(self.read_slack_bytes)])[:payload.numel()]
             kernels.decode_blocks(bits, self._payloads(payload, 1, 0, numel), b, table, rank)
             return
-        codes, groups, offsets, exc_widths, records = self._sections(payload, layout)
+        codes = payload[HEADER.size : HEADER.size + layout.n_blocks]
         changed = torch.nonzero(codes).squeeze(1)
-        group_records = _from_little_endian(groups, 4).view(-1, 2)[:, 1]
-        record_offsets = group_records[changed // kernels.group_blocks(b)] + _from_little_endian(offsets, 2)
-        unpack_records_reference(bits, changed, codes, exc_widths, record_offsets, records, b)
+        starts = _from_little_endian(payload[layout.groups : layout.regions], 4)
+        regions = payload[layout.regions :]
+        offset_at, exc_width_at, records_at = _region_places(codes, changed, kernels.group_blocks(b), starts)
+        offsets = _from_little_endian(regions[torch.stack([offset_at, offset_at + 1], 1).view(-1)], 2)
+        unpack_records_reference(bits, changed, codes, regions[exc_width_at], records_at + offsets, regions, b)
 
     def decode_gathered(self, target, gathered, stride, sizes, headers, skip) -> None:
         """On the Triton path every source's payload in one launch of each decode kernel (one source, keyframes and
@@ -440,15 +465,8 @@ class DeltaCodec(ShardCodec):
         kernels.decode_blocks(_as_bits(table[0], "output buffer"), payloads, b, table, 0, skip)
 
     def _payloads(self, base: torch.Tensor, rows: int, stride: int, numel: int) -> kernels.Payloads:
-        layout = _Layout.of(numel, 0, self.config.block_size)
-        return kernels.Payloads(base, rows, stride, layout.n_blocks, HEADER.size, N_CHANGED_AT, layout.groups)
-
-    @staticmethod
-    def _sections(payload: torch.Tensor, layout: "_Layout") -> tuple:
-        """codes, groups, offsets, exc_widths and records of a delta payload (views)."""
-        return (payload[HEADER.size : HEADER.size + layout.n_blocks], payload[layout.groups : layout.offsets],
-                payload[layout.offsets : layout.exc_widths], payload[layout.exc_widths : layout.records],
-                payload[layout.records :])
+        layout = _Layout.of(numel, self.config.block_size)
+        return kernels.Payloads(base, rows, stride, layout.n_blocks, HEADER.size, layout.groups, layout.regions)
 
     def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int, header) -> tuple:
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < HEADER.size:

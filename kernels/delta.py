@@ -18,10 +18,10 @@ Per block of ``B`` values:
   escapes), little-endian (bit ``k`` of the stream is bit ``k % 8`` of byte ``k // 8``), padded to whole bytes.
 
 A changed block's record is its bitmap followed by its value stream. Where each record starts: blocks form
-groups of ``group_blocks(B)``; per group the number of changed blocks and of record bytes before it (u32 each),
-per changed block its record's start relative to its group's (u16: a group's records span less than 64 KiB).
-So a decoder finds any block's record from its group's entry and the codes of the group's earlier blocks, with
-no pass over the whole payload first.
+groups of ``group_blocks(B)``, and each group's region holds its changed blocks' record starts relative to the
+group's first record (u16: a group's records span less than 64 KiB), their exc_widths, then their records; a u32
+entry per group says where its region starts. So a decoder finds any block's record from its group's entry and the
+group's codes, with no pass over the whole payload first.
 
 ``width`` minimizes ``count * width + exc_width * n_esc(width)`` over 1..7 and 17 (the smallest on
 ties; 17 never escapes since ``v <= 131069``), and is 0 when every changed value has ``v = 0``. Width 1
@@ -44,7 +44,8 @@ Two implementations give identical bytes (``tests/test_delta.py`` checks it):
   its own fixed-size row, updates ``prev`` in the same pass and sums record bytes, changed values and changed
   blocks per tile of 32 blocks (atomics); ``scan_tiles`` turns the tiles' sums into the payload size, the totals and
   where each span of 16 tiles starts (one small program); ``gather_records`` moves the changed blocks' records into
-  the payload at those starts plus a scan within each tile and writes the group entries; ``decode_blocks`` decodes
+  the payload's group regions at those starts plus a scan within each tile and writes the group entries;
+  ``decode_blocks`` decodes
   in place, one launch for every payload of a gather.
 """
 
@@ -61,7 +62,7 @@ except ImportError:  # CPU-only installs: the references run everywhere
 
 MAX_WIDTH = 17  # bits of v = z - 1 < 2**17; also the width of an exception entry
 NARROW_WIDTHS = 7  # the widths 1..7 and 17 are the candidates (module docstring)
-MAX_GROUP_BLOCKS = 64  # blocks per group (module docstring) at B <= 256; a decode program reads its group's codes
+MAX_GROUP_BLOCKS = 32  # blocks per group (module docstring) at B <= 512; a decode program reads its group's codes
 SPARSE = 0x80  # code bit of a block whose bitmap is sparse: row flags, then the non-empty rows' bytes
 TILE_FIELD = 24  # bits of each of a tile's sums in the encoder's packed tile sums (_tile_fields)
 SPAN_TILES = 16  # tiles per entry of the scan over a shard's tiles (_scan_tiles_kernel)
@@ -85,7 +86,8 @@ def record_max_nbytes(block_size: int) -> int:
 
 def group_blocks(block_size: int) -> int:
     """Blocks per group: the largest power of two <= MAX_GROUP_BLOCKS whose records, all but the last of at most
-    ``record_max_nbytes(B)`` bytes, start within a u16 of the group's first (64 at B <= 256, 4 at B = 8192)."""
+    ``record_max_nbytes(B)`` bytes, start within a u16 of the group's first (32 at B <= 512, 4 at B = 8192); at most
+    the gather's tile (``_tile_blocks``), so a tile holds whole groups."""
     longest = record_max_nbytes(block_size)
     g = MAX_GROUP_BLOCKS
     while (g - 1) * longest > 0xFFFF:
@@ -281,9 +283,9 @@ def unpack_records_reference(out, changed_blocks, codes, exc_widths, record_offs
 #   encode: _encode_kernel (every block: code, counts, and its record, bitmap then value stream, into
 #           the block's fixed-size row of ``records``; updates ``prev``; adds its sizes to its tile's sums)
 #           -> _scan_tiles_kernel (each span's start, the totals, the payload size) -> size sync
-#           -> _gather_kernel (codes, group entries, and offsets and records of changed blocks into the
-#           payload at its span's start plus its earlier tiles and a scan within the tile, the records as
-#           whole 32-bit words but for their first and last).
+#           -> _gather_kernel (codes, group entries, and each group's region: offsets, exc_widths and records of
+#           its changed blocks, from its span's start plus its earlier tiles and a scan within the tile, the
+#           records as whole 32-bit words but for their first and last).
 #   decode: _decode_kernel (each block finds its record through its group's entry).
 # _gather_kernel takes a tile of blocks per program (one block each was latency bound: a few live
 # bytes per program). The others run one program per block of B values as
@@ -508,11 +510,11 @@ if triton is not None:
         return (fields & _TILE_MASK) | ((fields >> _TILE_BLOCKS_AT) << 32)
 
     @triton.jit
-    def _scan_tiles_kernel(tile_sums_ptr, n_tiles, span_starts_ptr, totals_ptr, header_ptr, records_at,
+    def _scan_tiles_kernel(tile_sums_ptr, n_tiles, span_starts_ptr, totals_ptr, header_ptr, regions_at,
                            SPAN: tl.constexpr, CHUNK: tl.constexpr):
         """One program: per span of SPAN tiles, the changed blocks and record bytes before it (``span_starts``, as
         ``_record_start``: one scan of CHUNK spans per pass, each span's tiles summed in its thread), the totals
-        (changed blocks, changed values, record bytes, and the payload size ``records_at + 3 * changed blocks +
+        (changed blocks, changed values, record bytes, and the payload size ``regions_at + 3 * changed blocks +
         record bytes``: 2 + 1 bytes of offset and exc_width per changed block) and n_changed as the header's u32 at
         ``header_ptr``."""
         c = tl.arange(0, CHUNK)
@@ -531,7 +533,7 @@ if triton is not None:
         tl.store(totals_ptr, blocks)
         tl.store(totals_ptr + 1, values)
         tl.store(totals_ptr + 2, nbytes)
-        tl.store(totals_ptr + 3, records_at + 3 * blocks + nbytes)
+        tl.store(totals_ptr + 3, regions_at + 3 * blocks + nbytes)
         _store_le(header_ptr + tl.arange(0, 1), blocks + tl.zeros([1], tl.int64), 4, tl.full([1], True, tl.int1))
 
     @triton.jit
@@ -564,11 +566,10 @@ if triton is not None:
         shift = (8 * lead).to(tl.uint32)
         return ((cur << shift) | tl.where(lead > 0, prev >> (32 - shift), 0)).to(tl.int32, bitcast=True)
 
-    @triton.jit(do_not_specialize=["header0", "header1", "header2", "groups_at", "offsets_at", "exc_widths_at",
-                                   "records_at", "payload_misalign"])
+    @triton.jit(do_not_specialize=["header0", "header1", "header2", "groups_at", "regions_at", "payload_misalign"])
     def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, tile_sums_ptr, span_starts_ptr, n_blocks,
-                       payload_ptr, payload_misalign, header0, header1, header2, groups_at, offsets_at, exc_widths_at,
-                       records_at, GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr, RECORD_WORDS: tl.constexpr,
+                       payload_ptr, payload_misalign, header0, header1, header2, groups_at, regions_at,
+                       GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr, RECORD_WORDS: tl.constexpr,
                        TILE: tl.constexpr, SPAN: tl.constexpr, CHUNK: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad bytes
@@ -589,26 +590,24 @@ if triton is not None:
         tile_start = tl.load(span_starts_ptr + pid // SPAN) + _record_start(tl.sum(earlier, axis=0))
         rank_end = (tile_start >> 32) + tl.cumsum(changed.to(tl.int64), axis=0)
         stream_at = (tile_start & 0xFFFFFFFF) + tl.cumsum(nbytes, axis=0) - nbytes
-        # a group's entry from its first block: changed blocks and record bytes before it
+        # the block's group (GROUP divides TILE): its region starts after the offsets, exc_widths and records of the
+        # groups before it, and holds the group's n offsets, n exc_widths and records
+        i = tl.arange(0, TILE)
+        first_of_group = i - i % GROUP
+        group_rank = tl.gather(rank_end - changed.to(tl.int64), first_of_group, 0)  # changed blocks before the group
+        group_stream = tl.gather(stream_at, first_of_group, 0)
+        n_group = tl.gather(rank_end, first_of_group + GROUP - 1, 0) - group_rank
+        region = 3 * group_rank + group_stream
         first = inside & (b % GROUP == 0)
-        entry = payload_ptr + groups_at + 8 * (b // GROUP)
-        _store_le(entry, rank_end - changed.to(tl.int64), 4, first)
-        _store_le(entry + 4, stream_at, 4, first)
-        rank = rank_end - 1
-        if GROUP >= TILE:  # the tile lies in one group (both powers of two), which starts at a tile of its span
-            GROUP_TILES: tl.constexpr = GROUP // TILE
-            g = tl.arange(0, GROUP_TILES)
-            back = tl.load(tile_sums_ptr + pid - pid % GROUP_TILES + g, mask=g < pid % GROUP_TILES, other=0)
-            group_stream = (tile_start & 0xFFFFFFFF) - (tl.sum(back, axis=0) & _TILE_MASK)
-        else:
-            i = tl.arange(0, TILE)
-            group_stream = tl.gather(stream_at, i - i % GROUP, 0)
-        _store_le(payload_ptr + offsets_at + 2 * rank, stream_at - group_stream, 2, changed)
-        tl.store(payload_ptr + exc_widths_at + rank, tl.load(exc_widths_ptr + b, mask=changed), mask=changed)
+        _store_le(payload_ptr + groups_at + 4 * (b // GROUP), region, 4, first)
+        in_group = rank_end - 1 - group_rank
+        region_ptr = payload_ptr + regions_at + region
+        _store_le(region_ptr + 2 * in_group, stream_at - group_stream, 2, changed)
+        tl.store(region_ptr + 2 * n_group + in_group, tl.load(exc_widths_ptr + b, mask=changed), mask=changed)
         # the record (bitmap and stream, contiguous from its row's first word) as the 32-bit words of the payload it
         # spans: whole words stored as words, the partial first and last ones bytewise (their other bytes belong to
         # the neighbours); CHUNK words per block and pass up to the tile's longest record
-        at = records_at + stream_at
+        at = regions_at + region + 3 * n_group + stream_at - group_stream
         lead = ((payload_misalign + at) & 3).to(tl.int32)  # the record's offset in its first word
         span = payload_ptr + at - lead  # a 4-byte boundary
         words = span.to(tl.pointer_type(tl.int32))
@@ -632,17 +631,6 @@ if triton is not None:
             whole = (4 * w >= lead[:, None]) & (4 * w + 4 <= end[:, None])  # stored in the loop
             mine = changed[:, None] & ~whole & (byte >= lead[:, None]) & (byte < end[:, None])
             tl.store(span[:, None] + byte, ((value >> (8 * k)) & 0xFF).to(tl.uint8), mask=mine)
-
-    @triton.jit
-    def _payload_sections(payload, n_changed_at, groups_at, n_blocks, GROUP: tl.constexpr, WORDS: tl.constexpr):
-        """Byte offsets in one delta payload of its offsets, exc_widths and records sections, which follow its group
-        entries (8 bytes per group of GROUP blocks, from ``groups_at``) with 2 and 1 bytes per changed block
-        (compression/delta.py's _Layout); n_changed comes from the payload's header (a u32 at ``n_changed_at``; one
-        word load with ``WORDS``, the payload 4-byte aligned)."""
-        n_changed = _load_le(payload + n_changed_at, 4, WORDS)
-        offsets = groups_at + 8 * ((n_blocks + GROUP - 1) // GROUP)
-        exc_widths = offsets + 2 * n_changed
-        return offsets, exc_widths, exc_widths + n_changed
 
     @triton.jit
     def _load_bits(words_ptr, bitpos, width, mask):
@@ -682,15 +670,14 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["base_misalign", "src_base", "skip_rank"])
     def _decode_kernel(out_ptr, numel, start_ptr, stride_ptr, valid_ptr, payload_ptr, payload_stride, base_misalign,
-                       codes_at, n_changed_at, groups_at, src_base, skip_rank, n_blocks, BLOCK: tl.constexpr,
+                       codes_at, groups_at, regions_at, src_base, skip_rank, n_blocks, BLOCK: tl.constexpr,
                        GROUP: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr,
                        FLAG_BYTES: tl.constexpr):
         # rows of 8 values, a row per thread, as in _encode_kernel. program_id(1) picks the source rank: src_base
         # and up, ``skip_rank`` skipped; its payload is row src - src_base, at that many payload_strides. The
-        # records are read as 32-bit words from the 4-byte boundary at or before the records section,
-        # ``records_lead`` bytes earlier (the payload's previous section; ``base_misalign``: payload_ptr % 4).
-        # ``WORDS``: every row starts 4-byte aligned (gathers align them), so n_changed, the group entries and the
-        # offsets are read as whole words (14 byte loads a block fewer)
+        # records are read as 32-bit words from the 4-byte boundary at or before the payload row, ``records_lead``
+        # bytes earlier (``base_misalign``: payload_ptr % 4). ``WORDS``: every row starts 4-byte aligned (gathers
+        # align them), so the group entries are read as whole words
         ROWS: tl.constexpr = BLOCK // 8
         b = tl.program_id(0).to(tl.int64)
         src = tl.program_id(1) + src_base
@@ -699,15 +686,16 @@ if triton is not None:
         payload = payload_ptr + row * payload_stride
         code = tl.load(payload + codes_at + b).to(tl.int32)
         if code != 0:
-            offsets_at, exc_widths_at, records_at = _payload_sections(payload, n_changed_at, groups_at, n_blocks,
-                                                                      GROUP, WORDS)
             width = (code & ~_SPARSE) - 1
-            # the block's record: its group's entry plus the changed blocks of the group before it
+            # the block's group: its region (from the group's entry) holds the offsets, exc_widths and records of its
+            # n_group changed blocks; the block's rank in it from the codes of the group's earlier blocks
             in_group = (b % GROUP).to(tl.int32)
             k = tl.arange(0, GROUP)
-            earlier = tl.load(payload + codes_at + (b - in_group) + k, mask=k < in_group, other=0)
-            entry = payload + groups_at + 8 * (b // GROUP)
-            rank = _load_le(entry, 4, WORDS) + tl.sum((earlier != 0).to(tl.int32), axis=0)
+            group_changed = tl.load(payload + codes_at + (b - in_group) + k, mask=b - in_group + k < n_blocks,
+                                    other=0) != 0
+            rank = tl.sum((group_changed & (k < in_group)).to(tl.int32), axis=0)
+            n_group = tl.sum(group_changed.to(tl.int32), axis=0)
+            region = regions_at + _load_le(payload + groups_at + 4 * (b // GROUP), 4, WORDS)
             r = tl.arange(0, ROWS)
             j = tl.arange(0, 8)[None, :]
             idx, inside = _block_values(b, r[:, None] * 8 + j, numel, start_ptr, stride_ptr, valid_ptr, src, BLOCK,
@@ -717,13 +705,14 @@ if triton is not None:
             # tensor the row-per-thread layout of out's 16-byte loads; from the bitmap bytes alone Triton
             # spreads a row over 8 threads and its in-row scans shuffle
             zero = (old.to(tl.int32) & 0xFFFF) >> 16
-            if WORDS:  # the row's start is a multiple of 4
-                records_lead = records_at & 3
+            # the record's byte in the payload, counted from the 4-byte boundary at or before the payload's start
+            # (``WORDS``: the payload row starts at one)
+            if WORDS:
+                records_lead = row * 0
             else:
-                records_lead = (base_misalign + row * payload_stride + records_at) & 3
-            record_at = (_load_le(entry + 4, 4, WORDS) + _load_le(payload + offsets_at + 2 * rank, 2, WORDS)
-                         + records_lead)
-            records = payload + records_at - records_lead
+                records_lead = (base_misalign + row * payload_stride) & 3
+            record_at = region + 3 * n_group + _load_le(payload + region + 2 * rank, 2) + records_lead
+            records = payload - records_lead
             # the record's first B / 8 bytes hold either bitmap (a sparse one is smaller), so one load serves both
             # and the sparse one is picked out of it across the warp, not by loads that wait on each other
             bitmap = tl.load(records + record_at + r).to(tl.int32)
@@ -739,7 +728,7 @@ if triton is not None:
             in_row = tl.cumsum(c, axis=1) - c
             row_count = tl.sum(c, axis=1)
             row_start = tl.cumsum(row_count, axis=0) - row_count
-            exc_width = tl.load(payload + exc_widths_at + rank).to(tl.int32)
+            exc_width = tl.load(payload + region + 2 * n_group + rank).to(tl.int32)
             # the value stream follows the bitmap
             stream_words = records.to(tl.pointer_type(tl.int32)) + (record_at >> 2)
             base = ((record_at & 3).to(tl.int32) + bitmap_nbytes) * 8
@@ -899,30 +888,30 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
     return e
 
 
-def scan_tiles(e: EncodedBlocks, header: torch.Tensor, records_at: int, max_chunk: int = 512) -> None:
+def scan_tiles(e: EncodedBlocks, header: torch.Tensor, regions_at: int, max_chunk: int = 512) -> None:
     """Triton, after ``encode_blocks``: ``e.span_starts`` and ``e.totals`` from the encoder's tile sums (one program,
-    ``max_chunk`` spans per pass; ``records_at``: where the records would start if no block had changed, so that the
-    payload size is ``records_at + 3 * changed blocks + record bytes``); n_changed into ``header`` (uint8 [4], on the
-    device)."""
+    ``max_chunk`` spans per pass; ``regions_at``: where the groups' regions start, so that the payload size is
+    ``regions_at + 3 * changed blocks + record bytes``); n_changed into ``header`` (uint8 [4], on the device)."""
     chunk = min(max_chunk, max(16, triton.next_power_of_2(e.span_starts.numel())))
-    _scan_tiles_kernel[(1,)](e.tile_sums, e.tile_sums.numel(), e.span_starts, e.totals, header, records_at,
+    _scan_tiles_kernel[(1,)](e.tile_sums, e.tile_sums.numel(), e.span_starts, e.totals, header, regions_at,
                              SPAN=SPAN_TILES, CHUNK=chunk, num_warps=8)
 
 
-def gather_records(e: EncodedBlocks, payload, header: bytes, groups_at, offsets_at, exc_widths_at, records_at,
-                   block_size: int) -> None:
-    """Triton: write ``header`` (24 bytes), the pad bytes, the codes, the group entries, and the record offset,
-    exc_width and record (bitmap, stream) of each changed block into ``payload`` (uint8) at the given section
-    offsets, after ``scan_tiles``."""
+def gather_records(e: EncodedBlocks, payload, header: bytes, groups_at: int, regions_at: int, block_size: int) -> None:
+    """Triton: write ``header`` (24 bytes), the pad bytes, the codes, the group entries from ``groups_at``, and each
+    group's region from ``regions_at`` (its changed blocks' record offsets, exc_widths and records: bitmap, stream)
+    into ``payload`` (uint8), after ``scan_tiles``."""
     n_blocks = e.codes.numel()
     if not n_blocks:  # an empty shard: the payload is the header
         payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return
-    tile, (chunk, warps) = _tile_blocks(block_size), _gather_launch(block_size)
+    tile, (chunk, warps), group = _tile_blocks(block_size), _gather_launch(block_size), group_blocks(block_size)
+    if tile % group:
+        raise ValueError(f"gather_records: a tile of {tile} blocks must hold whole groups of {group}")
     _gather_kernel[(triton.cdiv(n_blocks, tile),)](
         e.records, e.codes, e.exc_widths, e.nbytes, e.tile_sums, e.span_starts, n_blocks, payload,
-        payload.data_ptr() % 4, *struct.unpack("<3q", header), groups_at, offsets_at, exc_widths_at, records_at,
-        GROUP=group_blocks(block_size), HEADER_BYTES=len(header), RECORD_WORDS=e.records.shape[1], TILE=tile,
+        payload.data_ptr() % 4, *struct.unpack("<3q", header), groups_at, regions_at,
+        GROUP=group, HEADER_BYTES=len(header), RECORD_WORDS=e.records.shape[1], TILE=tile,
         SPAN=SPAN_TILES, CHUNK=chunk, num_warps=warps)
 
 
@@ -930,8 +919,8 @@ def gather_records(e: EncodedBlocks, payload, header: bytes, groups_at, offsets_
 class Payloads:
     """Delta payloads for the decode kernel: ``rows`` of them, row k at ``base[k * stride:]`` (uint8; one payload, or
     every rank's in a gather's receive buffer), each of ``n_blocks`` blocks. Their sections, from compression/delta.py's
-    wire format: the codes at byte ``codes_at``, n_changed (u32) at ``n_changed_at``, the group entries from
-    ``groups_at`` (which depends only on the shard's size), then offsets, exc_widths and the records.
+    wire format: the codes at byte ``codes_at``, the group entries from ``groups_at`` and the groups' regions from
+    ``regions_at`` (both depend only on the shard's size).
     The last row needs ``read_slack_bytes(B)`` readable bytes after its payload."""
 
     base: torch.Tensor
@@ -939,8 +928,8 @@ class Payloads:
     stride: int
     n_blocks: int
     codes_at: int
-    n_changed_at: int
     groups_at: int
+    regions_at: int
 
 
 def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base: int = 0,
@@ -955,7 +944,7 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
     if p.n_blocks and sources:
         misalign = p.base.data_ptr() % 4
         _decode_kernel[(p.n_blocks, sources)](out, out.numel(), *pointers, p.base, p.stride, misalign,
-                                              p.codes_at, p.n_changed_at, p.groups_at, src_base, skip_rank,
+                                              p.codes_at, p.groups_at, p.regions_at, src_base, skip_rank,
                                               p.n_blocks, **_launch_shape("decode", block_size),
                                               WORDS=misalign == 0 and p.stride % 4 == 0,
                                               num_warps=_num_warps(block_size),

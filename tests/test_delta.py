@@ -445,15 +445,15 @@ def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5),
             payload = ref.encode(as_float(bits, torch.bfloat16))
             e = _reference_records(prev, bits, block_size, device)
             header = torch.full((4,), 0xA5, dtype=torch.uint8, device=device)
-            kernels.scan_tiles(e, header, _Layout.of(n, 0, block_size).records)
-            layout = _Layout.of(n, int((e.codes != 0).sum()), block_size)
+            layout = _Layout.of(n, block_size)
+            kernels.scan_tiles(e, header, layout.regions)
             assert e.totals.tolist() == [(e.codes != 0).sum(), e.counts.sum(), e.nbytes.sum(), payload.numel()]
             assert torch.equal(header.cpu(), payload[12:16]), (block_size, step)  # n_changed
             for lead in range(4):  # the payload at every offset in a 32-bit word; the bytes around it untouched
                 buffer = torch.full((payload.numel() + 8,), 0x5A, dtype=torch.uint8, device=device)
                 gathered = buffer[lead:lead + payload.numel()]
-                kernels.gather_records(e, gathered, bytes(payload[:24].tolist()), layout.groups, layout.offsets,
-                                       layout.exc_widths, layout.records, block_size)
+                kernels.gather_records(e, gathered, bytes(payload[:24].tolist()), layout.groups, layout.regions,
+                                       block_size)
                 assert torch.equal(gathered.cpu(), payload), (block_size, step, lead,
                                                               _first_difference(payload, gathered.cpu()))
                 around = torch.cat([buffer[:lead], buffer[lead + payload.numel():]]).cpu()
@@ -463,8 +463,8 @@ def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5),
                 padded = torch.cat([payload.new_zeros(at), payload, slack])
                 p = padded.to(device)[at:at + payload.numel()]
                 out = prev.clone().to(device)
-                kernels.decode_blocks(out, kernels.Payloads(p, 1, 0, layout.n_blocks, 24, 12, layout.groups),
-                                      block_size)
+                kernels.decode_blocks(out, kernels.Payloads(p, 1, 0, layout.n_blocks, 24, layout.groups,
+                                                            layout.regions), block_size)
                 assert torch.equal(out.cpu(), bits), (block_size, step)
 
 
