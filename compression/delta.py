@@ -80,9 +80,10 @@ def _check_dtype(dtype, what: str) -> None:
 
 
 def _check_numel(numel: int, block_size: int) -> None:
-    """The wire format's group entries count record bytes in u32: a shard's records must stay below 4 GiB."""
-    if -(-numel // block_size) * kernels.record_max_nbytes(block_size) >= 2**32:
-        raise ValueError(f"DeltaCodec codes shards of fewer than ~2e9 values, got {numel}: use smaller buckets "
+    """The wire format's group entries count region bytes in u32: a shard's regions (3 bytes per changed block and its
+    record) must stay below 4 GiB."""
+    if -(-numel // block_size) * (3 + kernels.record_max_nbytes(block_size)) >= 2**32:
+        raise ValueError(f"DeltaCodec codes shards of fewer than ~1.8e9 values, got {numel}: use smaller buckets "
                          f"(--ddp-bucket-size) or more data-parallel ranks")
 
 
