@@ -105,7 +105,8 @@ def main():
     p.add_argument("--max-registers", default="", help="comma list of encode:decode register caps to sweep, "
                    "e.g. 96:64,80:64 (0: the compiler's choice)")
     p.add_argument("--gather", default="", help="comma list of TILExCHUNKxWARPS of the record gather to sweep (TILE "
-                   "blocks per program; CHUNK stream bytes per block and pass)")
+                   "blocks per program, a multiple of the wire format's group, kernels.delta.group_blocks; CHUNK "
+                   "stream words per block and pass)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", required=True)
     args = p.parse_args()
