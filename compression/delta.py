@@ -413,18 +413,18 @@ class DeltaCodec(ShardCodec):
         _check_dtype(out.dtype, "output buffer")
         segmented = isinstance(out, SegmentedShard)
         numel = out.segments.padded_numel(b) if segmented else out.numel()
-        flags, n_changed = self._check_header(payload, out, numel, header)
+        flags = self._check_header(payload, out, numel, header)
         if segmented and (flags & FLAG_KEYFRAME or not use_triton(out, self.triton)):
             padded = out.padded(b)  # the reference (and a keyframe) decode a padded copy
-            self._decode_bits(_as_bits(padded, "output buffer"), payload, flags, n_changed)
+            self._decode_bits(_as_bits(padded, "output buffer"), payload, flags)
             out.write_padded(padded, b)
         elif segmented:
             table = out.segments.block_table(b)
-            self._decode_bits(_as_bits(table[0], "output buffer"), payload, flags, n_changed, table, out.rank)
+            self._decode_bits(_as_bits(table[0], "output buffer"), payload, flags, table, out.rank)
         else:
-            self._decode_bits(_as_bits(out, "output buffer"), payload, flags, n_changed)
+            self._decode_bits(_as_bits(out, "output buffer"), payload, flags)
 
-    def _decode_bits(self, bits, payload, flags, n_changed, table=None, rank=0) -> None:
+    def _decode_bits(self, bits, payload, flags, table=None, rank=0) -> None:
         """Decode into the int16 ``bits`` (with ``table``: rank ``rank``'s slices of the segments based there)."""
         numel = bits.numel() if table is None else table[1].numel() * self.config.block_size
         if flags & FLAG_KEYFRAME:
@@ -457,7 +457,7 @@ class DeltaCodec(ShardCodec):
             segments, numel = self._buffer_segments, target.numel() // self.world_size
         sources = [src for src in range(len(sizes)) if src != skip]
         keyframe = any(self._check_header(gathered[src * stride:src * stride + sizes[src]], target, numel,
-                                          headers[src])[0] & FLAG_KEYFRAME for src in sources)
+                                          headers[src]) & FLAG_KEYFRAME for src in sources)
         if (keyframe or len(sources) < 2 or not use_triton(gathered, self.triton)
                 or _bytes_after(gathered[(len(sizes) - 1) * stride:][:sizes[-1]]) < self.read_slack_bytes):
             return super().decode_gathered(target, gathered, stride, sizes, headers, skip)
@@ -469,12 +469,13 @@ class DeltaCodec(ShardCodec):
         layout = _Layout.of(numel, self.config.block_size)
         return kernels.Payloads(base, rows, stride, layout.n_blocks, HEADER.size, layout.groups, layout.regions)
 
-    def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int, header) -> tuple:
+    def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int, header) -> int:
+        """The payload's flags, once its header matches this codec and ``out``."""
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < HEADER.size:
             raise ValueError("delta payload must be a 1-D uint8 tensor with a 24-byte header")
         if header is None:
             header = self.read_header(payload)
-        magic, version, flags, _, block_size, n_changed, p_numel = HEADER.unpack(header)
+        magic, version, flags, _, block_size, _, p_numel = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION:
             raise ValueError(f"not a delta payload of version {VERSION} (magic {magic!r}, version {version})")
         if block_size != self.config.block_size:
@@ -483,4 +484,4 @@ class DeltaCodec(ShardCodec):
         payload_dtype = torch.float16 if flags & FLAG_FP16 else torch.bfloat16
         if p_numel != numel or payload_dtype != out.dtype:
             raise ValueError(f"payload holds {p_numel} {payload_dtype} values, output buffer {numel} {out.dtype}")
-        return flags, n_changed
+        return flags

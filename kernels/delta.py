@@ -45,8 +45,7 @@ Two implementations give identical bytes (``tests/test_delta.py`` checks it):
   blocks per tile of 32 blocks (atomics); ``scan_tiles`` turns the tiles' sums into the payload size, the totals and
   where each span of 16 tiles starts (one small program); ``gather_records`` moves the changed blocks' records into
   the payload's group regions at those starts plus a scan within each tile and writes the group entries;
-  ``decode_blocks`` decodes
-  in place, one launch for every payload of a gather.
+  ``decode_blocks`` decodes in place, one launch for every payload of a gather.
 """
 
 import struct
