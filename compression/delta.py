@@ -13,7 +13,9 @@ Wire format (one uint8 tensor, little-endian):
                       reserved u16 | block_size u32 | n_changed u32 | numel u64
     keyframe:  the raw 16-bit values (numel * 2 bytes)
     delta:     codes u8[n_blocks] | 0-3 pad bytes to a multiple of 4 | group entries u32[ceil(n_blocks / G)] |
-               the groups' regions, in group order, each: offsets u16[n] | exc_widths u8[n] | records
+               the groups' regions, each where its entry says (in group order from the reference and the
+               gather; from a placing GPU encode in the order its programs took their places), each:
+               offsets u16[n] | exc_widths u8[n] | records
                (the group's n changed blocks in block order: per changed block its bitmap, then its value stream)
 
 ``codes``/``exc_widths``/bitmaps/value streams are the per-block fields of ``kernels/delta.py``.
