@@ -102,9 +102,8 @@ def finish_and_decode(units: list, world: int, starts: list, sizes: list, header
         stride = -(-size // 16) * 16
         gathered = torch.empty(world * stride + codec.read_slack_bytes, dtype=torch.uint8, device=start.header.device)
         rows = gathered[:world * stride].view(world, stride)
-        send = codec.send_buffer(start, stride)  # as ShardGather.transfer: the codec's own buffer where it has one
-        codec.finish_encode(start, send[:size])
-        rows[:] = send  # the all-gather's stand-in: every rank sent this payload
+        codec.finish_encode(start, rows[0, :size])
+        rows[1:] = rows[0]  # the all-gather's stand-in: every rank sent this payload
         decode = ShardCodec.decode_gathered if one_by_one else type(decoder).decode_gathered
         decode(decoder, target, gathered[:world * stride], stride, [size] * world, [header] * world, RECEIVER)
 

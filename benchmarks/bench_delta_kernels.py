@@ -8,9 +8,7 @@ clock with a device sync on both sides (the codec's own host syncs included); GB
 (2 per value) per second; ``*_device_GBps`` count only the device's time in the call's kernels and
 copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps``
 sweeps the warps per block program of the codec kernels, ``--max-registers`` their register caps (with each warps
-setting), ``--gather`` the record gather's copy width and warps. An encode places its payload itself where it fits
-the buffer sized from the last one (every repeat but the first); ``encode_gathered_*``: with no such buffer, the scan
-and the record gather (the first delta after a keyframe, and payloads that outgrow their buffer).
+setting), ``--gather`` the tiles of the record gather and its copy width and warps.
 ``*_host_us``: the host's time in each half of a gather's codec work (begin_encode, finish_encode, decode)
 with the device held busy, i.e. what every compressed bucket costs the host whatever its size.
 
@@ -45,10 +43,6 @@ def measure(previous, new, block_size: int, repeats: int) -> dict:
     def reset_sender():
         sender._prev.copy_(state)
 
-    def reset_gathered():  # no payload buffer from the last encode: the scan and the record gather
-        reset_sender()
-        sender._payload_hint = None
-
     def encode():
         result["payload"] = sender.encode(new)
 
@@ -68,7 +62,6 @@ def measure(previous, new, block_size: int, repeats: int) -> dict:
     gbps = lambda s: nbytes / min(s) / 1e9  # noqa: E731
     device_ops = device_throughput(nbytes, dict(
         encode=(encode, reset_sender),
-        encode_gathered=(encode, reset_gathered),
         decode=(lambda: receiver.decode(0, payload, out, header), lambda: out.copy_(previous)),
         copy=(lambda: out.copy_(new), None)))
     return dict(encode_GBps=gbps(enc), decode_GBps=gbps(dec), copy_GBps=gbps(copy), **host_us(
@@ -111,14 +104,15 @@ def main():
     p.add_argument("--warps", default="", help="comma list of warps per block program to sweep (default: built-in)")
     p.add_argument("--max-registers", default="", help="comma list of encode:decode register caps to sweep, "
                    "e.g. 96:64,80:64 (0: the compiler's choice)")
-    p.add_argument("--gather", default="", help="comma list of CHUNKxWARPS of the record gather to sweep (CHUNK "
-                   "stream words per block and pass; a program per group of kernels.delta.group_blocks blocks)")
+    p.add_argument("--gather", default="", help="comma list of TILExCHUNKxWARPS of the record gather to sweep (TILE "
+                   "blocks per program, a multiple of the wire format's group, kernels.delta.group_blocks; CHUNK "
+                   "stream words per block and pass)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = []
     default_warps, default_caps = kernels._num_warps, dict(kernels.MAX_REGISTERS)
-    default_gather = kernels._gather_launch
+    default_tile, default_gather = kernels._tile_blocks, kernels._gather_launch
     caps = [[int(c) or None for c in pair.split(":")] for pair in args.max_registers.split(",") if pair]
     gathers = [tuple(map(int, item.split("x"))) for item in args.gather.split(",") if item]
     # every warps setting with every register cap (the built-in ones first), then the gather's launches
@@ -129,10 +123,11 @@ def main():
         for warps, cap, gather in configs:
             kernels._num_warps = default_warps if warps is None else (lambda block_size, w=warps: w)
             kernels.MAX_REGISTERS.update({key: cap[key[0]] for key in default_caps} if cap else default_caps)
-            kernels._gather_launch = default_gather if gather is None else (lambda block_size, g=gather: g)
+            kernels._tile_blocks = default_tile if gather is None else (lambda block_size, t=gather[0]: t)
+            kernels._gather_launch = default_gather if gather is None else (lambda block_size, g=gather: g[1:])
             row = dict(lr=lr, warps=warps or default_warps(args.block_size),
                        max_registers={k: kernels._max_registers(k, args.block_size) for k in ("encode", "decode")},
-                       gather=list(gather or default_gather(args.block_size)),
+                       gather=list(gather or (default_tile(args.block_size), *default_gather(args.block_size))),
                        block_size=args.block_size, numel=args.numel,
                        **measure(previous, new, args.block_size, args.repeats))
             rows.append(row)
@@ -140,11 +135,10 @@ def main():
                   f"encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
                   f"blocks kernel {row['encode_blocks_ms']:.3f} ms), decode {row['decode_GBps']:.0f} GB/s "
                   f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x; "
-                  f"device time only: encode {row['encode_device_GBps']:.0f} (gathered "
-                  f"{row['encode_gathered_device_GBps']:.0f}), decode {row['decode_device_GBps']:.0f}, "
+                  f"device time only: encode {row['encode_device_GBps']:.0f}, decode {row['decode_device_GBps']:.0f}, "
                   f"copy {row['copy_device_GBps']:.0f} GB/s; host us: begin_encode {row['begin_encode_host_us']:.0f}, "
                   f"finish_encode {row['finish_encode_host_us']:.0f}, decode {row['decode_host_us']:.0f}", flush=True)
-        kernels._num_warps, kernels._gather_launch = default_warps, default_gather
+        kernels._num_warps, kernels._tile_blocks, kernels._gather_launch = default_warps, default_tile, default_gather
         kernels.MAX_REGISTERS.update(default_caps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -82,7 +82,7 @@ def main():
 
     def finish():
         start, size = started
-        sender.finish_encode(start, sender.send_buffer(start, size))  # as a gather (ShardGather.transfer)
+        sender.finish_encode(start, torch.empty(size, dtype=torch.uint8, device="cuda"))
 
     result = {}
     def decode():

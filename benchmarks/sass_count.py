@@ -116,13 +116,11 @@ TACO_SHAPE = dict(B=B, LOG_B=8, R=taco.PROGRAM_VALUES // B, FORMAT=taco._FORMAT_
                   SKIP=False)
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     "delta encode": (delta._encode_kernel, _sig(
-        "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank n_blocks codes_ptr counts_ptr n_esc_ptr "
-        "exc_widths_ptr nbytes_ptr records_ptr group_sums_ptr payload_ptr cursor_ptr capacity codes_at groups_at "
-        "regions_at",
+        "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr counts_ptr n_esc_ptr "
+        "exc_widths_ptr nbytes_ptr records_ptr tile_sums_ptr",
         dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", counts_ptr="*i32", n_esc_ptr="*i32",
-             exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", group_sums_ptr="*i64", payload_ptr="*u8",
-             cursor_ptr="*i64", **_TABLE)),
-        dict(delta._launch_shape("encode", B), PLACE=True, **_PLAIN), delta._num_warps(B), B,
+             exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", tile_sums_ptr="*i64", **_TABLE)),
+        dict(delta._launch_shape("encode", B), **_PLAIN), delta._num_warps(B), B,
         delta._max_registers("encode", B)),
     "delta decode": (delta._decode_kernel, _sig(
         "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at "

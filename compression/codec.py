@@ -164,12 +164,6 @@ class ShardCodec(ABC):
         payload = self.encode(shard.cast() if isinstance(shard, CastShard) else shard)
         return EncodeStart(payload.numel(), payload[:self.header_nbytes], payload)
 
-    def send_buffer(self, start: EncodeStart, nbytes: int) -> torch.Tensor:
-        """A uint8 buffer of ``nbytes`` (at least the payload's size) whose start ``finish_encode`` is then given: a
-        gather sends it whole. The default is a new one; a codec whose encode wrote the payload already may return
-        the buffer holding it."""
-        return torch.empty(nbytes, dtype=torch.uint8, device=start.header.device)
-
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         """Write the payload begun by ``begin_encode`` into ``out`` (uint8, exactly its size)."""
         out.copy_(start.state)

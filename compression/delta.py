@@ -13,9 +13,7 @@ Wire format (one uint8 tensor, little-endian):
                       reserved u16 | block_size u32 | n_changed u32 | numel u64
     keyframe:  the raw 16-bit values (numel * 2 bytes)
     delta:     codes u8[n_blocks] | 0-3 pad bytes to a multiple of 4 | group entries u32[ceil(n_blocks / G)] |
-               the groups' regions, each where its entry says (in group order from the reference and the
-               gather; from a placing GPU encode in the order its programs took their places), each:
-               offsets u16[n] | exc_widths u8[n] | records
+               the groups' regions, in group order, each: offsets u16[n] | exc_widths u8[n] | records
                (the group's n changed blocks in block order: per changed block its bitmap, then its value stream)
 
 ``codes``/``exc_widths``/bitmaps/value streams are the per-block fields of ``kernels/delta.py``.
@@ -49,10 +47,6 @@ N_CHANGED_AT = 12  # byte offset of n_changed in the header
 FLAG_KEYFRAME = 1
 FLAG_FP16 = 2
 DTYPES = (torch.bfloat16, torch.float16)
-# A placing encode's payload buffer: the last payload (or the last gather's send buffer, if larger) times this. In the
-# GPT-125M DP=2 runs (results/gpu/wire_delta*.jsonl) a payload outgrew the one before it by more than 1.25x only at
-# iterations 3-4 (the first deltas after the keyframe, while the lr warms up); those take the scan and gather.
-PAYLOAD_GROWTH = 1.25
 
 
 @dataclass(frozen=True)
@@ -145,47 +139,20 @@ def _region_places(codes: torch.Tensor, changed: torch.Tensor, group: int, start
     return base + 2 * in_group, base + 2 * n + in_group, base + 3 * n
 
 
-def canonical_payload(payload: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``payload`` (a delta payload of ``block_size`` blocks) on the host with its regions in group order: the bytes
-    the reference encode writes. A placing encode on the GPU lays the regions out in the order its programs took their
-    places, so its payloads vary from run to run in that order only (and in the entries of groups with no change,
-    which no decoder reads). A region ends where the next one (by start) begins."""
-    payload = payload.cpu()
-    _, _, flags, _, _, _, numel = HEADER.unpack(bytes(payload[:HEADER.size].tolist()))
-    if flags & FLAG_KEYFRAME:
-        return payload
-    layout = _Layout.of(numel, block_size)
-    n_changed = _group_changed(payload[HEADER.size:HEADER.size + layout.n_blocks], kernels.group_blocks(block_size))
-    nonempty = n_changed.sum(1) > 0
-    starts = _from_little_endian(payload[layout.groups:layout.regions], 4)
-    regions = payload[layout.regions:]
-    order = torch.argsort(2 * starts + nonempty.to(torch.int64), stable=True)  # empty regions first at a start
-    ends = torch.empty_like(starts)
-    ends[order] = torch.cat([starts[order][1:], torch.tensor([regions.numel()])])
-    sizes = torch.where(nonempty, ends - starts, 0)
-    out = payload.clone()
-    out[layout.groups:layout.regions] = _little_endian(_exclusive_cumsum(sizes), 4)
-    at = torch.repeat_interleave(starts - _exclusive_cumsum(sizes), sizes)  # each byte's move
-    out[layout.regions:] = regions[at + torch.arange(regions.numel())]
-    return out
-
-
 @dataclass
 class _CodedBlocks:
     """Between ``begin_encode`` and ``finish_encode`` on the Triton path: every block coded, sizes on the device."""
 
-    blocks: kernels.EncodedBlocks  # with the totals (kernels.scan_tiles)
+    blocks: kernels.EncodedBlocks  # with its spans' starts and the totals (kernels.scan_tiles)
     totals: HostValues  # changed blocks, changed values, record bytes, payload size
     fp16_flag: int
     numel: int
-    place: kernels.Placement  # the buffer the encode placed the payload into, if any (None: scan and gather)
 
 
 class DeltaCodec(ShardCodec):
     name = "delta"
     lossless = True
-    # telemetry counters; encodes_placed: delta encodes whose payload the encode kernel placed (no record gather)
-    stat_names = ("blocks_total", "blocks_changed", "values_changed", "encodes_placed")
+    stat_names = ("blocks_total", "blocks_changed", "values_changed")  # telemetry counters
     header_nbytes = HEADER.size
 
     def __init__(self, config: DeltaConfig, world_size: int, rank: int, *, triton=None, cast: bool = False):
@@ -200,10 +167,6 @@ class DeltaCodec(ShardCodec):
         self._header_cache = None  # (key, device header) of _delta_header
         self._blocks = None  # kernels.EncodedBlocks of the last encode (its per-block fields are reused)
         self._totals = None  # HostValues of the totals
-        # bytes of the next placing encode's payload buffer (PAYLOAD_GROWTH times the last payload or send buffer);
-        # None after a keyframe: the first delta takes the scan and gather
-        self._payload_hint = None
-        self._send_nbytes = 0  # the send buffer asked for by the gather of the encode in flight
         self._members = []  # of a fused codec: (member codec, its view of this one's sender copy)
         self._buffer_segments = None  # the last bucket buffer decoded by decode_gathered, as Segments
         # CastShard encodes code against the parameter buffer itself and keep no sender copy: _casting once one ran
@@ -215,7 +178,6 @@ class DeltaCodec(ShardCodec):
     def reset(self) -> None:
         self._prev = None
         self._synced = None
-        self._payload_hint = None
 
     def cast_mode(self) -> None:
         """Code ``CastShard``s from now on, as if constructed with ``cast`` (a keyframe next; call on every rank)."""
@@ -282,7 +244,7 @@ class DeltaCodec(ShardCodec):
         start = self.begin_encode(shard)
         if not isinstance(start.state, _CodedBlocks):
             return start.state
-        payload = self.send_buffer(start, int(start.nbytes))  # a host sync
+        payload = torch.empty(int(start.nbytes), dtype=torch.uint8, device=shard.device)  # a host sync
         self.finish_encode(start, payload)
         return payload
 
@@ -303,14 +265,13 @@ class DeltaCodec(ShardCodec):
             payload = self._encode_whole(bits, fp16_flag)
             return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
         self._blocks = kernels.empty_blocks(numel, b, shard.device, reuse=self._blocks)
-        place = self._placement(numel, shard.device)
         if segmented:
             table = shard.segments.block_table(b)
             e = kernels.encode_blocks(self._prev, _as_bits(table[0], "shard"), b, out=self._blocks, table=table,
-                                      rank=shard.rank, place=place)
+                                      rank=shard.rank)
         else:
-            e = kernels.encode_blocks(self._prev, _as_bits(shard, "shard"), b, out=self._blocks, place=place)
-        return self._start_coded(e, fp16_flag, numel, shard.device, place)
+            e = kernels.encode_blocks(self._prev, _as_bits(shard, "shard"), b, out=self._blocks)
+        return self._start_coded(e, fp16_flag, numel, shard.device)
 
     def _begin_cast_encode(self, shard) -> EncodeStart:
         """``begin_encode`` of a ``CastShard``: the values in the parameter buffer are the previous ones every rank
@@ -346,69 +307,40 @@ class DeltaCodec(ShardCodec):
             self._prev = None
         else:
             self._blocks = kernels.empty_blocks(numel, b, target.device, reuse=self._blocks)
-            place = self._placement(numel, target.device)
             if segmented:
                 table = target.segments.block_table(b)
                 sources = target.segments.source_table(shard.source, b)
                 e = kernels.encode_blocks(_as_bits(table[0], "shard"), sources[0], b, out=self._blocks, table=table,
-                                          rank=target.rank, cast_to=target.dtype, source_table=sources, place=place)
+                                          rank=target.rank, cast_to=target.dtype, source_table=sources)
             else:
                 e = kernels.encode_blocks(_as_bits(target, "shard"), shard.source, b, out=self._blocks,
-                                          cast_to=target.dtype, place=place)
-            return self._start_coded(e, fp16_flag, numel, target.device, place)
+                                          cast_to=target.dtype)
+            return self._start_coded(e, fp16_flag, numel, target.device)
         return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
 
-    def _placement(self, numel: int, device) -> kernels.Placement:
-        """The payload buffer a placing encode writes into: ``_payload_hint`` bytes, at least the codes and group
-        entries and at most the largest payload; None after a keyframe (the first delta is gathered)."""
-        if self._payload_hint is None or not kernels.places(self.config.block_size):
-            return None
-        layout = _Layout.of(numel, self.config.block_size)
-        largest = layout.regions + layout.n_blocks * (3 + kernels.record_max_nbytes(self.config.block_size))
-        nbytes = min(largest, max(layout.regions, self._payload_hint))
-        return kernels.Placement(torch.empty(nbytes, dtype=torch.uint8, device=device), HEADER.size, layout.groups,
-                                 layout.regions)
-
-    def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device, place) -> EncodeStart:
+    def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device) -> EncodeStart:
         """``begin_encode`` after the encode kernel: the payload's size and header on the device (one launch: the
-        totals, n_changed written into the header, and the spans' starts or, placed, the payload's header)."""
+        spans' starts, the totals, and n_changed written into the header)."""
         header = self._delta_header(fp16_flag, numel, device)
         # the payload size: the regions' start, then 2 + 1 bytes of offset and exc_width per changed block and the records
-        kernels.scan_tiles(e, header, N_CHANGED_AT, _Layout.of(numel, self.config.block_size).regions, place)
+        kernels.scan_tiles(e, header[N_CHANGED_AT:N_CHANGED_AT + 4], _Layout.of(numel, self.config.block_size).regions)
         self._totals = HostValues(e.totals) if self._totals is None else self._totals.update(e.totals)
-        self._send_nbytes = 0
-        return EncodeStart(e.totals[3:], header, _CodedBlocks(e, self._totals, fp16_flag, numel, place))
-
-    def send_buffer(self, start: EncodeStart, nbytes: int) -> torch.Tensor:
-        """The placing encode's own payload buffer where it holds ``nbytes`` (no copy: the gather sends it)."""
-        c = start.state
-        if isinstance(c, _CodedBlocks):
-            self._send_nbytes = nbytes
-            if c.place is not None and c.place.payload.numel() >= nbytes:
-                return c.place.payload[:nbytes]
-        return super().send_buffer(start, nbytes)
+        return EncodeStart(e.totals[3:], header, _CodedBlocks(e, self._totals, fp16_flag, numel))
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _CodedBlocks):
             return super().finish_encode(start, out)
         c, b = start.state, self.config.block_size
-        n_changed, n_values, n_record_bytes, size = c.totals.get()  # landed with the size the caller waited for
+        n_changed, n_values, n_record_bytes, _ = c.totals.get()  # landed with the size the caller waited for
+        layout = _Layout.of(c.numel, b)
+        size = layout.regions + 3 * n_changed + n_record_bytes
         if out.numel() != size:
             raise ValueError(f"finish_encode needs a buffer of the payload's {size} bytes, got {out.numel()}")
-        placed = c.place is not None and size <= c.place.payload.numel()
-        if placed:
-            if out.data_ptr() != c.place.payload.data_ptr():
-                out.copy_(c.place.payload[:size])
-        else:  # nothing placed, or the payload outgrew its buffer: the spans' starts, then the records in group order
-            layout = _Layout.of(c.numel, b)
-            if c.place is not None:
-                kernels.scan_tiles(c.blocks, start.header, N_CHANGED_AT, layout.regions)
-            kernels.gather_records(c.blocks, out, self._header_bytes(c.fp16_flag, c.numel, n_changed), layout.groups,
-                                   layout.regions, b)
+        kernels.gather_records(c.blocks, out, self._header_bytes(c.fp16_flag, c.numel, n_changed), layout.groups,
+                               layout.regions, b)
         if self._blocks is c.blocks:  # the records go back to the allocator (stream-ordered after the gather)
             self._blocks = replace(c.blocks, records=None)
-        self._payload_hint = int(PAYLOAD_GROWTH * max(size, self._send_nbytes))
-        self._record(out, c.numel, n_changed, n_values, False, placed)
+        self._record(out, c.numel, n_changed, n_values, False)
 
     def _keyframe_due(self, numel: int, device) -> bool:
         return self._prev is None or self._prev.numel() != numel or self._prev.device != device
@@ -420,7 +352,6 @@ class DeltaCodec(ShardCodec):
         return self._encode_delta(bits, fp16_flag)
 
     def _keyframe(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
-        self._payload_hint = None
         payload = self._header(FLAG_KEYFRAME | fp16_flag, bits.numel(), 0, bits.device)
         payload = torch.cat([payload, bits.view(torch.uint8)])
         self._record(payload, bits.numel(), -(-bits.numel() // self.config.block_size), bits.numel(), True)
@@ -466,11 +397,10 @@ class DeltaCodec(ShardCodec):
             self._header_cache = (key, self._header(fp16_flag, numel, 0, device))
         return self._header_cache[1]
 
-    def _record(self, payload, numel, blocks_changed, values_changed, keyframe, placed=False) -> None:
+    def _record(self, payload, numel, blocks_changed, values_changed, keyframe) -> None:
         self.last_stats = dict(
             keyframe=keyframe, blocks_total=-(-numel // self.config.block_size), blocks_changed=blocks_changed,
             values_changed=values_changed, raw_bytes=2 * numel, payload_bytes=payload.numel(),
-            encodes_placed=int(placed),
         )
 
     # --- decode --------------------------------------------------------------------------------

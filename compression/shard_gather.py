@@ -12,8 +12,7 @@ host must see the sizes, so ``start`` synchronises with the device once (``prepa
 several buckets: their encodes are queued first, their messages exchanged together, and each bucket's
 ``transfer`` later needs no sync); a codec whose ``begin_encode``
 leaves its payload size on the device (delta on GPUs) needs no sync of its own before that, and writes
-its payload straight into the send buffer (``finish_encode``), or hands its own buffer holding it
-(``send_buffer``: delta's placing encodes). The headers ride along so that no
+its payload straight into the send buffer (``finish_encode``). The headers ride along so that no
 decode reads its own header back from the device, and the decodes' kernels are queued while the
 payload gather runs. ``GatherFusions`` codes several buckets of one storage as one shard (``Segments``):
 one encode, one payload and collective, one decode per rank for all of them, whatever their number.
@@ -127,7 +126,7 @@ class ShardGather:
         shard = self._own_slice(buffer, self.rank)
         sizes, headers = prepared.sizes, prepared.headers
         width, size = _round_up(max(sizes), ALIGN), sizes[self.rank]
-        send = self.codec.send_buffer(prepared.start, width)
+        send = torch.empty(width, dtype=torch.uint8, device=buffer.device)
         self.codec.finish_encode(prepared.start, send[:size])
         send[size:] = 0  # the padding (receivers ignore it) is not left uninitialized
         recv = torch.empty(width * self.world_size + self.codec.read_slack_bytes, dtype=torch.uint8,

@@ -41,12 +41,10 @@ Two implementations give identical bytes (``tests/test_delta.py`` checks it):
   ``prev``), ``pack_records_reference`` (the changed blocks' bitmaps and bit-packed streams at byte offsets
   from a prefix sum) and ``unpack_records_reference`` (applies the deltas to ``out`` in place).
 - Triton kernels (the CUDA path, one host sync per encode): ``encode_blocks`` codes every block's record into
-  its own fixed-size row, a program per group, updates ``prev`` in the same pass and sums the group's record bytes,
-  changed values and changed blocks; placing (``Placement``: a payload buffer sized from the last payload), each
-  group's program then takes its region's place with one atomic add and writes the group's codes, entry and region
-  there itself, and ``scan_tiles`` reads the totals and writes the header. Where a payload would not fit its
-  buffer (and with no buffer), ``scan_tiles`` turns the groups' sums into the totals and where each span of 16
-  groups starts, and ``gather_records`` moves the changed blocks' records into the payload's regions in group order.
+  its own fixed-size row, updates ``prev`` in the same pass and sums record bytes, changed values and changed
+  blocks per tile of 32 blocks (atomics); ``scan_tiles`` turns the tiles' sums into the payload size, the totals and
+  where each span of 16 tiles starts (one small program); ``gather_records`` moves the changed blocks' records into
+  the payload's group regions at those starts plus a scan within each tile and writes the group entries;
   ``decode_blocks`` decodes in place, one launch for every payload of a gather.
 """
 
@@ -67,10 +65,6 @@ MAX_GROUP_BLOCKS = 32  # blocks per group (module docstring) at B <= 512; a deco
 SPARSE = 0x80  # code bit of a block whose bitmap is sparse: row flags, then the non-empty rows' bytes
 TILE_FIELD = 24  # bits of each of a tile's sums in the encoder's packed tile sums (_tile_fields)
 SPAN_TILES = 16  # tiles per entry of the scan over a shard's tiles (_scan_tiles_kernel)
-CURSOR_BLOCKS_AT = 32  # bit of the changed blocks in a placing encode's cursor; its region bytes below (< 4 GiB)
-# record words per block and pass where an encode program places its group's records (session 31's diagnostic, call 3:
-# 226 / 214 us for the whole encode at lr 1e-4 / 1e-5 against 230 / 218 with 8)
-REGION_CHUNK = 4
 
 
 def read_slack_bytes(block_size: int) -> int:
@@ -91,8 +85,8 @@ def record_max_nbytes(block_size: int) -> int:
 
 def group_blocks(block_size: int) -> int:
     """Blocks per group: the largest power of two <= MAX_GROUP_BLOCKS whose records, all but the last of at most
-    ``record_max_nbytes(B)`` bytes, start within a u16 of the group's first (32 at B <= 512, 4 at B = 8192). A group is
-    also the encoder's program, the unit of its sums and the gather's program."""
+    ``record_max_nbytes(B)`` bytes, start within a u16 of the group's first (32 at B <= 512, 4 at B = 8192); at most
+    the gather's tile (``_tile_blocks``), so a tile holds whole groups."""
     longest = record_max_nbytes(block_size)
     g = MAX_GROUP_BLOCKS
     while (g - 1) * longest > 0xFFFF:
@@ -285,22 +279,19 @@ def unpack_records_reference(out, changed_blocks, codes, exc_widths, record_offs
 # --- Triton kernels ----------------------------------------------------------------------------
 #
 # The CUDA path needs one host sync per encode (the payload size; the decode's headers come with it):
-#   encode: _encode_kernel (a program per group of blocks; every block: code, counts, and its record, bitmap then value
-#           stream, into the block's fixed-size row of ``records``; updates ``prev``; then the group's sums, and,
-#           placing, the group's codes, entry and region written into the payload at a place taken with one atomic
-#           add) -> _scan_tiles_kernel (the totals and the payload size; without placement each span's start too)
-#           -> size sync -> where nothing was placed or the payload did not fit its buffer: _gather_kernel (codes,
-#           group entries, and each group's region from its span's start plus its span's earlier groups).
-#           A region's records are stored as whole 32-bit words but for their first and last (_store_region).
+#   encode: _encode_kernel (every block: code, counts, and its record, bitmap then value stream, into
+#           the block's fixed-size row of ``records``; updates ``prev``; adds its sizes to its tile's sums)
+#           -> _scan_tiles_kernel (each span's start, the totals, the payload size) -> size sync
+#           -> _gather_kernel (codes, group entries, and each group's region: offsets, exc_widths and records of
+#           its changed blocks, from its span's start plus its earlier tiles and a scan within the tile, the
+#           records as whole 32-bit words but for their first and last).
 #   decode: _decode_kernel (each block finds its record through its group's entry).
-# Placed regions lie in the order their programs took their places, so a payload's bytes vary from run to run; every
-# decode is the same (each region is found through its entry). A group per program (a block per program was
-# latency bound in the gather: a few live bytes per program; in the encode a group's placement costs less than the
-# scan and gather it replaces, session 31). The block code and the decode go by rows of 8 values, a row per thread
-# (two from B = 512: _num_warps): below B = 256 several threads hold each row, and one thread's in-place store could
-# overtake another's load of the same value (the first Triton version, with two threads per value, failed on CUDA
-# that way), so a barrier separates the last read of an updated buffer from the write to it; the atomic ORs are
-# idempotent.
+# _gather_kernel takes a tile of blocks per program (one block each was latency bound: a few live
+# bytes per program). The others run one program per block of B values as
+# rows of 8, a row per thread (two from B = 512: _num_warps): below B = 256 several threads hold
+# each row, and one thread's in-place store could overtake another's load of the same value (the
+# first Triton version, with two threads per value, failed on CUDA that way), so a barrier separates
+# the last read of an updated buffer from the write to it; the atomic ORs are idempotent.
 
 if triton is not None:
     _NARROW_WIDTHS = tl.constexpr(NARROW_WIDTHS)
@@ -310,8 +301,6 @@ if triton is not None:
     _TILE_FIELD = tl.constexpr(TILE_FIELD)
     _TILE_BLOCKS_AT = tl.constexpr(2 * TILE_FIELD)  # bit of a tile's changed blocks in its sums
     _TILE_MASK = tl.constexpr((1 << TILE_FIELD) - 1)
-    _CURSOR_BLOCKS_AT = tl.constexpr(CURSOR_BLOCKS_AT)
-    _CURSOR_MASK = tl.constexpr((1 << CURSOR_BLOCKS_AT) - 1)
 
     @triton.jit
     def _ordered(s):
@@ -413,54 +402,21 @@ if triton is not None:
         idx = b * BLOCK + i
         return idx, idx < numel
 
-    @triton.jit(do_not_specialize=["shard_rank", "capacity", "groups_at", "regions_at"])
-    def _encode_kernel(prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, n_blocks, codes_ptr,
-                       counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, group_sums_ptr, payload_ptr,
-                       cursor_ptr, capacity, codes_at, groups_at, regions_at,
-                       BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr, GROUP: tl.constexpr, SEGMENTED: tl.constexpr,
+    @triton.jit(do_not_specialize=["shard_rank"])
+    def _encode_kernel(prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr,
+                       counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, tile_sums_ptr,
+                       BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr, TILE: tl.constexpr, SEGMENTED: tl.constexpr,
                        ALIGNED: tl.constexpr,
                        CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr,
                        FIELD: tl.constexpr, WIDE_SCAN: tl.constexpr, FLAG_BYTES: tl.constexpr,
-                       FLAG_WORDS: tl.constexpr, REGION_CHUNK: tl.constexpr, PROGRAM_BLOCKS: tl.constexpr,
-                       PLACE: tl.constexpr):
-        # PROGRAM_BLOCKS (_program_blocks) 1: a program per block, coded into its record row (_encode_block), its sizes
-        # added into its group's sums (a relaxed atomic per changed block). GROUP: a program per group, its blocks
-        # coded one after the other, then the group's sums, and with PLACE its region placed in the payload by the
-        # program itself (_place_group)
-        if PROGRAM_BLOCKS == 1:
-            b = tl.program_id(0).to(tl.int64)
-            nbytes, count = _encode_block(b, prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank,
-                                          codes_ptr, counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr,
-                                          BLOCK, RECORD_WORDS, SEGMENTED, ALIGNED, CAST, FP16, src_start_ptr,
-                                          SOURCE_TABLE, FIELD, WIDE_SCAN, FLAG_BYTES, FLAG_WORDS)
-            sums = _tile_fields(nbytes, count.to(tl.int64), (count > 0).to(tl.int64))
-            tl.atomic_add(group_sums_ptr + b // GROUP, sums, mask=count > 0, sem="relaxed")
-        else:
-            group = tl.program_id(0).to(tl.int64)
-            for k in range(0, GROUP):
-                b = group * GROUP + k
-                if b < n_blocks:
-                    _encode_block(b, prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr,
-                                  counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, BLOCK, RECORD_WORDS,
-                                  SEGMENTED, ALIGNED, CAST, FP16, src_start_ptr, SOURCE_TABLE, FIELD, WIDE_SCAN,
-                                  FLAG_BYTES, FLAG_WORDS)
-            tl.debug_barrier()  # the group's records and per-block fields are written
-            _place_group(group, records_ptr, codes_ptr, counts_ptr, exc_widths_ptr, nbytes_ptr, group_sums_ptr,
-                         payload_ptr, cursor_ptr, capacity, n_blocks, codes_at, groups_at, regions_at, GROUP,
-                         RECORD_WORDS, REGION_CHUNK, PLACE)
-
-    @triton.jit
-    def _encode_block(b, prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr,
-                      counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, BLOCK: tl.constexpr,
-                      RECORD_WORDS: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr, CAST: tl.constexpr,
-                      FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr, FIELD: tl.constexpr,
-                      WIDE_SCAN: tl.constexpr, FLAG_BYTES: tl.constexpr, FLAG_WORDS: tl.constexpr):
+                       FLAG_WORDS: tl.constexpr):
         # the block as rows of 8 values, a row per thread (or two; 16-byte loads; ranks, bitmap bytes and the
         # packing of a row stay in its thread, only per-row totals cross threads). ``prev`` is contiguous
         # (segments: padded to whole blocks), the new values plain or segmented (_block_values). The scans carry
         # changed values, escapes and (across rows) non-empty rows as fields of one integer (_launch_shape).
         ROWS: tl.constexpr = BLOCK // 8
         MASK: tl.constexpr = (1 << FIELD) - 1
+        b = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, ROWS)
         j = tl.arange(0, 8)[None, :]
         i = r[:, None] * 8 + j
@@ -535,82 +491,10 @@ if triton is not None:
         tl.store(exc_widths_ptr + b, exc_width.to(tl.uint8))
         nbytes = tl.where(count > 0, bitmap_nbytes + (nbits + 7) // 8, 0).to(tl.int64)
         tl.store(nbytes_ptr + b, nbytes)
-        return nbytes, count
-
-    @triton.jit
-    def _place_group(group, records_ptr, codes_ptr, counts_ptr, exc_widths_ptr, nbytes_ptr, group_sums_ptr,
-                     payload_ptr, cursor_ptr, capacity, n_blocks, codes_at, groups_at, regions_at,
-                     GROUP: tl.constexpr, RECORD_WORDS: tl.constexpr, CHUNK: tl.constexpr, PLACE: tl.constexpr):
-        """After the group's blocks are coded: its sums (``_tile_fields``, for ``_scan_tiles_kernel``), and with PLACE
-        its codes at ``codes_at`` of the payload (4-byte aligned, ``capacity`` bytes), its place among the regions
-        (one relaxed atomic add on the cursor: region bytes and changed blocks packed, _CURSOR_BLOCKS_AT; a second for
-        the changed values), that place as its u32 entry at ``groups_at``, and its region from ``regions_at`` where it
-        fits in the payload. The per-block fields were stored by the program's threads before its barrier: loaded
-        from L2 (``.cg``)."""
-        b = group * GROUP + tl.arange(0, GROUP)
-        inside = b < n_blocks
-        code = tl.load(codes_ptr + b, mask=inside, other=0, cache_modifier=".cg")
-        changed = code != 0
-        nbytes = tl.load(nbytes_ptr + b, mask=changed, other=0, cache_modifier=".cg")
-        n_group = tl.sum(changed.to(tl.int64), axis=0)
-        group_bytes = tl.sum(nbytes, axis=0)
-        values = tl.sum(tl.load(counts_ptr + b, mask=changed, other=0, cache_modifier=".cg"), axis=0).to(tl.int64)
-        tl.store(group_sums_ptr + group, _tile_fields(group_bytes, values, n_group))
-        if PLACE:
-            tl.store(payload_ptr + codes_at + b, code, mask=inside)
-            size = 3 * n_group + group_bytes
-            placed = tl.atomic_add(cursor_ptr, size | (n_group << _CURSOR_BLOCKS_AT), sem="relaxed")
-            tl.atomic_add(cursor_ptr + 1, values, sem="relaxed")
-            region = placed & _CURSOR_MASK
-            tl.store((payload_ptr + groups_at).to(tl.pointer_type(tl.int32)) + group, region.to(tl.int32))
-            if regions_at + region + size <= capacity:
-                _store_region(payload_ptr, 0, regions_at + region, b, changed, nbytes, exc_widths_ptr, records_ptr,
-                              RECORD_WORDS, CHUNK, ".cg")
-
-    @triton.jit
-    def _store_region(payload_ptr, payload_misalign, region_at, b, changed, nbytes, exc_widths_ptr, records_ptr,
-                      RECORD_WORDS: tl.constexpr, CHUNK: tl.constexpr, CACHE: tl.constexpr):
-        """A group's region at byte ``region_at`` of the payload (whose start lies ``payload_misalign`` bytes past a
-        4-byte boundary), from the group's blocks ``b``: its changed blocks' record offsets (u16, from the region's
-        first record), their exc_widths, then their records from their rows of ``records_ptr`` (bitmap and stream,
-        contiguous from the row's first word) as the 32-bit words of the payload they span: whole words stored as
-        words, the partial first and last ones bytewise (their other bytes belong to the neighbours, which may be
-        other groups' regions); CHUNK words per block and pass up to the group's longest record. ``CACHE``: the cache
-        modifier of the loads of the group's fields and records: ".cg" (from L2) in the encode program that wrote them
-        (its stores and atomics before its barrier), "" in the gather, a later kernel (there a record's words come
-        through L1, each loaded twice: session 32's gather with ".cg" took 43 / 31 us against 37 / 27)."""
-        ch = changed.to(tl.int64)
-        n_group = tl.sum(ch, axis=0)
-        rank = tl.cumsum(ch, axis=0) - ch
-        record_at = tl.cumsum(nbytes, axis=0) - nbytes
-        region = payload_ptr + region_at
-        _store_le(region + 2 * rank, record_at, 2, changed)
-        exc_widths = tl.load(exc_widths_ptr + b, mask=changed, other=0, cache_modifier=CACHE)
-        tl.store(region + 2 * n_group + rank, exc_widths, mask=changed)
-        at = region_at + 3 * n_group + record_at
-        lead = ((payload_misalign + at) & 3).to(tl.int32)  # the record's offset in its first word
-        span = payload_ptr + at - lead  # a 4-byte boundary
-        words = span.to(tl.pointer_type(tl.int32))
-        end = lead + nbytes.to(tl.int32)  # the record's end within its span
-        n_words = tl.where(changed, (end + 3) >> 2, 0)
-        rows = records_ptr + b[:, None] * RECORD_WORDS
-        c = tl.arange(0, CHUNK)[None, :]
-        longest = tl.max(n_words, axis=0)
-        chunk = longest * 0
-        while chunk * CHUNK < longest:
-            w = chunk * CHUNK + c
-            live = w < n_words[:, None]
-            whole = live & (4 * w >= lead[:, None]) & (4 * w + 4 <= end[:, None])
-            tl.store(words[:, None] + w, _record_word(rows, w, lead[:, None], RECORD_WORDS, live, CACHE), mask=whole)
-            chunk += 1
-        k = tl.arange(0, 4)[None, :]
-        for edge in tl.static_range(2):  # the first and the last word (the same one for a short record)
-            w = tl.where(edge == 0, 0, n_words - 1)[:, None]
-            value = _record_word(rows, w, lead[:, None], RECORD_WORDS, changed[:, None], CACHE)
-            byte = 4 * w + k
-            whole = (4 * w >= lead[:, None]) & (4 * w + 4 <= end[:, None])  # stored in the loop
-            mine = changed[:, None] & ~whole & (byte >= lead[:, None]) & (byte < end[:, None])
-            tl.store(span[:, None] + byte, ((value >> (8 * k)) & 0xFF).to(tl.uint8), mask=mine)
+        # the tile's sums (_scan_tiles_kernel): one relaxed atomic per changed block, 32 blocks to an address
+        changed_block = count > 0
+        tl.atomic_add(tile_sums_ptr + b // TILE, _tile_fields(nbytes, count.to(tl.int64), changed_block.to(tl.int64)),
+                      mask=changed_block, sem="relaxed")
 
     @triton.jit
     def _tile_fields(nbytes, values, blocks):
@@ -625,47 +509,31 @@ if triton is not None:
         return (fields & _TILE_MASK) | ((fields >> _TILE_BLOCKS_AT) << 32)
 
     @triton.jit
-    def _scan_tiles_kernel(tile_sums_ptr, n_tiles, span_starts_ptr, totals_ptr, header_ptr, n_changed_at, regions_at,
-                           cursor_ptr, payload_ptr, codes_end, groups_at, HEADER_BYTES: tl.constexpr,
-                           SPAN: tl.constexpr, CHUNK: tl.constexpr, PLACED: tl.constexpr):
-        """One program, after the encode kernel. Its totals: changed blocks, changed values, record bytes, and the
-        payload size ``regions_at + 3 * changed blocks + record bytes`` (2 + 1 bytes of offset and exc_width per
-        changed block); n_changed into the header (``header_ptr``, HEADER_BYTES, the u32 at ``n_changed_at``).
-        PLACED (the encode placed the regions): the totals from its cursor, which is zeroed for the next encode, and
-        the header and the pad bytes after the codes into the payload. Otherwise per span of SPAN tiles the changed
-        blocks and record bytes before it (``span_starts``, as ``_record_start``: one scan of CHUNK spans per pass,
-        each span's tiles summed in its thread), for ``_gather_kernel``."""
-        if PLACED:
-            placed = tl.load(cursor_ptr)
-            blocks, values = placed >> _CURSOR_BLOCKS_AT, tl.load(cursor_ptr + 1)
-            nbytes = (placed & _CURSOR_MASK) - 3 * blocks
-            tl.store(cursor_ptr + tl.arange(0, 2), tl.zeros([2], tl.int64))
-        else:
-            c = tl.arange(0, CHUNK)
-            start = n_tiles * 0
-            before, values = start.to(tl.int64), start.to(tl.int64)
-            while start * SPAN < n_tiles:
-                span = start + c
-                t = span[:, None] * SPAN + tl.arange(0, SPAN)[None, :]
-                fields = tl.sum(tl.load(tile_sums_ptr + t, mask=t < n_tiles, other=0), axis=1)
-                x = _record_start(fields)
-                tl.store(span_starts_ptr + span, before + tl.cumsum(x, axis=0) - x, mask=span * SPAN < n_tiles)
-                before += tl.sum(x, axis=0)
-                values += tl.sum((fields >> _TILE_FIELD) & _TILE_MASK, axis=0)
-                start += CHUNK
-            blocks, nbytes = before >> 32, before & 0xFFFFFFFF
+    def _scan_tiles_kernel(tile_sums_ptr, n_tiles, span_starts_ptr, totals_ptr, header_ptr, regions_at,
+                           SPAN: tl.constexpr, CHUNK: tl.constexpr):
+        """One program: per span of SPAN tiles, the changed blocks and record bytes before it (``span_starts``, as
+        ``_record_start``: one scan of CHUNK spans per pass, each span's tiles summed in its thread), the totals
+        (changed blocks, changed values, record bytes, and the payload size ``regions_at + 3 * changed blocks +
+        record bytes``: 2 + 1 bytes of offset and exc_width per changed block) and n_changed as the header's u32 at
+        ``header_ptr``."""
+        c = tl.arange(0, CHUNK)
+        start = n_tiles * 0
+        before, values = start.to(tl.int64), start.to(tl.int64)
+        while start * SPAN < n_tiles:
+            span = start + c
+            t = span[:, None] * SPAN + tl.arange(0, SPAN)[None, :]
+            fields = tl.sum(tl.load(tile_sums_ptr + t, mask=t < n_tiles, other=0), axis=1)
+            x = _record_start(fields)
+            tl.store(span_starts_ptr + span, before + tl.cumsum(x, axis=0) - x, mask=span * SPAN < n_tiles)
+            before += tl.sum(x, axis=0)
+            values += tl.sum((fields >> _TILE_FIELD) & _TILE_MASK, axis=0)
+            start += CHUNK
+        blocks, nbytes = before >> 32, before & 0xFFFFFFFF
         tl.store(totals_ptr, blocks)
         tl.store(totals_ptr + 1, values)
         tl.store(totals_ptr + 2, nbytes)
         tl.store(totals_ptr + 3, regions_at + 3 * blocks + nbytes)
-        k = tl.arange(0, 32)
-        n_changed = (k >= n_changed_at) & (k < n_changed_at + 4)
-        header = tl.where(n_changed, (blocks >> (8 * (k - n_changed_at))) & 0xFF,
-                          tl.load(header_ptr + k, mask=k < HEADER_BYTES, other=0).to(tl.int64)).to(tl.uint8)
-        tl.store(header_ptr + k, header, mask=n_changed)
-        if PLACED:
-            tl.store(payload_ptr + k, header, mask=k < HEADER_BYTES)
-            tl.store(payload_ptr + codes_end + k, tl.zeros([32], tl.uint8), mask=codes_end + k < groups_at)
+        _store_le(header_ptr + tl.arange(0, 1), blocks + tl.zeros([1], tl.int64), 4, tl.full([1], True, tl.int1))
 
     @triton.jit
     def _store_le(ptr, value, NBYTES: tl.constexpr, mask):
@@ -688,14 +556,12 @@ if triton is not None:
         return value.to(tl.int64)
 
     @triton.jit
-    def _record_word(rows, t, lead, RECORD_WORDS: tl.constexpr, mask, CACHE: tl.constexpr):
+    def _record_word(rows, t, lead, RECORD_WORDS: tl.constexpr, mask):
         """Word ``t`` of each record's span in the payload, whose first word holds ``lead`` bytes before the record:
         the record's bytes 4t - lead .. 4t - lead + 3, from its words t - 1 and t (``rows``: the records' int32
-        rows; bytes past a record are junk, which the caller does not store), loaded with cache modifier ``CACHE``."""
-        cur = tl.load(rows + t, mask=mask & (t < RECORD_WORDS), other=0, cache_modifier=CACHE).to(tl.uint32,
-                                                                                                  bitcast=True)
-        prev = tl.load(rows + t - 1, mask=mask & (t > 0) & (lead > 0), other=0, cache_modifier=CACHE).to(
-            tl.uint32, bitcast=True)
+        rows; bytes past a record are junk, which the caller does not store)."""
+        cur = tl.load(rows + t, mask=mask & (t < RECORD_WORDS), other=0).to(tl.uint32, bitcast=True)
+        prev = tl.load(rows + t - 1, mask=mask & (t > 0) & (lead > 0), other=0).to(tl.uint32, bitcast=True)
         shift = (8 * lead).to(tl.uint32)
         return ((cur << shift) | tl.where(lead > 0, prev >> (32 - shift), 0)).to(tl.int32, bitcast=True)
 
@@ -703,31 +569,67 @@ if triton is not None:
     def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, tile_sums_ptr, span_starts_ptr, n_blocks,
                        payload_ptr, payload_misalign, header0, header1, header2, groups_at, regions_at,
                        GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr, RECORD_WORDS: tl.constexpr,
-                       SPAN: tl.constexpr, CHUNK: tl.constexpr):
-        # a program per group (the scan's tiles)
+                       TILE: tl.constexpr, SPAN: tl.constexpr, CHUNK: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad bytes
         word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), header2.to(tl.int64)))
         tl.store(payload_ptr + t, ((word >> (8 * (t % 8))) & 0xFF).to(tl.uint8), mask=(t < HEADER_BYTES) & (pid == 0))
         pad_at = HEADER_BYTES + n_blocks
         tl.store(payload_ptr + pad_at + t, tl.zeros([32], dtype=tl.uint8), mask=(pad_at + t < groups_at) & (pid == 0))
-        b = pid.to(tl.int64) * GROUP + tl.arange(0, GROUP)
+        b = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
         inside = b < n_blocks
         code = tl.load(codes_ptr + b, mask=inside, other=0)
         tl.store(payload_ptr + HEADER_BYTES + b, code, mask=inside)
         changed = code != 0
         nbytes = tl.load(nbytes_ptr + b, mask=changed, other=0)
-        # the changed blocks and record bytes before the group: its span's start (_scan_tiles_kernel) and the sums of
-        # the span's earlier groups; its region follows the offsets, exc_widths and records of the groups before it
+        # the changed blocks and record bytes before each block: its span's start (_scan_tiles_kernel), the sums of
+        # the span's earlier tiles, then a scan within the tile (unchanged blocks: 0 bytes)
         k = tl.arange(0, SPAN)
         earlier = tl.load(tile_sums_ptr + pid - pid % SPAN + k, mask=k < pid % SPAN, other=0)
-        before = tl.load(span_starts_ptr + pid // SPAN) + _record_start(tl.sum(earlier, axis=0))
-        region = 3 * (before >> 32) + (before & 0xFFFFFFFF)
-        # the group's entry (bytewise: the payload may start at any byte)
-        _store_le(payload_ptr + groups_at + 4 * pid + tl.arange(0, 1), region + tl.zeros([1], tl.int64), 4,
-                  tl.full([1], True, tl.int1))
-        _store_region(payload_ptr, payload_misalign, regions_at + region, b, changed, nbytes, exc_widths_ptr,
-                      records_ptr, RECORD_WORDS, CHUNK, "")
+        tile_start = tl.load(span_starts_ptr + pid // SPAN) + _record_start(tl.sum(earlier, axis=0))
+        rank_end = (tile_start >> 32) + tl.cumsum(changed.to(tl.int64), axis=0)
+        stream_at = (tile_start & 0xFFFFFFFF) + tl.cumsum(nbytes, axis=0) - nbytes
+        # the block's group (GROUP divides TILE): its region starts after the offsets, exc_widths and records of the
+        # groups before it, and holds the group's n offsets, n exc_widths and records
+        i = tl.arange(0, TILE)
+        first_of_group = i - i % GROUP
+        group_rank = tl.gather(rank_end - changed.to(tl.int64), first_of_group, 0)  # changed blocks before the group
+        group_stream = tl.gather(stream_at, first_of_group, 0)
+        n_group = tl.gather(rank_end, first_of_group + GROUP - 1, 0) - group_rank
+        region = 3 * group_rank + group_stream
+        first = inside & (b % GROUP == 0)
+        _store_le(payload_ptr + groups_at + 4 * (b // GROUP), region, 4, first)
+        in_group = rank_end - 1 - group_rank
+        region_ptr = payload_ptr + regions_at + region
+        _store_le(region_ptr + 2 * in_group, stream_at - group_stream, 2, changed)
+        tl.store(region_ptr + 2 * n_group + in_group, tl.load(exc_widths_ptr + b, mask=changed), mask=changed)
+        # the record (bitmap and stream, contiguous from its row's first word) as the 32-bit words of the payload it
+        # spans: whole words stored as words, the partial first and last ones bytewise (their other bytes belong to
+        # the neighbours); CHUNK words per block and pass up to the tile's longest record
+        at = regions_at + region + 3 * n_group + stream_at - group_stream
+        lead = ((payload_misalign + at) & 3).to(tl.int32)  # the record's offset in its first word
+        span = payload_ptr + at - lead  # a 4-byte boundary
+        words = span.to(tl.pointer_type(tl.int32))
+        end = lead + nbytes.to(tl.int32)  # the record's end within its span
+        n_words = tl.where(changed, (end + 3) >> 2, 0)
+        rows = records_ptr + b[:, None] * RECORD_WORDS
+        c = tl.arange(0, CHUNK)[None, :]
+        longest = tl.max(n_words, axis=0)  # 0 in a tile of unchanged blocks
+        chunk = longest * 0
+        while chunk * CHUNK < longest:
+            w = chunk * CHUNK + c
+            live = w < n_words[:, None]
+            whole = live & (4 * w >= lead[:, None]) & (4 * w + 4 <= end[:, None])
+            tl.store(words[:, None] + w, _record_word(rows, w, lead[:, None], RECORD_WORDS, live), mask=whole)
+            chunk += 1
+        k = tl.arange(0, 4)[None, :]
+        for edge in tl.static_range(2):  # the first and the last word (the same one for a short record)
+            w = tl.where(edge == 0, 0, n_words - 1)[:, None]
+            value = _record_word(rows, w, lead[:, None], RECORD_WORDS, changed[:, None])
+            byte = 4 * w + k
+            whole = (4 * w >= lead[:, None]) & (4 * w + 4 <= end[:, None])  # stored in the loop
+            mine = changed[:, None] & ~whole & (byte >= lead[:, None]) & (byte < end[:, None])
+            tl.store(span[:, None] + byte, ((value >> (8 * k)) & 0xFF).to(tl.uint8), mask=mine)
 
     @triton.jit
     def _load_bits(words_ptr, bitpos, width, mask):
@@ -877,26 +779,13 @@ def _launch_shape(kernel: str, block_size: int) -> dict:
     escapes (up to B: FIELD bits each) and non-empty rows (up to B / 8) as fields of one integer: an int32 up to
     B = 1024, an int64 above (WIDE_SCAN)."""
     if kernel == "encode":
-        field, group = block_size.bit_length(), group_blocks(block_size)
+        field, tile = block_size.bit_length(), _tile_blocks(block_size)
         # a span's sums (_tile_fields): its record bytes and changed values, each below 2**TILE_FIELD
-        assert SPAN_TILES * group * max(record_max_nbytes(block_size), block_size) < 2**TILE_FIELD, block_size
-        return dict(BLOCK=block_size, RECORD_WORDS=_record_words(block_size), GROUP=group, FIELD=field,
+        assert SPAN_TILES * tile * max(record_max_nbytes(block_size), block_size) < 2**TILE_FIELD, block_size
+        return dict(BLOCK=block_size, RECORD_WORDS=_record_words(block_size), TILE=tile, FIELD=field,
                     WIDE_SCAN=2 * field + (block_size // 8).bit_length() > 31, FLAG_BYTES=flag_bytes(block_size),
-                    FLAG_WORDS=max(1, block_size // 256), REGION_CHUNK=REGION_CHUNK,
-                    PROGRAM_BLOCKS=_program_blocks(block_size))
+                    FLAG_WORDS=max(1, block_size // 256))
     return dict(BLOCK=block_size, GROUP=group_blocks(block_size), FLAG_BYTES=flag_bytes(block_size))
-
-
-def _program_blocks(block_size: int) -> int:
-    """Blocks an encode program codes: a group's where a thread holds a row of a block (B <= 256), so that the program
-    can place the group's region; one above. At B = 512 and 1024 (two rows per thread) programs of a group's blocks
-    (3.8K programs for 62.5M values) coded 18-22% slower than a program per block, placed or not (session 32)."""
-    return group_blocks(block_size) if _rows_per_thread(block_size) == 1 else 1
-
-
-def places(block_size: int) -> bool:
-    """Whether ``encode_blocks`` can place the payload itself (``Placement``) at this block size."""
-    return _program_blocks(block_size) > 1
 
 
 def _num_warps(block_size: int) -> int:
@@ -904,6 +793,12 @@ def _num_warps(block_size: int) -> int:
     and 1.07-1.35x the decode device throughput of a row per thread; results/gpu/README.md, session 27), one
     below (B >= 32 * num_warps: no value held by two threads)."""
     return max(1, min(8, block_size // 512))
+
+
+def _tile_blocks(block_size: int) -> int:
+    """Blocks per program of the gather kernel (any B: its passes copy CHUNK words of each record; 10^4 blocks
+    still make 313 programs), and per sum of the encoder's tile sums (a power of two)."""
+    return 32
 
 
 def _gather_launch(block_size: int) -> tuple:
@@ -923,9 +818,8 @@ def _record_words(block_size: int) -> int:
 @dataclass
 class EncodedBlocks:
     """Per-block results of ``encode_blocks``; ``records`` row b: the block's record as the payload holds it (its
-    bitmap, then its value stream; ``nbytes`` live bytes, then junk). Per group of ``group_blocks(B)`` blocks (the
-    scan's tiles) the encoder's sums, per span of SPAN_TILES tiles ``scan_tiles``'s starts; ``totals``:
-    ``scan_tiles``'s; ``cursor``: a placing encode's (zero between encodes)."""
+    bitmap, then its value stream; ``nbytes`` live bytes, then junk). Per tile of ``_tile_blocks(B)`` blocks the
+    encoder's sums, per span of SPAN_TILES tiles ``scan_tiles``'s starts; ``totals``: ``scan_tiles``'s."""
 
     codes: torch.Tensor  # uint8 [n_blocks]
     counts: torch.Tensor  # int32 [n_blocks]
@@ -936,26 +830,12 @@ class EncodedBlocks:
     span_starts: torch.Tensor  # int64 [n_spans]: changed blocks (high 32 bits) and record bytes before the span
     totals: torch.Tensor  # int64 [4]: changed blocks, changed values, record bytes, payload size
     records: torch.Tensor  # int32 [n_blocks, 8 * ceil(18 B / 256)]
-    cursor: torch.Tensor  # int64 [2]: region bytes and changed blocks (CURSOR_BLOCKS_AT), changed values
-
-
-@dataclass
-class Placement:
-    """Where a placing ``encode_blocks`` writes the payload itself (compression/delta.py's layout): ``payload`` (uint8,
-    4-byte aligned; its size bounds what is written: regions past it are left out), the codes at ``codes_at``, the
-    group entries at ``groups_at`` and the regions from ``regions_at``."""
-
-    payload: torch.Tensor
-    codes_at: int
-    groups_at: int
-    regions_at: int
 
 
 def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = None) -> EncodedBlocks:
     """Uninitialized ``encode_blocks`` outputs for a shard of ``numel`` values: the per-block fields of
     ``reuse`` if it has this shape (no allocations), the records (1.13x the shard at B=256) always new."""
-    n_blocks = -(-numel // block_size)
-    n_tiles = -(-n_blocks // group_blocks(block_size))
+    n_blocks, n_tiles = -(-numel // block_size), -(-numel // (block_size * _tile_blocks(block_size)))
     records = torch.empty(n_blocks, _record_words(block_size), dtype=torch.int32, device=device)
     if (reuse is not None and reuse.codes.numel() == n_blocks and reuse.tile_sums.numel() == n_tiles
             and reuse.codes.device == records.device):
@@ -967,8 +847,7 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
                          exc_widths=per_block(torch.uint8), nbytes=per_block(torch.int64),
                          tile_sums=torch.empty(n_tiles, dtype=torch.int64, device=device),
                          span_starts=torch.empty(-(-n_tiles // SPAN_TILES), dtype=torch.int64, device=device),
-                         totals=torch.empty(4, dtype=torch.int64, device=device), records=records,
-                         cursor=torch.zeros(2, dtype=torch.int64, device=device))
+                         totals=torch.empty(4, dtype=torch.int64, device=device), records=records)
 
 
 def _table_args(data: torch.Tensor, table) -> tuple:
@@ -981,18 +860,14 @@ def _table_args(data: torch.Tensor, table) -> tuple:
 
 
 def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: EncodedBlocks = None,
-                  table=None, rank: int = 0, cast_to: torch.dtype = None, source_table=None,
-                  place: Placement = None) -> EncodedBlocks:
+                  table=None, rank: int = 0, cast_to: torch.dtype = None, source_table=None) -> EncodedBlocks:
     """Triton: code every block of ``new`` (int16) against ``prev``, which is overwritten with ``new``; into
     ``out`` (from ``empty_blocks`` for this shape) if given. Segmented (``table``: ``Segments.block_table``):
     ``new`` is the table's base (int16) and rank ``rank``'s slices are coded, ``prev`` holds them padded.
     ``cast_to`` (bf16 or fp16): ``new`` is fp32 and rounded to that dtype in the kernel, so that ``prev`` (e.g. the
     parameter buffer's shard) ends holding exactly what ``prev.copy_(new)`` of that dtype would write. With ``table``,
     ``cast_to`` and ``source_table`` (``Segments.source_table`` of the segments' fp32 sources): ``new`` is the sources'
-    base, ``prev`` the table's base (int16: the buffers, coded against and cast into). ``place``: each group's
-    program also writes the group's codes, entry and region into ``place.payload`` (the regions in the order the
-    programs take their places, each where its entry says; those that would pass the payload's end left out).
-    ``scan_tiles`` (with the same ``place``) comes next."""
+    base, ``prev`` the table's base (int16: the buffers, coded against and cast into). ``scan_tiles`` comes next."""
     e = out if out is not None else empty_blocks(prev.numel(), block_size, prev.device)
     n_blocks = e.records.shape[0]
     pointers, flags = _table_args(prev if source_table is not None else new, table)
@@ -1001,21 +876,10 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
         if table is None or cast_to is None:
             raise ValueError("encode_blocks: a source_table needs a block table and cast_to")
         src_start, flags["ALIGNED"] = source_table[1], flags["ALIGNED"] and source_table[2]
-    if place is not None and (place.payload.data_ptr() % 4 or place.payload.numel() < place.regions_at):
-        raise ValueError("encode_blocks: a placing encode needs a 4-byte aligned payload that holds at least the codes "
-                         "and group entries")
-    blocks = _program_blocks(block_size)
-    if place is not None and blocks == 1:
-        raise ValueError(f"encode_blocks: blocks of {block_size} values are coded a program each, which places nothing "
-                         f"(kernels.delta.places)")
     if n_blocks:
-        if blocks == 1:
-            e.tile_sums.zero_()
-        payload = place.payload if place is not None else e.codes
-        layout = (place.codes_at, place.groups_at, place.regions_at) if place is not None else (0, 0, 0)
-        _encode_kernel[(-(-n_blocks // blocks),)](prev, new, prev.numel(), *pointers, rank, n_blocks, e.codes, e.counts,
-                                    e.n_esc, e.exc_widths, e.nbytes, e.records, e.tile_sums, payload, e.cursor,
-                                    payload.numel(), *layout, PLACE=place is not None,
+        e.tile_sums.zero_()
+        _encode_kernel[(n_blocks,)](prev, new, prev.numel(), *pointers, rank, e.codes, e.counts, e.n_esc,
+                                    e.exc_widths, e.nbytes, e.records, e.tile_sums,
                                     **_launch_shape("encode", block_size), num_warps=_num_warps(block_size),
                                     maxnreg=_max_registers("encode", block_size), CAST=cast_to is not None,
                                     FP16=cast_to == torch.float16, src_start_ptr=src_start,
@@ -1023,20 +887,13 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
     return e
 
 
-def scan_tiles(e: EncodedBlocks, header: torch.Tensor, n_changed_at: int, regions_at: int, place: Placement = None,
-               max_chunk: int = 512) -> None:
-    """Triton, after ``encode_blocks``: ``e.totals`` (``regions_at``: where the groups' regions start, so that the
-    payload size is ``regions_at + 3 * changed blocks + record bytes``) and n_changed into ``header`` (uint8, on the
-    device: its u32 at ``n_changed_at``). With the encode's ``place``: the totals from its cursor, and ``header`` and
-    the pad bytes after the codes into the payload; else ``e.span_starts`` from the encoder's tile sums for
-    ``gather_records`` (one program, ``max_chunk`` spans per pass)."""
+def scan_tiles(e: EncodedBlocks, header: torch.Tensor, regions_at: int, max_chunk: int = 512) -> None:
+    """Triton, after ``encode_blocks``: ``e.span_starts`` and ``e.totals`` from the encoder's tile sums (one program,
+    ``max_chunk`` spans per pass; ``regions_at``: where the groups' regions start, so that the payload size is
+    ``regions_at + 3 * changed blocks + record bytes``); n_changed into ``header`` (uint8 [4], on the device)."""
     chunk = min(max_chunk, max(16, triton.next_power_of_2(e.span_starts.numel())))
-    placed = place is not None
-    payload = place.payload if placed else header
-    codes_end, groups_at = (place.codes_at + e.codes.numel(), place.groups_at) if placed else (0, 0)
-    _scan_tiles_kernel[(1,)](e.tile_sums, e.tile_sums.numel(), e.span_starts, e.totals, header, n_changed_at,
-                             regions_at, e.cursor, payload, codes_end, groups_at, HEADER_BYTES=header.numel(),
-                             SPAN=SPAN_TILES, CHUNK=chunk, PLACED=placed, num_warps=8)
+    _scan_tiles_kernel[(1,)](e.tile_sums, e.tile_sums.numel(), e.span_starts, e.totals, header, regions_at,
+                             SPAN=SPAN_TILES, CHUNK=chunk, num_warps=8)
 
 
 def gather_records(e: EncodedBlocks, payload, header: bytes, groups_at: int, regions_at: int, block_size: int) -> None:
@@ -1047,11 +904,13 @@ def gather_records(e: EncodedBlocks, payload, header: bytes, groups_at: int, reg
     if not n_blocks:  # an empty shard: the payload is the header
         payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return
-    chunk, warps = _gather_launch(block_size)
-    _gather_kernel[(e.tile_sums.numel(),)](
+    tile, (chunk, warps), group = _tile_blocks(block_size), _gather_launch(block_size), group_blocks(block_size)
+    if tile % group:
+        raise ValueError(f"gather_records: a tile of {tile} blocks must hold whole groups of {group}")
+    _gather_kernel[(triton.cdiv(n_blocks, tile),)](
         e.records, e.codes, e.exc_widths, e.nbytes, e.tile_sums, e.span_starts, n_blocks, payload,
         payload.data_ptr() % 4, *struct.unpack("<3q", header), groups_at, regions_at,
-        GROUP=group_blocks(block_size), HEADER_BYTES=len(header), RECORD_WORDS=e.records.shape[1],
+        GROUP=group, HEADER_BYTES=len(header), RECORD_WORDS=e.records.shape[1], TILE=tile,
         SPAN=SPAN_TILES, CHUNK=chunk, num_warps=warps)
 
 

@@ -15,9 +15,7 @@ from kernels import delta  # noqa: E402
 # (results/gpu/README.md, session 8); heavy spilling stores hundreds. At two rows per thread (B = 512, 1024) the
 # encoder's per-value fallback spills ~40 under the cap of 80, which was faster than none (session 27)
 MAX_SPILL_STORES = 8
-# also left out: the encode kernel's own lines, its loop over a group's blocks and the calls in it, where values
-# live across the whole loop (pointers, the placement's arguments) are stored once per program of a group's blocks
-PER_VALUE_FALLBACKS = (delta._or_bits, delta._load_bits, delta._encode_kernel)
+PER_VALUE_FALLBACKS = (delta._or_bits, delta._load_bits)
 
 
 @pytest.mark.parametrize("block_size", [32, 64, 128, 256, 512, 1024, 4096])
