@@ -9,7 +9,8 @@ every rank's slices hold the same previous values and send this rank's payload (
 stands in for the all-gather), so the receiver (rank 1) decodes W - 1 real payloads. The shard (``--numel``
 values) follows the simulated AdamW trajectory of ``benchmarks/delta_wire_ratio.py`` (step ``--steps`` ->
 ``--steps + 1``) and is split into K nearly equal buckets in one storage, as megatron-core's buckets lie in one
-buffer. Per mode, K and W: ``wall_ms``, the sequence with device syncs around it (the host's launches count where
+buffer (``--megatron-padding``: each bucket padded as megatron-core pads it, so its block tables are aligned as in
+training; the exact split of 62.5M values into 8 buckets is not). Per mode, K and W: ``wall_ms``, the sequence with device syncs around it (the host's launches count where
 they exceed the device's work); ``host_ms``, the host's time with the device held busy (``queued_call_seconds``,
 before and after the size read); ``device_ms``, the device's time for the same work without launch gaps. Every
 gather's result is checked bit for bit.
@@ -19,6 +20,7 @@ gather's result is checked bit for bit.
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -40,24 +42,32 @@ def split_sizes(numel: int, k: int) -> list:
     return [numel // k + (i < numel % k) for i in range(k)]
 
 
-class Buckets:
-    """K buckets of a W-rank group in one storage, as rank 0 (the sender) and rank 1 (the receiver) hold them."""
+def megatron_shard_multiple(world: int) -> int:
+    """What megatron-core's distributed optimizer rounds each rank's share of a bucket up to: it pads every bucket to a
+    multiple of lcm(W, 128) values (so each rank's slice starts and ends on whole 16-byte rows)."""
+    return math.lcm(world, 128) // world
 
-    def __init__(self, previous: torch.Tensor, new: torch.Tensor, k: int, block_size: int, world: int):
+
+class Buckets:
+    """K buckets of a W-rank group in one storage, as rank 0 (the sender) and rank 1 (the receiver) hold them; with
+    ``pad``, each rank's slice of a bucket rounded up to a multiple of it, the padding zeros that never change."""
+
+    def __init__(self, previous: torch.Tensor, new: torch.Tensor, k: int, block_size: int, world: int, pad: int = 1):
         self.world, self.sizes, self.new = world, split_sizes(new.numel(), k), new
-        self.storage = torch.empty(world * new.numel(), dtype=new.dtype, device=new.device)
-        self.buffers = list(self.storage.split([world * n for n in self.sizes]))
+        self.shards = [-(-n // pad) * pad for n in self.sizes]  # each rank's slice of each bucket
+        self.storage = torch.zeros(world * sum(self.shards), dtype=new.dtype, device=new.device)
+        self.buffers = list(self.storage.split([world * n for n in self.shards]))
         self._fill(self.buffers, previous, range(world))  # every rank's previous values (what rank 0 keyframes)
         config = DeltaConfig(block_size)
         self.codecs = [DeltaCodec(config, world, 0) for _ in self.sizes]
         for codec, buffer in zip(self.codecs, self.buffers):
             codec.encode(shard_of(buffer, 0, world))
         self.received = self.storage.clone()
-        self.received_buffers = list(self.received.split([world * n for n in self.sizes]))
+        self.received_buffers = list(self.received.split([world * n for n in self.shards]))
         self._fill(self.received_buffers, new, [RECEIVER])  # the receiver's own slices hold what it sent
         self.received_state = self.received.clone()
         self.expected = self.storage.clone()
-        self._fill(list(self.expected.split([world * n for n in self.sizes])), new, range(world))
+        self._fill(list(self.expected.split([world * n for n in self.shards])), new, range(world))
         self.segments, self.received_segments = Segments(self.buffers, world), Segments(self.received_buffers, world)
         self.fused = DeltaCodec.fused(self.codecs, self.segments)  # the codecs' copies are now views of its copy
         self.sender_state = self.fused._prev.clone()
@@ -67,7 +77,7 @@ class Buckets:
     def _fill(self, buffers: list, values: torch.Tensor, ranks) -> None:
         for buffer, part in zip(buffers, values.split(self.sizes)):
             for rank in ranks:
-                shard_of(buffer, rank, self.world).copy_(part)
+                shard_of(buffer, rank, self.world)[:part.numel()].copy_(part)
 
     def restore(self) -> None:
         """Sender copies and receiver buffers as before the timed gather."""
@@ -143,6 +153,9 @@ def main():
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--device", default="cuda", help="cpu: the PyTorch reference path (a smoke test)")
+    p.add_argument("--megatron-padding", action="store_true", help="pad the buckets as megatron-core does (each rank's "
+                   "slice to a multiple of lcm(W, 128) / W values): aligned block tables, 16-byte loads. Without it "
+                   "the buckets split the shard exactly (62.5M / 8 = 7,812,500 values each: unaligned)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if min(args.world) < 2:
@@ -151,8 +164,10 @@ def main():
     rows = []
     for world in args.world:
         for k in args.buckets:
-            b = Buckets(previous, new, k, args.block_size, world)
-            row = dict(world=world, buckets=k, numel=args.numel, lr=args.lr, block_size=args.block_size)
+            pad = megatron_shard_multiple(world) if args.megatron_padding else 1
+            b = Buckets(previous, new, k, args.block_size, world, pad)
+            row = dict(world=world, buckets=k, numel=args.numel, lr=args.lr, block_size=args.block_size,
+                       shard_multiple=pad, aligned=b.segments.block_table(args.block_size)[4])
             for mode in MODES:
                 row[mode] = measure(b, mode, args.repeats)
             rows.append(row)

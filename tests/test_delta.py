@@ -376,14 +376,17 @@ def test_decode_gathered_reference():
     _check_decode_gathered()
 
 
-def test_bench_delta_buckets_cpu(tmp_path):
-    """The buckets benchmark's CPU smoke run: both modes decode bit-exactly (it raises otherwise), same wire."""
+@pytest.mark.parametrize("padding", [[], ["--megatron-padding"]])
+def test_bench_delta_buckets_cpu(tmp_path, padding):
+    """The buckets benchmark's CPU smoke run: both modes decode bit-exactly (it raises otherwise), same wire; with
+    ``--megatron-padding`` each rank's slice of a bucket is rounded up to lcm(W, 128) / W values, which aligns the
+    block tables (the exact split of 20011 values does not)."""
     from benchmarks import bench_delta_buckets
 
     out = tmp_path / "buckets.json"
     argv = sys.argv
     sys.argv = ["bench_delta_buckets.py", "--device", "cpu", "--numel", "20011", "--buckets", "1", "3", "--world", "3",
-                "--repeats", "1", "--steps", "3", "--out", str(out)]
+                "--repeats", "1", "--steps", "3", "--out", str(out)] + padding
     try:
         bench_delta_buckets.main()
     finally:
@@ -396,6 +399,7 @@ def test_bench_delta_buckets_cpu(tmp_path):
         assert abs(row["fused"]["payload_bytes"] - row["alone"]["payload_bytes"]) <= 64 * row["buckets"], row
         assert row["fused_one_by_one"]["payload_bytes"] == row["fused"]["payload_bytes"]
         assert row["alone"]["ratio"] > 1.0
+        assert (row["shard_multiple"], row["aligned"]) == ((128, True) if padding else (1, False)), row
 
 
 def _tile_fields(nbytes, values, blocks):
