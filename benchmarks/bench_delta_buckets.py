@@ -10,10 +10,10 @@ stands in for the all-gather), so the receiver (rank 1) decodes W - 1 real paylo
 values) follows the simulated AdamW trajectory of ``benchmarks/delta_wire_ratio.py`` (step ``--steps`` ->
 ``--steps + 1``) and is split into K nearly equal buckets in one storage, as megatron-core's buckets lie in one
 buffer (``--megatron-padding``: each bucket padded as megatron-core pads it, so its block tables are aligned as in
-training; the exact split of 62.5M values into 8 buckets is not). Per mode, K and W: ``wall_ms``, the sequence with device syncs around it (the host's launches count where
-they exceed the device's work); ``host_ms``, the host's time with the device held busy (``queued_call_seconds``,
-before and after the size read); ``device_ms``, the device's time for the same work without launch gaps. Every
-gather's result is checked bit for bit.
+training; the exact split of 62.5M values into 8 buckets is not). Per mode, K and W: ``wall_ms``, the sequence with
+device syncs around it (the host's launches count where they exceed the device's work); ``host_ms``, the host's
+time with the device held busy (``queued_call_seconds``, before and after the size read); ``device_ms``, the device's
+time for the same work without launch gaps. Every gather's result is checked bit for bit.
 
     python benchmarks/bench_delta_buckets.py --buckets 1 8 32 --world 2 8 --out results/gpu/delta_buckets.json
 """
@@ -54,20 +54,21 @@ class Buckets:
 
     def __init__(self, previous: torch.Tensor, new: torch.Tensor, k: int, block_size: int, world: int, pad: int = 1):
         self.world, self.sizes, self.new = world, split_sizes(new.numel(), k), new
-        self.shards = [-(-n // pad) * pad for n in self.sizes]  # each rank's slice of each bucket
-        self.storage = torch.zeros(world * sum(self.shards), dtype=new.dtype, device=new.device)
-        self.buffers = list(self.storage.split([world * n for n in self.shards]))
+        shards = [-(-n // pad) * pad for n in self.sizes]  # each rank's slice of each bucket
+        self.bucket_numels = [world * n for n in shards]
+        self.storage = torch.zeros(sum(self.bucket_numels), dtype=new.dtype, device=new.device)
+        self.buffers = list(self.storage.split(self.bucket_numels))
         self._fill(self.buffers, previous, range(world))  # every rank's previous values (what rank 0 keyframes)
         config = DeltaConfig(block_size)
         self.codecs = [DeltaCodec(config, world, 0) for _ in self.sizes]
         for codec, buffer in zip(self.codecs, self.buffers):
             codec.encode(shard_of(buffer, 0, world))
         self.received = self.storage.clone()
-        self.received_buffers = list(self.received.split([world * n for n in self.shards]))
+        self.received_buffers = list(self.received.split(self.bucket_numels))
         self._fill(self.received_buffers, new, [RECEIVER])  # the receiver's own slices hold what it sent
         self.received_state = self.received.clone()
         self.expected = self.storage.clone()
-        self._fill(list(self.expected.split([world * n for n in self.shards])), new, range(world))
+        self._fill(list(self.expected.split(self.bucket_numels)), new, range(world))
         self.segments, self.received_segments = Segments(self.buffers, world), Segments(self.received_buffers, world)
         self.fused = DeltaCodec.fused(self.codecs, self.segments)  # the codecs' copies are now views of its copy
         self.sender_state = self.fused._prev.clone()
