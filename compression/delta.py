@@ -120,21 +120,21 @@ def _group_changed(codes: torch.Tensor, group: int) -> torch.Tensor:
     return torch.nn.functional.pad((codes != 0).to(torch.int64), (0, n_groups * group - codes.numel())).view(-1, group)
 
 
-def _region_starts(codes: torch.Tensor, block_bytes: torch.Tensor, group: int) -> tuple:
+def _region_starts(per_group: torch.Tensor, block_bytes: torch.Tensor) -> tuple:
     """Each group's region start (bytes from the first region) and each block's record start within its group's
-    records, from every block's record bytes."""
+    records, from the changed flags by group (``_group_changed``) and every block's record bytes."""
+    group = per_group.shape[1]
     record_at = _exclusive_cumsum(block_bytes)
     group_stream = record_at[::group]
-    starts = 3 * _exclusive_cumsum(_group_changed(codes, group).sum(1)) + group_stream
-    return starts, record_at - group_stream.repeat_interleave(group)[:codes.numel()]
+    starts = 3 * _exclusive_cumsum(per_group.sum(1)) + group_stream
+    return starts, record_at - group_stream.repeat_interleave(group)[:block_bytes.numel()]
 
 
-def _region_places(codes: torch.Tensor, changed: torch.Tensor, group: int, starts: torch.Tensor) -> tuple:
+def _region_places(per_group: torch.Tensor, changed: torch.Tensor, starts: torch.Tensor) -> tuple:
     """Per changed block (indices ``changed``), in bytes from the first region: where its offset is, where its
-    exc_width is, and where its group's records start."""
-    per_group = _group_changed(codes, group)
+    exc_width is, and where its group's records start (``per_group``: the changed flags by group)."""
     in_group = (torch.cumsum(per_group, 1) - per_group).view(-1)[changed]
-    g = changed // group
+    g = changed // per_group.shape[1]
     base, n = starts[g], per_group.sum(1)[g]
     return base + 2 * in_group, base + 2 * n + in_group, base + 3 * n
 
@@ -372,11 +372,11 @@ class DeltaCodec(ShardCodec):
         payload[HEADER.size : HEADER.size + layout.n_blocks] = a.codes
         block_bytes = torch.zeros(layout.n_blocks, dtype=torch.int64, device=bits.device)
         block_bytes[changed] = record_bytes
-        group = kernels.group_blocks(b)
-        starts, offsets = _region_starts(a.codes, block_bytes, group)
+        per_group = _group_changed(a.codes, kernels.group_blocks(b))
+        starts, offsets = _region_starts(per_group, block_bytes)
         payload[layout.groups : layout.regions] = _little_endian(starts, 4)
         regions = payload[layout.regions :]
-        offset_at, exc_width_at, records_at = _region_places(a.codes, changed, group, starts)
+        offset_at, exc_width_at, records_at = _region_places(per_group, changed, starts)
         pack_records_reference(a, changed, records_at + offsets[changed], regions)  # rewrites every region byte
         regions[torch.stack([offset_at, offset_at + 1], 1).view(-1)] = _little_endian(offsets[changed], 2)
         regions[exc_width_at] = a.exc_widths[changed]
@@ -441,7 +441,8 @@ class DeltaCodec(ShardCodec):
         changed = torch.nonzero(codes).squeeze(1)
         starts = _from_little_endian(payload[layout.groups : layout.regions], 4)
         regions = payload[layout.regions :]
-        offset_at, exc_width_at, records_at = _region_places(codes, changed, kernels.group_blocks(b), starts)
+        per_group = _group_changed(codes, kernels.group_blocks(b))
+        offset_at, exc_width_at, records_at = _region_places(per_group, changed, starts)
         offsets = _from_little_endian(regions[torch.stack([offset_at, offset_at + 1], 1).view(-1)], 2)
         unpack_records_reference(bits, changed, codes, regions[exc_width_at], records_at + offsets, regions, b)
 
