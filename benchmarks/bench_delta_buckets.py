@@ -13,7 +13,8 @@ buffer (``--megatron-padding``: each bucket padded as megatron-core pads it, so 
 training; the exact split of 62.5M values into 8 buckets is not). Per mode, K and W: ``wall_ms``, the sequence with
 device syncs around it (the host's launches count where they exceed the device's work); ``host_ms``, the host's
 time with the device held busy (``queued_call_seconds``, before and after the size read); ``device_ms``, the device's
-time for the same work without launch gaps. Every gather's result is checked bit for bit.
+time for the same work without launch gaps. Every gather's result is checked bit for bit. ``--ops`` (CUDA) adds
+each mode's device time per kernel and copy (``ops_us``; what session 32's and 33's ``prof_buckets.py`` printed).
 
     python benchmarks/bench_delta_buckets.py --buckets 1 8 32 --world 2 8 --out results/gpu/delta_buckets.json
 """
@@ -32,7 +33,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.codec import Segments, ShardCodec, shard_of  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
-from compression.timing import call_seconds, queued_call_seconds  # noqa: E402
+from compression.timing import call_seconds, device_op_seconds, queued_call_seconds  # noqa: E402
 
 MODES = ("alone", "fused", "fused_one_by_one")
 RECEIVER = 1
@@ -119,7 +120,7 @@ def finish_and_decode(units: list, world: int, starts: list, sizes: list, header
         decode(decoder, target, gathered[:world * stride], stride, [size] * world, [header] * world, RECEIVER)
 
 
-def measure(b: Buckets, mode: str, repeats: int) -> dict:
+def measure(b: Buckets, mode: str, repeats: int, ops: bool = False) -> dict:
     units, device, payload = b.units(mode), b.storage.device, []
     one_by_one = mode == "fused_one_by_one"
 
@@ -140,8 +141,12 @@ def measure(b: Buckets, mode: str, repeats: int) -> dict:
             lambda: finish_and_decode(units, b.world, started[0], sizes, headers, one_by_one), device, 0.02)
         b.check()
         host, busy = min(host, host1 + host2), min(busy, device1 + device2)
-    return dict(wall_ms=1e3 * min(wall), host_ms=1e3 * host, device_ms=1e3 * busy, payload_bytes=sum(payload),
-                ratio=2 * b.new.numel() / sum(payload))
+    result = dict(wall_ms=1e3 * min(wall), host_ms=1e3 * host, device_ms=1e3 * busy, payload_bytes=sum(payload),
+                  ratio=2 * b.new.numel() / sum(payload))
+    if ops:  # where the device time goes: each kernel's and copy's (the profiler's names)
+        result["ops_us"] = {op: 1e6 * seconds for op, seconds in
+                            device_op_seconds(gather, min(repeats, 5), setup=b.restore).items()}
+    return result
 
 
 def main():
@@ -157,10 +162,14 @@ def main():
     p.add_argument("--megatron-padding", action="store_true", help="pad the buckets as megatron-core does (each rank's "
                    "slice to a multiple of lcm(W, 128) / W values): aligned block tables, 16-byte loads. Without it "
                    "the buckets split the shard exactly (62.5M / 8 = 7,812,500 values each: unaligned)")
+    p.add_argument("--ops", action="store_true", help="also each mode's device time per kernel and copy (profiler; "
+                   "CUDA only), printed and stored as ops_us")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if min(args.world) < 2:
         p.error(f"--world must be >= 2 (a receiver and a sender), got {args.world}")
+    if args.ops and args.device != "cuda":
+        p.error("--ops times kernels with the CUDA profiler: drop it with --device cpu")
     previous, new = simulated_step(args.numel, args.lr, args.steps, device=args.device)
     rows = []
     for world in args.world:
@@ -170,12 +179,15 @@ def main():
             row = dict(world=world, buckets=k, numel=args.numel, lr=args.lr, block_size=args.block_size,
                        shard_multiple=pad, aligned=b.segments.block_table(args.block_size)[4])
             for mode in MODES:
-                row[mode] = measure(b, mode, args.repeats)
+                row[mode] = measure(b, mode, args.repeats, args.ops)
             rows.append(row)
             print(f"W={world}, {k} buckets: " + "; ".join(
                 f"{mode} wall {row[mode]['wall_ms']:.3f} host {row[mode]['host_ms']:.3f} device "
                 f"{row[mode]['device_ms']:.3f} ms" for mode in MODES) + f"; ratio {row['fused']['ratio']:.2f}x",
                 flush=True)
+            for mode in MODES if args.ops else ():
+                print(f"  {mode} device us per op: " + ", ".join(
+                    f"{op[:40]} {us:.1f}" for op, us in row[mode]["ops_us"].items()), flush=True)
             del b
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -402,6 +402,30 @@ def test_bench_delta_buckets_cpu(tmp_path, padding):
         assert (row["shard_multiple"], row["aligned"]) == ((128, True) if padding else (1, False)), row
 
 
+
+def test_bench_delta_buckets_ops(monkeypatch):
+    """``--ops``: each mode's device time per op, from ``device_op_seconds`` (CUDA's profiler, stubbed here) over the
+    gather the other timings run, with the buffers restored before it; refused on the CPU."""
+    from benchmarks import bench_delta_buckets as bench
+    from benchmarks.delta_wire_ratio import simulated_step
+
+    b = bench.Buckets(*simulated_step(5003, 1e-4, 3, device="cpu"), 3, 256, 2)
+
+    def one_profiled_call(fn, repeats, setup=None):
+        setup()
+        fn()
+        b.check()  # the profiled gather decodes bit-exactly from restored buffers
+        return {"_encode_kernel": 2e-6, "_decode_kernel": 3e-6}
+
+    monkeypatch.setattr(bench, "device_op_seconds", one_profiled_call)
+    ops_us = bench.measure(b, "fused", 1, ops=True)["ops_us"]
+    assert ops_us == pytest.approx({"_encode_kernel": 2.0, "_decode_kernel": 3.0})
+    assert "ops_us" not in bench.measure(b, "fused", 1)
+    monkeypatch.setattr(sys, "argv", ["bench_delta_buckets.py", "--device", "cpu", "--ops", "--out", "x.json"])
+    with pytest.raises(SystemExit):
+        bench.main()
+
+
 def _tile_fields(nbytes, values, blocks):
     """Tile sums packed as the encode kernel adds them (``kernels.delta._tile_fields``), int64 tensors."""
     return nbytes | (values << kernels.TILE_FIELD) | (blocks << 2 * kernels.TILE_FIELD)
