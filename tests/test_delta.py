@@ -402,7 +402,6 @@ def test_bench_delta_buckets_cpu(tmp_path, padding):
         assert (row["shard_multiple"], row["aligned"]) == ((128, True) if padding else (1, False)), row
 
 
-
 def test_bench_delta_buckets_ops(monkeypatch):
     """``--ops``: each mode's device time per op, from ``device_op_seconds`` (CUDA's profiler, stubbed here) over the
     gather the other timings run, with the buffers restored before it; refused on the CPU."""

@@ -24,10 +24,11 @@ for run in $RUNS; do
   grep -E "iteration +$ITERS/" $RES/$name.rank0.log | tail -1 || tail -20 $RES/$name.rank0.log
   python3 - $RES/$name.jsonl <<'PY'
 import json, sys
+from compression.telemetry import PARAM_GATHER_CLASSES, raw_and_sent
 rows = [json.loads(line) for line in open(sys.argv[1])]
 def ratio(rs):
-    raw = sum(r["comm"]["dp_param_gather"]["raw_bytes"] for r in rs)
-    return raw / max(1, sum(r["comm"]["dp_param_gather"]["sent_bytes"] for r in rs))
+    raw, sent = map(sum, zip(*(raw_and_sent(r["comm"], PARAM_GATHER_CLASSES) for r in rs)))
+    return raw / max(1, sent)
 n = len(rows)
 if not n:
     sys.exit(f"{sys.argv[1]}: no iterations (see the rank logs)")
