@@ -2,12 +2,14 @@
 # 2x H200, ~6 min: the runs of delta_fused_buckets.sh (E2E=1) and taco_gluon_e2e.sh again with --comm-profile, so
 # each compressed run's bound comes from its own baseline's measured communication share (last two iterations
 # profiled, left out of the timing): GPT-350M DP=2 with the parameter gather exposed (default delta) on sockets and
-# at ~25 GB/s; GPT-1.3B TP=2 with TACO INT8 `auto` at ~25 GB/s.
-# Usage (device machine, repo root): bash scripts/gpu/comm_share_2gpu.sh
+# at ~25 GB/s (DELTA_LINKS: also nvlink for the issue's three link classes); GPT-1.3B TP=2 with TACO INT8 `auto` at
+# ~25 GB/s.
+# Usage (device machine, repo root): [DELTA_LINKS="nvlink sockets_4GBps p2p_off_25GBps"] bash scripts/gpu/comm_share_2gpu.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
-timeout 300 python3 benchmarks/e2e_throughput.py --suite dp2_param_gather_ablation --model configs/gpt_350m.yaml \
-  --links sockets_4GBps p2p_off_25GBps --variants delta --micro-batch-size 4 --global-batch-size 8 --train-iters 50 \
+links=${DELTA_LINKS:-sockets_4GBps p2p_off_25GBps}
+timeout $((150 * $(wc -w <<< "$links"))) python3 benchmarks/e2e_throughput.py --suite dp2_param_gather_ablation \
+  --model configs/gpt_350m.yaml --links $links --variants delta --micro-batch-size 4 --global-batch-size 8 --train-iters 50 \
   --warmup 41 --param-gather-reselect-interval 25 --comm-profile --log-dir /tmp/share_logs/delta \
   --out $RES/e2e_exposed_delta_share.json 2>&1 | grep -E "speedup|Error"
 timeout 200 python3 benchmarks/e2e_throughput.py --suite tp2_taco --model configs/gpt_1.3b.yaml --links p2p_off_25GBps \
