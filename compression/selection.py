@@ -125,10 +125,11 @@ class DeltaShardStats:
     encode_seconds: float
     decode_seconds: float  # of one payload; every receiver decodes world_size - 1 of them
     world_size: int
+    sender_copy: bool = True  # False with --delta-fused-cast: the encode codes against the buffer itself
 
     @property
     def cache_bytes(self) -> int:
-        return 2 * self.numel  # the sender's copy of what it sent last
+        return 2 * self.numel if self.sender_copy else 0  # the sender's copy of what it sent last
 
 
 SIZE_EXCHANGE_BYTES = 8  # ShardGather's all-gather of payload sizes before a variable-size gather

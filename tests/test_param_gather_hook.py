@@ -168,8 +168,9 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     if method == "delta-capped":
         param_gather.PREPARE_SHARD_BYTES = CAPPED_SHARD_BYTES
     patched = {name: getattr(param_gather, name) for name in ("SELECTION_WARMUP_GATHERS", "select_shards")}
+    choice = _alternating_choice()
     if method == "delta-reselect":
-        param_gather.SELECTION_WARMUP_GATHERS, param_gather.select_shards = 2, _alternating_choice()
+        param_gather.SELECTION_WARMUP_GATHERS, param_gather.select_shards = 2, choice
     forward_backward = get_forward_backward_func()
     loss_bits = []
     for step in range(STEPS):
@@ -205,7 +206,7 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
     return dict(
         loss_bits=loss_bits, param_hash=_buffers_hash(ddp), sent_ratio=sent / max(raw, 1),
-        steps_sent_ratio=steps_sent_ratio,
+        steps_sent_ratio=steps_sent_ratio, candidate_cache_bytes=choice.cache_bytes,
         exchanges=exchanges, **_hook_counts(ddp),
     )
 
@@ -218,8 +219,10 @@ def _alternating_choice():
     def choose(candidates, comm, budget):
         parity = len(rounds) % 2
         rounds.append(parity)
+        choose.cache_bytes.append([c.cache_bytes for c in candidates])
         return {c.key for c in candidates if c.key[0] % 2 == parity}
 
+    choose.cache_bytes = []  # per round, each candidate's codec memory as the selection counts it
     return choose
 
 
@@ -381,6 +384,10 @@ def _assert_identical(results_by_rank):
                 assert 0 < result["num_compressed"] < result["num_groups"], (run, result)
             elif run[0] == "delta-reselect":  # the odd bucket groups, chosen in the second round
                 assert result["selections"] == 2 and result["num_compressed"] == result["num_groups"] // 2, (run, result)
+                # the memory a bucket's codec keeps: its sender copy (2 bytes per shard value), none with a fused cast
+                cache = result["candidate_cache_bytes"]
+                assert len(cache) == 2 and cache[0] == cache[1] and len(cache[0]) >= result["num_groups"], (run, cache)
+                assert all(c == 0 for c in cache[0]) if name.endswith(CAST) else min(cache[0]) > 0, (run, cache)
             elif run[0] == "delta-benefit":
                 assert 0 <= result["num_compressed"] <= result["num_groups"], (run, result)
             elif run[0].endswith("-trial"):  # switched off for good at step 9

@@ -1,6 +1,8 @@
 """Benefit-driven shard selection with a synthetic comm model, the comm-model fit, the change meter,
 and profile_comm on a real (gloo) group."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -97,6 +99,9 @@ def test_delta_gain_charges_codec_time_and_size_exchange():
     assert line.startswith("delta selection: 1/1 shards") and "+ 4.00 GB/s;" in line
     # what the warm-up measured: 8 MiB -> 1 MiB, coded at 8 MiB / 1 ms and decoded at 8 MiB / 0.5 ms
     assert line.endswith("measured wire ratio 8.00x, encode 8.4 GB/s, decode 16.8 GB/s (wall clock, later half of the warm-up)")
+    assert "cache 8.0 MiB;" in line  # the sender's copy, 2 bytes per value
+    fused = dataclasses.replace(shard, sender_copy=False)  # --delta-fused-cast keeps none
+    assert fused.cache_bytes == 0 and "cache 0.0 MiB;" in selection_summary([fused], {"w"}, SLOW_LINK)
     flat = CommModel(60e-6, 0.0)  # the fit on a link too fast for the probed sizes
     assert "no per-byte cost measurable at the probed sizes;" in selection_summary([shard], set(), flat)
 

@@ -230,7 +230,8 @@ class _BenefitSelection:
         payloads, times = (payloads / group.size()).tolist(), times.tolist()
         return [
             DeltaShardStats(key=(i, j), numel=bucket.param_data.numel() // group.size(), payload_bytes=payloads[k],
-                            encode_seconds=times[k][0], decode_seconds=times[k][1], world_size=group.size())
+                            encode_seconds=times[k][0], decode_seconds=times[k][1], world_size=group.size(),
+                            sender_copy=not bucket_groups[i].fused_cast)
             for k, (i, j, bucket, _) in enumerate(buckets)
         ]
 
