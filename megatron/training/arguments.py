@@ -1497,6 +1497,14 @@ def _validate_run_control(args) -> None:
     _check(args.distributed_backend != "nccl" or torch.cuda.is_available(),
            "--distributed-backend nccl needs CUDA devices, and this run has none: use --distributed-backend gloo "
            "(or drop the flag: gloo is the default without CUDA)")
+    # measured with torch 2.11 (benchmarks/diag_gloo_cuda_gather.py): a coalesced all_gather_into_tensor of CUDA
+    # tensors kills the process in gloo; one bucket at a time (the compressed gathers' plain path) works
+    _check(not (args.distributed_backend == "gloo" and torch.cuda.is_available() and args.use_distributed_optimizer
+                and args.param_gather_compression == "none"),
+           "--distributed-backend gloo with CUDA tensors: megatron-core's parameter all-gather of "
+           "--use-distributed-optimizer (a coalesced all_gather_into_tensor) crashes torch's gloo backend with a "
+           "segmentation fault: use --distributed-backend nccl (gloo with CUDA works only with a "
+           "--param-gather-compression, whose gathers go bucket by bucket)")
     if "LOCAL_RANK" in os.environ:  # torchrun's wins over the flag (Megatron-LM)
         args.local_rank = int(os.environ["LOCAL_RANK"])
     elif args.local_rank is None:

@@ -25,7 +25,8 @@ for run in $RUNS; do
   python3 - $RES/$name.jsonl <<'PY'
 import json, sys
 from compression.telemetry import PARAM_GATHER_CLASSES, raw_and_sent
-rows = [json.loads(line) for line in open(sys.argv[1])]
+import os
+rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
 def ratio(rs):
     raw, sent = map(sum, zip(*(raw_and_sent(r["comm"], PARAM_GATHER_CLASSES) for r in rs)))
     return raw / max(1, sent)
