@@ -23,9 +23,8 @@ for run in $RUNS; do
   port=$((port + 1))
   grep -E "iteration +$ITERS/" $RES/$name.rank0.log | tail -1 || tail -20 $RES/$name.rank0.log
   python3 - $RES/$name.jsonl <<'PY'
-import json, sys
+import json, os, sys
 from compression.telemetry import PARAM_GATHER_CLASSES, raw_and_sent
-import os
 rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
 def ratio(rs):
     raw, sent = map(sum, zip(*(raw_and_sent(r["comm"], PARAM_GATHER_CLASSES) for r in rs)))
