@@ -288,6 +288,8 @@ def test_missing_data_and_required_flags():
     with pytest.raises(ValueError, match="--data-path PREFIX, --mock-data or --builtin-corpus python-stdlib"):
         make(base=BASE.replace("--mock-data", ""))
     assert make(base=BASE.replace("--mock-data", "--builtin-corpus python-stdlib")).builtin_corpus == "python-stdlib"
+    with pytest.raises(ValueError, match="--builtin-corpus-max-bytes must be positive, got 0"):
+        make("--builtin-corpus-max-bytes 0", base=BASE.replace("--mock-data", "--builtin-corpus python-stdlib"))
     assert make(base=BASE.replace("--mock-data", "--data-path 0.5 a 0.5 b")).data_path == ["0.5", "a", "0.5", "b"]
     with pytest.raises(ValueError, match="--hidden-size is required"):
         make(base=BASE.replace("--hidden-size 64", ""))

@@ -21,7 +21,7 @@ def make_args(cache_dir, **overrides) -> argparse.Namespace:
         tokenizer_type="ByteTokenizer", tokenizer_model=None, vocab_file=None, merge_file=None, vocab_size=None,
         micro_batch_size=2, global_batch_size=8, seq_length=32, train_iters=6, train_samples=None,
         eval_interval=3, eval_iters=1, data_path=None, split="969,30,1", mock_data=False,
-        builtin_corpus="python-stdlib", data_cache_path=str(cache_dir), num_workers=0, seed=1234,
+        builtin_corpus="python-stdlib", builtin_corpus_max_bytes=4 << 20, data_cache_path=str(cache_dir), num_workers=0, seed=1234,
         consumed_train_samples=0, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
     )
     args.update(overrides)
@@ -129,12 +129,25 @@ def test_builtin_corpus_is_deterministic_and_cached(tmp_path):
     assert data.ensure_builtin_corpus(make_args(tmp_path / "a"), tokenizer) == prefixes[0]
     assert os.stat(prefixes[0] + ".bin").st_mtime_ns == modified  # reused, not rebuilt
     documents = read_documents(prefixes[0])
-    paths = data.stdlib_source_files()
-    assert paths[0].endswith("__future__.py") and sum(map(os.path.getsize, paths)) <= data.BUILTIN_CORPUS_BYTES
+    paths = data.stdlib_source_files(4 << 20)
+    assert paths[0].endswith("__future__.py") and sum(map(os.path.getsize, paths)) <= 4 << 20
     first_block = next(data.stdlib_documents(paths))
     assert documents[0] == tokenizer.tokenize(first_block) + [tokenizer.eod]
     assert len(documents) > 1000 and min(map(len, documents)) >= 2
 
+
+
+def test_builtin_corpus_max_bytes_takes_the_first_files(tmp_path):
+    """--builtin-corpus-max-bytes: a smaller corpus is the first files of the default one, cached apart."""
+    tokenizer = ByteTokenizer()
+    small, default = (data.ensure_builtin_corpus(make_args(tmp_path, builtin_corpus_max_bytes=size), tokenizer)
+                      for size in (64 << 10, 4 << 20))
+    assert small != default and "65536b" in small
+    small_paths = data.stdlib_source_files(64 << 10)
+    assert small_paths == data.stdlib_source_files(4 << 20)[:len(small_paths)]
+    small_documents, default_documents = read_documents(small), read_documents(default)
+    assert 0 < len(small_documents) < len(default_documents)
+    assert small_documents == default_documents[:len(small_documents)]
 
 def _iterators_on_rank(cache_dir):
     from megatron.core import parallel_state

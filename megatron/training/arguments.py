@@ -407,6 +407,8 @@ class DataArgs:
                                                   "holding the per-split prefixes, each a list or a string.")
     mock_data: bool = arg(False, "Synthetic data (MockGPTDataset).")
     builtin_corpus: Optional[str] = arg(None, "Real text shipped with Python, byte-tokenized.", choices=["python-stdlib"])
+    builtin_corpus_max_bytes: int = arg(4 << 20, "Source bytes of --builtin-corpus: the first files up to this size "
+                                        "(the stdlib holds ~12 MB; more text, fewer epochs in long runs).")
     data_cache_path: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "megatron-compressed-comm"), "Dataset cache.")
     tokenizer_type: str = arg("ByteTokenizer", "Tokenizer (TikTokenizer: an error naming the alternatives).",
                               choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
@@ -1338,6 +1340,8 @@ def _validate_data(args) -> None:
                             f"drop all but one")
     _check(whole or split or args.mock_data or args.builtin_corpus is not None,
            "no training data: give --data-path PREFIX, --mock-data or --builtin-corpus python-stdlib")
+    _check(args.builtin_corpus_max_bytes > 0,
+           f"--builtin-corpus-max-bytes must be positive, got {args.builtin_corpus_max_bytes}")
     if args.dataloader_type is None:
         args.dataloader_type = "single"
     _check(args.dataloader_type == "single",

@@ -11,8 +11,8 @@ Every TP/PP rank of one DP rank builds the same datasets and so gets identical b
 runs need ``--data-cache-path`` on a shared filesystem (rank 0 writes the caches, as in Megatron-LM).
 
 Built-in corpus (``--builtin-corpus python-stdlib``): the ``.py`` sources of the running Python's
-standard library (no download), sorted by relative path, the first ``BUILTIN_CORPUS_BYTES`` of
-them. Each top-level block of a file (PEP 8 puts two blank lines between them) is one document,
+standard library (no download), sorted by relative path, the first ``--builtin-corpus-max-bytes``
+of them (default 4 MiB; the whole of it, ~12 MiB, with a larger value). Each top-level block of a file (PEP 8 puts two blank lines between them) is one document,
 which gives enough documents (~1300) for every split of the default ``--split 969,30,1``. It is
 tokenized with the run's tokenizer, written once to ``--data-cache-path`` (keyed by Python version
 and tokenizer) and reused.
@@ -40,7 +40,6 @@ from megatron.core.datasets.indexed_dataset import (
 from megatron.core.datasets.utils import get_blend_from_list
 
 BUILTIN_CORPORA = ("python-stdlib",)
-BUILTIN_CORPUS_BYTES = 4 << 20  # a few MB: seconds to build, ~4M byte tokens
 DEFAULT_DATA_CACHE_PATH = "~/.cache/megatron-compressed-comm"
 # Folders of the stdlib tree that are not the stdlib's own code (or are mostly test fixtures).
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
@@ -75,7 +74,7 @@ def write_documents(output_prefix: str, documents, vocab_size: int, eod: int | N
 # ---------------------------------------------------------------- built-in corpus
 
 
-def stdlib_source_files(max_bytes: int = BUILTIN_CORPUS_BYTES) -> list[str]:
+def stdlib_source_files(max_bytes: int) -> list[str]:
     """Paths of the stdlib's ``.py`` files in sorted relative-path order, up to ``max_bytes`` in total."""
     root = sysconfig.get_paths()["stdlib"]
     relative_paths = []
@@ -100,7 +99,7 @@ def _tokenizer_key(tokenizer) -> str:
 
 def builtin_corpus_prefix(args, tokenizer) -> str:
     version = ".".join(map(str, sys.version_info[:3]))
-    name = f"{args.builtin_corpus}-py{version}-{BUILTIN_CORPUS_BYTES}b-tok{_tokenizer_key(tokenizer)}"
+    name = f"{args.builtin_corpus}-py{version}-{args.builtin_corpus_max_bytes}b-tok{_tokenizer_key(tokenizer)}"
     return os.path.join(data_cache_path(args), "corpora", name)
 
 
@@ -119,7 +118,7 @@ def ensure_builtin_corpus(args, tokenizer) -> str:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0 and not os.path.isfile(get_idx_path(prefix)):
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        documents = (tokenizer.tokenize(text) for text in stdlib_documents(stdlib_source_files()))
+        documents = (tokenizer.tokenize(text) for text in stdlib_documents(stdlib_source_files(args.builtin_corpus_max_bytes)))
         write_documents(prefix, documents, tokenizer.vocab_size, eod=tokenizer.eod)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
