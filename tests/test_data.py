@@ -21,7 +21,8 @@ def make_args(cache_dir, **overrides) -> argparse.Namespace:
         tokenizer_type="ByteTokenizer", tokenizer_model=None, vocab_file=None, merge_file=None, vocab_size=None,
         micro_batch_size=2, global_batch_size=8, seq_length=32, train_iters=6, train_samples=None,
         eval_interval=3, eval_iters=1, data_path=None, split="969,30,1", mock_data=False,
-        builtin_corpus="python-stdlib", builtin_corpus_max_bytes=4 << 20, data_cache_path=str(cache_dir), num_workers=0, seed=1234,
+        builtin_corpus="python-stdlib", builtin_corpus_max_bytes=4 << 20, data_cache_path=str(cache_dir),
+        num_workers=0, seed=1234,
         consumed_train_samples=0, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
     )
     args.update(overrides)
@@ -134,7 +135,6 @@ def test_builtin_corpus_is_deterministic_and_cached(tmp_path):
     first_block = next(data.stdlib_documents(paths))
     assert documents[0] == tokenizer.tokenize(first_block) + [tokenizer.eod]
     assert len(documents) > 1000 and min(map(len, documents)) >= 2
-
 
 
 def test_builtin_corpus_max_bytes_takes_the_first_files(tmp_path):

@@ -12,10 +12,11 @@ runs need ``--data-cache-path`` on a shared filesystem (rank 0 writes the caches
 
 Built-in corpus (``--builtin-corpus python-stdlib``): the ``.py`` sources of the running Python's
 standard library (no download), sorted by relative path, the first ``--builtin-corpus-max-bytes``
-of them (default 4 MiB; the whole of it, ~12 MiB, with a larger value). Each top-level block of a file (PEP 8 puts two blank lines between them) is one document,
-which gives enough documents (~1300) for every split of the default ``--split 969,30,1``. It is
-tokenized with the run's tokenizer, written once to ``--data-cache-path`` (keyed by Python version
-and tokenizer) and reused.
+of them (default 4 MiB; the whole of it, ~12 MiB, with a larger value). Each top-level block of a
+file (PEP 8 puts two blank lines between them) is one document, which gives enough documents (~1300
+at 4 MiB) for every split of the default ``--split 969,30,1``. It is tokenized with the run's
+tokenizer, written once to ``--data-cache-path`` (keyed by Python version, size and tokenizer) and
+reused.
 """
 
 import hashlib
@@ -118,7 +119,8 @@ def ensure_builtin_corpus(args, tokenizer) -> str:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0 and not os.path.isfile(get_idx_path(prefix)):
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        documents = (tokenizer.tokenize(text) for text in stdlib_documents(stdlib_source_files(args.builtin_corpus_max_bytes)))
+        paths = stdlib_source_files(args.builtin_corpus_max_bytes)
+        documents = (tokenizer.tokenize(text) for text in stdlib_documents(paths))
         write_documents(prefix, documents, tokenizer.vocab_size, eod=tokenizer.eod)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -7,10 +7,12 @@ source scripts/gpu/setup_device.sh || exit 1
 port=29720
 for c in all_gather reduce_scatter all_reduce; do
   for m in plain coalesced-sync coalesced-async; do
-    PYTHONFAULTHANDLER=1 timeout 60 torchrun --nproc-per-node 2 --master-port $port benchmarks/diag_gloo_cuda_gather.py \
-      $m $c > $RES/$c.$m.log 2>&1
-    echo "$c $m exit $? $(grep -hoE '(correct|WRONG|Segmentation fault|Fatal Python error)' $RES/$c.$m.log | sort | uniq -c | tr '\n' ' ')" \
-      | tee -a $RES/summary.txt
+    log=$RES/$c.$m.log
+    PYTHONFAULTHANDLER=1 timeout 60 torchrun --nproc-per-node 2 --master-port $port \
+      benchmarks/diag_gloo_cuda_gather.py $m $c > $log 2>&1
+    code=$?
+    seen=$(grep -hoE '(correct|WRONG|Segmentation fault|Fatal Python error)' $log | sort | uniq -c | tr '\n' ' ')
+    echo "$c $m exit $code $seen" | tee -a $RES/summary.txt
     port=$((port + 1))
   done
 done
