@@ -9,10 +9,13 @@ one ``all_gather_into_tensor`` per bucket. This runs the collective on two buffe
     torchrun --nproc-per-node 2 benchmarks/diag_gloo_cuda_gather.py {plain,coalesced-sync,coalesced-async} \
         [{all_gather,reduce_scatter,all_reduce}]
 
-Measured for ``all_gather`` (torch 2.11.0+cu130, H200, both ranks on cuda:0): ``plain`` is correct; both coalesced
-modes end in a segmentation fault (in ``_coalescing_manager``'s exit when synchronous, in the handle's ``wait`` when
-not). Without CUDA the tensors are on the CPU, where all modes of all three collectives are correct (torch 2.13). The
-gradient collectives with CUDA are not measured yet (session 35 prepared them).
+Measured (torch 2.11.0+cu130, H200, both ranks on cuda:0; ``scripts/gpu/gloo_cuda_collectives.sh``, sessions 34 and
+36, results/gpu/session36/gloo_cuda_collectives/): ``plain`` is correct for all three. Coalesced, ``reduce_scatter`` is
+correct both ways; ``all_gather`` ends in a segmentation fault (in ``_coalescing_manager``'s exit when synchronous, in
+the handle's ``wait`` when not); ``all_reduce`` raises ``ProcessGroupGloo::allreduce_coalesced: unsupported device
+type cuda``. So with CUDA tensors gloo runs megatron-core's DP communication only with the distributed optimizer and a
+compressed parameter gather. Without CUDA the tensors are on the CPU, where all modes of all three collectives are
+correct (torch 2.13).
 """
 
 import sys

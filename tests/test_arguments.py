@@ -332,17 +332,21 @@ def test_moe_cpu_limits(monkeypatch):
              "--sequence-parallel --expert-model-parallel-size 2", world_size=4)
 
 
-def test_gloo_with_cuda_refuses_megatron_core_parameter_gather(monkeypatch):
+def test_gloo_with_cuda_refuses_megatron_core_coalesced_collectives(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match="--distributed-backend gloo with CUDA tensors: .* segmentation fault: use "
                                          "--distributed-backend nccl"):
         make("--distributed-backend gloo --use-distributed-optimizer", world_size=2)
-    # the compressed gathers go bucket by bucket (scripts/gpu/wire_ratio_dp2_one_gpu.sh); without the distributed
-    # optimizer there is no parameter all-gather
+    with pytest.raises(ValueError, match="--distributed-backend gloo with CUDA tensors: .* gradient all-reduce .* "
+                                         "unsupported device type cuda\\): use --distributed-backend nccl"):
+        make("--distributed-backend gloo", world_size=2)
+    # the compressed gathers go bucket by bucket and the distributed optimizer's gradient reduce-scatter survives
+    # (scripts/gpu/wire_ratio_dp2_one_gpu.sh)
     args = make("--distributed-backend gloo --use-distributed-optimizer --param-gather-compression delta", world_size=2)
     assert args.distributed_backend == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert make("--distributed-backend gloo", world_size=2).distributed_backend == "gloo"
 
 

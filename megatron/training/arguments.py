@@ -1501,10 +1501,16 @@ def _validate_run_control(args) -> None:
     _check(args.distributed_backend != "nccl" or torch.cuda.is_available(),
            "--distributed-backend nccl needs CUDA devices, and this run has none: use --distributed-backend gloo "
            "(or drop the flag: gloo is the default without CUDA)")
-    # measured with torch 2.11 (benchmarks/diag_gloo_cuda_gather.py): a coalesced all_gather_into_tensor of CUDA
-    # tensors kills the process in gloo; one bucket at a time (the compressed gathers' plain path) works
-    _check(not (args.distributed_backend == "gloo" and torch.cuda.is_available() and args.use_distributed_optimizer
-                and args.param_gather_compression == "none"),
+    # measured with torch 2.11 (benchmarks/diag_gloo_cuda_gather.py, scripts/gpu/gloo_cuda_collectives.sh): of
+    # megatron-core's coalesced DP collectives on CUDA tensors, gloo survives only the reduce-scatter; one bucket at a
+    # time (the compressed gathers' path) works for every collective
+    gloo_with_cuda = args.distributed_backend == "gloo" and torch.cuda.is_available()
+    _check(not (gloo_with_cuda and not args.use_distributed_optimizer),
+           "--distributed-backend gloo with CUDA tensors: megatron-core's gradient all-reduce without "
+           "--use-distributed-optimizer (a coalesced all_reduce) fails in torch's gloo backend "
+           "(allreduce_coalesced: unsupported device type cuda): use --distributed-backend nccl (gloo with CUDA "
+           "works only with --use-distributed-optimizer and a --param-gather-compression)")
+    _check(not (gloo_with_cuda and args.param_gather_compression == "none"),
            "--distributed-backend gloo with CUDA tensors: megatron-core's parameter all-gather of "
            "--use-distributed-optimizer (a coalesced all_gather_into_tensor) crashes torch's gloo backend with a "
            "segmentation fault: use --distributed-backend nccl (gloo with CUDA works only with a "
