@@ -3,8 +3,8 @@
 # share cuda:0 and talk over gloo (which stages CUDA tensors through the host). The payload bytes depend on the
 # training's values, not on the link, so this is wire_ratio_and_baselines.sh's DP=2 run (same flags) on one device;
 # its times are not meaningful. RUNS lists codec:lr pairs; EXTRA, more flags for every run (e.g.
-# "--param-gather-verify-interval 1": every gather also checked bit for bit against an uncompressed one). EXTRA comes after
-# the script's own flags and wins over them: "--min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 100" with
+# "--param-gather-verify-interval 1": every gather also checked bit for bit against an uncompressed one). EXTRA comes
+# after the script's own flags and wins over them: "--min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 100" with
 # RUNS=delta:6e-4 runs configs/gpt_125m.yaml's own schedule (session 36).
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
