@@ -42,6 +42,8 @@ from compression.codec import ShardCodec, check_block_size
 from compression.shard_gather import PendingGather
 from compression.telemetry import TELEMETRY
 from compression.transport import all_to_all_rows
+from kernels import sdp4bit as sdp4bit_kernels
+from kernels import use_triton
 from kernels.taco import fwht_reference
 
 WEIGHT_BITS = (4, 8)
@@ -60,7 +62,9 @@ def quantize_groups(x: torch.Tensor, group_size: int, bits: int):
     """(codes int8 [groups, G], scales fp32 [groups]) of a tensor, flattened and zero-padded to whole groups."""
     flat = x.reshape(-1).float()
     groups = torch.nn.functional.pad(flat, (0, -flat.numel() % group_size)).view(-1, group_size)
-    scales = groups.abs().amax(dim=1) / qmax(bits)
+    # A tensor divisor: torch on CUDA divides by a Python scalar as a product with its reciprocal, which rounds
+    # differently from the CPU and the kernels.
+    scales = groups.abs().amax(dim=1) / groups.new_full((), qmax(bits))
     # An all-zero (or subnormal-tiny) group quantizes to zeros under any scale; NaN stays NaN.
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
     codes = torch.round(groups / scales[:, None]).clamp_(-qmax(bits), qmax(bits))
@@ -139,10 +143,11 @@ class WeightDiffCodec(ShardCodec):
     name = "sdp4bit"
     lossless = False
 
-    def __init__(self, config: Sdp4bitConfig, world_size: int, rank: int):
+    def __init__(self, config: Sdp4bitConfig, world_size: int, rank: int, triton=None):
         self.config = config
         self.world_size = world_size
         self.rank = rank
+        self.triton = triton  # None: the fused kernels on CUDA tensors, the reference elsewhere (kernels.use_triton)
         self.keyframe = True  # whether the last encode was a keyframe (telemetry and tests)
         self._reconstructed = None  # this rank's w_hat (16-bit), None until the first keyframe
 
@@ -155,8 +160,14 @@ class WeightDiffCodec(ShardCodec):
         if self.keyframe:
             self._reconstructed = shard.clone()
             return self._reconstructed.view(torch.uint8).clone()
+        c = self.config
+        if use_triton(shard, self.triton):
+            payload = torch.empty(groups_nbytes(shard.numel(), c.group_size, c.weight_bits), dtype=torch.uint8,
+                                  device=shard.device)
+            sdp4bit_kernels.encode_weight_diff(shard, previous, payload, c.group_size, c.weight_bits)
+            return payload  # ``previous`` now holds w_hat_t
         difference = (shard.float() - previous.float()).view(1, -1)
-        payload = encode_groups(difference, self.config.group_size, self.config.weight_bits).view(-1)
+        payload = encode_groups(difference, c.group_size, c.weight_bits).view(-1)
         self._reconstructed = self._apply(previous, payload)
         return payload
 
@@ -167,7 +178,9 @@ class WeightDiffCodec(ShardCodec):
             out.view(torch.uint8).copy_(payload)
         elif src_rank == self.rank:  # our slice holds w_t; w_hat_t was built at encode
             out.copy_(self._reconstructed)
-        else:
+        elif use_triton(out, self.triton) and payload.data_ptr() % SCALE_BYTES == 0:
+            sdp4bit_kernels.apply_weight_diff(payload, out, self.config.group_size, self.config.weight_bits)
+        else:  # the reference (the same bits; also for a payload whose scales are not 4-byte aligned)
             out.copy_(self._apply(out, payload))
 
     def _apply(self, previous: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
@@ -274,14 +287,17 @@ def encode_rows(rows: torch.Tensor, config: HadamardQuantConfig) -> torch.Tensor
 
 
 def decode_sum(wire: torch.Tensor, skip_row: int, numel: int, config: HadamardQuantConfig) -> torch.Tensor:
-    """fp32 [numel]: the sum of every wire row but ``skip_row``, dequantized and rotated back."""
-    others = [row for row in range(wire.shape[0]) if row != skip_row]
-    blocks = decode_groups(wire[others], numel, config.block_size, config.bits)
-    return rotate_blocks(blocks.sum(dim=0)).view(-1)[:numel]
+    """fp32 [numel]: the sum of every wire row but ``skip_row``, dequantized, added in row order (fixed, so that
+    the kernel rounds the same) and rotated back."""
+    total = torch.zeros(-(-numel // config.block_size), config.block_size, device=wire.device)
+    for row in range(wire.shape[0]):
+        if row != skip_row:
+            total += decode_groups(wire[row:row + 1], numel, config.block_size, config.bits)[0]
+    return rotate_blocks(total).view(-1)[:numel]
 
 
 def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: HadamardQuantConfig, group=None,
-                             average: bool = False, async_op: bool = False):
+                             average: bool = False, async_op: bool = False, triton=None):
     """``shard`` = this rank's slice of the sum (mean if ``average``) of ``full`` over ``group``, through
     the Hadamard-quantized all-to-all; this rank's own contribution is added exact. ``full`` [W * n] is
     read until the handle completes. Returns a handle with ``wait()`` if ``async_op``, else None.
@@ -289,14 +305,23 @@ def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: Ha
     sent = the wire this rank hands to the all-to-all."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = full.view(world, -1)
-    send = encode_rows(rows, config)
+    fused = use_triton(full, triton)  # None: the kernels on CUDA tensors (kernels.use_triton)
+    if fused:
+        send = torch.empty(world, groups_nbytes(rows.shape[1], config.block_size, config.bits), dtype=torch.uint8,
+                           device=full.device)
+        sdp4bit_kernels.rotate_quantize_rows(rows, send, config.block_size, config.bits)
+    else:
+        send = encode_rows(rows, config)
     recv = torch.empty_like(send)
     TELEMETRY.record("dp_grad_reduce", full.numel() * full.element_size(), send.numel())
     work = all_to_all_rows(recv, send, group=group, async_op=async_op)
 
     def finish():
+        if fused:  # ``shard`` may be ``rows[rank]``: each value is read before it is written, by one program
+            sdp4bit_kernels.dequantize_sum_rows(recv, rank, rows[rank], shard, config.block_size, config.bits, average)
+            return
         total = decode_sum(recv, rank, rows.shape[1], config) + rows[rank].float()
-        shard.copy_(total / world if average else total)
+        shard.copy_(total / total.new_full((), world) if average else total)  # a tensor divisor: quantize_groups
 
     if async_op:
         return PendingGather(work, finish)

@@ -40,7 +40,7 @@ if triton is not None:
     _BF16_NAN = tl.constexpr(BF16_NAN)
 
     @triton.jit
-    def _fwht(z, ROWS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr):
+    def fwht_rows(z, ROWS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr):
         """Unnormalized Walsh-Hadamard of each row of z [ROWS, G], as ``fwht_reference``: stage k turns the pair
         of values whose indices differ in bit k into (a + b, a - b), a the one with the bit clear. (Pairing
         neighbours and writing sums and differences to i and i + G / 2, the self-sorting form, does the same
@@ -67,11 +67,11 @@ if triton is not None:
         offs, exists = _tile_values(f, H, TILES, G, EVEN)
         x = tl.load(x_ptr + offs, mask=exists & (f < n_tiles)[:, None], other=0.0).to(tl.float32)
         if ROTATE:
-            x = _fwht(x, f.shape[0], G, LOG_G) * scale
+            x = fwht_rows(x, f.shape[0], G, LOG_G) * scale
         return x
 
     @triton.jit
-    def _abs_max(h):
+    def abs_max_rows(h):
         """max |h| per row, NaN if the row holds one (``tl.max`` would skip it, torch's ``amax`` does not)."""
         m = tl.max(tl.abs(h), axis=1)
         return tl.where(tl.max((h != h).to(tl.int32), axis=1) > 0, float("nan"), m)
@@ -81,7 +81,7 @@ if triton is not None:
                             ROWS: tl.constexpr, EVEN: tl.constexpr, ROTATE: tl.constexpr):
         f = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         h = _rotated_tiles(x_ptr, f, n_tiles, H, TILES, scale, G, LOG_G, EVEN, ROTATE)
-        tl.store(amax_ptr + f, _abs_max(h), mask=f < n_tiles)
+        tl.store(amax_ptr + f, abs_max_rows(h), mask=f < n_tiles)
 
     @triton.jit
     def _round_up_bf16(s):
@@ -171,7 +171,7 @@ if triton is not None:
         qmax = tl.where(high, 127.0, QMAX_LOW)
         h = (codes.to(tl.float32) - qmax[:, None]) * s[:, None]
         if ROTATE:
-            h = _fwht(h, ROWS, G, LOG_G) * scale
+            h = fwht_rows(h, ROWS, G, LOG_G) * scale
         offs, exists = _tile_values(f, H, TILES, G, EVEN)
         tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=exists & live[:, None])
 

@@ -17,13 +17,16 @@ the uncompressed run within bounds justified at DRIVER_LOSS_TOL.
 
 import hashlib
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from dist_utils import launch_training, run_on_ranks
 
 from compression.sdp4bit import (
-    HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, decode_groups, decode_sum, encode_groups,
+    SCALE_BYTES, HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, decode_groups, decode_sum, encode_groups,
     encode_rows, groups_nbytes, pack_codes, qmax, quantize_groups, rotate_blocks, unpack_codes,
 )
 
@@ -180,6 +183,151 @@ def test_hadamard_beats_no_rotation_on_outliers():
     assert error_rotated < 0.5 * error_plain, (float(error_rotated), float(error_plain))
 
 
+# --- the Triton kernels against the reference ---------------------------------------------------
+
+# (bits, group or block size, values per shard): odd sizes, the smallest and largest groups, both code widths.
+KERNEL_CASES = [(4, 128, 6 * 128 + 37), (8, 16, 6 * 16 + 5), (4, 16, 7 * 16), (8, 256, 6 * 256 + 255),
+                (4, 4096, 6 * 4096 + 1)]
+
+
+def _weight_pair(n, group_size, dtype, seed):
+    """(previous reconstruction, new values) of one shard: Adam-sized moves of N(0, 0.02) weights, and groups
+    that test the edges: unchanged (scale 1), a NaN, an Inf, a signed zero, a difference that overflows fp32,
+    bf16 subnormals whose fp32 difference is subnormal (its scale underflows to 0 or stays subnormal)."""
+    g = torch.Generator().manual_seed(seed)
+    previous = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    new = (previous.float() + torch.randn(n, generator=g) * 1e-3 * torch.rand(n, generator=g)).to(dtype)
+    G = group_size
+    new[:G] = previous[:G]
+    new[G + 3] = float("nan")
+    new[2 * G + 1] = float("-inf")
+    previous[3 * G], new[3 * G] = -0.0, 0.0
+    if dtype == torch.bfloat16:  # fp16 has neither the range nor fp32's subnormals
+        previous[4 * G], new[4 * G] = 3e38, -3e38
+        tiny = torch.arange(G, dtype=torch.int16).to(torch.int32) % 13  # 0..12 ulps of the smallest subnormal
+        previous[5 * G:6 * G] = tiny.to(torch.int16).view(torch.bfloat16)
+        new[5 * G:6 * G] = (tiny + 3).to(torch.int16).view(torch.bfloat16)
+    return previous, new
+
+
+def _same_bits(a, b):
+    """Equal bits, or NaN in the same places (the bits of a NaN are the device's)."""
+    nan = a.float().isnan()
+    return torch.equal(nan, b.float().isnan()) and torch.equal(a[~nan].view(torch.uint8), b[~nan].view(torch.uint8))
+
+
+def _payload_differences(got, want, numel, group_size, bits) -> list:
+    """Where two wires (rows of codes, then fp32 scales; uint8 [R, nbytes]) differ: [(row, group, code bytes equal,
+    scale, wanted scale)]; [] if equal but for the bits of NaN scales."""
+    n_groups = -(-numel // group_size)
+    codes_nbytes = n_groups * group_size * bits // 8
+    got, want = (w.cpu().reshape(-1, codes_nbytes + n_groups * SCALE_BYTES) for w in (got, want))
+    rows = []
+    for row in range(got.shape[0]):
+        codes = (got[row, :codes_nbytes] != want[row, :codes_nbytes]).view(n_groups, -1).any(dim=1)
+        scale, wanted = (w[row, codes_nbytes:].contiguous().view(torch.float32) for w in (got, want))
+        scales = ~((scale.view(torch.int32) == wanted.view(torch.int32)) | (scale.isnan() & wanted.isnan()))
+        rows += [(row, g, not bool(codes[g]), float(scale[g]), float(wanted[g]))
+                 for g in (codes | scales).nonzero().flatten().tolist()[:4]]
+    return rows
+
+
+def _check_kernels_match_reference(device="cpu", dtypes=(torch.float16,), grad_dtypes=(torch.float32,)):
+    """The kernels (Triton, or its interpreter on CPU) write the reference's payload and wire bytes, and decode to
+    its bits. The interpreter does not convert bfloat16 exactly (its casts to it truncate, and it reads bf16
+    subnormals wrong), so there it checks fp16 weights and fp32 gradients; the GPU checks every dtype."""
+    from kernels import sdp4bit as sdp4bit_kernels
+
+    failures = []  # all of them, so that one GPU run shows every difference
+    for case, (bits, G, n) in enumerate(KERNEL_CASES):
+        config = Sdp4bitConfig(group_size=G, weight_bits=bits)
+        for dtype in dtypes:
+            previous, new = _weight_pair(n, G, dtype, seed=case)
+            reference = WeightDiffCodec(config, 2, 0, triton=False)
+            reference.encode(previous.clone())  # keyframe: the reconstruction is ``previous``
+            want = reference.encode(new.clone())
+            fused_previous = previous.clone().to(device)
+            payload = torch.empty(want.numel(), dtype=torch.uint8, device=device)
+            sdp4bit_kernels.encode_weight_diff(new.to(device), fused_previous, payload, G, bits)
+            differences = _payload_differences(payload, want, n, G, bits)
+            if differences:
+                failures.append(("weight payload", case, dtype, differences))
+            if not _same_bits(fused_previous.cpu(), reference._reconstructed):
+                failures.append(("owner's reconstruction", case, dtype))
+            received = previous.clone().to(device)  # a receiver applies the payload to the same w_hat_{t-1}
+            sdp4bit_kernels.apply_weight_diff(want.to(device), received, G, bits)
+            if not _same_bits(received.cpu(), reference._reconstructed):
+                failures.append(("receiver's reconstruction", case, dtype))
+        hadamard = HadamardQuantConfig(bits=bits, block_size=G)
+        for world in (1, 2, 3):
+            for grad_dtype in grad_dtypes:
+                rows = _heavy_tailed((world, n), seed=case).to(grad_dtype)
+                rows[0, 5], rows[-1, n - 1] = float("nan"), -0.0
+                wire = encode_rows(rows, hadamard)
+                got = torch.empty_like(wire, device=device)
+                sdp4bit_kernels.rotate_quantize_rows(rows.to(device), got, G, bits)
+                differences = _payload_differences(got, wire, n, G, bits)
+                if differences:
+                    failures.append(("gradient wire", case, world, grad_dtype, differences))
+                for average in (False, True):
+                    rank = world - 1
+                    total = decode_sum(wire, rank, n, hadamard) + rows[rank].float()
+                    want = (total / world if average else total).to(grad_dtype)
+                    own = rows[rank].clone().to(device)
+                    sdp4bit_kernels.dequantize_sum_rows(wire.to(device), rank, own, own, G, bits, average)  # in place
+                    if not _same_bits(own.cpu(), want):
+                        bad = (own.cpu().view(torch.uint8) != want.view(torch.uint8)).nonzero().flatten()[:4].tolist()
+                        failures.append(("gradient sum", case, world, grad_dtype, average, bad))
+    assert not failures, failures
+
+
+def test_kernels_match_reference_interpreted():
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+    code = ("import test_sdp4bit, dist_utils; test_sdp4bit._check_kernels_match_reference(); "
+            "assert dist_utils.run_on_ranks(test_sdp4bit._fused_collective_checks, 2) == [True, True]")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_kernels_match_reference_cuda():
+    _check_kernels_match_reference("cuda", dtypes=(torch.bfloat16, torch.float16),
+                                   grad_dtypes=(torch.float32, torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_weight_diff_codec_on_cuda_follows_cpu():
+    """The codec on CUDA (the kernels, and the PyTorch path there) over several steps, keyframe and reset included:
+    every payload and every replica's bits equal the CPU codec's (the reference)."""
+    world, shard, config = 2, 3000, Sdp4bitConfig()
+    main = _heavy_tailed((world * shard,), seed=3, scale=0.02).double()
+    runs = {}
+    for device, triton in (("cpu", None), ("cuda", None), ("cuda", False)):
+        codecs = [WeightDiffCodec(config, world, r, triton=triton) for r in range(world)]
+        buffers = [main.to(torch.bfloat16).to(device) for _ in range(world)]
+        payloads, moving = [], main.clone()
+        for step in range(5):
+            if step == 3:
+                for codec in codecs:
+                    codec.reset()
+            if step:
+                moving += _heavy_tailed(main.shape, seed=20 + step, scale=1e-4).double()
+            for r in range(world):
+                buffers[r].view(world, -1)[r].copy_(moving.view(world, -1)[r].to(torch.bfloat16))
+            payloads.append([codecs[r].encode(buffers[r].view(world, -1)[r]).cpu() for r in range(world)])
+            for r in range(world):
+                for src in range(world):
+                    codecs[r].decode(src, payloads[-1][src].to(device), buffers[r].view(world, -1)[src])
+        runs[device, triton] = payloads, [b.cpu() for b in buffers]
+    want_payloads, want_buffers = runs.pop(("cpu", None))
+    for run, (payloads, buffers) in runs.items():
+        assert all(torch.equal(a, b) for want_step, step in zip(want_payloads, payloads)
+                   for a, b in zip(want_step, step)), run
+        assert all(torch.equal(b.view(torch.int16), want_buffers[0].view(torch.int16)) for b in buffers), run
+
+
 # --- flags -------------------------------------------------------------------------------------
 
 
@@ -273,6 +421,41 @@ def _collective_checks(rank):
         shards[name] = shard.clone()
     assert torch.equal(shards["sum"], expected) and torch.equal(shards["async"], expected)
     assert torch.equal(shards["avg"], expected / 2)
+
+
+def _fused_collective_checks():
+    """Under TRITON_INTERPRET=1: the gather and the reduce-scatter over gloo with the kernels give the PyTorch path's
+    bits (sync, async, SUM and AVG; bf16 weights' payloads, fp16 weights' values: the interpreter's bf16 casts
+    truncate)."""
+    from compression.sdp4bit import WeightDiffGather, quantized_reduce_scatter
+
+    rank = torch.distributed.get_rank()
+    config = HadamardQuantConfig(bits=4, block_size=64)
+    full = _heavy_tailed((2 * 300,), seed=7 + rank)
+    for average, async_op in ((False, False), (False, True), (True, False)):
+        shards = []
+        for triton in (False, True):
+            grads = full.clone()
+            handle = quantized_reduce_scatter(grads.view(2, -1)[rank], grads, config, average=average,
+                                              async_op=async_op, triton=triton)
+            if handle is not None:
+                handle.wait()
+            shards.append(grads.view(2, -1)[rank].clone())
+        assert torch.equal(shards[0], shards[1]), (average, async_op)
+    main = _heavy_tailed((2 * 1000,), seed=1, scale=0.02).double()
+    buffers = {}
+    for triton in (False, True):
+        gather = WeightDiffGather(WeightDiffCodec(Sdp4bitConfig(), 2, rank, triton=triton))
+        buffer, moving = main.to(torch.float16), main.clone()
+        for step in range(3):
+            moving += _heavy_tailed(main.shape, seed=10 + step, scale=1e-4).double()
+            buffer.view(2, -1)[rank].copy_(moving.view(2, -1)[rank].to(torch.float16))
+            handle = gather.start(buffer, async_op=step == 2)
+            if handle is not None:
+                handle.wait()
+        buffers[triton] = buffer
+    assert torch.equal(buffers[False].view(torch.int16), buffers[True].view(torch.int16))
+    return True
 
 
 def _dp_world():

@@ -1,0 +1,202 @@
+"""SDP4Bit kernels (``compression/sdp4bit.py`` owns the codecs, their wire format and the PyTorch reference).
+
+One pass over the data each, a program a [ROWS, G] slab of whole groups (G values each, ROWS = TILE_VALUES / G,
+at least 1):
+
+- ``encode_weight_diff``: the difference of a shard's new 16-bit values and the owner's last reconstruction,
+  its group scales and codes into the payload (codes, then fp32 scales), and the new reconstruction written
+  over the old one in place;
+- ``apply_weight_diff``: a received payload's codes times scales added to the receiver's 16-bit values in
+  place (the same fp32 product, sum and cast as the owner's);
+- ``rotate_quantize_rows``: each row of a gradient bucket [W, n] rotated block-wise (normalized Walsh-Hadamard)
+  and quantized into its wire row;
+- ``dequantize_sum_rows``: the wire rows of every other rank dequantized and summed in rank order, rotated back,
+  plus this rank's own row exactly, averaged if asked, into its shard.
+
+Bit-identical to the reference (``tests/test_sdp4bit.py`` compares payload bytes and decoded bits, on CPU under
+Triton's interpreter and on the GPU, NaN positions for NaN): every fp32 operation is the reference's, in its
+order, rounded on its own (compiled without multiply-add fusion), the divisions IEEE-rounded (``div_rn``, with
+libdevice's flush of subnormals off), rounding to nearest even by adding and subtracting 1.5 * 2**23 (exact
+below 2**22; the codes' quotients are at most about qmax), and the rotation ``fwht_rows``, the reference's
+stages in the reference's order.
+"""
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference runs everywhere
+    triton = None
+
+TILE_VALUES = 2048  # values per program: ROWS = TILE_VALUES / G groups (4096 and 8192 were slower, session 37)
+NUM_WARPS = 4
+
+
+if triton is not None:
+    from kernels.tahquant import abs_max_rows, fwht_rows
+
+    @triton.jit
+    def _quantize(x, QMAX: tl.constexpr):
+        """Scales [ROWS] and float codes [ROWS, G] of each row of x: s = amax / qmax (1 for an all-zero row),
+        q = clamp(round-half-even(x / s)); a NaN quotient is code 0, as the reference's int8 cast makes it."""
+        s = tl.math.div_rn(abs_max_rows(x), QMAX)
+        s = tl.where(s == 0.0, 1.0, s)
+        q = (tl.math.div_rn(x, s[:, None]) + 12582912.0) - 12582912.0
+        q = tl.where(q == q, q, 0.0)
+        return s, tl.minimum(tl.maximum(q, -QMAX), QMAX)
+
+    @triton.jit
+    def _store_codes(codes_ptr, scales_ptr, g, live, s, q, BITS: tl.constexpr, G: tl.constexpr,
+                     ROWS: tl.constexpr):
+        """Codes of groups ``g`` at ``codes_ptr`` (int8 bytes, or offset-binary nibbles, low nibble first) and
+        their scales at ``scales_ptr`` (fp32)."""
+        codes = q.to(tl.int32)
+        if BITS == 8:
+            at = g.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+            tl.store(codes_ptr + at, codes.to(tl.int8), mask=live[:, None])
+        else:
+            lo, hi = tl.split(tl.reshape(codes + 8, (ROWS, G // 2, 2)))
+            at = g.to(tl.int64)[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
+            tl.store(codes_ptr + at, (lo | (hi << 4)).to(tl.uint8), mask=live[:, None])
+        tl.store(scales_ptr + g, s, mask=live)
+
+    @triton.jit
+    def _load_dequantized(codes_ptr, scales_ptr, g, live, BITS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr):
+        """codes times scale [ROWS, G] (fp32) of groups ``g``, as ``_store_codes`` wrote them."""
+        if BITS == 8:
+            at = g.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+            codes = tl.load(codes_ptr.to(tl.pointer_type(tl.int8)) + at, mask=live[:, None], other=0).to(tl.int32)
+        else:
+            at = g.to(tl.int64)[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
+            byte = tl.load(codes_ptr + at, mask=live[:, None], other=0).to(tl.int32)
+            codes = tl.reshape(tl.join(byte & 15, byte >> 4), (ROWS, G)) - 8
+        s = tl.load(scales_ptr + g, mask=live, other=0.0)
+        return codes.to(tl.float32) * s[:, None]
+
+    @triton.jit
+    def _encode_weight_diff_kernel(new_ptr, prev_ptr, payload_ptr, n, n_groups, scales_at,
+                                   QMAX: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr):
+        g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = g < n_groups
+        offs = g.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+        values = offs < n
+        previous = tl.load(prev_ptr + offs, mask=values, other=0.0).to(tl.float32)
+        difference = tl.load(new_ptr + offs, mask=values, other=0.0).to(tl.float32) - previous
+        s, q = _quantize(difference, QMAX)
+        _store_codes(payload_ptr, payload_ptr.to(tl.pointer_type(tl.float32)) + scales_at, g, live, s, q,
+                     BITS, G, ROWS)
+        w_hat = previous + q * s[:, None]
+        tl.store(prev_ptr + offs, w_hat.to(prev_ptr.dtype.element_ty), mask=values)
+
+    @triton.jit
+    def _apply_weight_diff_kernel(payload_ptr, out_ptr, n, n_groups, scales_at,
+                                  BITS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr):
+        g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = g < n_groups
+        offs = g.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+        values = offs < n
+        difference = _load_dequantized(payload_ptr, payload_ptr.to(tl.pointer_type(tl.float32)) + scales_at, g,
+                                       live, BITS, G, ROWS)
+        previous = tl.load(out_ptr + offs, mask=values, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, (previous + difference).to(out_ptr.dtype.element_ty), mask=values)
+
+    @triton.jit
+    def _rotate_quantize_kernel(x_ptr, wire_ptr, n, n_blocks, row_nbytes, scales_at, norm,
+                                QMAX: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr,
+                                ROWS: tl.constexpr):
+        row = tl.program_id(1)
+        g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = g < n_blocks
+        offs = g.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :]
+        x = tl.load(x_ptr + row.to(tl.int64) * n + offs, mask=offs < n, other=0.0).to(tl.float32)
+        s, q = _quantize(fwht_rows(x, ROWS, B, LOG_B) * norm, QMAX)
+        codes_ptr = wire_ptr + row.to(tl.int64) * row_nbytes
+        _store_codes(codes_ptr, codes_ptr.to(tl.pointer_type(tl.float32)) + scales_at, g, live, s, q, BITS, B, ROWS)
+
+    @triton.jit
+    def _dequantize_sum_kernel(wire_ptr, own_ptr, out_ptr, n, n_blocks, row_nbytes, scales_at, skip, norm, world,
+                               W: tl.constexpr, AVERAGE: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr,
+                               LOG_B: tl.constexpr, ROWS: tl.constexpr):
+        g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = g < n_blocks
+        total = tl.zeros((ROWS, B), dtype=tl.float32)
+        for row in tl.static_range(W):
+            if row != skip:
+                codes_ptr = wire_ptr + row * row_nbytes
+                total += _load_dequantized(codes_ptr, codes_ptr.to(tl.pointer_type(tl.float32)) + scales_at, g,
+                                           live, BITS, B, ROWS)
+        offs = g.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :]
+        values = offs < n
+        total = fwht_rows(total, ROWS, B, LOG_B) * norm
+        total += tl.load(own_ptr + offs, mask=values, other=0.0).to(tl.float32)
+        if AVERAGE:
+            total = tl.math.div_rn(total, world)
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=values)
+
+
+def _launch(group_size: int) -> tuple:
+    """Groups per program and the compile options every kernel takes."""
+    rows = max(1, TILE_VALUES // group_size)
+    return rows, dict(ROWS=rows, num_warps=NUM_WARPS, enable_fp_fusion=False, enable_reflect_ftz=False)
+
+
+def _qmax(bits: int) -> float:
+    return float(2 ** (bits - 1) - 1)
+
+
+def _norm(block_size: int) -> float:
+    """1 / sqrt(B) rounded to fp32 once, as the reference's product with the Python float."""
+    return float(torch.tensor(1.0 / math.sqrt(block_size), dtype=torch.float32))
+
+
+def _scales_at(n_groups: int, group_size: int, bits: int) -> int:
+    """Index (in fp32 words) of the first scale after the codes: the codes take a multiple of 8 bytes."""
+    return n_groups * group_size * bits // 8 // 4
+
+
+def encode_weight_diff(shard: torch.Tensor, previous: torch.Tensor, payload: torch.Tensor, group_size: int,
+                       bits: int) -> None:
+    """Codes and scales of ``shard - previous`` into ``payload`` (uint8), and ``previous`` (the owner's
+    reconstruction, 16-bit like ``shard``) replaced by the new one."""
+    n = shard.numel()
+    n_groups = -(-n // group_size)
+    rows, consts = _launch(group_size)
+    _encode_weight_diff_kernel[(triton.cdiv(n_groups, rows),)](
+        shard, previous, payload, n, n_groups, _scales_at(n_groups, group_size, bits),
+        QMAX=_qmax(bits), BITS=bits, G=group_size, **consts)
+
+
+def apply_weight_diff(payload: torch.Tensor, out: torch.Tensor, group_size: int, bits: int) -> None:
+    """``out`` (16-bit) += the payload's dequantized difference, in fp32, cast back."""
+    n = out.numel()
+    n_groups = -(-n // group_size)
+    rows, consts = _launch(group_size)
+    _apply_weight_diff_kernel[(triton.cdiv(n_groups, rows),)](
+        payload, out, n, n_groups, _scales_at(n_groups, group_size, bits), BITS=bits, G=group_size, **consts)
+
+
+def rotate_quantize_rows(rows: torch.Tensor, wire: torch.Tensor, block_size: int, bits: int) -> None:
+    """Each row of ``rows`` [W, n] (contiguous) rotated and quantized into its row of ``wire`` [W, row_nbytes]."""
+    world, n = rows.shape
+    n_blocks = -(-n // block_size)
+    per_program, consts = _launch(block_size)
+    _rotate_quantize_kernel[(triton.cdiv(n_blocks, per_program), world)](
+        rows, wire, n, n_blocks, wire.shape[1], _scales_at(n_blocks, block_size, bits), _norm(block_size),
+        QMAX=_qmax(bits), BITS=bits, B=block_size, LOG_B=int(math.log2(block_size)), **consts)
+
+
+def dequantize_sum_rows(wire: torch.Tensor, skip_row: int, own: torch.Tensor, out: torch.Tensor, block_size: int,
+                        bits: int, average: bool) -> None:
+    """``out`` = (the sum of every wire row but ``skip_row``, dequantized in row order and rotated back, plus
+    ``own``), divided by the number of rows if ``average``. ``out`` may be ``own``."""
+    world = wire.shape[0]
+    n = own.numel()
+    n_blocks = -(-n // block_size)
+    per_program, consts = _launch(block_size)
+    _dequantize_sum_kernel[(triton.cdiv(n_blocks, per_program),)](
+        wire, own, out, n, n_blocks, wire.shape[1], _scales_at(n_blocks, block_size, bits), skip_row,
+        _norm(block_size), float(world), W=world, AVERAGE=average, BITS=bits, B=block_size,
+        LOG_B=int(math.log2(block_size)), **consts)
