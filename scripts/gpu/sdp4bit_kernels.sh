@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# SDP4Bit's fused Triton kernels on one GPU: the GPU tests (kernels vs the CPU reference, bit for bit), the kernels'
-# throughput against the PyTorch path and a bf16 copy (benchmarks/bench_sdp4bit_kernels.py: 4-bit weight
-# differences with int8 bf16 gradients, with LAUNCHES of other program sizes, then 8-bit weight differences with int4
-# fp32 gradients), and two DP=2 GPT-125M trainings on the kernels (both ranks on the one GPU over gloo, every
-# gather's replicas checked): the weight differences alone with session 34 call 9's flags and WEIGHT_ITERS (150; 0:
-# none) iterations (its run took the PyTorch path), then GRAD_ITERS (40) iterations with int8 gradients too.
+# SDP4Bit's fused Triton kernels on one GPU: the GPU tests (TESTS, default SDP4Bit's and TahQuant's: kernels vs the
+# CPU reference, bit for bit), the kernels' throughput against the PyTorch path and a bf16 copy
+# (benchmarks/bench_sdp4bit_kernels.py: 4-bit weight differences with int8 bf16 gradients, with LAUNCHES of other
+# program sizes, then 8-bit weight differences with int4 fp32 gradients), and two DP=2 GPT-125M trainings on the
+# kernels (both ranks on the one GPU over gloo, every gather's replicas checked): the weight differences alone with
+# session 34 call 9's flags and WEIGHT_ITERS (150; 0: none) iterations (its run took the PyTorch path), then
+# GRAD_ITERS (40) iterations with int8 gradients too.
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
-timeout 240 python3 -m pytest -q --tb=line -p no:cacheprovider -m gpu tests/test_sdp4bit.py tests/test_pp_quant.py \
+timeout 300 python3 -m pytest -q --tb=line -p no:cacheprovider -m gpu ${TESTS:-tests/test_sdp4bit.py tests/test_pp_quant.py} \
   2>&1 | grep -v -i warn | tail -6
 timeout 200 python3 benchmarks/bench_sdp4bit_kernels.py --launches ${LAUNCHES:-2048x4,8192x8,4096x4,16384x16} \
   --out $RES/sdp4bit_kernels_w4_g8bf16.json
