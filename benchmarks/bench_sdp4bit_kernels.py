@@ -122,16 +122,16 @@ def main():
     p.add_argument("--grad-block-size", type=int, default=128)
     p.add_argument("--grad-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--launches", default="", help="comma list of VALUESxWARPS (values and warps per program) to "
-                   "time the fused kernels with, after the default launch")
+                   "time the fused kernels with (all four), after the default launches (kernels.sdp4bit.LAUNCH)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     results = dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                   launch=f"{kernels.TILE_VALUES}x{kernels.NUM_WARPS}",
+                   launch=" ".join(f"{part} {values}x{warps}" for part, (values, warps) in kernels.LAUNCH.items()),
                    weight_diffs=weight_diffs(args), gradients=gradients(args), launches=[])
     report(results, ("reference", "fused"))
     for launch in filter(None, args.launches.split(",")):
-        kernels.TILE_VALUES, kernels.NUM_WARPS = map(int, launch.split("x"))
+        kernels.LAUNCH = dict.fromkeys(kernels.LAUNCH, tuple(map(int, launch.split("x"))))
         results["launches"].append(dict(launch=launch, weight_diffs=weight_diffs(args, ("fused",)),
                                         gradients=gradients(args, ("fused",))))
         report(results["launches"][-1], ("fused",))

@@ -1,7 +1,7 @@
 """SDP4Bit kernels (``compression/sdp4bit.py`` owns the codecs, their wire format and the PyTorch reference).
 
-One pass over the data each, a program a [ROWS, G] slab of whole groups (G values each, ROWS = TILE_VALUES / G,
-at least 1):
+One pass over the data each, a program a [ROWS, G] slab of whole groups (G values each, ROWS from ``LAUNCH``, at
+least 1):
 
 - ``encode_weight_diff``: the difference of a shard's new 16-bit values and the owner's last reconstruction,
   its group scales and codes into the payload (codes, then fp32 scales), and the new reconstruction written
@@ -31,8 +31,9 @@ try:
 except ImportError:  # CPU-only installs: the reference runs everywhere
     triton = None
 
-TILE_VALUES = 2048  # values per program: ROWS = TILE_VALUES / G groups (4096 and 8192 were slower, session 37)
-NUM_WARPS = 4
+# (values per program, warps) of the weight-difference and the gradient kernels: ROWS = values / G groups a program.
+# The fastest of 512-16384 values at 1-16 warps on an H200 (session 37, results/gpu/README.md).
+LAUNCH = dict(weights=(1024, 4), gradients=(512, 1))
 
 
 if triton is not None:
@@ -137,10 +138,11 @@ if triton is not None:
         tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=values)
 
 
-def _launch(group_size: int) -> tuple:
+def _launch(group_size: int, part: str) -> tuple:
     """Groups per program and the compile options every kernel takes."""
-    rows = max(1, TILE_VALUES // group_size)
-    return rows, dict(ROWS=rows, num_warps=NUM_WARPS, enable_fp_fusion=False, enable_reflect_ftz=False)
+    values, warps = LAUNCH[part]
+    rows = max(1, values // group_size)
+    return rows, dict(ROWS=rows, num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False)
 
 
 def _qmax(bits: int) -> float:
@@ -163,7 +165,7 @@ def encode_weight_diff(shard: torch.Tensor, previous: torch.Tensor, payload: tor
     reconstruction, 16-bit like ``shard``) replaced by the new one."""
     n = shard.numel()
     n_groups = -(-n // group_size)
-    rows, consts = _launch(group_size)
+    rows, consts = _launch(group_size, "weights")
     _encode_weight_diff_kernel[(triton.cdiv(n_groups, rows),)](
         shard, previous, payload, n, n_groups, _scales_at(n_groups, group_size, bits),
         QMAX=_qmax(bits), BITS=bits, G=group_size, **consts)
@@ -173,7 +175,7 @@ def apply_weight_diff(payload: torch.Tensor, out: torch.Tensor, group_size: int,
     """``out`` (16-bit) += the payload's dequantized difference, in fp32, cast back."""
     n = out.numel()
     n_groups = -(-n // group_size)
-    rows, consts = _launch(group_size)
+    rows, consts = _launch(group_size, "weights")
     _apply_weight_diff_kernel[(triton.cdiv(n_groups, rows),)](
         payload, out, n, n_groups, _scales_at(n_groups, group_size, bits), BITS=bits, G=group_size, **consts)
 
@@ -182,7 +184,7 @@ def rotate_quantize_rows(rows: torch.Tensor, wire: torch.Tensor, block_size: int
     """Each row of ``rows`` [W, n] (contiguous) rotated and quantized into its row of ``wire`` [W, row_nbytes]."""
     world, n = rows.shape
     n_blocks = -(-n // block_size)
-    per_program, consts = _launch(block_size)
+    per_program, consts = _launch(block_size, "gradients")
     _rotate_quantize_kernel[(triton.cdiv(n_blocks, per_program), world)](
         rows, wire, n, n_blocks, wire.shape[1], _scales_at(n_blocks, block_size, bits), _norm(block_size),
         QMAX=_qmax(bits), BITS=bits, B=block_size, LOG_B=int(math.log2(block_size)), **consts)
@@ -195,7 +197,7 @@ def dequantize_sum_rows(wire: torch.Tensor, skip_row: int, own: torch.Tensor, ou
     world = wire.shape[0]
     n = own.numel()
     n_blocks = -(-n // block_size)
-    per_program, consts = _launch(block_size)
+    per_program, consts = _launch(block_size, "gradients")
     _dequantize_sum_kernel[(triton.cdiv(n_blocks, per_program),)](
         wire, own, out, n, n_blocks, wire.shape[1], _scales_at(n_blocks, block_size, bits), skip_row,
         _norm(block_size), float(world), W=world, AVERAGE=average, BITS=bits, B=block_size,
