@@ -161,7 +161,7 @@ class WeightDiffCodec(ShardCodec):
             self._reconstructed = shard.clone()
             return self._reconstructed.view(torch.uint8).clone()
         c = self.config
-        if use_triton(shard, self.triton):
+        if use_triton(shard, self.triton) and shard.is_contiguous():  # (``previous`` is a clone: contiguous)
             payload = torch.empty(groups_nbytes(shard.numel(), c.group_size, c.weight_bits), dtype=torch.uint8,
                                   device=shard.device)
             sdp4bit_kernels.encode_weight_diff(shard, previous, payload, c.group_size, c.weight_bits)
@@ -178,9 +178,9 @@ class WeightDiffCodec(ShardCodec):
             out.view(torch.uint8).copy_(payload)
         elif src_rank == self.rank:  # our slice holds w_t; w_hat_t was built at encode
             out.copy_(self._reconstructed)
-        elif use_triton(out, self.triton) and payload.data_ptr() % SCALE_BYTES == 0:
+        elif use_triton(out, self.triton) and out.is_contiguous() and payload.data_ptr() % SCALE_BYTES == 0:
             sdp4bit_kernels.apply_weight_diff(payload, out, self.config.group_size, self.config.weight_bits)
-        else:  # the reference (the same bits; also for a payload whose scales are not 4-byte aligned)
+        else:  # the reference (the same bits; also for strided values or scales that are not 4-byte aligned)
             out.copy_(self._apply(out, payload))
 
     def _apply(self, previous: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
@@ -305,7 +305,7 @@ def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: Ha
     sent = the wire this rank hands to the all-to-all."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = full.view(world, -1)
-    fused = use_triton(full, triton)  # None: the kernels on CUDA tensors (kernels.use_triton)
+    fused = use_triton(full, triton) and shard.is_contiguous()  # None: the kernels on CUDA (kernels.use_triton)
     if fused:
         send = torch.empty(world, groups_nbytes(rows.shape[1], config.block_size, config.bits), dtype=torch.uint8,
                            device=full.device)
