@@ -31,6 +31,8 @@ try:
 except ImportError:  # CPU-only installs: the reference runs everywhere
     triton = None
 
+from kernels.tahquant import fwht_norm
+
 # (values per program, warps) of the weight-difference and the gradient kernels: ROWS = values / G groups a program.
 # The fastest of 512-16384 values at 1-16 warps on an H200 (session 37, results/gpu/README.md).
 LAUNCH = dict(weights=(1024, 4), gradients=(512, 1))
@@ -126,7 +128,7 @@ if triton is not None:
         total = tl.zeros((ROWS, B), dtype=tl.float32)
         for row in tl.static_range(W):
             if row != skip:
-                codes_ptr = wire_ptr + row * row_nbytes
+                codes_ptr = wire_ptr + row_nbytes.to(tl.int64) * row
                 total += _load_dequantized(codes_ptr, codes_ptr.to(tl.pointer_type(tl.float32)) + scales_at, g,
                                            live, BITS, B, ROWS)
         offs = g.to(tl.int64)[:, None] * B + tl.arange(0, B)[None, :]
@@ -147,11 +149,6 @@ def _launch(group_size: int, part: str) -> tuple:
 
 def _qmax(bits: int) -> float:
     return float(2 ** (bits - 1) - 1)
-
-
-def _norm(block_size: int) -> float:
-    """1 / sqrt(B) rounded to fp32 once, as the reference's product with the Python float."""
-    return float(torch.tensor(1.0 / math.sqrt(block_size), dtype=torch.float32))
 
 
 def _scales_at(n_groups: int, group_size: int, bits: int) -> int:
@@ -186,7 +183,7 @@ def rotate_quantize_rows(rows: torch.Tensor, wire: torch.Tensor, block_size: int
     n_blocks = -(-n // block_size)
     per_program, consts = _launch(block_size, "gradients")
     _rotate_quantize_kernel[(triton.cdiv(n_blocks, per_program), world)](
-        rows, wire, n, n_blocks, wire.shape[1], _scales_at(n_blocks, block_size, bits), _norm(block_size),
+        rows, wire, n, n_blocks, wire.shape[1], _scales_at(n_blocks, block_size, bits), fwht_norm(block_size),
         QMAX=_qmax(bits), BITS=bits, B=block_size, LOG_B=int(math.log2(block_size)), **consts)
 
 
@@ -200,5 +197,5 @@ def dequantize_sum_rows(wire: torch.Tensor, skip_row: int, own: torch.Tensor, ou
     per_program, consts = _launch(block_size, "gradients")
     _dequantize_sum_kernel[(triton.cdiv(n_blocks, per_program),)](
         wire, own, out, n, n_blocks, wire.shape[1], _scales_at(n_blocks, block_size, bits), skip_row,
-        _norm(block_size), float(world), W=world, AVERAGE=average, BITS=bits, B=block_size,
+        fwht_norm(block_size), float(world), W=world, AVERAGE=average, BITS=bits, B=block_size,
         LOG_B=int(math.log2(block_size)), **consts)

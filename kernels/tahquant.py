@@ -197,11 +197,17 @@ if triton is not None:
             tl.store(rank_ptr + t, before + tl.cumsum(high, axis=0) - high, mask=t < tokens)
             before += tl.sum(high, axis=0)
 
+def fwht_norm(size: int) -> float:
+    """The normalization 1 / sqrt(size) of ``fwht_rows``, rounded to fp32 once, as the references' product of an fp32
+    tensor with the Python float."""
+    return float(torch.tensor(1.0 / math.sqrt(size), dtype=torch.float32))
+
+
 def _launch_args(n_tiles: int, hidden: int, tiles: int, tile_size: int, rotate: bool) -> tuple:
     """Grid and the constants every kernel takes: ROWS tiles per program, the normalization as the
     reference's fp32 product (1 / sqrt(G) rounded to fp32 once)."""
     rows = max(1, TILE_VALUES // tile_size)
-    scale = float(torch.tensor(1.0 / math.sqrt(tile_size), dtype=torch.float32))
+    scale = fwht_norm(tile_size)
     consts = dict(G=tile_size, LOG_G=int(math.log2(tile_size)), ROWS=rows, EVEN=hidden % tile_size == 0,
                   ROTATE=rotate, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return (triton.cdiv(n_tiles, rows),), scale, consts
