@@ -13,7 +13,10 @@ buffer (``--megatron-padding``: each bucket padded as megatron-core pads it, so 
 training; the exact split of 62.5M values into 8 buckets is not). Per mode, K and W: ``wall_ms``, the sequence with
 device syncs around it (the host's launches count where they exceed the device's work); ``host_ms``, the host's
 time with the device held busy (``queued_call_seconds``, before and after the size read); ``device_ms``, the device's
-time for the same work without launch gaps. Every gather's result is checked bit for bit. ``--ops`` (CUDA) adds
+time for the same work without launch gaps. ``fused_slots``: the fused buckets' sync-free gather (``ShardGather``
+with a capacity: each payload and its size into a slot of 1.25x the payload, no size read before the transfer, the
+decodes skipping payloads that outgrew their slots on the device, the sizes read once at the end). Every gather's
+result is checked bit for bit. ``--ops`` (CUDA) adds
 each mode's device time per kernel and copy (``ops_us``; what session 32's and 33's ``prof_buckets.py`` printed).
 
     python benchmarks/bench_delta_buckets.py --buckets 1 8 32 --world 2 8 --out results/gpu/delta_buckets.json
@@ -31,11 +34,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
-from compression.codec import Segments, ShardCodec, shard_of  # noqa: E402
+from compression.codec import HostValues, Segments, ShardCodec, shard_of  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
 from compression.timing import call_seconds, device_op_seconds, queued_call_seconds  # noqa: E402
 
-MODES = ("alone", "fused", "fused_one_by_one")
+MODES = ("alone", "fused", "fused_one_by_one", "fused_slots")
+SLOT_FACTOR = 1.25  # fused_slots: slots of this many times the payload (the bytes the next gather would reserve)
 RECEIVER = 1
 
 
@@ -120,14 +124,42 @@ def finish_and_decode(units: list, world: int, starts: list, sizes: list, header
         decode(decoder, target, gathered[:world * stride], stride, [size] * world, [header] * world, RECEIVER)
 
 
+def slots_and_decode(units: list, world: int, starts: list, capacity: int) -> list:
+    """The sync-free gather's codec work (``ShardGather`` with a capacity): each payload and its size into a slot,
+    the stand-in all-gather, ``decode_slots``, and the sizes copied to the host without waiting (``HostValues``)."""
+    landed = []
+    for (codec, _, decoder, target), start in zip(units, starts):
+        width = 16 + -(-capacity // 16) * 16
+        gathered = torch.empty(world * width + codec.read_slack_bytes, dtype=torch.uint8, device=start.header.device)
+        rows = gathered[:world * width].view(world, width)
+        codec.finish_encode_into_slot(start, rows[0, 16:16 + capacity], rows[0, :8].view(torch.int64))
+        rows[1:] = rows[0]
+        sizes = rows[:, :8].view(torch.int64)[:, 0]
+        decoder.decode_slots(target, gathered[16:], width, sizes, capacity, RECEIVER)
+        landed.append(HostValues(sizes))
+    return landed
+
+
 def measure(b: Buckets, mode: str, repeats: int, ops: bool = False) -> dict:
     units, device, payload = b.units(mode), b.storage.device, []
-    one_by_one = mode == "fused_one_by_one"
+    one_by_one, slots = mode == "fused_one_by_one", mode == "fused_slots"
+    capacity = None
+    if slots:  # the slots of a gather whose previous payload was this one
+        b.restore()
+        starts = begin(units)
+        sizes, headers = exchange(starts)
+        capacity = -(-math.ceil(SLOT_FACTOR * max(sizes)) // 4096) * 4096
+        finish_and_decode(units, b.world, starts, sizes, headers, False)
 
     def gather():
         starts = begin(units)
-        sizes, headers = exchange(starts)
-        finish_and_decode(units, b.world, starts, sizes, headers, one_by_one)
+        if slots:
+            sizes = [s for landed in slots_and_decode(units, b.world, starts, capacity) for s in landed.get()[:1]]
+            if max(sizes) > capacity:
+                raise AssertionError(f"a payload of {max(sizes)} bytes outgrew its {capacity}-byte slot")
+        else:
+            sizes, headers = exchange(starts)
+            finish_and_decode(units, b.world, starts, sizes, headers, one_by_one)
         payload[:] = sizes
 
     wall = call_seconds(gather, device, repeats, setup=b.restore, check=b.check)
@@ -136,9 +168,13 @@ def measure(b: Buckets, mode: str, repeats: int, ops: bool = False) -> dict:
         b.restore()
         started = []
         device1, host1 = queued_call_seconds(lambda: started.append(begin(units)), device, 0.02)
-        sizes, headers = exchange(started[0])
-        device2, host2 = queued_call_seconds(
-            lambda: finish_and_decode(units, b.world, started[0], sizes, headers, one_by_one), device, 0.02)
+        if slots:  # no sync in between: one queued call of the rest
+            device2, host2 = queued_call_seconds(lambda: slots_and_decode(units, b.world, started[0], capacity),
+                                                 device, 0.02)
+        else:
+            sizes, headers = exchange(started[0])
+            device2, host2 = queued_call_seconds(
+                lambda: finish_and_decode(units, b.world, started[0], sizes, headers, one_by_one), device, 0.02)
         b.check()
         host, busy = min(host, host1 + host2), min(busy, device1 + device2)
     result = dict(wall_ms=1e3 * min(wall), host_ms=1e3 * host, device_ms=1e3 * busy, payload_bytes=sum(payload),

@@ -50,11 +50,14 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--optimizer-warmup", type=int, default=30, help="AdamW steps before the first gather")
     p.add_argument("--codecs", nargs="+", default=["none", "ciera", "delta", "sdp4bit"],
-                   choices=["none", "ciera", "delta", "sdp4bit"])
+                   choices=["none", "ciera", "delta", "delta-slots", "sdp4bit"],
+                   help="delta-slots: delta's sync-free gather (payloads in slots of --delta-capacity-factor x the "
+                        "last ones, no size exchange before the transfer)")
     p.add_argument("--ciera-block-size", type=int, default=512)
     p.add_argument("--ciera-change-detect", default="compare", choices=["compare", "hash"])
     p.add_argument("--ciera-exponent-coder", default="raw", choices=["raw", "ans"])
     p.add_argument("--delta-block-size", type=int, default=256)
+    p.add_argument("--delta-capacity-factor", type=float, default=1.25, help="slot capacity of delta-slots")
     p.add_argument("--sdp4bit-group-size", type=int, default=128)
     p.add_argument("--sdp4bit-weight-bits", type=int, default=4, choices=[4, 8])
     p.add_argument("--buckets", type=int, default=1,
@@ -182,12 +185,12 @@ def _error_vs_uncompressed(buffer, shard, buckets: int = 1) -> dict:
     return dict(rel_l2_error=float(diff.norm() / reference.float().norm()), max_abs_error=float(diff.abs().max()))
 
 
-def _gather_for(name, codec):
+def _gather_for(name, codec, args):
     if name in LOSSY:
         from compression.sdp4bit import WeightDiffGather
 
         return WeightDiffGather(codec, None)
-    return ShardGather(codec, None)
+    return ShardGather(codec, None, capacity_factor=args.delta_capacity_factor if name == "delta-slots" else 0.0)
 
 
 def run_codec(name, args, world, rank, device):
@@ -199,7 +202,8 @@ def run_codec(name, args, world, rank, device):
     own = [b[rank * m:(rank + 1) * m] for b in buffers]
     for b, o, values in zip(buffers, own, traj.bf16().split(m)):  # identical start on every rank
         _gather_uncompressed(b, values)
-    gathers = None if name == "none" else [_gather_for(name, build_codec(name, args, world, rank)) for _ in range(k)]
+    gathers = None if name == "none" else [_gather_for(name, build_codec(name, args, world, rank), args)
+                                           for _ in range(k)]
     fusions = GatherFusions() if args.fuse_buckets else None
     steps = []
     for step in range(args.steps):
@@ -292,11 +296,11 @@ def summarize(name, steps, throughput, baseline_gather_s):
 
 
 def print_table(results):
-    print(f"{'codec':<8}{'wire ratio':>12}{'keyframe':>10}{'gather ms':>11}{'vs none':>9}"
+    print(f"{'codec':<11}{'wire ratio':>12}{'keyframe':>10}{'gather ms':>11}{'vs none':>9}"
           f"{'enc GB/s':>10}{'dec GB/s':>10}{'copy GB/s':>11}{'unchanged':>11}")
     for r in results:
         speed = f"{r['gather_speedup_vs_none']:.2f}x" if r["gather_speedup_vs_none"] else "-"
-        print(f"{r['codec']:<8}{r['wire_ratio']:>11.2f}x{r['keyframe_ratio']:>9.2f}x"
+        print(f"{r['codec']:<11}{r['wire_ratio']:>11.2f}x{r['keyframe_ratio']:>9.2f}x"
               f"{r['gather_ms']:>11.2f}{speed:>9}"
               f"{r.get('encode_GBps', 0):>10.1f}{r.get('decode_GBps', 0):>10.1f}{r.get('copy_GBps', 0):>11.1f}"
               f"{r['unchanged_fraction']:>11.1%}")

@@ -65,7 +65,10 @@ PARAM_GATHER_ABLATION = {
     "ciera_reuse_selection": ["--param-gather-compression", "ciera"],
     "ciera_reuse_selection_overlap": ["--param-gather-compression", "ciera", "--overlap-param-gather"],
     "baseline_overlap": ["--overlap-param-gather"],
-    "delta": ["--param-gather-compression", "delta"]}
+    "delta": ["--param-gather-compression", "delta"],
+    # every bucket compressed, in sync-free slots (no size exchange before the transfer)
+    "delta_all_slots": ["--param-gather-compression", "delta", "--param-gather-selection", "all",
+                        "--delta-capacity-factor", "1.25"]}
 
 
 def tp_suite(tp, sequence_parallel=False):

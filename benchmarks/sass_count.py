@@ -124,9 +124,9 @@ KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per pro
         delta._max_registers("encode", B)),
     "delta decode": (delta._decode_kernel, _sig(
         "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at "
-        "groups_at regions_at src_base skip_rank n_blocks",
-        dict(out_ptr="*i16", payload_ptr="*u8", **_TABLE)),
-        dict(delta._launch_shape("decode", B), WORDS=True, **_PLAIN), delta._num_warps(B), B,
+        "groups_at regions_at src_base skip_rank n_blocks sizes_ptr sizes_stride capacity",
+        dict(out_ptr="*i16", payload_ptr="*u8", sizes_ptr="*i64", capacity="i64", **_TABLE)),
+        dict(delta._launch_shape("decode", B), WORDS=True, SLOT=False, **_PLAIN), delta._num_warps(B), B,
         delta._max_registers("decode", B)),
     # TACO INT8 encode and decode at their launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual
     "TACO encode, INT8": (taco._taco_encode_kernel, TACO_ENCODE_SIGNATURE,

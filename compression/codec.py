@@ -183,6 +183,31 @@ class ShardCodec(ABC):
             if src != skip:
                 self.decode(src, gathered[src * stride:src * stride + size], shard_of(target, src, len(sizes)), header)
 
+    def sync_free(self, start: EncodeStart) -> bool:
+        """Whether this encode may go out in a slot of a fixed capacity before the host knows its size
+        (``ShardGather``'s sync-free gather): every rank must answer alike (no keyframes). Not by default."""
+        return False
+
+    def finish_encode_into_slot(self, start: EncodeStart, slot: torch.Tensor, size: torch.Tensor) -> None:
+        """Write the payload's size into ``size`` (int64 [1]) and, if it fits, the payload into ``slot`` (uint8 of
+        the capacity); a payload larger than the slot writes only its size. The default reads the size on the host."""
+        nbytes = int(start.nbytes)
+        size.fill_(nbytes)
+        if nbytes <= slot.numel():
+            self.finish_encode(start, slot[:nbytes])
+
+    def encode_stats(self, start: EncodeStart) -> None:
+        """Fill ``last_stats`` of an encode finished into a slot, once its size has reached the host."""
+
+    def decode_slots(self, target, gathered: torch.Tensor, stride: int, sizes: torch.Tensor, capacity: int,
+                     skip: int) -> None:
+        """``decode_gathered`` of slots: rank r's payload at ``r * stride`` of ``gathered``, its size ``sizes[r]``
+        (int64 on ``gathered``'s device); payloads larger than ``capacity`` were not sent and are not decoded. The
+        default reads the sizes on the host (a sync) and decodes one by one."""
+        for src, size in enumerate(sizes.cpu().tolist()):
+            if src != skip and size <= capacity:
+                self.decode(src, gathered[src * stride:src * stride + size], shard_of(target, src, len(sizes)))
+
     def can_fuse(self, numel: int) -> bool:
         """Whether this codec, coding a ``numel``-value shard, can now join others of its class coded as one shard
         (``fused``; compression/shard_gather.py's GatherFusions). Not by default."""

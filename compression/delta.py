@@ -338,9 +338,35 @@ class DeltaCodec(ShardCodec):
             raise ValueError(f"finish_encode needs a buffer of the payload's {size} bytes, got {out.numel()}")
         kernels.gather_records(c.blocks, out, self._header_bytes(c.fp16_flag, c.numel, n_changed), layout.groups,
                                layout.regions, b)
+        self._release_records(c)
+        self._record(size, c.numel, n_changed, n_values, False)
+
+    def sync_free(self, start: EncodeStart) -> bool:
+        """Every delta payload (not a keyframe: its size is the raw shard's)."""
+        if isinstance(start.state, _CodedBlocks):
+            return True
+        return not self.last_stats.get("keyframe", True)  # the whole encode ran in begin_encode
+
+    def finish_encode_into_slot(self, start: EncodeStart, slot: torch.Tensor, size: torch.Tensor) -> None:
+        """On the Triton path the size and payload go from the device into the slot, the header with the n_changed
+        ``begin_encode`` left there: nothing waits for the host."""
+        if not isinstance(start.state, _CodedBlocks):
+            return super().finish_encode_into_slot(start, slot, size)
+        c = start.state
+        layout = _Layout.of(c.numel, self.config.block_size)
+        size.copy_(start.nbytes.reshape(1))
+        kernels.gather_records(c.blocks, slot, start.header, layout.groups, layout.regions, self.config.block_size,
+                               capacity=slot.numel())
+        self._release_records(c)
+
+    def encode_stats(self, start: EncodeStart) -> None:
+        if isinstance(start.state, _CodedBlocks):
+            n_changed, n_values, _, size = start.state.totals.get()
+            self._record(size, start.state.numel, n_changed, n_values, False)
+
+    def _release_records(self, c: "_CodedBlocks") -> None:
         if self._blocks is c.blocks:  # the records go back to the allocator (stream-ordered after the gather)
             self._blocks = replace(c.blocks, records=None)
-        self._record(out, c.numel, n_changed, n_values, False)
 
     def _keyframe_due(self, numel: int, device) -> bool:
         return self._prev is None or self._prev.numel() != numel or self._prev.device != device
@@ -354,7 +380,7 @@ class DeltaCodec(ShardCodec):
     def _keyframe(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
         payload = self._header(FLAG_KEYFRAME | fp16_flag, bits.numel(), 0, bits.device)
         payload = torch.cat([payload, bits.view(torch.uint8)])
-        self._record(payload, bits.numel(), -(-bits.numel() // self.config.block_size), bits.numel(), True)
+        self._record(payload.numel(), bits.numel(), -(-bits.numel() // self.config.block_size), bits.numel(), True)
         return payload
 
     def _encode_delta(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
@@ -380,7 +406,7 @@ class DeltaCodec(ShardCodec):
         pack_records_reference(a, changed, records_at + offsets[changed], regions)  # rewrites every region byte
         regions[torch.stack([offset_at, offset_at + 1], 1).view(-1)] = _little_endian(offsets[changed], 2)
         regions[exc_width_at] = a.exc_widths[changed]
-        self._record(payload, bits.numel(), changed.numel(), n_values, False)
+        self._record(payload.numel(), bits.numel(), changed.numel(), n_values, False)
         return payload
 
     def _header_bytes(self, flags: int, numel: int, n_changed: int) -> bytes:
@@ -397,10 +423,10 @@ class DeltaCodec(ShardCodec):
             self._header_cache = (key, self._header(fp16_flag, numel, 0, device))
         return self._header_cache[1]
 
-    def _record(self, payload, numel, blocks_changed, values_changed, keyframe) -> None:
+    def _record(self, payload_bytes, numel, blocks_changed, values_changed, keyframe) -> None:
         self.last_stats = dict(
             keyframe=keyframe, blocks_total=-(-numel // self.config.block_size), blocks_changed=blocks_changed,
-            values_changed=values_changed, raw_bytes=2 * numel, payload_bytes=payload.numel(),
+            values_changed=values_changed, raw_bytes=2 * numel, payload_bytes=payload_bytes,
         )
 
     # --- decode --------------------------------------------------------------------------------
@@ -450,12 +476,7 @@ class DeltaCodec(ShardCodec):
         """On the Triton path every source's payload in one launch of each decode kernel (one source, keyframes and
         the reference: one by one)."""
         b = self.config.block_size
-        if isinstance(target, Segments):
-            segments, numel = target, target.padded_numel(b)
-        else:  # a bucket buffer: its slices through a one-segment block table
-            if self._buffer_segments is None or self._buffer_segments.buffers[0] is not target:
-                self._buffer_segments = Segments((target,), self.world_size)
-            segments, numel = self._buffer_segments, target.numel() // self.world_size
+        segments, numel = self._segments_of(target)
         sources = [src for src in range(len(sizes)) if src != skip]
         keyframe = any(self._check_header(gathered[src * stride:src * stride + sizes[src]], target, numel,
                                           headers[src]) & FLAG_KEYFRAME for src in sources)
@@ -465,6 +486,28 @@ class DeltaCodec(ShardCodec):
         table = segments.block_table(b)
         payloads = self._payloads(gathered, len(sizes), stride, numel)
         kernels.decode_blocks(_as_bits(table[0], "output buffer"), payloads, b, table, 0, skip)
+
+    def decode_slots(self, target, gathered, stride, sizes, capacity, skip) -> None:
+        """On the Triton path every source's slot in one launch, skipping the payloads larger than ``capacity`` on
+        the device (no header checks: slots follow a gather whose headers were checked, and carry no keyframes)."""
+        if not use_triton(gathered, self.triton) or _bytes_after(gathered[(len(sizes) - 1) * stride:][:capacity]) < \
+                self.read_slack_bytes:
+            return super().decode_slots(target, gathered, stride, sizes, capacity, skip)
+        segments, numel = self._segments_of(target)
+        b = self.config.block_size
+        table = segments.block_table(b)
+        kernels.decode_blocks(_as_bits(table[0], "output buffer"), self._payloads(gathered, len(sizes), stride, numel),
+                              b, table, 0, skip, slots=(sizes, capacity))
+
+    def _segments_of(self, target) -> tuple:
+        """``target`` (``Segments``, or a bucket buffer: its slices through a one-segment block table) and the
+        values of a shard of it as coded."""
+        b = self.config.block_size
+        if isinstance(target, Segments):
+            return target, target.padded_numel(b)
+        if self._buffer_segments is None or self._buffer_segments.buffers[0] is not target:
+            self._buffer_segments = Segments((target,), self.world_size)
+        return self._buffer_segments, target.numel() // self.world_size
 
     def _payloads(self, base: torch.Tensor, rows: int, stride: int, numel: int) -> kernels.Payloads:
         layout = _Layout.of(numel, self.config.block_size)

@@ -17,24 +17,43 @@ decode reads its own header back from the device, and the decodes' kernels are q
 payload gather runs. ``GatherFusions`` codes several buckets of one storage as one shard (``Segments``):
 one encode, one payload and collective, one decode per rank for all of them, whatever their number.
 
+Sync-free gathers (``capacity_factor``, delta's ``--delta-capacity-factor``): once a gather's sizes are known,
+the next one sends each rank's payload in a slot of ``capacity`` bytes (the largest last payload times the
+factor), behind its size: no size exchange and no host sync before the transfer, so the host queues encode,
+transfer and decode back to back. Each decoder skips a payload that outgrew its slot, and the host reads the
+sizes once the decodes are queued (the gather's one sync, at its end); if any payload did not fit, every rank
+gathers the bucket uncompressed on top (lossless: every own slice holds its new values), and the next slots
+are sized from the sizes just read. Only encodes the codec calls ``sync_free`` (delta: not keyframes) go this way.
+
 Telemetry (class ``comm_class``): raw = this rank's shard bytes; sent = its padded payload plus the
-size message, i.e. what it hands to the collectives. A codec may declare extra integer stats with
+size message (or its slot, plus the raw shard after an overflow), i.e. what it hands to the collectives. A codec may declare extra integer stats with
 ``stat_names`` (a tuple) and fill ``last_stats`` (dict name -> int) on every encode; they are
 declared at construction and added as counters ``<comm_class>/<name>``.
 """
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from compression.codec import CastShard, EncodeStart, Segments, ShardCodec, shard_of
+from compression.codec import CastShard, EncodeStart, HostValues, Segments, ShardCodec, shard_of
 from compression.telemetry import TELEMETRY
 
 logger = logging.getLogger(__name__)
 SIZE_BYTES = 8
 ALIGN = 16  # payloads start 16-byte aligned in the gathered buffer: the decoders' vector loads stay aligned
+SLOT_PREFIX = 16  # a slot: the payload's size (int64), 8 zero bytes, then the payload (16-byte aligned)
+SLOT_COUNTERS = ("slot_gathers", "slot_overflows")
+SLOT_ROUND = 4096  # slot capacities are multiples of it
+SLOT_SHRINK = 1.5  # a slot is resized down only once it exceeds the next payloads' size x factor by this much
+
+
+def check_capacity_factor(factor: float) -> None:
+    if factor and not factor >= 1.0:
+        raise ValueError(f"--delta-capacity-factor must be 0 (exchange payload sizes first) or >= 1.0 (slots of "
+                         f"that many times the last payloads), got {factor}")
 
 
 class PendingGather:
@@ -55,10 +74,15 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class ShardGather:
-    def __init__(self, codec: ShardCodec, group=None, comm_class: str = "dp_param_gather"):
+    def __init__(self, codec: ShardCodec, group=None, comm_class: str = "dp_param_gather",
+                 capacity_factor: float = 0.0):
+        check_capacity_factor(capacity_factor)
         self.codec = codec
         self.group = group
         self.comm_class = comm_class
+        self.capacity_factor = capacity_factor
+        self.capacity = None  # payload bytes of the next sync-free gather's slots (None: exchange the sizes)
+        self._slots = None  # (send, receive) buffers of the current capacity, and the sizes' HostValues
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._message_nbytes = SIZE_BYTES + _round_up(codec.header_nbytes, SIZE_BYTES)
@@ -67,6 +91,9 @@ class ShardGather:
         self.cast_from = None  # fp32 values of the next encode, rounded into the own slice by the codec (CastShard)
         for name in self._stat_names:
             TELEMETRY.declare_counter(f"{comm_class}/{name}")
+        if capacity_factor:  # gathers sent in slots, and those of them after which a payload was sent again
+            for name in SLOT_COUNTERS:
+                TELEMETRY.declare_counter(f"{comm_class}/{name}")
 
     def _own_slice(self, buffer, rank: int):
         return shard_of(buffer, rank, self.world_size)
@@ -81,6 +108,17 @@ class ShardGather:
     def reset(self) -> None:
         """The next gather is a keyframe (call on every rank together)."""
         self.codec.reset()
+        self.capacity = None
+
+    def _resize_slots(self, sizes: list, sync_free: bool) -> None:
+        """After a gather whose payload ``sizes`` every rank read: the next gather's slot capacity (every rank
+        computes the same), or None after a keyframe (its size says nothing of the next payloads)."""
+        if not self.capacity_factor or not sync_free:
+            self.capacity = None
+            return
+        largest, capacity = max(sizes), self.capacity
+        if capacity is None or largest > capacity or largest * self.capacity_factor * SLOT_SHRINK < capacity:
+            self.capacity = _round_up(math.ceil(largest * self.capacity_factor), SLOT_ROUND)
 
     def observe(self, buffer: torch.Tensor) -> None:
         """This rank's slice of ``buffer`` went out uncompressed: code the next gather against it."""
@@ -107,8 +145,8 @@ class ShardGather:
         n = self.codec.header_nbytes
         return sizes, [row[SIZE_BYTES:SIZE_BYTES + min(n, size)].tobytes() for row, size in zip(rows, sizes)]
 
-    def _record(self, shard: torch.Tensor, padded_bytes: int) -> None:
-        TELEMETRY.record(self.comm_class, shard.numel() * shard.element_size(), padded_bytes + self._message_nbytes)
+    def _record(self, shard: torch.Tensor, sent_bytes: int) -> None:
+        TELEMETRY.record(self.comm_class, shard.numel() * shard.element_size(), sent_bytes)
         stats = getattr(self.codec, "last_stats", {})
         for name in self._stat_names:
             TELEMETRY.add_counter(f"{self.comm_class}/{name}", stats.get(name, 0))
@@ -123,6 +161,8 @@ class ShardGather:
         bucket fused with others goes with the first of them to be transferred (the handle is shared)."""
         if prepared.fused is not None:
             return prepared.fused.run(async_op)
+        if prepared.capacity is not None:
+            return self._transfer_slots(buffer, prepared, async_op)
         shard = self._own_slice(buffer, self.rank)
         sizes, headers = prepared.sizes, prepared.headers
         width, size = _round_up(max(sizes), ALIGN), sizes[self.rank]
@@ -131,7 +171,7 @@ class ShardGather:
         send[size:] = 0  # the padding (receivers ignore it) is not left uninitialized
         recv = torch.empty(width * self.world_size + self.codec.read_slack_bytes, dtype=torch.uint8,
                            device=buffer.device)[:width * self.world_size]
-        self._record(shard, width)
+        self._record(shard, width + self._message_nbytes)
         work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=async_op)
 
         def finish():  # a lossless codec's own slice already holds what it sent
@@ -141,6 +181,60 @@ class ShardGather:
             return PendingGather(work, finish)
         finish()
         return None
+
+    def _transfer_slots(self, buffer, prepared: "PreparedGather", async_op: bool):
+        """``transfer`` of a sync-free gather: the payload (and its size) into this rank's slot, the slots
+        all-gathered, every payload that fit decoded; then the one sync, reading the sizes (module docstring)."""
+        capacity = prepared.capacity
+        width = SLOT_PREFIX + _round_up(capacity, ALIGN)
+        send, recv = self._slot_buffers(width, buffer.device)
+        self.codec.finish_encode_into_slot(prepared.start, send[SLOT_PREFIX:SLOT_PREFIX + capacity],
+                                           send[:SIZE_BYTES].view(torch.int64))
+        rows = recv[:width * self.world_size]
+        work = dist.all_gather_into_tensor(rows, send, group=self.group, async_op=async_op)
+
+        def finish():
+            sizes = rows.view(self.world_size, width)[:, :SIZE_BYTES].view(torch.int64)[:, 0]
+            self.codec.decode_slots(buffer, recv[SLOT_PREFIX:], width, sizes, capacity,
+                                    self.rank if self.codec.lossless else -1)
+            landed = self._slots[2]
+            landed = self._slots[2] = HostValues(sizes) if landed is None else landed.update(sizes)
+            self._slots_landed(buffer, prepared.start, landed.get(), capacity, width)
+
+        if async_op:
+            return PendingGather(work, finish)
+        finish()
+        return None
+
+    def _slot_buffers(self, width: int, device) -> tuple:
+        """The send slot and the receive buffer (with the decoders' read slack) for slots of ``width`` bytes, kept
+        while the capacity stays (a gather's decodes and its sync end before the next one writes them)."""
+        send = self._slots[0] if self._slots is not None else None
+        if send is None or send.numel() != width or send.device != device:
+            n = width * self.world_size + self.codec.read_slack_bytes
+            self._slots = [torch.zeros(width, dtype=torch.uint8, device=device),
+                           torch.zeros(n, dtype=torch.uint8, device=device), None]
+        return self._slots[0], self._slots[1]
+
+    def _slots_landed(self, buffer, start: EncodeStart, sizes: list, capacity: int, width: int) -> None:
+        """The end of a sync-free gather, its sizes on the host: payloads that did not fit are sent again, every
+        rank's shard uncompressed; telemetry; the next capacity."""
+        shard = self._own_slice(buffer, self.rank)
+        self.codec.encode_stats(start)
+        sent = width
+        outgrown = [rank for rank, size in enumerate(sizes) if size > capacity]
+        if outgrown:
+            if self.rank == 0:
+                logger.info("%s: payloads of ranks %s (%d bytes) outgrew their %d-byte slots: gathered uncompressed",
+                            self.comm_class, outgrown, max(sizes), capacity)
+            for part in (buffer.buffers if isinstance(buffer, Segments) else (buffer,)):
+                own = shard_of(part, self.rank, self.world_size)
+                dist.all_gather_into_tensor(part, own.clone(), group=self.group)
+                sent += own.numel() * own.element_size()
+        self._record(shard, sent)
+        TELEMETRY.add_counter(f"{self.comm_class}/slot_gathers", 1)
+        TELEMETRY.add_counter(f"{self.comm_class}/slot_overflows", int(bool(outgrown)))
+        self._resize_slots(sizes, True)
 
     def verify(self, buffer: torch.Tensor) -> None:
         """Uncompressed all-gather of every rank's own slice, compared bit for bit with ``buffer``;
@@ -168,6 +262,7 @@ class PreparedGather:
     sizes: list  # payload bytes of each rank
     headers: list  # the first ``codec.header_nbytes`` bytes of each rank's payload
     fused: "_FusedTransfer" = None  # set for a bucket coded with others (``start`` etc. are the fused encode's)
+    capacity: int = None  # set for a sync-free gather (slots of that many bytes; ``sizes`` and ``headers`` None)
 
 
 class _FusedTransfer:
@@ -241,7 +336,7 @@ class GatherFusions:
         lead = gathers[0]
         segments = Segments(buffers, lead.world_size)
         codec = type(lead.codec).fused([g.codec for g in gathers], segments)
-        entry = self._fused[key] = (ShardGather(codec, lead.group, lead.comm_class), segments)
+        entry = self._fused[key] = (ShardGather(codec, lead.group, lead.comm_class, lead.capacity_factor), segments)
         if lead.rank == 0:
             logger.info("%s: %d buckets coded as one (%d values per rank)", lead.comm_class, len(gathers),
                         sum(segments.numels))
@@ -276,20 +371,29 @@ def prepare_gathers(gathers: list, buffers: list, fusions: GatherFusions = None,
 
 
 def _exchange(gathers: list, buffers: list) -> list:
-    """``prepare_gathers`` of units: begin each encode, one all-gather of every size message, one sync."""
-    lead = gathers[0]
+    """``prepare_gathers`` of units: begin each encode; the units whose slots are sized (sync-free) are ready, the
+    others' size messages go in one all-gather, with one sync."""
     starts = [g.codec.begin_encode(g._encode_input(b)) for g, b in zip(gathers, buffers)]
+    ready = [PreparedGather(start, None, None, capacity=g.capacity)
+             if g.capacity is not None and g.codec.sync_free(start) else None for g, start in zip(gathers, starts)]
+    exchanged = [i for i, r in enumerate(ready) if r is None]
+    if not exchanged:
+        return ready
+    lead = gathers[exchanged[0]]
     device = buffers[0].device
     offsets = [0]
-    for g in gathers:
-        offsets.append(offsets[-1] + g._message_nbytes)
+    for i in exchanged:
+        offsets.append(offsets[-1] + gathers[i]._message_nbytes)
     if lead._message is None or lead._message.numel() != offsets[-1] or lead._message.device != device:
         lead._message = torch.zeros(offsets[-1], dtype=torch.uint8, device=device)
     message = lead._message  # reused: the exchange below finishes before the next one writes it
-    for g, start, a, b in zip(gathers, starts, offsets, offsets[1:]):
-        g._write_message(start, message[a:b])
+    for i, a, b in zip(exchanged, offsets, offsets[1:]):
+        gathers[i]._write_message(starts[i], message[a:b])
     table = torch.empty(lead.world_size * offsets[-1], dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(table, message, group=lead.group)
     table = table.view(lead.world_size, offsets[-1]).cpu().numpy()  # the one sync; parsed in numpy
-    return [PreparedGather(start, *g._read_messages(table[:, a:b]))
-            for g, start, a, b in zip(gathers, starts, offsets, offsets[1:])]
+    for i, a, b in zip(exchanged, offsets, offsets[1:]):
+        g = gathers[i]
+        ready[i] = PreparedGather(starts[i], *g._read_messages(table[:, a:b]))
+        g._resize_slots(ready[i].sizes, g.codec.sync_free(starts[i]))
+    return ready

@@ -565,19 +565,32 @@ if triton is not None:
         shift = (8 * lead).to(tl.uint32)
         return ((cur << shift) | tl.where(lead > 0, prev >> (32 - shift), 0)).to(tl.int32, bitcast=True)
 
-    @triton.jit(do_not_specialize=["header0", "header1", "header2", "groups_at", "regions_at", "payload_misalign"])
+    @triton.jit(do_not_specialize=["header0", "header1", "header2", "groups_at", "regions_at", "payload_misalign",
+                                   "capacity"])
     def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, tile_sums_ptr, span_starts_ptr, n_blocks,
                        payload_ptr, payload_misalign, header0, header1, header2, groups_at, regions_at,
+                       header_ptr, totals_ptr, capacity,
                        GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr, RECORD_WORDS: tl.constexpr,
-                       TILE: tl.constexpr, SPAN: tl.constexpr, CHUNK: tl.constexpr):
+                       TILE: tl.constexpr, SPAN: tl.constexpr, CHUNK: tl.constexpr, SLOT: tl.constexpr):
+        # SLOT: the payload goes into a slot of ``capacity`` bytes before the host knows its size (a sync-free
+        # gather): its header comes from the device (``header_ptr``, n_changed written by _scan_tiles_kernel), and
+        # a payload larger than the slot (totals[3]) writes nothing
         pid = tl.program_id(0)
+        fits = True
+        if SLOT:
+            fits = tl.load(totals_ptr + 3) <= capacity
         t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad bytes
-        word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), header2.to(tl.int64)))
-        tl.store(payload_ptr + t, ((word >> (8 * (t % 8))) & 0xFF).to(tl.uint8), mask=(t < HEADER_BYTES) & (pid == 0))
+        if SLOT:
+            header = tl.load(header_ptr + t, mask=t < HEADER_BYTES, other=0)
+        else:
+            word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), header2.to(tl.int64)))
+            header = ((word >> (8 * (t % 8))) & 0xFF).to(tl.uint8)
+        tl.store(payload_ptr + t, header, mask=(t < HEADER_BYTES) & (pid == 0) & fits)
         pad_at = HEADER_BYTES + n_blocks
-        tl.store(payload_ptr + pad_at + t, tl.zeros([32], dtype=tl.uint8), mask=(pad_at + t < groups_at) & (pid == 0))
+        tl.store(payload_ptr + pad_at + t, tl.zeros([32], dtype=tl.uint8),
+                 mask=(pad_at + t < groups_at) & (pid == 0) & fits)
         b = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
-        inside = b < n_blocks
+        inside = (b < n_blocks) & fits
         code = tl.load(codes_ptr + b, mask=inside, other=0)
         tl.store(payload_ptr + HEADER_BYTES + b, code, mask=inside)
         changed = code != 0
@@ -667,16 +680,17 @@ if triton is not None:
             values = (row64[:, None] >> tl.minimum(slots * width, 63).to(tl.uint64)).to(tl.int32)
         return values & ((1 << width) - 1)
 
-    @triton.jit(do_not_specialize=["base_misalign", "src_base", "skip_rank"])
+    @triton.jit(do_not_specialize=["base_misalign", "src_base", "skip_rank", "capacity"])
     def _decode_kernel(out_ptr, numel, start_ptr, stride_ptr, valid_ptr, payload_ptr, payload_stride, base_misalign,
-                       codes_at, groups_at, regions_at, src_base, skip_rank, n_blocks, BLOCK: tl.constexpr,
-                       GROUP: tl.constexpr, SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr,
-                       FLAG_BYTES: tl.constexpr):
+                       codes_at, groups_at, regions_at, src_base, skip_rank, n_blocks, sizes_ptr, sizes_stride,
+                       capacity, BLOCK: tl.constexpr, GROUP: tl.constexpr, SEGMENTED: tl.constexpr,
+                       ALIGNED: tl.constexpr, WORDS: tl.constexpr, FLAG_BYTES: tl.constexpr, SLOT: tl.constexpr):
         # rows of 8 values, a row per thread, as in _encode_kernel. program_id(1) picks the source rank: src_base
         # and up, ``skip_rank`` skipped; its payload is row src - src_base, at that many payload_strides. The
         # records are read as 32-bit words from the 4-byte boundary at or before the payload row, ``records_lead``
         # bytes earlier (``base_misalign``: payload_ptr % 4). ``WORDS``: every row starts 4-byte aligned (gathers
-        # align them), so the group entries are read as whole words
+        # align them), so the group entries are read as whole words. ``SLOT``: payloads in slots of ``capacity`` bytes
+        # (a sync-free gather), row k's size at ``sizes_ptr[k * sizes_stride]``: one larger than its slot is skipped
         ROWS: tl.constexpr = BLOCK // 8
         b = tl.program_id(0).to(tl.int64)
         src = tl.program_id(1) + src_base
@@ -684,6 +698,8 @@ if triton is not None:
         row = (src - src_base).to(tl.int64)
         payload = payload_ptr + row * payload_stride
         code = tl.load(payload + codes_at + b).to(tl.int32)
+        if SLOT:
+            code = tl.where(tl.load(sizes_ptr + row * sizes_stride) <= capacity, code, 0)
         if code != 0:
             width = (code & ~_SPARSE) - 1
             # the block's group: its region (from the group's entry) holds the offsets, exc_widths and records of its
@@ -896,22 +912,30 @@ def scan_tiles(e: EncodedBlocks, header: torch.Tensor, regions_at: int, max_chun
                              SPAN=SPAN_TILES, CHUNK=chunk, num_warps=8)
 
 
-def gather_records(e: EncodedBlocks, payload, header: bytes, groups_at: int, regions_at: int, block_size: int) -> None:
+def gather_records(e: EncodedBlocks, payload, header, groups_at: int, regions_at: int, block_size: int,
+                   capacity: int = None) -> None:
     """Triton: write ``header`` (24 bytes), the pad bytes, the codes, the group entries from ``groups_at``, and each
     group's region from ``regions_at`` (its changed blocks' record offsets, exc_widths and records: bitmap, stream)
-    into ``payload`` (uint8), after ``scan_tiles``."""
+    into ``payload`` (uint8), after ``scan_tiles``. ``header``: bytes, or (with ``capacity``) the uint8 device header
+    ``scan_tiles`` completed; with ``capacity``, a payload (``e.totals[3]`` bytes) larger than it writes nothing."""
     n_blocks = e.codes.numel()
+    slot = capacity is not None
+    if slot != torch.is_tensor(header):
+        raise ValueError("gather_records takes a device header with a capacity, host bytes without one")
     if not n_blocks:  # an empty shard: the payload is the header
+        if slot:
+            raise ValueError("gather_records: an empty shard has no slot path (its payload is its header)")
         payload.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return
     tile, (chunk, warps), group = _tile_blocks(block_size), _gather_launch(block_size), group_blocks(block_size)
     if tile % group:
         raise ValueError(f"gather_records: a tile of {tile} blocks must hold whole groups of {group}")
+    host_header = (0, 0, 0) if slot else struct.unpack("<3q", header)
     _gather_kernel[(triton.cdiv(n_blocks, tile),)](
         e.records, e.codes, e.exc_widths, e.nbytes, e.tile_sums, e.span_starts, n_blocks, payload,
-        payload.data_ptr() % 4, *struct.unpack("<3q", header), groups_at, regions_at,
-        GROUP=group, HEADER_BYTES=len(header), RECORD_WORDS=e.records.shape[1], TILE=tile,
-        SPAN=SPAN_TILES, CHUNK=chunk, num_warps=warps)
+        payload.data_ptr() % 4, *host_header, groups_at, regions_at, header if slot else payload, e.totals,
+        capacity if slot else 0, GROUP=group, HEADER_BYTES=header.numel() if slot else len(header),
+        RECORD_WORDS=e.records.shape[1], TILE=tile, SPAN=SPAN_TILES, CHUNK=chunk, SLOT=slot, num_warps=warps)
 
 
 @dataclass
@@ -932,19 +956,26 @@ class Payloads:
 
 
 def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base: int = 0,
-                  skip_rank: int = -1) -> None:
+                  skip_rank: int = -1, slots: tuple = None) -> None:
     """Triton: apply the deltas of payload rows to ``out`` (int16 view of the previous values): row k is source rank
     ``src_base + k``, and every row but ``skip_rank``'s (-1: none) is decoded, all in one launch. Plain (``table``
     None): ``out`` is the source's shard (one row); segmented, as in ``encode_blocks``: ``out`` is the table's base
-    and each source's slices are decoded."""
+    and each source's slices are decoded. ``slots``: (sizes, capacity), the rows are slots of ``capacity`` bytes and
+    row k's payload size is ``sizes[k]`` (int64, a strided view): rows whose payload is larger are not decoded."""
     pointers, flags = _table_args(out, table)
     p = payloads
     sources = p.rows - (0 <= skip_rank - src_base < p.rows)
+    sizes, capacity = slots if slots is not None else (p.base, 0)
+    if slots is not None and (sizes.dtype != torch.int64 or sizes.numel() != p.rows):
+        raise ValueError(f"decode_blocks: slots need an int64 size per row ({p.rows}), got {sizes.dtype} "
+                         f"[{sizes.numel()}]")
     if p.n_blocks and sources:
         misalign = p.base.data_ptr() % 4
         _decode_kernel[(p.n_blocks, sources)](out, out.numel(), *pointers, p.base, p.stride, misalign,
                                               p.codes_at, p.groups_at, p.regions_at, src_base, skip_rank,
-                                              p.n_blocks, **_launch_shape("decode", block_size),
+                                              p.n_blocks, sizes, sizes.stride(0) if slots is not None else 0,
+                                              capacity, **_launch_shape("decode", block_size),
                                               WORDS=misalign == 0 and p.stride % 4 == 0,
                                               num_warps=_num_warps(block_size),
-                                              maxnreg=_max_registers("decode", block_size), **flags)
+                                              maxnreg=_max_registers("decode", block_size), SLOT=slots is not None,
+                                              **flags)

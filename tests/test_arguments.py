@@ -284,6 +284,16 @@ def test_delta_fused_cast_needs_delta():
     assert make("--use-distributed-optimizer --param-gather-compression delta --delta-fused-cast").delta_fused_cast
 
 
+def test_delta_capacity_factor_checks():
+    with pytest.raises(ValueError, match="--delta-capacity-factor sizes the slots .* add --param-gather-compression delta"):
+        make("--use-distributed-optimizer --param-gather-compression ciera --delta-capacity-factor 1.25")
+    with pytest.raises(ValueError, match="--delta-capacity-factor must be 0 .* or >= 1.0, got 0.5"):
+        make("--use-distributed-optimizer --param-gather-compression delta --delta-capacity-factor 0.5")
+    base = "--use-distributed-optimizer --param-gather-compression delta"
+    assert make(base).delta_capacity_factor == 0.0
+    assert make(base + " --delta-capacity-factor 1.25").delta_capacity_factor == 1.25
+
+
 def test_missing_data_and_required_flags():
     with pytest.raises(ValueError, match="--data-path PREFIX, --mock-data or --builtin-corpus python-stdlib"):
         make(base=BASE.replace("--mock-data", ""))

@@ -376,6 +376,75 @@ def test_decode_gathered_reference():
     _check_decode_gathered()
 
 
+def _check_slots(device="cpu", triton=False, world=3, receiver=1):
+    """A sync-free gather's codec work (``ShardGather`` with a capacity): each sender's payload and size written into
+    its slot of a capacity between the payloads' sizes (so that some outgrow it) over junk, ``decode_slots`` applying
+    exactly the payloads that fit and leaving the other sources' previous values, into a bucket buffer and into
+    ``Segments``, through every step of the trajectory. Slot bytes equal the reference codec's payloads."""
+    block_size, sizes = 64, (200, 77)
+    slack = kernels.read_slack_bytes(block_size)
+    for fused in (False, True):
+        sizes_used = sizes if fused else sizes[:1]
+        storage = torch.zeros(world * sum(sizes_used), dtype=torch.bfloat16, device=device)
+        buffers = list(storage.split([world * n for n in sizes_used]))
+        target = Segments(buffers, world) if fused else buffers[0]
+        received = storage.clone()
+        received_buffers = list(received.split([world * n for n in sizes_used]))
+        received_target = Segments(received_buffers, world) if fused else received_buffers[0]
+        steps = {(r, k): trajectory(n, seed=100 * r + n) for r in range(world) for k, n in enumerate(sizes_used)}
+        senders = [DeltaCodec(DeltaConfig(block_size), world, r, triton=triton) for r in range(world)]
+        references = [DeltaCodec(DeltaConfig(block_size), world, r, triton=False) for r in range(world)]
+        decoder = DeltaCodec(DeltaConfig(block_size), world, receiver, triton=triton)
+        overflowed = 0
+        for step in range(len(steps[0, 0])):
+            previous = received.clone()
+            for (r, k), bits in steps.items():
+                buffers[k][r * sizes_used[k]:(r + 1) * sizes_used[k]].view(torch.int16).copy_(bits[step].to(device))
+            payloads = [codec.encode(shard_of(target, r, world)) for r, codec in enumerate(references)]
+            starts = [codec.begin_encode(shard_of(target, r, world)) for r, codec in enumerate(senders)]
+            if step == 0:  # keyframes go through the size exchange
+                assert not any(c.sync_free(s) for c, s in zip(senders, starts))
+                for codec, start, payload in zip(senders, starts, payloads):
+                    out = torch.empty_like(payload)
+                    codec.finish_encode(start, out)
+                received.copy_(storage)
+                continue
+            assert all(c.sync_free(s) for c, s in zip(senders, starts)), step
+            capacity = sorted(p.numel() for p in payloads)[world // 2]
+            width = 16 + -(-capacity // 16) * 16
+            gathered = torch.full((world * width + slack,), 0xAB, dtype=torch.uint8, device=device)
+            rows = gathered[:world * width].view(world, width)
+            for r, (codec, start) in enumerate(zip(senders, starts)):
+                codec.finish_encode_into_slot(start, rows[r, 16:16 + capacity], rows[r, :8].view(torch.int64))
+                codec.encode_stats(start)
+                assert codec.last_stats["payload_bytes"] == payloads[r].numel(), (fused, step, r)
+            sent_sizes = rows[:, :8].view(torch.int64)[:, 0]
+            assert sent_sizes.tolist() == [p.numel() for p in payloads], (fused, step)
+            fits = [p.numel() <= capacity for p in payloads]
+            for r, p in enumerate(payloads):
+                if fits[r]:
+                    assert torch.equal(rows[r, 16:16 + p.numel()].cpu(), p.cpu()), (fused, step, r)
+            received_own, own = shard_of(received_target, receiver, world), shard_of(target, receiver, world)
+            if fused:
+                received_own.write_padded(own.padded(block_size), block_size)
+            else:
+                received_own.copy_(own)
+            decoder.decode_slots(received_target, gathered[16:], width, sent_sizes, capacity, receiver)
+            for r in range(world):
+                want = storage if fits[r] or r == receiver else previous
+                for k, n in enumerate(sizes_used):
+                    got = received_buffers[k][r * n:(r + 1) * n].view(torch.int16)
+                    assert torch.equal(got, want.split([world * m for m in sizes_used])[k][r * n:(r + 1) * n].view(
+                        torch.int16)), (fused, step, r, fits)
+            overflowed += not all(fits)
+            received.copy_(storage)  # what the gather's uncompressed fallback gives every rank
+        assert overflowed >= 3, overflowed  # the capacity sits between the sizes: the largest payloads outgrow it
+
+
+def test_slots_reference():
+    _check_slots()
+
+
 @pytest.mark.parametrize("padding", [[], ["--megatron-padding"]])
 def test_bench_delta_buckets_cpu(tmp_path, padding):
     """The buckets benchmark's CPU smoke run: both modes decode bit-exactly (it raises otherwise), same wire; with
@@ -651,7 +720,7 @@ def test_triton_matches_reference_interpreted():
             "test_delta._check_tiled_kernels_match_reference(); test_delta._check_scan_tiles(); "
             "test_delta._check_width_choice(); "
             "test_delta._check_segments(triton=True); test_delta._check_decode_gathered(triton=True); "
-            "test_delta._check_cast_shards(triton=True); test_delta._check_cast_segments(triton=True)")
+            "test_delta._check_slots(triton=True); test_delta._check_cast_shards(triton=True); test_delta._check_cast_segments(triton=True)")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -690,6 +759,7 @@ def test_triton_matches_reference_cuda():
     _check_width_choice("cuda")
     _check_segments("cuda", triton=True)
     _check_decode_gathered("cuda", triton=True)
+    _check_slots("cuda", triton=True)
     _check_cast_shards("cuda", triton=True, exact=False)
     for block_size in (256, 512):
         _check_cast_shards("cuda", triton=True, exact=False, block_size=block_size, n=300_007)

@@ -45,6 +45,8 @@ METHODS = {  # run name -> compression flags
     "ciera-trial": dict(param_gather_compression="ciera"),
     # chosen (by _alternating_choice) after 2 measured gathers, measured again from step RESELECT_AT, chosen again
     "delta-reselect": dict(param_gather_compression="delta", param_gather_selection="benefit"),
+    # sync-free gathers: payloads in slots of the last ones' size (--delta-capacity-factor), the growing ones resent
+    "delta-slots": dict(param_gather_compression="delta", delta_capacity_factor=1.0),
 }
 CAST = "-cast"  # a run name with this after the method: --delta-fused-cast on top (megatron/hooks/fused_cast.py)
 RESELECT_AT = 5
@@ -57,6 +59,7 @@ def _args(method, verify_interval=0, **overrides):
         param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
         ciera_exponent_coder="raw", param_gather_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
         grad_reduce_compression="none", param_gather_trial_iters=0, param_gather_reselect_interval=0,
+        delta_capacity_factor=0.0,
     )
     method, cast = _base(method), method.endswith(CAST)
     vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), delta_fused_cast=cast, **overrides)
@@ -204,7 +207,10 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     for name, value in patched.items():
         setattr(param_gather, name, value)
     raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
+    counters = dict(zip(TELEMETRY.extra_names(), TELEMETRY.counters()[2 * len(COMM_CLASSES):]))
     return dict(
+        slot_gathers=counters.get("dp_param_gather/slot_gathers", 0),
+        slot_overflows=counters.get("dp_param_gather/slot_overflows", 0),
         loss_bits=loss_bits, param_hash=_buffers_hash(ddp), sent_ratio=sent / max(raw, 1),
         steps_sent_ratio=steps_sent_ratio, candidate_cache_bytes=choice.cache_bytes,
         exchanges=exchanges, **_hook_counts(ddp),
@@ -303,6 +309,7 @@ def _dense_world():
     runs += [("delta-capped", False, None), ("delta-capped", True, None)]
     runs += [("delta-trial", True, None), ("delta-trial", False, None), ("ciera-trial", True, None)]
     runs += [("delta-reselect", True, None)]
+    runs += [("delta-slots", False, None), ("delta-slots", True, 5), ("delta-slots-cast", True, None)]
     runs += [("delta-cast", False, None), ("delta-cast", True, 5), ("delta-trial-cast", True, None),
              ("delta-reselect-cast", True, None)]
     _check_trial_wiring()
@@ -403,6 +410,11 @@ def _assert_identical(results_by_rank):
             expected_fused = result["num_compressed"] - first_alone if run[0] in ("delta", "delta-reselect") else 0
             if run[0] in ("delta", "delta-reselect", "ciera", "ciera-benefit"):
                 assert result["fused_buckets"] == expected_fused, (run, result)
+            if run[0] == "delta-slots":  # most gathers in slots (not keyframes, nor a new set's first gather)
+                assert result["slot_gathers"] >= STEPS // 2, (name, run, result)
+                assert result["slot_overflows"] < result["slot_gathers"], (name, run, result)
+            else:
+                assert result["slot_gathers"] == 0, (name, run, result)
             if run[0] == "delta-capped":  # the same gathers in exchanges of at most a few buckets
                 assert sum(result["exchanges"]) == result["num_groups"] * (STEPS + 1), (run, result)
                 assert len(result["exchanges"]) >= 3 * (STEPS + 1) and max(result["exchanges"]) <= 4, (run, result)

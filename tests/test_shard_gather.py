@@ -149,7 +149,8 @@ def _bench_dry_run(out_path, profile_dir):
     bench.main(["--dry-run", "--out", out_path, "--profile-dir", profile_dir])
     # several buckets gathered together (one size exchange, transfers before decodes), bit-checked per bucket
     bench.main(["--dry-run", "--out", out_path + ".buckets", "--buckets", "4", "--codecs", "none", "delta", "sdp4bit"])
-    bench.main(["--dry-run", "--out", out_path + ".fused", "--buckets", "4", "--codecs", "delta", "--fuse-buckets"])
+    bench.main(["--dry-run", "--out", out_path + ".fused", "--buckets", "4", "--codecs", "delta", "delta-slots",
+                "--fuse-buckets"])
 
 
 @pytest.mark.slow
@@ -172,6 +173,9 @@ def test_bench_param_gather_dry_run(tmp_path):
     assert buckets["results"][1]["wire_ratio"] > 1.0 and 0 < buckets["results"][2]["rel_l2_error"] < 1e-2
     fused = json.loads((tmp_path / "pg.json.fused").read_text())  # the buckets coded as one, bit-checked
     assert fused["fuse_buckets"] and fused["results"][0]["wire_ratio"] > 1.0
+    # the sync-free gather's last step went in slots (4096-byte multiples: above these small payloads)
+    slots = fused["results"][1]
+    assert slots["codec"] == "delta-slots" and slots["steps"][-1]["sent_bytes"] % 4096 == 16
 
 
 def _prepared_buckets():
@@ -229,3 +233,70 @@ def test_prepared_buckets_nccl_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     assert run_on_ranks(_prepared_buckets, 2, backend="nccl") == [True, True]
+
+
+def _slot_gathers():
+    """Sync-free gathers (``capacity_factor``): delta on three buckets of one storage coded as one set, updates
+    growing 3x per step so that payloads outgrow slots sized by the last ones (each followed by the uncompressed
+    gather), a bucket reset at step 5 (new sets follow, whose first gathers exchange sizes), the first transfer
+    sync and the others async. Bits equal to an uncompressed gather at every step; which gathers
+    went in slots, and the slot counters."""
+    from compression import shard_gather
+
+    shard_gather.SLOT_ROUND = 16  # slots as tight as the factor makes them (4096 would hold these payloads)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    TELEMETRY.reset()
+    sizes = (1500, 70_001, 26_144)
+    rng = torch.Generator(device=device).manual_seed(100 + rank)
+    masters = [torch.randn(n * world, device=device, generator=torch.Generator(device=device).manual_seed(7)) * 0.02
+               for n in sizes]
+    storage = torch.cat(masters).to(torch.bfloat16)
+    buffers = list(storage.split([n * world for n in sizes]))
+    gathers = [ShardGather(DeltaCodec(DeltaConfig(256), world, rank), None, capacity_factor=1.0) for _ in sizes]
+    fusions, slotted = GatherFusions(), []
+    for step in range(9):
+        expected = []
+        for n, master, buffer in zip(sizes, masters, buffers):
+            own = slice(rank * n, (rank + 1) * n)
+            master[own] -= 1e-5 * 3 ** min(step, 4) * torch.randn(n, device=device, generator=rng).clamp(-1, 1)
+            buffer[own] = master[own].to(torch.bfloat16)
+            buffer[own][:len(SPECIAL)] = torch.tensor(SPECIAL, dtype=torch.int32, device=device).to(
+                torch.int16).view(torch.bfloat16)
+            reference = torch.empty_like(buffer)
+            dist.all_gather_into_tensor(reference, buffer[own].contiguous())
+            expected.append(reference)
+        if step == 5:
+            gathers[2].reset()
+        prepared = prepare_gathers(gathers, buffers, fusions)
+        slotted.append([(p.fused.prepared if p.fused is not None else p).capacity is not None for p in prepared])
+        handles = [g.transfer(b, p, async_op=i > 0) for i, (g, b, p) in enumerate(zip(gathers, buffers, prepared))]
+        for handle in handles[1:]:
+            if handle is not None:
+                handle.wait()
+        for buffer, reference in zip(buffers, expected):
+            assert torch.equal(_bits(buffer), _bits(reference)), step
+    counters = dict(zip(TELEMETRY.extra_names(), TELEMETRY.counters()[2 * len(COMM_CLASSES):]))
+    return slotted, counters["dp_param_gather/slot_gathers"], counters["dp_param_gather/slot_overflows"]
+
+
+def _check_slot_gathers(results):
+    for slotted, gathers, overflows in results:
+        # keyframes, then the set's first gather exchange sizes; slots from the next. The reset at step 5 ends the
+        # set: the reset bucket's keyframe and a new set of the other two, then a set of all three (each new set's
+        # first gather exchanges sizes)
+        assert slotted == [[False] * 3] * 2 + [[True] * 3] * 3 + [[False] * 3] * 2 + [[True] * 3] * 2, slotted
+        assert gathers == 5 and 1 <= overflows < gathers, (gathers, overflows)
+    assert len({str(r) for r in results}) == 1  # every rank took the same path
+
+
+@pytest.mark.slow
+def test_slot_gathers():
+    _check_slot_gathers(run_on_ranks(_slot_gathers, 2))
+
+
+@pytest.mark.gpu
+def test_slot_gathers_nccl_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check_slot_gathers(run_on_ranks(_slot_gathers, 2, backend="nccl"))

@@ -546,7 +546,7 @@ def build_gather(args, group, comm_class: str, cast: bool = False):
         )
         return ShardGather(CieraCodec(config, world_size, rank), group, comm_class)
     return ShardGather(DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank, cast=cast), group,
-                       comm_class)
+                       comm_class, capacity_factor=getattr(args, "delta_capacity_factor", 0.0))
 
 
 def _check_supported(ddp: DistributedDataParallel, args) -> None:

@@ -590,6 +590,12 @@ class CompressionArgs:
     delta_fused_cast: bool = arg(False, "With --param-gather-compression delta: round the optimizer's fp32 master "
                                  "weights into the parameter buffer inside the delta encode instead of in the "
                                  "optimizer step (bit-identical; no sender copy, 2 bytes per shard value less).")
+    delta_capacity_factor: float = arg(0.0, "With --param-gather-compression delta: send each delta payload in a "
+                                       "slot of this many times the last gather's largest payload, behind its size, "
+                                       "so that no host sync waits for the sizes before the transfer (one at its "
+                                       "end instead); a payload that outgrows its slot is followed by the bucket's "
+                                       "uncompressed all-gather (lossless). 0: exchange the sizes first; else >= 1, "
+                                       "e.g. 1.25.")
     sdp4bit_group_size: int = arg(128, "SDP4Bit weight-difference quantization group (power of two, 16..4096).")
     sdp4bit_weight_bits: int = arg(4, "SDP4Bit weight-difference code bits.", choices=[4, 8])
     grad_reduce_compression: str = arg("none", "DP gradient reduce-scatter compression (lossy, SDP4Bit's Hadamard "
@@ -1369,6 +1375,12 @@ def _validate_compression(args) -> None:
     _check(not args.delta_fused_cast or args.param_gather_compression == "delta",
            "--delta-fused-cast moves the optimizer's parameter copy into the delta encode: add "
            "--param-gather-compression delta or drop --delta-fused-cast")
+    _check(not args.delta_capacity_factor or args.param_gather_compression == "delta",
+           "--delta-capacity-factor sizes the slots of delta payloads: add --param-gather-compression delta or drop "
+           "--delta-capacity-factor")
+    _check(not args.delta_capacity_factor or args.delta_capacity_factor >= 1.0,
+           f"--delta-capacity-factor must be 0 (exchange payload sizes first) or >= 1.0, got "
+           f"{args.delta_capacity_factor}")
     _check(args.grad_reduce_compression == "none" or args.use_distributed_optimizer,
            f"--grad-reduce-compression {args.grad_reduce_compression} compresses the distributed optimizer's "
            f"gradient reduce-scatter: add --use-distributed-optimizer")
