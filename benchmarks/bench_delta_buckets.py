@@ -124,11 +124,11 @@ def finish_and_decode(units: list, world: int, starts: list, sizes: list, header
         decode(decoder, target, gathered[:world * stride], stride, [size] * world, [header] * world, RECEIVER)
 
 
-def slots_and_decode(units: list, world: int, starts: list, capacity: int) -> list:
+def slots_and_decode(units: list, world: int, starts: list, capacity: int, landed: list) -> list:
     """The sync-free gather's codec work (``ShardGather`` with a capacity): each payload and its size into a slot,
-    the stand-in all-gather, ``decode_slots``, and the sizes copied to the host without waiting (``HostValues``)."""
-    landed = []
-    for (codec, _, decoder, target), start in zip(units, starts):
+    the stand-in all-gather, ``decode_slots``, and the sizes copied to the host without waiting (``HostValues``, one
+    per unit kept in ``landed`` across calls, as ``ShardGather`` keeps its own)."""
+    for i, ((codec, _, decoder, target), start) in enumerate(zip(units, starts)):
         width = 16 + -(-capacity // 16) * 16
         gathered = torch.empty(world * width + codec.read_slack_bytes, dtype=torch.uint8, device=start.header.device)
         rows = gathered[:world * width].view(world, width)
@@ -136,14 +136,17 @@ def slots_and_decode(units: list, world: int, starts: list, capacity: int) -> li
         rows[1:] = rows[0]
         sizes = rows[:, :8].view(torch.int64)[:, 0]
         decoder.decode_slots(target, gathered[16:], width, sizes, capacity, RECEIVER)
-        landed.append(HostValues(sizes))
+        if i < len(landed):
+            landed[i].update(sizes)
+        else:
+            landed.append(HostValues(sizes))
     return landed
 
 
 def measure(b: Buckets, mode: str, repeats: int, ops: bool = False) -> dict:
     units, device, payload = b.units(mode), b.storage.device, []
     one_by_one, slots = mode == "fused_one_by_one", mode == "fused_slots"
-    capacity = None
+    capacity, landed = None, []
     if slots:  # the slots of a gather whose previous payload was this one
         b.restore()
         starts = begin(units)
@@ -154,7 +157,7 @@ def measure(b: Buckets, mode: str, repeats: int, ops: bool = False) -> dict:
     def gather():
         starts = begin(units)
         if slots:
-            sizes = [s for landed in slots_and_decode(units, b.world, starts, capacity) for s in landed.get()[:1]]
+            sizes = [s for unit in slots_and_decode(units, b.world, starts, capacity, landed) for s in unit.get()[:1]]
             if max(sizes) > capacity:
                 raise AssertionError(f"a payload of {max(sizes)} bytes outgrew its {capacity}-byte slot")
         else:
@@ -169,8 +172,8 @@ def measure(b: Buckets, mode: str, repeats: int, ops: bool = False) -> dict:
         started = []
         device1, host1 = queued_call_seconds(lambda: started.append(begin(units)), device, 0.02)
         if slots:  # no sync in between: one queued call of the rest
-            device2, host2 = queued_call_seconds(lambda: slots_and_decode(units, b.world, started[0], capacity),
-                                                 device, 0.02)
+            device2, host2 = queued_call_seconds(
+                lambda: slots_and_decode(units, b.world, started[0], capacity, landed), device, 0.02)
         else:
             sizes, headers = exchange(started[0])
             device2, host2 = queued_call_seconds(

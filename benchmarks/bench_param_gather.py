@@ -50,9 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--optimizer-warmup", type=int, default=30, help="AdamW steps before the first gather")
     p.add_argument("--codecs", nargs="+", default=["none", "ciera", "delta", "sdp4bit"],
-                   choices=["none", "ciera", "delta", "delta-slots", "sdp4bit"],
+                   choices=["none", "ciera", "delta", "delta-slots", "delta-slots-graphs", "sdp4bit"],
                    help="delta-slots: delta's sync-free gather (payloads in slots of --delta-capacity-factor x the "
-                        "last ones, no size exchange before the transfer)")
+                        "last ones, no size exchange before the transfer); delta-slots-graphs: the same replayed as "
+                        "a CUDA graph once captured (--delta-cuda-graphs; GPUs)")
     p.add_argument("--ciera-block-size", type=int, default=512)
     p.add_argument("--ciera-change-detect", default="compare", choices=["compare", "hash"])
     p.add_argument("--ciera-exponent-coder", default="raw", choices=["raw", "ans"])
@@ -190,7 +191,9 @@ def _gather_for(name, codec, args):
         from compression.sdp4bit import WeightDiffGather
 
         return WeightDiffGather(codec, None)
-    return ShardGather(codec, None, capacity_factor=args.delta_capacity_factor if name == "delta-slots" else 0.0)
+    slots = name.startswith("delta-slots")
+    return ShardGather(codec, None, capacity_factor=args.delta_capacity_factor if slots else 0.0,
+                       cuda_graphs=name == "delta-slots-graphs")
 
 
 def run_codec(name, args, world, rank, device):

@@ -68,7 +68,10 @@ PARAM_GATHER_ABLATION = {
     "delta": ["--param-gather-compression", "delta"],
     # every bucket compressed, in sync-free slots (no size exchange before the transfer)
     "delta_all_slots": ["--param-gather-compression", "delta", "--param-gather-selection", "all",
-                        "--delta-capacity-factor", "1.25"]}
+                        "--delta-capacity-factor", "1.25"],
+    # and replayed as CUDA graphs
+    "delta_all_slots_graphs": ["--param-gather-compression", "delta", "--param-gather-selection", "all",
+                               "--delta-capacity-factor", "1.25", "--delta-cuda-graphs"]}
 
 
 def tp_suite(tp, sequence_parallel=False):

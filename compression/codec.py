@@ -71,8 +71,10 @@ class HostValues:
             self._event.record()
         return self
 
-    def get(self) -> list:
-        if self._event is not None:
+    def get(self, synced: bool = False) -> list:
+        """``synced``: the caller has already waited for the copy (e.g. a CUDA graph that made it: its own event
+        record belongs to the capture)."""
+        if self._event is not None and not synced:
             self._event.synchronize()
         return self._host.tolist()
 
@@ -196,8 +198,15 @@ class ShardCodec(ABC):
         if nbytes <= slot.numel():
             self.finish_encode(start, slot[:nbytes])
 
-    def encode_stats(self, start: EncodeStart) -> None:
-        """Fill ``last_stats`` of an encode finished into a slot, once its size has reached the host."""
+    def sync_free_input(self, shard) -> bool:
+        """Whether ``begin_encode(shard)`` would give a ``sync_free`` encode whose work is all on the device (no host
+        value read), so that a gather may capture the encode with its transfer and decode as one CUDA graph. Not by
+        default."""
+        return False
+
+    def encode_stats(self, start: EncodeStart, synced: bool = False) -> None:
+        """Fill ``last_stats`` of an encode finished into a slot, once its size has reached the host (``synced``: as
+        ``HostValues.get``)."""
 
     def decode_slots(self, target, gathered: torch.Tensor, stride: int, sizes: torch.Tensor, capacity: int,
                      skip: int) -> None:

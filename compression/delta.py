@@ -359,9 +359,21 @@ class DeltaCodec(ShardCodec):
                                capacity=slot.numel())
         self._release_records(c)
 
-    def encode_stats(self, start: EncodeStart) -> None:
+    def sync_free_input(self, shard) -> bool:
+        """The Triton path's delta encodes (``begin_encode``'s conditions for one: no keyframe due, not empty)."""
+        cast = isinstance(shard, CastShard)
+        target = shard.target if cast else shard
+        b = self.config.block_size
+        numel = target.segments.padded_numel(b) if isinstance(target, SegmentedShard) else target.numel()
+        if not numel or not use_triton(target, self.triton) or target.dtype not in DTYPES:
+            return False
+        if cast or self._casting:
+            return cast and self._synced == (numel, str(target.device))
+        return not self._keyframe_due(numel, target.device)
+
+    def encode_stats(self, start: EncodeStart, synced: bool = False) -> None:
         if isinstance(start.state, _CodedBlocks):
-            n_changed, n_values, _, size = start.state.totals.get()
+            n_changed, n_values, _, size = start.state.totals.get(synced)
             self._record(size, start.state.numel, n_changed, n_values, False)
 
     def _release_records(self, c: "_CodedBlocks") -> None:

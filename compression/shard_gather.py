@@ -24,6 +24,11 @@ transfer and decode back to back. Each decoder skips a payload that outgrew its 
 sizes once the decodes are queued (the gather's one sync, at its end); if any payload did not fit, every rank
 gathers the bucket uncompressed on top (lossless: every own slice holds its new values), and the next slots
 are sized from the sizes just read. Only encodes the codec calls ``sync_free`` (delta: not keyframes) go this way.
+With ``cuda_graphs`` (``--delta-cuda-graphs``) a sync-free gather's whole device work (encode, slot, all-gather,
+decode, the sizes' copy to the host) is captured once its inputs and capacity have been gathered ``GRAPH_WARMUP``
+times eagerly, and replayed from then on (on a side stream, so that it overlaps as an async collective does): the
+host then launches one graph instead of ~0.6 ms of Python and kernel launches. Its encode then starts at the
+transfer rather than with the other buckets' in ``prepare_gathers``.
 
 Telemetry (class ``comm_class``): raw = this rank's shard bytes; sent = its padded payload plus the
 size message (or its slot, plus the raw shard after an overflow), i.e. what it hands to the collectives. A codec may declare extra integer stats with
@@ -33,7 +38,7 @@ declared at construction and added as counters ``<comm_class>/<name>``.
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -48,6 +53,7 @@ SLOT_PREFIX = 16  # a slot: the payload's size (int64), 8 zero bytes, then the p
 SLOT_COUNTERS = ("slot_gathers", "slot_overflows")
 SLOT_ROUND = 4096  # slot capacities are multiples of it
 SLOT_SHRINK = 1.5  # a slot is resized down only once it exceeds the next payloads' size x factor by this much
+GRAPH_WARMUP = 2  # eager sync-free gathers of one input and capacity before their work is captured (cuda_graphs)
 
 
 def check_capacity_factor(factor: float) -> None:
@@ -57,16 +63,42 @@ def check_capacity_factor(factor: float) -> None:
 
 
 class PendingGather:
-    """Handle of an asynchronous gather: ``wait()`` finishes the collective, then decodes."""
+    """Handle of an asynchronous gather: ``wait()`` finishes the collective (``work``: its handle, or True for
+    one ``finish`` waits for itself), then decodes."""
 
     def __init__(self, work, finish):
         self._work, self._finish = work, finish
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            if self._work is not True:
+                self._work.wait()
             self._work = None
             self._finish()
+
+
+@dataclass
+class _SlotGraph:
+    """A captured sync-free gather (``ShardGather`` with ``cuda_graphs``): what its replays need."""
+
+    key: tuple  # (capacity, _input_key)
+    graph: "torch.cuda.CUDAGraph"
+    stream: "torch.cuda.Stream"  # replays run here, after the current stream's work
+    start: EncodeStart  # the captured encode's (its totals are refreshed by every replay)
+    landed: HostValues  # the slots' sizes, refreshed by every replay
+    width: int
+
+
+def _input_key(x, buffer) -> tuple:
+    """What a captured gather reads and writes, by address: the encode's input (a shard, a ``CastShard`` and its
+    fp32 sources, a ``SegmentedShard``) and the target buffer(s)."""
+    if isinstance(x, CastShard):
+        sources = x.source if isinstance(x.source, tuple) else (x.source,)
+        return ("cast", _input_key(x.target, buffer)) + tuple((s.data_ptr(), s.numel()) for s in sources)
+    parts = x.parts if hasattr(x, "parts") else [x]
+    buffers = buffer.buffers if isinstance(buffer, Segments) else (buffer,)
+    return (tuple((p.data_ptr(), p.numel(), p.dtype) for p in parts),
+            tuple((b.data_ptr(), b.numel()) for b in buffers))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -75,9 +107,15 @@ def _round_up(n: int, multiple: int) -> int:
 
 class ShardGather:
     def __init__(self, codec: ShardCodec, group=None, comm_class: str = "dp_param_gather",
-                 capacity_factor: float = 0.0):
+                 capacity_factor: float = 0.0, cuda_graphs: bool = False):
         check_capacity_factor(capacity_factor)
+        if cuda_graphs and not capacity_factor:
+            raise ValueError("--delta-cuda-graphs captures sync-free gathers: add --delta-capacity-factor (e.g. 1.25)")
         self.codec = codec
+        self.cuda_graphs = cuda_graphs
+        self._graph = None  # the _SlotGraph of the current input and capacity
+        self._graph_calls = (None, 0)  # (key, eager sync-free gathers of it) before a capture
+        self.graph_replays = 0
         self.group = group
         self.comm_class = comm_class
         self.capacity_factor = capacity_factor
@@ -109,6 +147,14 @@ class ShardGather:
         """The next gather is a keyframe (call on every rank together)."""
         self.codec.reset()
         self.capacity = None
+        self.release_graph()
+
+    def release_graph(self) -> None:
+        """Free the captured gather, if any (the next sync-free gathers run eagerly until captured again)."""
+        if self._graph is not None:
+            torch.cuda.synchronize()
+            self._graph.graph.reset()
+        self._graph, self._graph_calls = None, (None, 0)
 
     def _resize_slots(self, sizes: list, sync_free: bool) -> None:
         """After a gather whose payload ``sizes`` every rank read: the next gather's slot capacity (every rank
@@ -185,6 +231,8 @@ class ShardGather:
     def _transfer_slots(self, buffer, prepared: "PreparedGather", async_op: bool):
         """``transfer`` of a sync-free gather: the payload (and its size) into this rank's slot, the slots
         all-gathered, every payload that fit decoded; then the one sync, reading the sizes (module docstring)."""
+        if prepared.start is None:  # cuda_graphs: the encode was left to here
+            return self._transfer_graphed(buffer, prepared, async_op)
         capacity = prepared.capacity
         width = SLOT_PREFIX + _round_up(capacity, ALIGN)
         send, recv = self._slot_buffers(width, buffer.device)
@@ -206,6 +254,68 @@ class ShardGather:
         finish()
         return None
 
+    def _transfer_graphed(self, buffer, prepared: "PreparedGather", async_op: bool):
+        """A sync-free gather with ``cuda_graphs``: eager for the first ``GRAPH_WARMUP`` gathers of its input and
+        capacity (Triton compiles, NCCL sets up, the codec's tables and buffers are made), captured on the next,
+        replayed from then on."""
+        x, capacity = prepared.encode_input, prepared.capacity
+        key = (capacity, _input_key(x, buffer))
+        if self._graph is None or self._graph.key != key:
+            calls = self._graph_calls[1] + 1 if self._graph_calls[0] == key else 1
+            self._graph_calls = (key, calls)
+            if calls <= GRAPH_WARMUP:
+                start = self.codec.begin_encode(x)
+                if not self.codec.sync_free(start):
+                    raise RuntimeError(f"{type(self.codec).__name__}.sync_free_input promised a sync-free encode")
+                return self._transfer_slots(buffer, replace(prepared, start=start), async_op)
+            self._capture(key, buffer, x, capacity)
+        graph = self._graph
+        graph.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(graph.stream):
+            graph.graph.replay()
+        self.graph_replays += 1
+        done = torch.cuda.Event()
+        done.record(graph.stream)
+
+        def finish():
+            torch.cuda.current_stream().wait_event(done)
+            done.synchronize()
+            self._slots_landed(buffer, graph.start, graph.landed.get(synced=True), capacity, graph.width, synced=True)
+
+        if async_op:
+            return PendingGather(True, finish)
+        finish()
+        return None
+
+    def _capture(self, key, buffer, x, capacity: int) -> None:
+        if x.device.type != "cuda":
+            raise ValueError("--delta-cuda-graphs replays CUDA graphs and needs GPUs: drop the flag on CPU")
+        if dist.get_backend(self.group) != "nccl":
+            raise ValueError(f"--delta-cuda-graphs captures the all-gather and needs the NCCL backend, got "
+                             f"{dist.get_backend(self.group)}: drop the flag")
+        self.release_graph()
+        width = SLOT_PREFIX + _round_up(capacity, ALIGN)
+        send, recv = self._slot_buffers(width, buffer.device)
+        rows = recv[:width * self.world_size]
+        sizes = rows.view(self.world_size, width)[:, :SIZE_BYTES].view(torch.int64)[:, 0]
+        if self._slots[2] is None:  # pinned memory is made outside the capture
+            self._slots[2] = HostValues(sizes)
+        landed = self._slots[2]
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(buffer.device)
+        torch.cuda.synchronize()
+        # thread_local: NCCL's watchdog thread keeps querying its events while this thread captures
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            start = self.codec.begin_encode(x)
+            self.codec.finish_encode_into_slot(start, send[SLOT_PREFIX:SLOT_PREFIX + capacity],
+                                               send[:SIZE_BYTES].view(torch.int64))
+            dist.all_gather_into_tensor(rows, send, group=self.group)
+            self.codec.decode_slots(buffer, recv[SLOT_PREFIX:], width, sizes, capacity,
+                                    self.rank if self.codec.lossless else -1)
+            landed.update(sizes)
+        self._graph = _SlotGraph(key, graph, stream, start, landed, width)
+        if self.rank == 0:
+            logger.info("%s: sync-free gather of %d-byte slots captured as a CUDA graph", self.comm_class, capacity)
+
     def _slot_buffers(self, width: int, device) -> tuple:
         """The send slot and the receive buffer (with the decoders' read slack) for slots of ``width`` bytes, kept
         while the capacity stays (a gather's decodes and its sync end before the next one writes them)."""
@@ -216,11 +326,12 @@ class ShardGather:
                            torch.zeros(n, dtype=torch.uint8, device=device), None]
         return self._slots[0], self._slots[1]
 
-    def _slots_landed(self, buffer, start: EncodeStart, sizes: list, capacity: int, width: int) -> None:
+    def _slots_landed(self, buffer, start: EncodeStart, sizes: list, capacity: int, width: int,
+                      synced: bool = False) -> None:
         """The end of a sync-free gather, its sizes on the host: payloads that did not fit are sent again, every
         rank's shard uncompressed; telemetry; the next capacity."""
         shard = self._own_slice(buffer, self.rank)
-        self.codec.encode_stats(start)
+        self.codec.encode_stats(start, synced)
         sent = width
         outgrown = [rank for rank, size in enumerate(sizes) if size > capacity]
         if outgrown:
@@ -263,6 +374,7 @@ class PreparedGather:
     headers: list  # the first ``codec.header_nbytes`` bytes of each rank's payload
     fused: "_FusedTransfer" = None  # set for a bucket coded with others (``start`` etc. are the fused encode's)
     capacity: int = None  # set for a sync-free gather (slots of that many bytes; ``sizes`` and ``headers`` None)
+    encode_input: object = None  # of a sync-free gather whose encode is left to its transfer (``start`` None)
 
 
 class _FusedTransfer:
@@ -301,7 +413,7 @@ class GatherFusions:
     def drop(self, gather: ShardGather) -> None:
         """Forget the fused set ``gather`` belongs to (it is being replaced): its state goes with it."""
         for key in [k for k in self._fused if gather in k]:
-            del self._fused[key]
+            self._fused.pop(key)[0].release_graph()
 
     def plan(self, gathers: list, buffers: list, alone=()) -> list:
         """``gathers``/``buffers`` split into units: (gather, buffer, member indices) with one gather per unit,
@@ -332,11 +444,12 @@ class GatherFusions:
                 a is b for a, b in zip(entry[1].buffers, buffers)):
             return entry
         for other in [k for k in self._fused if set(k) & set(key)]:  # their views move to the new one
-            del self._fused[other]
+            self._fused.pop(other)[0].release_graph()
         lead = gathers[0]
         segments = Segments(buffers, lead.world_size)
         codec = type(lead.codec).fused([g.codec for g in gathers], segments)
-        entry = self._fused[key] = (ShardGather(codec, lead.group, lead.comm_class, lead.capacity_factor), segments)
+        entry = self._fused[key] = (ShardGather(codec, lead.group, lead.comm_class, lead.capacity_factor,
+                                                lead.cuda_graphs), segments)
         if lead.rank == 0:
             logger.info("%s: %d buckets coded as one (%d values per rank)", lead.comm_class, len(gathers),
                         sum(segments.numels))
@@ -373,9 +486,13 @@ def prepare_gathers(gathers: list, buffers: list, fusions: GatherFusions = None,
 def _exchange(gathers: list, buffers: list) -> list:
     """``prepare_gathers`` of units: begin each encode; the units whose slots are sized (sync-free) are ready, the
     others' size messages go in one all-gather, with one sync."""
-    starts = [g.codec.begin_encode(g._encode_input(b)) for g, b in zip(gathers, buffers)]
-    ready = [PreparedGather(start, None, None, capacity=g.capacity)
-             if g.capacity is not None and g.codec.sync_free(start) else None for g, start in zip(gathers, starts)]
+    inputs = [g._encode_input(b) for g, b in zip(gathers, buffers)]
+    deferred = [g.cuda_graphs and g.capacity is not None and g.codec.sync_free_input(x) for g, x in zip(gathers, inputs)]
+    starts = [None if d else g.codec.begin_encode(x) for g, x, d in zip(gathers, inputs, deferred)]
+    ready = [PreparedGather(None, None, None, capacity=g.capacity, encode_input=x) if d
+             else PreparedGather(start, None, None, capacity=g.capacity)
+             if g.capacity is not None and g.codec.sync_free(start) else None
+             for g, x, d, start in zip(gathers, inputs, deferred, starts)]
     exchanged = [i for i, r in enumerate(ready) if r is None]
     if not exchanged:
         return ready

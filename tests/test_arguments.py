@@ -290,6 +290,9 @@ def test_delta_capacity_factor_checks():
     with pytest.raises(ValueError, match="--delta-capacity-factor must be 0 .* or >= 1.0, got 0.5"):
         make("--use-distributed-optimizer --param-gather-compression delta --delta-capacity-factor 0.5")
     base = "--use-distributed-optimizer --param-gather-compression delta"
+    with pytest.raises(ValueError, match="--delta-cuda-graphs captures sync-free .* add --delta-capacity-factor"):
+        make(base + " --delta-cuda-graphs")
+    assert make(base + " --delta-capacity-factor 1.25 --delta-cuda-graphs").delta_cuda_graphs
     assert make(base).delta_capacity_factor == 0.0
     assert make(base + " --delta-capacity-factor 1.25").delta_capacity_factor == 1.25
 

@@ -59,7 +59,7 @@ def _args(method, verify_interval=0, **overrides):
         param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
         ciera_exponent_coder="raw", param_gather_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
         grad_reduce_compression="none", param_gather_trial_iters=0, param_gather_reselect_interval=0,
-        delta_capacity_factor=0.0,
+        delta_capacity_factor=0.0, delta_cuda_graphs=False,
     )
     method, cast = _base(method), method.endswith(CAST)
     vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), delta_fused_cast=cast, **overrides)
@@ -273,6 +273,7 @@ def _check_refusals():
         (_args("zstd"), "--param-gather-compression"),
         (_args("delta", verify_interval=-1), "--param-gather-verify-interval"),
         (_args("ciera", ciera_cache_budget_mb=8.0), "--ciera-cache-budget-mb"),
+        (_args("delta", delta_capacity_factor=1.25, delta_cuda_graphs=True), "--delta-cuda-graphs replays CUDA graphs"),
     ]:
         _expect_error(ValueError, flag, lambda: apply_dp_compression([ddp], bad_args))
     apply_dp_compression([ddp], _args("delta"))

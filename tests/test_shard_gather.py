@@ -300,3 +300,64 @@ def test_slot_gathers_nccl_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _check_slot_gathers(run_on_ranks(_slot_gathers, 2, backend="nccl"))
+
+
+def _graph_gathers():
+    """Sync-free gathers replayed as CUDA graphs (``cuda_graphs``; NCCL, one GPU per rank): three buckets coded as
+    one with slots of twice the last payloads, so that the capacity holds and the gather is captured after its
+    eager warm-up; the first transfer sync, the others async; a reset at step 8 (its graph released, the set
+    formed again). Bits equal to an uncompressed gather at every step; the replays counted."""
+    from compression import shard_gather
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank)
+    sizes = (1500, 70_001, 26_144)
+    rng = torch.Generator(device=device).manual_seed(100 + rank)
+    masters = [torch.randn(n * world, device=device, generator=torch.Generator(device=device).manual_seed(7)) * 0.02
+               for n in sizes]
+    storage = torch.cat(masters).to(torch.bfloat16)
+    buffers = list(storage.split([n * world for n in sizes]))
+    gathers = [ShardGather(DeltaCodec(DeltaConfig(256), world, rank), None, capacity_factor=2.0, cuda_graphs=True)
+               for _ in sizes]
+    fusions, replays = GatherFusions(), []
+    for step in range(14):
+        expected = []
+        for n, master, buffer in zip(sizes, masters, buffers):
+            own = slice(rank * n, (rank + 1) * n)
+            master[own] -= 1e-4 * torch.randn(n, device=device, generator=rng).clamp(-1, 1)
+            buffer[own] = master[own].to(torch.bfloat16)
+            buffer[own][:len(SPECIAL)] = torch.tensor(SPECIAL, dtype=torch.int32, device=device).to(
+                torch.int16).view(torch.bfloat16)
+            reference = torch.empty_like(buffer)
+            dist.all_gather_into_tensor(reference, buffer[own].contiguous())
+            expected.append(reference)
+        if step == 8:
+            gathers[0].reset()
+        prepared = prepare_gathers(gathers, buffers, fusions)
+        handles = [g.transfer(b, p, async_op=i > 0) for i, (g, b, p) in enumerate(zip(gathers, buffers, prepared))]
+        for handle in handles[1:]:
+            if handle is not None:
+                handle.wait()
+        for buffer, reference in zip(buffers, expected):
+            assert torch.equal(_bits(buffer), _bits(reference)), step
+        fused = prepared[0].fused
+        replays.append(fused.gather.graph_replays if fused is not None else None)
+    assert shard_gather.GRAPH_WARMUP == 2
+    return replays
+
+
+@pytest.mark.gpu
+def test_graph_gathers_nccl():
+    """On one GPU a world of one (the capture, replays and sizes; nothing to decode), on two the whole gather."""
+    world = min(2, torch.cuda.device_count())
+    for replays in run_on_ranks(_graph_gathers, world, backend="nccl"):
+        # step 0 keyframes, 1 the set's exchange, 2-3 eager slots, 4 captured and replayed, 5-7 replays; after the
+        # reset at step 8 new sets: 8 (two buckets) and 9 (all three) exchange, 10-11 eager, 12-13 replays
+        assert replays == [None, 0, 0, 0, 1, 2, 3, 4, None, 0, 0, 0, 1, 2], replays
+
+
+def test_cuda_graphs_need_slots():
+    with pytest.raises(ValueError, match="--delta-cuda-graphs captures sync-free gathers: add --delta-capacity-factor"):
+        ShardGather(DeltaCodec(DeltaConfig(256), 2, 0), None, cuda_graphs=True)
+    with pytest.raises(ValueError, match="--delta-capacity-factor must be 0 .* or >= 1.0"):
+        ShardGather(DeltaCodec(DeltaConfig(256), 2, 0), None, capacity_factor=0.8)

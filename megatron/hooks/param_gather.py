@@ -516,6 +516,8 @@ def _check_args(args) -> None:
         raise ValueError(
             f"--param-gather-verify-interval must be >= 0 (0 = off), got {args.param_gather_verify_interval}"
         )
+    if args.delta_cuda_graphs and not torch.cuda.is_available():
+        raise ValueError("--delta-cuda-graphs replays CUDA graphs and needs GPUs: drop the flag on CPU")
     if args.param_gather_selection not in ("all", "benefit"):
         raise ValueError(f"--param-gather-selection must be 'all' or 'benefit', got {args.param_gather_selection!r}")
     if args.param_gather_compression == "ciera":
@@ -546,7 +548,7 @@ def build_gather(args, group, comm_class: str, cast: bool = False):
         )
         return ShardGather(CieraCodec(config, world_size, rank), group, comm_class)
     return ShardGather(DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank, cast=cast), group,
-                       comm_class, capacity_factor=getattr(args, "delta_capacity_factor", 0.0))
+                       comm_class, capacity_factor=args.delta_capacity_factor, cuda_graphs=args.delta_cuda_graphs)
 
 
 def _check_supported(ddp: DistributedDataParallel, args) -> None:

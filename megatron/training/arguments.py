@@ -596,6 +596,9 @@ class CompressionArgs:
                                        "end instead); a payload that outgrows its slot is followed by the bucket's "
                                        "uncompressed all-gather (lossless). 0: exchange the sizes first; else >= 1, "
                                        "e.g. 1.25.")
+    delta_cuda_graphs: bool = arg(False, "With --delta-capacity-factor: capture each sync-free delta gather's device "
+                                  "work (encode, all-gather, decode) as a CUDA graph after 2 eager gathers and replay "
+                                  "it, cutting its host cost (GPUs only).")
     sdp4bit_group_size: int = arg(128, "SDP4Bit weight-difference quantization group (power of two, 16..4096).")
     sdp4bit_weight_bits: int = arg(4, "SDP4Bit weight-difference code bits.", choices=[4, 8])
     grad_reduce_compression: str = arg("none", "DP gradient reduce-scatter compression (lossy, SDP4Bit's Hadamard "
@@ -1378,6 +1381,8 @@ def _validate_compression(args) -> None:
     _check(not args.delta_capacity_factor or args.param_gather_compression == "delta",
            "--delta-capacity-factor sizes the slots of delta payloads: add --param-gather-compression delta or drop "
            "--delta-capacity-factor")
+    _check(not args.delta_cuda_graphs or args.delta_capacity_factor,
+           "--delta-cuda-graphs captures sync-free delta gathers: add --delta-capacity-factor (e.g. 1.25)")
     _check(not args.delta_capacity_factor or args.delta_capacity_factor >= 1.0,
            f"--delta-capacity-factor must be 0 (exchange payload sizes first) or >= 1.0, got "
            f"{args.delta_capacity_factor}")
