@@ -217,7 +217,8 @@ class _BenefitSelection:
 
 
     def _delta_candidates(self, group, bucket_groups: list, device) -> list:
-        """Payload bytes averaged over the group; encode and decode times of the slowest rank."""
+        """Payload bytes averaged over the group (as sent: in slots with --delta-capacity-factor); encode and decode
+        times of the slowest rank."""
         buckets = [(i, j, bucket, meter) for i, bg in enumerate(bucket_groups)
                    for j, (bucket, meter) in enumerate(zip(bg.buckets, self.meters[bg]))]
         # Unmeasured (fewer than two warm-up gathers): assume it would not shrink.
@@ -227,7 +228,9 @@ class _BenefitSelection:
         times = torch.tensor([m[1:] for m in measured], dtype=torch.float64, device=device)
         dist.all_reduce(payloads, group=group)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-        payloads, times = (payloads / group.size()).tolist(), times.tolist()
+        # a sync-free gather (--delta-capacity-factor) sends its slot, about that many times the payload
+        sent = max(1.0, self.args.delta_capacity_factor)
+        payloads, times = (payloads * sent / group.size()).tolist(), times.tolist()
         return [
             DeltaShardStats(key=(i, j), numel=bucket.param_data.numel() // group.size(), payload_bytes=payloads[k],
                             encode_seconds=times[k][0], decode_seconds=times[k][1], world_size=group.size(),
