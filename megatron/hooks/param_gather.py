@@ -47,6 +47,10 @@ Invariants:
 - ``--delta-fused-cast`` (megatron/hooks/fused_cast.py): the optimizer leaves the fp32 -> 16-bit copy of delta
   buckets ``cast_pending``; ``_param_gathers`` hands it to the bucket's delta encode (``ShardGather.cast_from``), or
   does it first where the bucket is not compressed this time.
+- ``--delta-capacity-factor F`` / ``--delta-cuda-graphs``: delta gathers that follow a gather with known sizes send
+  their payloads in slots of F x the last sizes, with no size exchange before the transfer (their one sync at the
+  end), and may be captured and replayed as CUDA graphs (compression/shard_gather.py); an overflowing payload is
+  followed by the bucket's uncompressed gather, so training stays bit-identical.
 - ``--param-gather-trial-iters`` (with ``benefit``): the per-bucket model can promise a gain that the
   iteration never sees (the gather overlaps compute, or costs less inside the step than alone), so
   after each choice the training loop (``SelectionSchedule``) alternates plain and compressed gathers
