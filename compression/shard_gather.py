@@ -56,6 +56,15 @@ SLOT_SHRINK = 1.5  # a slot is resized down only once it exceeds the next payloa
 GRAPH_WARMUP = 2  # eager sync-free gathers of one input and capacity before their work is captured (cuda_graphs)
 
 
+def next_capacity(capacity, largest: int, factor: float) -> int:
+    """The slot capacity after a gather whose largest payload was ``largest`` bytes: ``factor`` times it (rounded up to
+    ``SLOT_ROUND``), kept while it holds the payload and exceeds ``factor`` x ``largest`` by at most ``SLOT_SHRINK``x,
+    so that small changes of the payload keep the slots (and a captured gather) as they are."""
+    if capacity is None or largest > capacity or largest * factor * SLOT_SHRINK < capacity:
+        return _round_up(math.ceil(largest * factor), SLOT_ROUND)
+    return capacity
+
+
 def check_capacity_factor(factor: float) -> None:
     if factor and not factor >= 1.0:
         raise ValueError(f"--delta-capacity-factor must be 0 (exchange payload sizes first) or >= 1.0 (slots of "
@@ -162,9 +171,7 @@ class ShardGather:
         if not self.capacity_factor or not sync_free:
             self.capacity = None
             return
-        largest, capacity = max(sizes), self.capacity
-        if capacity is None or largest > capacity or largest * self.capacity_factor * SLOT_SHRINK < capacity:
-            self.capacity = _round_up(math.ceil(largest * self.capacity_factor), SLOT_ROUND)
+        self.capacity = next_capacity(self.capacity, max(sizes), self.capacity_factor)
 
     def observe(self, buffer: torch.Tensor) -> None:
         """This rank's slice of ``buffer`` went out uncompressed: code the next gather against it."""

@@ -356,6 +356,18 @@ def test_graph_gathers_nccl():
         assert replays == [None, 0, 0, 0, 1, 2, 3, 4, None, 0, 0, 0, 1, 2], replays
 
 
+def test_next_capacity():
+    from compression.shard_gather import SLOT_ROUND, next_capacity
+
+    assert next_capacity(None, 100_000, 1.25) == 126_976  # 1.25x, rounded up to whole 4 KiB
+    assert SLOT_ROUND == 4096
+    assert next_capacity(126_976, 126_976, 1.25) == 126_976  # a payload that fills the slot keeps it
+    assert next_capacity(126_976, 126_977, 1.25) == 159_744  # one byte more: resized
+    assert next_capacity(126_976, 67_800, 1.25) == 126_976  # shrinks only below 1 / (1.25 x 1.5) of the slot
+    assert next_capacity(126_976, 67_000, 1.25) == 86_016
+    assert next_capacity(4096, 10, 1.0) == 4096
+
+
 def test_cuda_graphs_need_slots():
     with pytest.raises(ValueError, match="--delta-cuda-graphs captures sync-free gathers: add --delta-capacity-factor"):
         ShardGather(DeltaCodec(DeltaConfig(256), 2, 0), None, cuda_graphs=True)
