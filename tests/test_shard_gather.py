@@ -361,10 +361,10 @@ def test_next_capacity():
 
     assert next_capacity(None, 100_000, 1.25) == 126_976  # 1.25x, rounded up to whole 4 KiB
     assert SLOT_ROUND == 4096
-    assert next_capacity(126_976, 126_976, 1.25) == 126_976  # a payload that fills the slot keeps it
-    assert next_capacity(126_976, 126_977, 1.25) == 159_744  # one byte more: resized
-    assert next_capacity(126_976, 67_800, 1.25) == 126_976  # shrinks only below 1 / (1.25 x 1.5) of the slot
-    assert next_capacity(126_976, 67_000, 1.25) == 86_016
+    assert next_capacity(126_976, 101_580, 1.25) == 126_976  # kept while it leaves the factor's headroom
+    assert next_capacity(126_976, 101_581, 1.25) == 131_072  # a byte more: grown before any payload outgrows it
+    assert next_capacity(126_976, 81_300, 1.25) == 126_976  # shrinks only below 1 / (1.25 x 1.25) of the slot
+    assert next_capacity(126_976, 81_200, 1.25) == 102_400
     assert next_capacity(4096, 10, 1.0) == 4096
 
 
