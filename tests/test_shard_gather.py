@@ -302,11 +302,13 @@ def test_slot_gathers_nccl_two_gpus():
     _check_slot_gathers(run_on_ranks(_slot_gathers, 2, backend="nccl"))
 
 
-def _graph_gathers():
+def _graph_gathers(cast=False):
     """Sync-free gathers replayed as CUDA graphs (``cuda_graphs``; NCCL, one GPU per rank): three buckets coded as
     one with slots of twice the last payloads, so that the capacity holds and the gather is captured after its
     eager warm-up; the first transfer sync, the others async; a reset at step 8 (its graph released, the set
-    formed again). Bits equal to an uncompressed gather at every step; the replays counted."""
+    formed again). ``cast``: the new values are fp32 masters that each gather's encode rounds into the buffer
+    (``CastShard``, ``--delta-fused-cast``). Bits equal to an uncompressed gather at every step; the replays
+    counted."""
     from compression import shard_gather
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -317,19 +319,24 @@ def _graph_gathers():
                for n in sizes]
     storage = torch.cat(masters).to(torch.bfloat16)
     buffers = list(storage.split([n * world for n in sizes]))
-    gathers = [ShardGather(DeltaCodec(DeltaConfig(256), world, rank), None, capacity_factor=2.0, cuda_graphs=True)
-               for _ in sizes]
+    gathers = [ShardGather(DeltaCodec(DeltaConfig(256), world, rank, cast=cast), None, capacity_factor=2.0,
+                           cuda_graphs=True) for _ in sizes]
     fusions, replays = GatherFusions(), []
     for step in range(14):
         expected = []
-        for n, master, buffer in zip(sizes, masters, buffers):
+        for n, master, buffer, gather in zip(sizes, masters, buffers, gathers):
             own = slice(rank * n, (rank + 1) * n)
             master[own] -= 1e-4 * torch.randn(n, device=device, generator=rng).clamp(-1, 1)
-            buffer[own] = master[own].to(torch.bfloat16)
-            buffer[own][:len(SPECIAL)] = torch.tensor(SPECIAL, dtype=torch.int32, device=device).to(
-                torch.int16).view(torch.bfloat16)
+            new = master[own].to(torch.bfloat16)
+            if cast:  # the encode rounds the masters into the buffer
+                gather.cast_from = master[own]
+            else:
+                buffer[own] = new
+                buffer[own][:len(SPECIAL)] = torch.tensor(SPECIAL, dtype=torch.int32, device=device).to(
+                    torch.int16).view(torch.bfloat16)
+                new = buffer[own].clone()
             reference = torch.empty_like(buffer)
-            dist.all_gather_into_tensor(reference, buffer[own].contiguous())
+            dist.all_gather_into_tensor(reference, new)
             expected.append(reference)
         if step == 8:
             gathers[0].reset()
@@ -350,10 +357,11 @@ def _graph_gathers():
 def test_graph_gathers_nccl():
     """On one GPU a world of one (the capture, replays and sizes; nothing to decode), on two the whole gather."""
     world = min(2, torch.cuda.device_count())
-    for replays in run_on_ranks(_graph_gathers, world, backend="nccl"):
-        # step 0 keyframes, 1 the set's exchange, 2-3 eager slots, 4 captured and replayed, 5-7 replays; after the
-        # reset at step 8 new sets: 8 (two buckets) and 9 (all three) exchange, 10-11 eager, 12-13 replays
-        assert replays == [None, 0, 0, 0, 1, 2, 3, 4, None, 0, 0, 0, 1, 2], replays
+    for cast in (False, True):
+        for replays in run_on_ranks(_graph_gathers, world, cast, backend="nccl"):
+            # step 0 keyframes, 1 the set's exchange, 2-3 eager slots, 4 captured and replayed, 5-7 replays; after
+            # the reset at step 8 new sets: 8 (two buckets) and 9 (all three) exchange, 10-11 eager, 12-13 replays
+            assert replays == [None, 0, 0, 0, 1, 2, 3, 4, None, 0, 0, 0, 1, 2], (cast, replays)
 
 
 def test_next_capacity():
