@@ -269,7 +269,10 @@ class ShardGather:
         replayed from then on."""
         x, capacity = prepared.encode_input, prepared.capacity
         key = (capacity, _input_key(x, buffer))
-        if self._graph is None or self._graph.key != key:
+        if self._graph is not None and self._graph.key != key:
+            # released at once: the eager gathers below may replace the slot buffers it replays into
+            self.release_graph()
+        if self._graph is None:
             calls = self._graph_calls[1] + 1 if self._graph_calls[0] == key else 1
             self._graph_calls = (key, calls)
             if calls <= GRAPH_WARMUP:
