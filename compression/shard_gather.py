@@ -31,9 +31,9 @@ host then launches one graph instead of ~0.6 ms of Python and kernel launches. I
 transfer rather than with the other buckets' in ``prepare_gathers``.
 
 Telemetry (class ``comm_class``): raw = this rank's shard bytes; sent = its padded payload plus the
-size message (or its slot, plus the raw shard after an overflow), i.e. what it hands to the collectives. A codec may declare extra integer stats with
-``stat_names`` (a tuple) and fill ``last_stats`` (dict name -> int) on every encode; they are
-declared at construction and added as counters ``<comm_class>/<name>``.
+size message (or its slot, plus the raw shard after an overflow), i.e. what it hands to the collectives. A
+codec may declare extra integer stats with ``stat_names`` (a tuple) and fill ``last_stats`` (dict name -> int)
+on every encode; they are declared at construction and added as counters ``<comm_class>/<name>``.
 """
 
 import logging
@@ -88,6 +88,19 @@ class PendingGather:
             self._finish()
 
 
+class _Slots:
+    """A sync-free gather's buffers: this rank's send slot of ``width`` bytes, the receive buffer (every rank's slot,
+    then the decoders' read slack), the sizes' view in it and their ``HostValues`` (made by the first gather)."""
+
+    def __init__(self, width: int, world_size: int, read_slack: int, device):
+        self.width = width
+        self.send = torch.zeros(width, dtype=torch.uint8, device=device)
+        self.recv = torch.zeros(width * world_size + read_slack, dtype=torch.uint8, device=device)
+        self.rows = self.recv[:width * world_size]
+        self.sizes = self.rows.view(world_size, width)[:, :SIZE_BYTES].view(torch.int64)[:, 0]
+        self.landed = None
+
+
 @dataclass
 class _SlotGraph:
     """A captured sync-free gather (``ShardGather`` with ``cuda_graphs``): what its replays need."""
@@ -96,8 +109,7 @@ class _SlotGraph:
     graph: "torch.cuda.CUDAGraph"
     stream: "torch.cuda.Stream"  # replays run here, after the current stream's work
     start: EncodeStart  # the captured encode's (its totals are refreshed by every replay)
-    landed: HostValues  # the slots' sizes, refreshed by every replay
-    width: int
+    slots: _Slots  # its buffers; their sizes' HostValues are refreshed by every replay
 
 
 def _input_key(x, buffer) -> tuple:
@@ -131,7 +143,7 @@ class ShardGather:
         self.comm_class = comm_class
         self.capacity_factor = capacity_factor
         self.capacity = None  # payload bytes of the next sync-free gather's slots (None: exchange the sizes)
-        self._slots = None  # (send, receive) buffers of the current capacity, and the sizes' HostValues
+        self._slots = None  # the _Slots of the current capacity
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._message_nbytes = SIZE_BYTES + _round_up(codec.header_nbytes, SIZE_BYTES)
@@ -243,20 +255,16 @@ class ShardGather:
         if prepared.start is None:  # cuda_graphs: the encode was left to here
             return self._transfer_graphed(buffer, prepared, async_op)
         capacity = prepared.capacity
-        width = SLOT_PREFIX + _round_up(capacity, ALIGN)
-        send, recv = self._slot_buffers(width, buffer.device)
-        self.codec.finish_encode_into_slot(prepared.start, send[SLOT_PREFIX:SLOT_PREFIX + capacity],
-                                           send[:SIZE_BYTES].view(torch.int64))
-        rows = recv[:width * self.world_size]
-        work = dist.all_gather_into_tensor(rows, send, group=self.group, async_op=async_op)
+        slots = self._slots_of(capacity, buffer.device)
+        work = self._send_slot(prepared.start, slots, capacity, async_op)
 
         def finish():
-            sizes = rows.view(self.world_size, width)[:, :SIZE_BYTES].view(torch.int64)[:, 0]
-            self.codec.decode_slots(buffer, recv[SLOT_PREFIX:], width, sizes, capacity,
-                                    self.rank if self.codec.lossless else -1)
-            landed = self._slots[2]
-            landed = self._slots[2] = HostValues(sizes) if landed is None else landed.update(sizes)
-            self._slots_landed(buffer, prepared.start, landed.get(), capacity, width)
+            self._decode_slots(buffer, slots, capacity)
+            if slots.landed is None:
+                slots.landed = HostValues(slots.sizes)
+            else:
+                slots.landed.update(slots.sizes)
+            self._slots_landed(buffer, prepared.start, slots.landed.get(), capacity, slots.width)
 
         if async_op:
             return PendingGather(work, finish)
@@ -292,7 +300,8 @@ class ShardGather:
         def finish():
             torch.cuda.current_stream().wait_event(done)
             done.synchronize()
-            self._slots_landed(buffer, graph.start, graph.landed.get(synced=True), capacity, graph.width, synced=True)
+            self._slots_landed(buffer, graph.start, graph.slots.landed.get(synced=True), capacity, graph.slots.width,
+                               synced=True)
 
         if async_op:
             return PendingGather(True, finish)
@@ -306,37 +315,38 @@ class ShardGather:
             raise ValueError(f"--delta-cuda-graphs captures the all-gather and needs the NCCL backend, got "
                              f"{dist.get_backend(self.group)}: drop the flag")
         self.release_graph()
-        width = SLOT_PREFIX + _round_up(capacity, ALIGN)
-        send, recv = self._slot_buffers(width, buffer.device)
-        rows = recv[:width * self.world_size]
-        sizes = rows.view(self.world_size, width)[:, :SIZE_BYTES].view(torch.int64)[:, 0]
-        if self._slots[2] is None:  # pinned memory is made outside the capture
-            self._slots[2] = HostValues(sizes)
-        landed = self._slots[2]
+        slots = self._slots_of(capacity, buffer.device)
+        if slots.landed is None:  # pinned memory is made outside the capture
+            slots.landed = HostValues(slots.sizes)
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(buffer.device)
         torch.cuda.synchronize()
         # thread_local: NCCL's watchdog thread keeps querying its events while this thread captures
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             start = self.codec.begin_encode(x)
-            self.codec.finish_encode_into_slot(start, send[SLOT_PREFIX:SLOT_PREFIX + capacity],
-                                               send[:SIZE_BYTES].view(torch.int64))
-            dist.all_gather_into_tensor(rows, send, group=self.group)
-            self.codec.decode_slots(buffer, recv[SLOT_PREFIX:], width, sizes, capacity,
-                                    self.rank if self.codec.lossless else -1)
-            landed.update(sizes)
-        self._graph = _SlotGraph(key, graph, stream, start, landed, width)
+            self._send_slot(start, slots, capacity, async_op=False)
+            self._decode_slots(buffer, slots, capacity)
+            slots.landed.update(slots.sizes)
+        self._graph = _SlotGraph(key, graph, stream, start, slots)
         if self.rank == 0:
             logger.info("%s: sync-free gather of %d-byte slots captured as a CUDA graph", self.comm_class, capacity)
 
-    def _slot_buffers(self, width: int, device) -> tuple:
-        """The send slot and the receive buffer (with the decoders' read slack) for slots of ``width`` bytes, kept
-        while the capacity stays (a gather's decodes and its sync end before the next one writes them)."""
-        send = self._slots[0] if self._slots is not None else None
-        if send is None or send.numel() != width or send.device != device:
-            n = width * self.world_size + self.codec.read_slack_bytes
-            self._slots = [torch.zeros(width, dtype=torch.uint8, device=device),
-                           torch.zeros(n, dtype=torch.uint8, device=device), None]
-        return self._slots[0], self._slots[1]
+    def _slots_of(self, capacity: int, device) -> "_Slots":
+        """The buffers of slots of ``capacity`` bytes, kept while the capacity stays (a gather's decodes and its
+        sync end before the next one writes them)."""
+        width = SLOT_PREFIX + _round_up(capacity, ALIGN)
+        if self._slots is None or self._slots.width != width or self._slots.send.device != device:
+            self._slots = _Slots(width, self.world_size, self.codec.read_slack_bytes, device)
+        return self._slots
+
+    def _send_slot(self, start: EncodeStart, slots: "_Slots", capacity: int, async_op: bool):
+        """This rank's payload and size into its slot, then the all-gather of every rank's."""
+        self.codec.finish_encode_into_slot(start, slots.send[SLOT_PREFIX:SLOT_PREFIX + capacity],
+                                           slots.send[:SIZE_BYTES].view(torch.int64))
+        return dist.all_gather_into_tensor(slots.rows, slots.send, group=self.group, async_op=async_op)
+
+    def _decode_slots(self, buffer, slots: "_Slots", capacity: int) -> None:
+        self.codec.decode_slots(buffer, slots.recv[SLOT_PREFIX:], slots.width, slots.sizes, capacity,
+                                self.rank if self.codec.lossless else -1)
 
     def _slots_landed(self, buffer, start: EncodeStart, sizes: list, capacity: int, width: int,
                       synced: bool = False) -> None:
@@ -499,7 +509,8 @@ def _exchange(gathers: list, buffers: list) -> list:
     """``prepare_gathers`` of units: begin each encode; the units whose slots are sized (sync-free) are ready, the
     others' size messages go in one all-gather, with one sync."""
     inputs = [g._encode_input(b) for g, b in zip(gathers, buffers)]
-    deferred = [g.cuda_graphs and g.capacity is not None and g.codec.sync_free_input(x) for g, x in zip(gathers, inputs)]
+    deferred = [g.cuda_graphs and g.capacity is not None and g.codec.sync_free_input(x)
+                for g, x in zip(gathers, inputs)]
     starts = [None if d else g.codec.begin_encode(x) for g, x, d in zip(gathers, inputs, deferred)]
     ready = [PreparedGather(None, None, None, capacity=g.capacity, encode_input=x) if d
              else PreparedGather(start, None, None, capacity=g.capacity)

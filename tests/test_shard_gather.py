@@ -178,6 +178,37 @@ def test_bench_param_gather_dry_run(tmp_path):
     assert slots["codec"] == "delta-slots" and slots["steps"][-1]["sent_bytes"] % 4096 == 16
 
 
+def _one_storage(sizes, world, device):
+    """fp32 masters of ``world`` ranks' shards of buckets of ``sizes`` values per rank (the same on every rank), and
+    the bf16 buckets as views of one storage, as megatron-core's buckets lie in one buffer."""
+    masters = [torch.randn(n * world, device=device, generator=torch.Generator(device=device).manual_seed(7)) * 0.02
+               for n in sizes]
+    storage = torch.cat(masters).to(torch.bfloat16)
+    return masters, list(storage.split([n * world for n in sizes]))
+
+
+def _step(masters, buffers, sizes, rank, lr, rng, cast_into=None):
+    """An optimizer-like step of this rank's shards; returns each bucket's uncompressed gather of the new values.
+    The new bf16 values go into the buffers with special patterns at their start, or, with ``cast_into`` (a gather per
+    bucket), stay fp32 masters for the gathers' encodes to round (``cast_from``: ``--delta-fused-cast``)."""
+    expected = []
+    for k, (n, master, buffer) in enumerate(zip(sizes, masters, buffers)):
+        own = slice(rank * n, (rank + 1) * n)
+        master[own] -= lr * torch.randn(n, device=master.device, generator=rng).clamp(-1, 1)
+        if cast_into is not None:
+            cast_into[k].cast_from = master[own]
+            new = master[own].to(torch.bfloat16)
+        else:
+            buffer[own] = master[own].to(torch.bfloat16)
+            special = torch.tensor(SPECIAL, dtype=torch.int32, device=master.device).to(torch.int16)
+            buffer[own][:len(SPECIAL)] = special.view(torch.bfloat16)
+            new = buffer[own].contiguous()
+        reference = torch.empty_like(buffer)
+        dist.all_gather_into_tensor(reference, new)
+        expected.append(reference)
+    return expected
+
+
 def _prepared_buckets():
     """Delta and CIERA on three buckets of odd sizes per rank (special values in each), prepared together and
     transferred async before any wait, for several steps; bits equal to an uncompressed gather. Delta also with
@@ -190,22 +221,10 @@ def _prepared_buckets():
     rng = torch.Generator(device=device).manual_seed(100 + rank)
     delta, ciera = lambda: DeltaCodec(DeltaConfig(256), world, rank), lambda: CieraCodec(CieraConfig(512), world, rank)
     for codec_of, fusions in ((delta, None), (ciera, None), (delta, GatherFusions())):
-        masters = [torch.randn(n * world, device=device, generator=torch.Generator(device=device).manual_seed(7)) * 0.02
-                   for n in sizes]
-        storage = torch.cat(masters).to(torch.bfloat16)
-        buffers = list(storage.split([n * world for n in sizes]))  # views of one storage, as megatron's buckets
+        masters, buffers = _one_storage(sizes, world, device)
         gathers = [ShardGather(codec_of(), None) for _ in sizes]
         for step in range(6):
-            expected = []
-            for n, master, buffer in zip(sizes, masters, buffers):
-                own = slice(rank * n, (rank + 1) * n)
-                master[own] -= 1e-4 * torch.randn(n, device=device, generator=rng).clamp(-1, 1)
-                buffer[own] = master[own].to(torch.bfloat16)
-                special = torch.tensor(SPECIAL, dtype=torch.int32, device=device).to(torch.int16)
-                buffer[own][:len(SPECIAL)] = special.view(torch.bfloat16)
-                reference = torch.empty_like(buffer)
-                dist.all_gather_into_tensor(reference, buffer[own].contiguous())
-                expected.append(reference)
+            expected = _step(masters, buffers, sizes, rank, 1e-4, rng)
             if fusions is not None and step == 3:
                 gathers[2].reset()
             prepared = prepare_gathers(gathers, buffers, fusions)
@@ -249,23 +268,11 @@ def _slot_gathers():
     TELEMETRY.reset()
     sizes = (1500, 70_001, 26_144)
     rng = torch.Generator(device=device).manual_seed(100 + rank)
-    masters = [torch.randn(n * world, device=device, generator=torch.Generator(device=device).manual_seed(7)) * 0.02
-               for n in sizes]
-    storage = torch.cat(masters).to(torch.bfloat16)
-    buffers = list(storage.split([n * world for n in sizes]))
+    masters, buffers = _one_storage(sizes, world, device)
     gathers = [ShardGather(DeltaCodec(DeltaConfig(256), world, rank), None, capacity_factor=1.0) for _ in sizes]
     fusions, slotted = GatherFusions(), []
     for step in range(9):
-        expected = []
-        for n, master, buffer in zip(sizes, masters, buffers):
-            own = slice(rank * n, (rank + 1) * n)
-            master[own] -= 1e-5 * 3 ** min(step, 4) * torch.randn(n, device=device, generator=rng).clamp(-1, 1)
-            buffer[own] = master[own].to(torch.bfloat16)
-            buffer[own][:len(SPECIAL)] = torch.tensor(SPECIAL, dtype=torch.int32, device=device).to(
-                torch.int16).view(torch.bfloat16)
-            reference = torch.empty_like(buffer)
-            dist.all_gather_into_tensor(reference, buffer[own].contiguous())
-            expected.append(reference)
+        expected = _step(masters, buffers, sizes, rank, 1e-5 * 3 ** min(step, 4), rng)
         if step == 5:
             gathers[2].reset()
         prepared = prepare_gathers(gathers, buffers, fusions)
@@ -315,29 +322,12 @@ def _graph_gathers(cast=False):
     device = torch.device("cuda", rank)
     sizes = (1500, 70_001, 26_144)
     rng = torch.Generator(device=device).manual_seed(100 + rank)
-    masters = [torch.randn(n * world, device=device, generator=torch.Generator(device=device).manual_seed(7)) * 0.02
-               for n in sizes]
-    storage = torch.cat(masters).to(torch.bfloat16)
-    buffers = list(storage.split([n * world for n in sizes]))
+    masters, buffers = _one_storage(sizes, world, device)
     gathers = [ShardGather(DeltaCodec(DeltaConfig(256), world, rank, cast=cast), None, capacity_factor=2.0,
                            cuda_graphs=True) for _ in sizes]
     fusions, replays = GatherFusions(), []
     for step in range(14):
-        expected = []
-        for n, master, buffer, gather in zip(sizes, masters, buffers, gathers):
-            own = slice(rank * n, (rank + 1) * n)
-            master[own] -= 1e-4 * torch.randn(n, device=device, generator=rng).clamp(-1, 1)
-            new = master[own].to(torch.bfloat16)
-            if cast:  # the encode rounds the masters into the buffer
-                gather.cast_from = master[own]
-            else:
-                buffer[own] = new
-                buffer[own][:len(SPECIAL)] = torch.tensor(SPECIAL, dtype=torch.int32, device=device).to(
-                    torch.int16).view(torch.bfloat16)
-                new = buffer[own].clone()
-            reference = torch.empty_like(buffer)
-            dist.all_gather_into_tensor(reference, new)
-            expected.append(reference)
+        expected = _step(masters, buffers, sizes, rank, 1e-4, rng, gathers if cast else None)
         if step == 8:
             gathers[0].reset()
         prepared = prepare_gathers(gathers, buffers, fusions)
