@@ -445,6 +445,40 @@ def test_slots_reference():
     _check_slots()
 
 
+def _check_sync_free_promise(device="cpu", triton=True, n=300):
+    """``sync_free_input`` (what a CUDA-graph gather decides before encoding: a sync-free encode all on the device)
+    keeps its promise: it holds exactly for the Triton path's deltas, each of which ``sync_free`` then accepts (the
+    reference's deltas go in slots too, eagerly). Through the states that decide it: a new codec, a delta, a reset, a
+    fused-cast codec before and after its first ``CastShard``, and a plain shard handed to it (a keyframe)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, generator=g).to(torch.bfloat16).to(device)
+    master = torch.randn(n, generator=g).to(device)
+
+    def check(codec, shard, delta):
+        promised = codec.sync_free_input(shard)
+        start = codec.begin_encode(shard)
+        assert promised == (delta and triton) and codec.sync_free(start) == delta, (promised, delta)
+        out = torch.empty(int(start.nbytes), dtype=torch.uint8, device=device)
+        codec.finish_encode(start, out)
+
+    plain = DeltaCodec(DeltaConfig(64), 2, 0, triton=triton)
+    check(plain, x, False)  # keyframe
+    x.view(torch.int16)[::7] += 1
+    check(plain, x, True)
+    plain.reset()
+    check(plain, x, False)
+    cast = DeltaCodec(DeltaConfig(64), 2, 0, triton=triton, cast=True)
+    target = x.clone()
+    check(cast, CastShard(target, master), False)  # the first cast is a keyframe
+    check(cast, CastShard(target, master + 1e-3), True)
+    check(cast, target, False)  # no cast pending: its values are already in the buffer
+    assert not cast.sync_free_input(torch.empty(0, dtype=torch.bfloat16, device=device))  # empty shards: the reference
+
+
+def test_sync_free_promise_reference():
+    _check_sync_free_promise(triton=False)
+
+
 @pytest.mark.parametrize("padding", [[], ["--megatron-padding"]])
 def test_bench_delta_buckets_cpu(tmp_path, padding):
     """The buckets benchmark's CPU smoke run: both modes decode bit-exactly (it raises otherwise), same wire; with
@@ -720,7 +754,8 @@ def test_triton_matches_reference_interpreted():
             "test_delta._check_tiled_kernels_match_reference(); test_delta._check_scan_tiles(); "
             "test_delta._check_width_choice(); "
             "test_delta._check_segments(triton=True); test_delta._check_decode_gathered(triton=True); "
-            "test_delta._check_slots(triton=True); test_delta._check_cast_shards(triton=True); test_delta._check_cast_segments(triton=True)")
+            "test_delta._check_slots(triton=True); test_delta._check_sync_free_promise(); "
+            "test_delta._check_cast_shards(triton=True); test_delta._check_cast_segments(triton=True)")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -760,6 +795,7 @@ def test_triton_matches_reference_cuda():
     _check_segments("cuda", triton=True)
     _check_decode_gathered("cuda", triton=True)
     _check_slots("cuda", triton=True)
+    _check_sync_free_promise("cuda")
     _check_cast_shards("cuda", triton=True, exact=False)
     for block_size in (256, 512):
         _check_cast_shards("cuda", triton=True, exact=False, block_size=block_size, n=300_007)
