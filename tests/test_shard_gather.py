@@ -209,6 +209,19 @@ def _step(masters, buffers, sizes, rank, lr, rng, cast_into=None):
     return expected
 
 
+def _gather_and_check(gathers, buffers, fusions, expected, step) -> list:
+    """One round of prepared gathers (the first transfer sync, the others async, waited for), each bucket's bits
+    checked against ``expected``; returns the ``PreparedGather``s."""
+    prepared = prepare_gathers(gathers, buffers, fusions)
+    handles = [g.transfer(b, p, async_op=i > 0) for i, (g, b, p) in enumerate(zip(gathers, buffers, prepared))]
+    for handle in handles[1:]:
+        if handle is not None:
+            handle.wait()
+    for buffer, reference in zip(buffers, expected):
+        assert torch.equal(_bits(buffer), _bits(reference)), step
+    return prepared
+
+
 def _prepared_buckets():
     """Delta and CIERA on three buckets of odd sizes per rank (special values in each), prepared together and
     transferred async before any wait, for several steps; bits equal to an uncompressed gather. Delta also with
@@ -275,14 +288,8 @@ def _slot_gathers():
         expected = _step(masters, buffers, sizes, rank, 1e-5 * 3 ** min(step, 4), rng)
         if step == 5:
             gathers[2].reset()
-        prepared = prepare_gathers(gathers, buffers, fusions)
+        prepared = _gather_and_check(gathers, buffers, fusions, expected, step)
         slotted.append([(p.fused.prepared if p.fused is not None else p).capacity is not None for p in prepared])
-        handles = [g.transfer(b, p, async_op=i > 0) for i, (g, b, p) in enumerate(zip(gathers, buffers, prepared))]
-        for handle in handles[1:]:
-            if handle is not None:
-                handle.wait()
-        for buffer, reference in zip(buffers, expected):
-            assert torch.equal(_bits(buffer), _bits(reference)), step
     counters = dict(zip(TELEMETRY.extra_names(), TELEMETRY.counters()[2 * len(COMM_CLASSES):]))
     return slotted, counters["dp_param_gather/slot_gathers"], counters["dp_param_gather/slot_overflows"]
 
@@ -330,13 +337,7 @@ def _graph_gathers(cast=False):
         expected = _step(masters, buffers, sizes, rank, 1e-4, rng, gathers if cast else None)
         if step == 8:
             gathers[0].reset()
-        prepared = prepare_gathers(gathers, buffers, fusions)
-        handles = [g.transfer(b, p, async_op=i > 0) for i, (g, b, p) in enumerate(zip(gathers, buffers, prepared))]
-        for handle in handles[1:]:
-            if handle is not None:
-                handle.wait()
-        for buffer, reference in zip(buffers, expected):
-            assert torch.equal(_bits(buffer), _bits(reference)), step
+        prepared = _gather_and_check(gathers, buffers, fusions, expected, step)
         fused = prepared[0].fused
         replays.append(fused.gather.graph_replays if fused is not None else None)
     assert shard_gather.GRAPH_WARMUP == 2
