@@ -232,12 +232,16 @@ def main():
                     res.update(share_and_bound(base, res, kind))
                     bound_text = f"  share {res['baseline_comm_share']:.1%} bound {res.get('bound', 1.0):.3f}x"
             results["runs"].append(res)
+            save(results, args.out)  # after every run: a time-out keeps the runs before it
             print(f"{link:16s} {name:10s} {res['median_iter_time_s'] * 1e3:9.1f} ms/iter "
                   f"{res.get('tokens_per_s', 0):10.0f} tok/s  MFU {res.get('mfu', 0) * 100:5.1f}%  "
                   f"speedup {res['speedup_vs_baseline']:.3f}x  (iteration IQR {res['relative_iqr']:.1%}){bound_text}",
                   flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+
+
+def save(results: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(results, f, indent=1)
 
 
