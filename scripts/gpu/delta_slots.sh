@@ -3,9 +3,9 @@
 # size exchange before the transfer. The GPU tests (TESTS: the slot kernels against the reference, and on 2 GPUs the
 # slot gathers over NCCL), then bench_delta_buckets.py (one gather's codec work on one GPU, 8 Megatron-padded buckets
 # coded as one, WORLDS simulated ranks: fused with the size exchange vs fused_slots: wall, host and device ms, at LRS);
-# on 2 GPUs also bench_param_gather.py (8 buckets fused: NCCL bf16, delta, delta-slots, and replayed as CUDA graphs) at
-# LINKS, and with E2E=1 the exposed gather end to end (GPT-350M DP=2 as session 15: baseline, delta on every bucket,
-# in slots, and replayed as graphs) at E2E_LINKS.
+# on 2 GPUs also bench_param_gather.py (8 buckets fused: NCCL bf16, delta, delta-slots, and replayed as CUDA graphs;
+# 20 steps, so that the graphs' median is their replays) at LINKS, and with E2E=1 the exposed gather end to end
+# (GPT-350M DP=2 as session 15: baseline, delta on every bucket, in slots, and replayed as graphs) at E2E_LINKS.
 # Usage (device machine, repo root):
 #   [WORLDS="2 8"] [LRS=1e-4] [LINKS="nvlink p2p_off sockets"] [E2E=1 E2E_LINKS=...] bash scripts/gpu/delta_slots.sh
 set -uo pipefail
@@ -21,7 +21,7 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   for link in ${LINKS:-nvlink p2p_off sockets}; do
     case $link in nvlink) env="";; p2p_off) env="NCCL_P2P_DISABLE=1";; sockets) env="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1";; esac
     env $env timeout 120 torchrun --standalone --nproc-per-node 2 benchmarks/bench_param_gather.py \
-      --codecs none delta delta-slots delta-slots-graphs --buckets 8 --fuse-buckets --steps 8 --repeats 3 \
+      --codecs none delta delta-slots delta-slots-graphs --buckets 8 --fuse-buckets --steps 20 --repeats 3 \
       --out $RES/param_gather_slots_$link.json 2>&1 | grep -v -i warn | tail -5
   done
   if [ -n "${E2E:-}" ]; then
@@ -29,5 +29,6 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       --links ${E2E_LINKS:-p2p_off_25GBps sockets_4GBps nvlink} --variants delta_all delta_all_slots delta_all_slots_graphs --comm-profile \
       --micro-batch-size 4 --global-batch-size 8 --train-iters 40 --warmup 31 --log-dir /tmp/slots_e2e \
       --out $RES/e2e_exposed_slots.json 2>&1 | grep -E "speedup|bound|Error"
+    cp /tmp/slots_e2e/*.log /tmp/slots_e2e/*.jsonl $RES/ 2>/dev/null
   fi
 fi
