@@ -18,6 +18,8 @@ how the values moved and the codec runs on the critical path of the gather:
 
     g = Comm(S) - Comm(P) - Comm(size exchange) - T_encode - (world - 1) * T_decode
 
+(in slots, ``--delta-capacity-factor``, P is the slot's bytes and there is no size exchange).
+
 Shards with g > 0 are compressed (no budget: the sender's previous shard is the codec's only memory).
 
 Every rank must select the same shards: ``profile_comm`` reduces its timings with MAX over the group,
@@ -126,6 +128,7 @@ class DeltaShardStats:
     decode_seconds: float  # of one payload; every receiver decodes world_size - 1 of them
     world_size: int
     sender_copy: bool = True  # False with --delta-fused-cast: the encode codes against the buffer itself
+    size_exchange: bool = True  # False in slots (--delta-capacity-factor): the sizes go with the payloads
 
     @property
     def cache_bytes(self) -> int:
@@ -139,8 +142,9 @@ def gain_seconds(s, comm: CommModel, merge_seconds_per_byte: float = 0.0) -> flo
     """Expected seconds saved per gather by compressing shard ``s`` (ShardStats or DeltaShardStats)."""
     raw = s.numel * 2
     if isinstance(s, DeltaShardStats):
-        return (comm.time(raw) - comm.time(s.payload_bytes) - comm.time(SIZE_EXCHANGE_BYTES)
-                - s.encode_seconds - (s.world_size - 1) * s.decode_seconds)
+        exchange = comm.time(SIZE_EXCHANGE_BYTES) if s.size_exchange else 0.0
+        return (comm.time(raw) - comm.time(s.payload_bytes) - exchange - s.encode_seconds
+                - (s.world_size - 1) * s.decode_seconds)
     return comm.time(raw) - comm.time(expected_payload_bytes(s)) - merge_seconds_per_byte * raw
 
 

@@ -90,6 +90,8 @@ def test_delta_gain_charges_codec_time_and_size_exchange():
     want = (SLOW_LINK.time(8 * MIB) - SLOW_LINK.time(MIB) - SLOW_LINK.time(SIZE_EXCHANGE_BYTES)
             - 1e-3 - 3 * 0.5e-3)
     assert gain_seconds(shard, SLOW_LINK) == pytest.approx(want)
+    in_slots = dataclasses.replace(shard, size_exchange=False)  # --delta-capacity-factor: sizes ride in the slots
+    assert gain_seconds(in_slots, SLOW_LINK) == pytest.approx(want + SLOW_LINK.time(SIZE_EXCHANGE_BYTES))
     # 8 MiB -> 1 MiB saves ~1.8 ms at 4 GB/s (less than the 2.5 ms of coding) and ~7.3 ms at 1 GB/s
     assert select_shards([shard], SLOW_LINK, None) == set()
     assert select_shards([shard], CommModel(20e-6, 1 / 1e9), None) == {"w"}

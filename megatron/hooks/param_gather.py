@@ -238,7 +238,8 @@ class _BenefitSelection:
         return [
             DeltaShardStats(key=(i, j), numel=bucket.param_data.numel() // group.size(), payload_bytes=payloads[k],
                             encode_seconds=times[k][0], decode_seconds=times[k][1], world_size=group.size(),
-                            sender_copy=not bucket_groups[i].fused_cast)
+                            sender_copy=not bucket_groups[i].fused_cast,
+                            size_exchange=not self.args.delta_capacity_factor)
             for k, (i, j, bucket, _) in enumerate(buckets)
         ]
 
