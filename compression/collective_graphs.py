@@ -40,13 +40,20 @@ def _telemetry_delta(before: list, after: list) -> list:
             for i, c in enumerate(COMM_CLASSES) if after[2 * i] != before[2 * i] or after[2 * i + 1] != before[2 * i + 1]]
 
 
-_LIVE: "weakref.WeakSet[CollectiveGraphs]" = weakref.WeakSet()
+# every live owner of captured collectives (CollectiveGraphs, and ShardGather with cuda_graphs)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def track_graphs(owner) -> None:
+    """Have ``release_all_graphs`` call ``owner.release_graphs()`` while ``owner`` lives."""
+    _LIVE.add(owner)
 
 
 def release_all_graphs() -> None:
-    """Free the CUDA graphs of every ``CollectiveGraphs``: call before destroying process groups."""
-    for graphs in list(_LIVE):
-        graphs.release()
+    """Free every tracked owner's CUDA graphs: call before destroying process groups (a live graph holding NCCL
+    kernels makes ``destroy_process_group`` hang in ncclCommDestroy)."""
+    for owner in list(_LIVE):
+        owner.release_graphs()
 
 
 class CollectiveGraphs:
@@ -59,9 +66,9 @@ class CollectiveGraphs:
         self._calls: dict = {}
         self._graphs: dict = {}
         self._pool = None
-        _LIVE.add(self)
+        track_graphs(self)
 
-    def release(self) -> None:
+    def release_graphs(self) -> None:
         """Free the captured graphs (a later call of a key starts its warm-up again)."""
         if self._graphs:
             torch.cuda.synchronize()

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from compression.codec import CastShard, EncodeStart, HostValues, Segments, ShardCodec, shard_of
+from compression.collective_graphs import track_graphs
 from compression.telemetry import TELEMETRY
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,8 @@ class ShardGather:
             raise ValueError("--delta-cuda-graphs captures sync-free gathers: add --delta-capacity-factor (e.g. 1.25)")
         self.codec = codec
         self.cuda_graphs = cuda_graphs
+        if cuda_graphs:
+            track_graphs(self)
         self._graph = None  # the _SlotGraph of the current input and capacity
         self._graph_calls = (None, 0)  # (key, eager sync-free gathers of it) before a capture
         self.graph_replays = 0
@@ -170,9 +173,9 @@ class ShardGather:
         """The next gather is a keyframe (call on every rank together)."""
         self.codec.reset()
         self.capacity = None
-        self.release_graph()
+        self.release_graphs()
 
-    def release_graph(self) -> None:
+    def release_graphs(self) -> None:
         """Free the captured gather, if any (the next sync-free gathers run eagerly until captured again)."""
         if self._graph is not None:
             torch.cuda.synchronize()
@@ -279,7 +282,7 @@ class ShardGather:
         key = (capacity, _input_key(x, buffer))
         if self._graph is not None and self._graph.key != key:
             # released at once: the eager gathers below may replace the slot buffers it replays into
-            self.release_graph()
+            self.release_graphs()
         if self._graph is None:
             calls = self._graph_calls[1] + 1 if self._graph_calls[0] == key else 1
             self._graph_calls = (key, calls)
@@ -314,7 +317,7 @@ class ShardGather:
         if dist.get_backend(self.group) != "nccl":
             raise ValueError(f"--delta-cuda-graphs captures the all-gather and needs the NCCL backend, got "
                              f"{dist.get_backend(self.group)}: drop the flag")
-        self.release_graph()
+        self.release_graphs()
         slots = self._slots_of(capacity, buffer.device)
         if slots.landed is None:  # pinned memory is made outside the capture
             slots.landed = HostValues(slots.sizes)
@@ -435,7 +438,7 @@ class GatherFusions:
     def drop(self, gather: ShardGather) -> None:
         """Forget the fused set ``gather`` belongs to (it is being replaced): its state goes with it."""
         for key in [k for k in self._fused if gather in k]:
-            self._fused.pop(key)[0].release_graph()
+            self._fused.pop(key)[0].release_graphs()
 
     def plan(self, gathers: list, buffers: list, alone=()) -> list:
         """``gathers``/``buffers`` split into units: (gather, buffer, member indices) with one gather per unit,
@@ -466,7 +469,7 @@ class GatherFusions:
                 a is b for a, b in zip(entry[1].buffers, buffers)):
             return entry
         for other in [k for k in self._fused if set(k) & set(key)]:  # their views move to the new one
-            self._fused.pop(other)[0].release_graph()
+            self._fused.pop(other)[0].release_graphs()
         lead = gathers[0]
         segments = Segments(buffers, lead.world_size)
         codec = type(lead.codec).fused([g.codec for g in gathers], segments)

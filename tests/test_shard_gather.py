@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from compression.ciera import CieraCodec, CieraConfig
 from compression.codec import ShardCodec
+from compression.collective_graphs import release_all_graphs
 from compression.delta import DeltaCodec, DeltaConfig
 from compression.shard_gather import GatherFusions, ShardGather, prepare_gathers
 from compression.telemetry import COMM_CLASSES, TELEMETRY
@@ -341,6 +342,11 @@ def _graph_gathers(cast=False):
         fused = prepared[0].fused
         replays.append(fused.gather.graph_replays if fused is not None else None)
     assert shard_gather.GRAPH_WARMUP == 2
+    # the driver's end: the gathers still live (as in training's model), their graphs released, then the groups
+    # destroyed (a live graph holding NCCL kernels hangs destroy_process_group)
+    release_all_graphs()
+    assert fused.gather._graph is None
+    dist.destroy_process_group()
     return replays
 
 
