@@ -141,17 +141,31 @@ def share_and_bound(base: dict, run: dict, kind: str) -> dict:
     return out
 
 
-def run_one(nproc, script, flags, env_extra, metrics, log):
+def run_one(nproc, script, flags, env_extra, metrics, log, timeout=None):
     env = dict(os.environ, **env_extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            script, *flags, "--metrics-file", metrics]
     start = time.time()
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun stops its ranks on SIGTERM (they run in sessions of their own)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise RunFailed(f"timed out after {timeout} s (--run-timeout): {' '.join(cmd)}") from None
+    if returncode != 0:
         tail = open(log).read()[-3000:]
-        raise RuntimeError(f"run failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+        raise RunFailed(f"run failed ({returncode}): {' '.join(cmd)}\n{tail}")
     return cmd, time.time() - start, [json.loads(line) for line in open(metrics) if line.strip()]
+
+
+class RunFailed(RuntimeError):
+    pass
 
 
 def summarize(records, warmup, last=None):
@@ -191,6 +205,10 @@ def main():
                              "trial, iterations 12-17 with --param-gather-trial-iters 6)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--log-dir", default="/tmp/e2e_logs")
+    parser.add_argument("--run-timeout", type=float, default=None,
+                        help="seconds one run may take: a run past it is killed. A failed run is recorded as such "
+                             "and the suite goes on with the next variant (the next link after a failed baseline); "
+                             "the exit status says whether any failed")
     parser.add_argument("--comm-profile", action="store_true",
                         help="profile the last two iterations of each run (not timed): device time per collective, "
                              "the baseline's communication share and each variant's bound (module doc)")
@@ -213,13 +231,23 @@ def main():
         timed_last = args.train_iters - 2
     kind = "param_gather" if param_gather_suite else "taco" if "taco" in args.suite else None
     results = {"suite": args.suite, "model": args.model, "argv": sys.argv, "runs": []}
+    failures = 0
     for link in args.links:
         base = None
         for name, vflags in variants.items():
             tag = f"{args.suite}_{link}_{name}"
             metrics = os.path.join(args.log_dir, tag + ".jsonl")
-            cmd, wall, records = run_one(nproc, script, flags + vflags, LINKS[link], metrics,
-                                         os.path.join(args.log_dir, tag + ".log"))
+            try:
+                cmd, wall, records = run_one(nproc, script, flags + vflags, LINKS[link], metrics,
+                                             os.path.join(args.log_dir, tag + ".log"), args.run_timeout)
+            except RunFailed as error:  # recorded; the suite goes on (a hung run cost whole device calls)
+                failures += 1
+                results["runs"].append(dict(link=link, variant=name, failed=str(error)[:4000]))
+                save(results, args.out)
+                print(f"{link:16s} {name:10s} FAILED: {str(error).splitlines()[0]}", flush=True)
+                if base is None:
+                    break  # no speedups without the link's baseline
+                continue
             res = summarize(records, args.warmup, timed_last)
             base = base or res
             res.update(link=link, variant=name, env=LINKS[link], command=" ".join(cmd[1:]), wall_s=wall,
@@ -237,6 +265,8 @@ def main():
                   f"{res.get('tokens_per_s', 0):10.0f} tok/s  MFU {res.get('mfu', 0) * 100:5.1f}%  "
                   f"speedup {res['speedup_vs_baseline']:.3f}x  (iteration IQR {res['relative_iqr']:.1%}){bound_text}",
                   flush=True)
+    if failures:
+        sys.exit(f"{failures} run(s) failed: see the 'failed' entries of {args.out}")
 
 
 def save(results: dict, path: str) -> None:

@@ -15,7 +15,7 @@ def load_runs(paths: list) -> list:
     runs = []
     for path in paths:
         with open(path) as f:
-            runs += [r for r in json.load(f)["runs"] if r["variant"] != "baseline"]
+            runs += [r for r in json.load(f)["runs"] if r["variant"] != "baseline" and "failed" not in r]
     return runs
 
 

@@ -1,6 +1,8 @@
 """compression/timing.py: the wall-clock helpers on the CPU, the profiler's device times on a GPU."""
 
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -101,3 +103,21 @@ def test_e2e_comm_profile_share_and_bound(tmp_path):
     moe = {"speedup_vs_baseline": 1.0, "comm_last_iter": {"dp_param_gather": {"raw_bytes": 400, "sent_bytes": 100},
                                                           "dp_expert_param_gather": {"raw_bytes": 200, "sent_bytes": 100}}}
     assert share_and_bound(base, moe, "param_gather")["wire_ratio"] == 3.0  # dense and expert buckets together
+
+
+def test_e2e_run_timeout_kills_the_run_and_its_ranks(tmp_path):
+    """--run-timeout: a run past it (here a rank that never ends, as a hung shutdown) is stopped, torchrun with its
+    ranks, and reported as failed, rather than holding the suite (and the device call) to its end."""
+    from benchmarks.e2e_throughput import RunFailed, run_one
+
+    pid_file = tmp_path / "rank.pid"
+    script = tmp_path / "hangs.py"
+    script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(RunFailed, match=r"timed out after 20 s \(--run-timeout\)"):
+        run_one(1, str(script), [], {}, str(tmp_path / "m.jsonl"), str(tmp_path / "run.log"), timeout=20)
+    assert time.monotonic() - start < 120  # the time-out and torchrun's shutdown, not the rank's 600 s
+    pid = int(pid_file.read_text())
+    time.sleep(0.5)
+    state = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}") else "gone"
+    assert state in ("gone", "Z", "X"), state  # the rank was killed too

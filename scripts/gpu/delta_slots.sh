@@ -27,8 +27,8 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   if [ -n "${E2E:-}" ]; then
     timeout 540 python3 benchmarks/e2e_throughput.py --suite dp2_param_gather_ablation --model configs/gpt_350m.yaml \
       --links ${E2E_LINKS:-p2p_off_25GBps sockets_4GBps nvlink} --variants delta_all delta_all_slots delta_all_slots_graphs --comm-profile \
-      --micro-batch-size 4 --global-batch-size 8 --train-iters 40 --warmup 31 --log-dir /tmp/slots_e2e \
-      --out $RES/e2e_exposed_slots.json 2>&1 | grep -E "speedup|bound|Error"
+      --micro-batch-size 4 --global-batch-size 8 --train-iters 40 --warmup 31 --run-timeout 150 --log-dir /tmp/slots_e2e \
+      --out $RES/e2e_exposed_slots.json 2>&1 | grep -E "speedup|bound|FAILED|Error"
     cp /tmp/slots_e2e/*.log /tmp/slots_e2e/*.jsonl $RES/ 2>/dev/null
   fi
 fi

@@ -11,7 +11,8 @@
 # MODELS="gpt_2.7b" TPS="4" SPS="none" LINKS="nvlink" MOE=0 and so on; "none" = no sequence parallelism).
 # MBS (default 4): the micro-batch size (global batch 8 x MBS). At one 2048-token micro-batch the TP=4
 # GPT-2.7B runs were host-bound (session 10: MFU 4%, single iterations varying 1.5-2.2 s), too noisy to time
-# a compression against.
+# a compression against. RUN_TIMEOUT (default 300): seconds one training run may take before it is stopped and
+# recorded as failed (the suite goes on).
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -21,14 +22,14 @@ for model in ${MODELS:-gpt_2.7b gpt_6.7b}; do for tp in ${TPS:-4 8}; do for sp i
   [ "$sp" = none ] && sp=""
   python3 benchmarks/e2e_throughput.py --suite tp${tp}${sp}_taco --model configs/$model.yaml --links $links \
     --variants taco_int8 taco_int8_auto_graphs --micro-batch-size ${MBS:-4} --global-batch-size $((8 * ${MBS:-4})) \
-    --comm-profile --log-dir $RES/logs \
-    --out $RES/e2e_tp${tp}${sp}_taco_$model.json 2>&1 | grep -E "speedup|Error"
+    --comm-profile --run-timeout ${RUN_TIMEOUT:-300} --log-dir $RES/logs \
+    --out $RES/e2e_tp${tp}${sp}_taco_$model.json 2>&1 | grep -E "speedup|FAILED|Error"
   tar czf $OUT/results.tgz -C $RES .
 done; done; done
 if [ $ngpu -ge 4 ] && [ "${MOE:-1}" = 1 ]; then
   dp=$([ $ngpu -ge 8 ] && echo 8 || echo 4)
   python3 benchmarks/e2e_throughput.py --suite dp${dp}_moe_param_gather --model configs/olmoe_1b_7b.yaml --links $links \
     --variants ciera delta --expert-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 16 \
-    --deterministic-mode --params-checksum-interval 11 --comm-profile \
-    --log-dir $RES/logs --out $RES/e2e_dp${dp}_moe_param_gather_olmoe.json 2>&1 | grep -E "speedup|Error"
+    --deterministic-mode --params-checksum-interval 11 --comm-profile --run-timeout ${RUN_TIMEOUT:-300} \
+    --log-dir $RES/logs --out $RES/e2e_dp${dp}_moe_param_gather_olmoe.json 2>&1 | grep -E "speedup|FAILED|Error"
 fi
