@@ -141,6 +141,10 @@ def share_and_bound(base: dict, run: dict, kind: str) -> dict:
     return out
 
 
+class RunFailed(RuntimeError):
+    """A training run that exited with an error or was stopped at --run-timeout."""
+
+
 def run_one(nproc, script, flags, env_extra, metrics, log, timeout=None):
     env = dict(os.environ, **env_extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -162,10 +166,6 @@ def run_one(nproc, script, flags, env_extra, metrics, log, timeout=None):
         tail = open(log).read()[-3000:]
         raise RunFailed(f"run failed ({returncode}): {' '.join(cmd)}\n{tail}")
     return cmd, time.time() - start, [json.loads(line) for line in open(metrics) if line.strip()]
-
-
-class RunFailed(RuntimeError):
-    pass
 
 
 def summarize(records, warmup, last=None):
