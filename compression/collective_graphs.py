@@ -19,6 +19,7 @@ memory pool: they are replayed one at a time on one stream and every replay's ou
 before the next, so one graph's scratch may reuse another's.
 """
 
+import contextlib
 import weakref
 from typing import Callable, Hashable
 
@@ -56,6 +57,25 @@ def release_all_graphs() -> None:
         owner.release_graphs()
 
 
+@contextlib.contextmanager
+def capturing(graph: "torch.cuda.CUDAGraph", pool, stream: "torch.cuda.Stream"):
+    """Capture the CUDA work queued inside into ``graph`` on ``stream``, its memory from ``pool`` (the pool of a live
+    graph; None: a pool of its own, which the allocator reclaims after the graph's reset only when it next runs
+    short or empties its cache). Captures that share a pool should share a stream too: the allocator reuses a freed
+    block on the stream it was allocated on only. What
+    ``torch.cuda.graph`` does, less its emptying of the allocators' caches (device and pinned host memory) at every
+    capture, which makes the rest of the iteration allocate afresh: a gather re-captured during training (a new slot
+    capacity) paid for it. ``thread_local``: NCCL's watchdog thread keeps querying its events while this thread
+    captures."""
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool, capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
+
+
 class CollectiveGraphs:
     """One per process group (or any set of collectives replayed on one stream)."""
 
@@ -65,7 +85,7 @@ class CollectiveGraphs:
         self.warmup = warmup
         self._calls: dict = {}
         self._graphs: dict = {}
-        self._pool = None
+        self._pool = self._stream = None  # of every capture (a stream: see capturing)
         track_graphs(self)
 
     def release_graphs(self) -> None:
@@ -99,13 +119,12 @@ class CollectiveGraphs:
 
     def _capture(self, fn, x) -> _Captured:
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(x.device)
         static_in = torch.empty_like(x, memory_format=torch.contiguous_format)
         static_in.copy_(x)
         graph = torch.cuda.CUDAGraph()
         before = TELEMETRY.counters()
-        # thread_local: NCCL's watchdog thread keeps querying its events while this thread captures
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with capturing(graph, self._pool, self._stream):
             static_out = fn(static_in)
         telemetry = _telemetry_delta(before, TELEMETRY.counters())
         for comm_class, raw, sent in telemetry:  # capturing sent nothing

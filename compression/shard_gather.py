@@ -33,7 +33,8 @@ transfer rather than with the other buckets' in ``prepare_gathers``.
 Telemetry (class ``comm_class``): raw = this rank's shard bytes; sent = its padded payload plus the
 size message (or its slot, plus the raw shard after an overflow), i.e. what it hands to the collectives. A
 codec may declare extra integer stats with ``stat_names`` (a tuple) and fill ``last_stats`` (dict name -> int)
-on every encode; they are declared at construction and added as counters ``<comm_class>/<name>``.
+on every encode; they are declared at construction and added as counters ``<comm_class>/<name>``. Sync-free
+gathers count ``slot_gathers`` and ``slot_overflows``, captured ones ``graph_captures``.
 """
 
 import logging
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from compression.codec import CastShard, EncodeStart, HostValues, Segments, ShardCodec, shard_of
-from compression.collective_graphs import track_graphs
+from compression.collective_graphs import capturing, track_graphs
 from compression.telemetry import TELEMETRY
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,13 @@ class ShardGather:
         if cuda_graphs:
             track_graphs(self)
         self._graph = None  # the _SlotGraph of the current input and capacity
+        # the CUDAGraph that one replaced (a new capacity), never replayed again: kept until the next capture has taken
+        # its memory pool, so that re-captures reuse one pool's memory (a pool per capture would leave the old ones'
+        # memory cached until the allocator runs short)
+        self._retired = None
+        # every capture's (and so replay's) stream: the allocator reuses a freed block on its own stream only, so a
+        # re-capture on another stream could not reuse the pool's memory
+        self._graph_stream = None
         self._graph_calls = (None, 0)  # (key, eager sync-free gathers of it) before a capture
         self.graph_replays = 0
         self.group = group
@@ -158,6 +166,8 @@ class ShardGather:
         if capacity_factor:  # gathers sent in slots, and those of them after which a payload was sent again
             for name in SLOT_COUNTERS:
                 TELEMETRY.declare_counter(f"{comm_class}/{name}")
+        if cuda_graphs:  # each costs a synchronization and tens of ms: a new slot capacity means a new one
+            TELEMETRY.declare_counter(f"{comm_class}/graph_captures")
 
     def _own_slice(self, buffer, rank: int):
         return shard_of(buffer, rank, self.world_size)
@@ -177,10 +187,12 @@ class ShardGather:
 
     def release_graphs(self) -> None:
         """Free the captured gather, if any (the next sync-free gathers run eagerly until captured again)."""
-        if self._graph is not None:
+        graphs = [g for g in (self._graph and self._graph.graph, self._retired) if g is not None]
+        if graphs:
             torch.cuda.synchronize()
-            self._graph.graph.reset()
-        self._graph, self._graph_calls = None, (None, 0)
+            for graph in graphs:
+                graph.reset()
+        self._graph, self._retired, self._graph_calls = None, None, (None, 0)
 
     def _resize_slots(self, sizes: list, sync_free: bool) -> None:
         """After a gather whose payload ``sizes`` every rank read: the next gather's slot capacity (every rank
@@ -281,8 +293,8 @@ class ShardGather:
         x, capacity = prepared.encode_input, prepared.capacity
         key = (capacity, _input_key(x, buffer))
         if self._graph is not None and self._graph.key != key:
-            # released at once: the eager gathers below may replace the slot buffers it replays into
-            self.release_graphs()
+            # never replayed again (the eager gathers below may replace the slot buffers it replays into)
+            self._retired, self._graph = self._graph.graph, None
         if self._graph is None:
             calls = self._graph_calls[1] + 1 if self._graph_calls[0] == key else 1
             self._graph_calls = (key, calls)
@@ -317,18 +329,22 @@ class ShardGather:
         if dist.get_backend(self.group) != "nccl":
             raise ValueError(f"--delta-cuda-graphs captures the all-gather and needs the NCCL backend, got "
                              f"{dist.get_backend(self.group)}: drop the flag")
-        self.release_graphs()
         slots = self._slots_of(capacity, buffer.device)
         if slots.landed is None:  # pinned memory is made outside the capture
             slots.landed = HostValues(slots.sizes)
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(buffer.device)
-        torch.cuda.synchronize()
-        # thread_local: NCCL's watchdog thread keeps querying its events while this thread captures
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        if self._graph_stream is None or self._graph_stream.device != buffer.device:
+            self._graph_stream = torch.cuda.Stream(buffer.device)
+        graph, stream = torch.cuda.CUDAGraph(), self._graph_stream
+        TELEMETRY.add_counter(f"{self.comm_class}/graph_captures", 1)
+        pool = self._retired.pool() if self._retired is not None else None  # its memory is free for this capture
+        with capturing(graph, pool, stream):
             start = self.codec.begin_encode(x)
             self._send_slot(start, slots, capacity, async_op=False)
             self._decode_slots(buffer, slots, capacity)
             slots.landed.update(slots.sizes)
+        if self._retired is not None:  # the new graph holds the pool now
+            self._retired.reset()
+            self._retired = None
         self._graph = _SlotGraph(key, graph, stream, start, slots)
         if self.rank == 0:
             logger.info("%s: sync-free gather of %d-byte slots captured as a CUDA graph", self.comm_class, capacity)

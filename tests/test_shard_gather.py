@@ -321,33 +321,44 @@ def _graph_gathers(cast=False):
     """Sync-free gathers replayed as CUDA graphs (``cuda_graphs``; NCCL, one GPU per rank): three buckets coded as
     one with slots of twice the last payloads, so that the capacity holds and the gather is captured after its
     eager warm-up; the first transfer sync, the others async; a reset at step 8 (its graph released, the set
-    formed again). ``cast``: the new values are fp32 masters that each gather's encode rounds into the buffer
-    (``CastShard``, ``--delta-fused-cast``). Bits equal to an uncompressed gather at every step; the replays
-    counted."""
+    formed again); from step 14 the fused gather's slot capacity changed every 4 steps (as a payload's growth or
+    shrinking changes it), so that it is captured again. ``cast``: the new values are fp32 masters that each
+    gather's encode rounds into the buffer (``CastShard``, ``--delta-fused-cast``). Bits equal to an uncompressed
+    gather at every step; the replays counted, the captures, the allocator's cache, which a capture must not empty,
+    and the reserved memory over the re-captures (each takes the memory pool of the graph it replaces)."""
     from compression import shard_gather
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    TELEMETRY.reset()
     sizes = (1500, 70_001, 26_144)
     rng = torch.Generator(device=device).manual_seed(100 + rank)
     masters, buffers = _one_storage(sizes, world, device)
     gathers = [ShardGather(DeltaCodec(DeltaConfig(256), world, rank, cast=cast), None, capacity_factor=2.0,
                            cuda_graphs=True) for _ in sizes]
-    fusions, replays = GatherFusions(), []
-    for step in range(14):
+    torch.empty(64 << 20, dtype=torch.uint8, device=device)  # freed at once: 64 MiB more in the allocator's cache
+    cached = torch.cuda.memory_reserved()
+    fusions, replays, reserved = GatherFusions(), [], []
+    for step in range(30):
         expected = _step(masters, buffers, sizes, rank, 1e-4, rng, gathers if cast else None)
         if step == 8:
             gathers[0].reset()
+        if step >= 14 and step % 4 == 2:
+            fused.gather.capacity += shard_gather.SLOT_ROUND * (1 if step % 8 == 6 else -1)
         prepared = _gather_and_check(gathers, buffers, fusions, expected, step)
         fused = prepared[0].fused
         replays.append(fused.gather.graph_replays if fused is not None else None)
+        if step >= 14 and step % 4 == 1:
+            reserved.append(torch.cuda.memory_reserved())
     assert shard_gather.GRAPH_WARMUP == 2
+    counters = dict(zip(TELEMETRY.extra_names(), TELEMETRY.counters()[2 * len(COMM_CLASSES):]))
     # the driver's end: the gathers still live (as in training's model), their graphs released, then the groups
     # destroyed (a live graph holding NCCL kernels hangs destroy_process_group)
     release_all_graphs()
-    assert fused.gather._graph is None
+    assert fused.gather._graph is None and fused.gather._retired is None
     dist.destroy_process_group()
-    return replays
+    return replays, counters["dp_param_gather/graph_captures"], cached, reserved
 
 
 @pytest.mark.gpu
@@ -355,10 +366,15 @@ def test_graph_gathers_nccl():
     """On one GPU a world of one (the capture, replays and sizes; nothing to decode), on two the whole gather."""
     world = min(2, torch.cuda.device_count())
     for cast in (False, True):
-        for replays in run_on_ranks(_graph_gathers, world, cast, backend="nccl"):
+        for replays, captures, cached, reserved in run_on_ranks(_graph_gathers, world, cast, backend="nccl"):
             # step 0 keyframes, 1 the set's exchange, 2-3 eager slots, 4 captured and replayed, 5-7 replays; after
-            # the reset at step 8 new sets: 8 (two buckets) and 9 (all three) exchange, 10-11 eager, 12-13 replays
-            assert replays == [None, 0, 0, 0, 1, 2, 3, 4, None, 0, 0, 0, 1, 2], (cast, replays)
+            # the reset at step 8 new sets: 8 (two buckets) and 9 (all three) exchange, 10-11 eager, 12-13 replays;
+            # a new capacity at steps 14, 18, 22 and 26: two eager gathers, then captured and replayed
+            again = [2, 2, 3, 4, 4, 4, 5, 6, 6, 6, 7, 8, 8, 8, 9, 10]
+            assert replays == [None, 0, 0, 0, 1, 2, 3, 4, None, 0, 0, 0, 1, 2] + again, (cast, replays)
+            assert captures == 6, (cast, captures)
+            assert min(reserved) >= cached >= 64 << 20, (cast, cached, reserved)  # the cache was not emptied
+            assert reserved[1:] == reserved[:-1], (cast, reserved)
 
 
 def test_next_capacity():
