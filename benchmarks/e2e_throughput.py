@@ -12,6 +12,11 @@ of the timing): the device time per iteration of each NCCL collective and of the
 The baseline's time in the suite's collective over its iteration time is the measured communication share
 s; with a variant's wire ratio r (raw / sent bytes of its communication class) the speedup it can reach
 is the bound 1 / (1 - s (1 - 1/r)), reported with the fraction of that gain the variant got.
+
+A run whose gathers were captured as CUDA graphs (``--delta-cuda-graphs``: the ``*/graph_captures`` counters of its
+metrics) lists the iterations that captured, and where any capture touches the timed ones, also its median over the
+timed iterations that neither captured nor followed a capture, with the speedup over the baseline's median of the same
+iterations: the steady state between captures.
 """
 
 import argparse
@@ -188,7 +193,27 @@ def summarize(records, warmup, last=None):
         out["mfu"] = out["tflops_per_gpu"] / H200_BF16_DENSE_TFLOPS
     comm = steps[-1].get("comm", {})
     out["comm_last_iter"] = comm
+    out["iteration_times_s"] = [[r["iteration"], r["iter_time_s"]] for r in steps]
+    if any(name.endswith("/graph_captures") for r in records for name in r.get("comm_counters", {})):
+        out["graph_capture_iterations"] = [r["iteration"] for r in records if any(
+            count for name, count in r.get("comm_counters", {}).items() if name.endswith("/graph_captures"))]
     return out
+
+
+def between_captures(base: dict, run: dict):
+    """The run's median over its timed iterations that neither captured a graph nor followed a capture, and the
+    speedup over the baseline's median of the same iterations; None without captures in the timed window."""
+    captured = set(run.get("graph_capture_iterations") or ())
+    if not captured:
+        return None
+    base_times = dict(base["iteration_times_s"])
+    times = {i: t for i, t in run["iteration_times_s"]
+             if i not in captured and i - 1 not in captured and i in base_times}
+    if not times:
+        return None
+    median = statistics.median(times.values())
+    return dict(iterations=sorted(times), median_iter_time_s=median,
+                speedup_vs_baseline=statistics.median(base_times[i] for i in times) / median)
 
 
 def main():
@@ -252,6 +277,9 @@ def main():
             base = base or res
             res.update(link=link, variant=name, env=LINKS[link], command=" ".join(cmd[1:]), wall_s=wall,
                        speedup_vs_baseline=base["median_iter_time_s"] / res["median_iter_time_s"])
+            steady = between_captures(base, res)
+            if steady:
+                res["between_captures"] = steady
             bound_text = ""
             if args.comm_profile:
                 trace = output_prefix(None, metrics) + "trace_rank0.json"
@@ -265,6 +293,12 @@ def main():
                   f"{res.get('tokens_per_s', 0):10.0f} tok/s  MFU {res.get('mfu', 0) * 100:5.1f}%  "
                   f"speedup {res['speedup_vs_baseline']:.3f}x  (iteration IQR {res['relative_iqr']:.1%}){bound_text}",
                   flush=True)
+            if "graph_capture_iterations" in res:
+                between = (f"; between them {steady['median_iter_time_s'] * 1e3:.1f} ms/iter, speedup "
+                           f"{steady['speedup_vs_baseline']:.3f}x over {len(steady['iterations'])} iterations"
+                           if steady else "")
+                print(f"{'':16s} {name:10s} graph captures in iterations {res['graph_capture_iterations']}{between}",
+                      flush=True)
     if failures:
         sys.exit(f"{failures} run(s) failed: see the 'failed' entries of {args.out}")
 

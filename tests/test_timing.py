@@ -72,6 +72,26 @@ def test_e2e_summary_reports_the_runs_own_spread():
     assert out["relative_iqr"] == pytest.approx(2.0 / 3.0)
 
 
+def test_e2e_between_graph_captures():
+    """A run with --delta-cuda-graphs: the iterations whose gathers were captured (its metrics' graph_captures
+    counters), and its median over the timed iterations neither capturing nor right after a capture, against the
+    baseline's median of the same iterations."""
+    from benchmarks.e2e_throughput import between_captures, summarize
+
+    def records(times, captures=None):
+        counters = lambda i: {"comm_counters": {"dp_param_gather/graph_captures": int(i in captures)}}  # noqa: E731
+        return [{"iteration": i, "loss": 1.0, "iter_time_s": t, **(counters(i) if captures is not None else {})}
+                for i, t in enumerate(times, 1)]
+
+    base = summarize(records([5.0, 2.0, 2.0, 2.0, 2.0, 2.0, 3.0, 2.0]), warmup=2)
+    run = summarize(records([9.0, 1.0, 8.0, 4.0, 1.0, 1.0, 9.0, 6.0], captures={1, 3, 7}), warmup=2)
+    assert "graph_capture_iterations" not in base and run["graph_capture_iterations"] == [1, 3, 7]
+    steady = between_captures(base, run)  # timed 3-8; 3 and 7 captured, 4 and 8 follow them
+    assert steady["iterations"] == [5, 6] and steady["median_iter_time_s"] == 1.0
+    assert steady["speedup_vs_baseline"] == 2.0
+    assert between_captures(base, summarize(records([1.0] * 8, captures=set()), warmup=2)) is None
+
+
 def test_e2e_comm_profile_share_and_bound(tmp_path):
     """--comm-profile: profiled iterations are left out of the timing; NCCL kernels are summed per collective
     and the codec kernels apart, per iteration; the bound is 1 / (1 - s (1 - 1/r)) from the baseline's share s

@@ -8,7 +8,8 @@
 # (GPT-350M DP=2 as session 15: baseline, delta on every bucket, in slots, and replayed as graphs) at E2E_LINKS;
 # E2E_VARIANTS picks among those, E2E_FLAGS adds training flags (e.g. "--lr-decay-style constant": payloads that
 # stay the size they reach, as in a long run, so that the graphs are not re-captured as the 40-iteration decay
-# shrinks them; session 40).
+# shrinks them; session 40). A graphed run's line also lists the iterations that captured, and its speedup between
+# captures (session 41).
 # Usage (device machine, repo root):
 #   [WORLDS="2 8"] [LRS=1e-4] [LINKS="nvlink p2p_off sockets"] [E2E=1 E2E_LINKS=... E2E_VARIANTS=... E2E_FLAGS=...]
 #   bash scripts/gpu/delta_slots.sh
@@ -32,7 +33,7 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     timeout 540 python3 benchmarks/e2e_throughput.py --suite dp2_param_gather_ablation --model configs/gpt_350m.yaml \
       --links ${E2E_LINKS:-p2p_off_25GBps sockets_4GBps nvlink} --variants ${E2E_VARIANTS:-delta_all delta_all_slots delta_all_slots_graphs} --comm-profile ${E2E_FLAGS:-} \
       --micro-batch-size 4 --global-batch-size 8 --train-iters 40 --warmup 31 --run-timeout 150 --log-dir /tmp/slots_e2e \
-      --out $RES/e2e_exposed_slots.json 2>&1 | grep -E "speedup|bound|FAILED|Error"
+      --out $RES/e2e_exposed_slots.json 2>&1 | grep -E "speedup|bound|captures|FAILED|Error"
     cp /tmp/slots_e2e/*.log /tmp/slots_e2e/*.jsonl $RES/ 2>/dev/null
   fi
 fi
