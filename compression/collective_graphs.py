@@ -62,11 +62,12 @@ def capturing(graph: "torch.cuda.CUDAGraph", pool, stream: "torch.cuda.Stream"):
     """Capture the CUDA work queued inside into ``graph`` on ``stream``, its memory from ``pool`` (the pool of a live
     graph; None: a pool of its own, which the allocator reclaims after the graph's reset only when it next runs
     short or empties its cache). Captures that share a pool should share a stream too: the allocator reuses a freed
-    block on the stream it was allocated on only. What
-    ``torch.cuda.graph`` does, less its emptying of the allocators' caches (device and pinned host memory) at every
-    capture, which makes the rest of the iteration allocate afresh: a gather re-captured during training (a new slot
-    capacity) paid for it. ``thread_local``: NCCL's watchdog thread keeps querying its events while this thread
-    captures."""
+    block on the stream it was allocated on only.
+
+    What ``torch.cuda.graph`` does, less its emptying of the allocators' caches (device and pinned host memory) at
+    every capture, which makes the rest of the iteration allocate afresh: a gather re-captured during training (a new
+    slot capacity) paid for it (results/gpu/README.md, session 41). ``thread_local``: NCCL's watchdog thread keeps
+    querying its events while this thread captures."""
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
         graph.capture_begin(pool, capture_error_mode="thread_local")

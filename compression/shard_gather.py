@@ -166,7 +166,7 @@ class ShardGather:
         if capacity_factor:  # gathers sent in slots, and those of them after which a payload was sent again
             for name in SLOT_COUNTERS:
                 TELEMETRY.declare_counter(f"{comm_class}/{name}")
-        if cuda_graphs:  # each costs a synchronization and tens of ms: a new slot capacity means a new one
+        if cuda_graphs:  # each costs a synchronization and the capture (~1-2 ms): a new slot capacity means a new one
             TELEMETRY.declare_counter(f"{comm_class}/graph_captures")
 
     def _own_slice(self, buffer, rank: int):
