@@ -36,7 +36,7 @@ from benchmarks.bench_param_gather import Trajectory, _check_bits  # noqa: E402
 from compression.collective_graphs import release_all_graphs  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
 from compression.shard_gather import GRAPH_WARMUP, SLOT_ROUND, GatherFusions, ShardGather, prepare_gathers  # noqa: E402
-from compression.telemetry import COMM_CLASSES, TELEMETRY  # noqa: E402
+from compression.telemetry import TELEMETRY  # noqa: E402
 
 PHASES = ("optimizer_s", "working_set_s", "gather_s")
 
@@ -80,7 +80,7 @@ def _working_set(mib: int, tensors: int, device) -> None:
 
 
 def _captures() -> int:
-    counters = dict(zip(TELEMETRY.extra_names(), TELEMETRY.counters()[2 * len(COMM_CLASSES):]))
+    counters = TELEMETRY.extra_counters()
     return counters.get("dp_param_gather/graph_captures", 0)
 
 
@@ -128,7 +128,7 @@ def run(args) -> dict:
         row["captured"] = _captures() > captures
         row["replayed"] = (not row["captured"] and fused is not None and fused is before
                            and fused.graph_replays > replays)
-        since_capture += row["captured"] or since_capture > 0
+        since_capture = 1 if row["captured"] else since_capture + (since_capture > 0)  # steps since the capture
         row["reserved_bytes"] = torch.cuda.memory_reserved()
         for b, o in zip(buffers, own):
             _check_bits(b, o, "delta-slots-graphs", step)

@@ -50,6 +50,10 @@ class CommTelemetry:
     def extra_names(self) -> list:
         return sorted(self._extra)
 
+    def extra_counters(self) -> dict:
+        """The declared counters by name (this process's, since the last reset)."""
+        return dict(self._extra)
+
     def reset(self) -> None:
         """Zero every counter (declared counters stay declared)."""
         self._raw.clear()

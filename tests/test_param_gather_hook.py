@@ -207,7 +207,7 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     for name, value in patched.items():
         setattr(param_gather, name, value)
     raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
-    counters = dict(zip(TELEMETRY.extra_names(), TELEMETRY.counters()[2 * len(COMM_CLASSES):]))
+    counters = TELEMETRY.extra_counters()
     return dict(
         slot_gathers=counters.get("dp_param_gather/slot_gathers", 0),
         slot_overflows=counters.get("dp_param_gather/slot_overflows", 0),

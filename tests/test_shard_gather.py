@@ -89,7 +89,7 @@ def _gather_world():
         i = 2 * COMM_CLASSES.index("dp_param_gather")
         sent.append((after[i] - before[i], after[i + 1] - before[i + 1]))
     assert ((_bits(buffer) & 0xF) == 0).all()  # lossy codec: own slices were decoded (truncated) too
-    stats = dict(zip(TELEMETRY.extra_names(), TELEMETRY.counters()[2 * len(COMM_CLASSES):]))
+    stats = TELEMETRY.extra_counters()
     _run_steps(ShardGather(DeltaCodec(DeltaConfig(64), world, rank), None), rank, world)
     _tiny_gathers(rank, world)
     codecs[0].reset()  # the buffer below starts over: the codec must forget its previous shard
@@ -291,7 +291,7 @@ def _slot_gathers():
             gathers[2].reset()
         prepared = _gather_and_check(gathers, buffers, fusions, expected, step)
         slotted.append([(p.fused.prepared if p.fused is not None else p).capacity is not None for p in prepared])
-    counters = dict(zip(TELEMETRY.extra_names(), TELEMETRY.counters()[2 * len(COMM_CLASSES):]))
+    counters = TELEMETRY.extra_counters()
     return slotted, counters["dp_param_gather/slot_gathers"], counters["dp_param_gather/slot_overflows"]
 
 
@@ -352,7 +352,7 @@ def _graph_gathers(cast=False):
         if step >= 14 and step % 4 == 1:
             reserved.append(torch.cuda.memory_reserved())
     assert shard_gather.GRAPH_WARMUP == 2
-    counters = dict(zip(TELEMETRY.extra_names(), TELEMETRY.counters()[2 * len(COMM_CLASSES):]))
+    counters = TELEMETRY.extra_counters()
     # the driver's end: the gathers still live (as in training's model), their graphs released, then the groups
     # destroyed (a live graph holding NCCL kernels hangs destroy_process_group)
     release_all_graphs()
