@@ -6,8 +6,15 @@ steps marked, and the reserved memory, one curve per labelled JSON.
 
 import argparse
 import json
+import os
+import sys
 
-PHASES = ("optimizer_s", "working_set_s", "gather_s")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_graph_capture import PHASES  # noqa: E402
+
+
+def _step_ms(step: dict) -> float:
+    return sum(step[p] for p in PHASES) * 1e3
 
 
 def main(argv=None):
@@ -26,9 +33,9 @@ def main(argv=None):
         with open(path) as f:
             steps = json.load(f)["steps"][2:]  # the keyframe, then the first exchange (compiles)
         x = [s["step"] for s in steps]
-        line, = time_ax.plot(x, [sum(s[p] for p in PHASES) * 1e3 for s in steps], marker=".", label=label)
+        line, = time_ax.plot(x, [_step_ms(s) for s in steps], marker=".", label=label)
         captured = [s for s in steps if s["captured"]]
-        time_ax.scatter([s["step"] for s in captured], [sum(s[p] for p in PHASES) * 1e3 for s in captured],
+        time_ax.scatter([s["step"] for s in captured], [_step_ms(s) for s in captured],
                         marker="o", s=60, facecolors="none", edgecolors=line.get_color())
         memory_ax.plot(x, [s["reserved_bytes"] / 2**30 for s in steps], marker=".", color=line.get_color(), label=label)
     time_ax.set_ylabel("step ms (circles: captures)")

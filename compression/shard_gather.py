@@ -109,7 +109,6 @@ class _SlotGraph:
 
     key: tuple  # (capacity, _input_key)
     graph: "torch.cuda.CUDAGraph"
-    stream: "torch.cuda.Stream"  # replays run here, after the current stream's work
     start: EncodeStart  # the captured encode's (its totals are refreshed by every replay)
     slots: _Slots  # its buffers; their sizes' HostValues are refreshed by every replay
 
@@ -305,12 +304,13 @@ class ShardGather:
                 return self._transfer_slots(buffer, replace(prepared, start=start), async_op)
             self._capture(key, buffer, x, capacity)
         graph = self._graph
-        graph.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(graph.stream):
+        stream = self._graph_stream  # after the current stream's work
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             graph.graph.replay()
         self.graph_replays += 1
         done = torch.cuda.Event()
-        done.record(graph.stream)
+        done.record(stream)
 
         def finish():
             torch.cuda.current_stream().wait_event(done)
@@ -345,7 +345,7 @@ class ShardGather:
         if self._retired is not None:  # the new graph holds the pool now
             self._retired.reset()
             self._retired = None
-        self._graph = _SlotGraph(key, graph, stream, start, slots)
+        self._graph = _SlotGraph(key, graph, start, slots)
         if self.rank == 0:
             logger.info("%s: sync-free gather of %d-byte slots captured as a CUDA graph", self.comm_class, capacity)
 
