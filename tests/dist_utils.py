@@ -7,11 +7,14 @@ session (multiprocessing's forkserver, started with the ranks' CPU environment);
 Tests should still pack many checks into one call of ``run_on_ranks`` rather than launch one world per check.
 """
 
+import faulthandler
 import json
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import queue as queue_module
 import runpy
+import signal
 import socket
 import sys
 import time
@@ -52,6 +55,7 @@ def _cpu_context():
 
 
 def _worker(rank, world_size, port, fn, args, queue, backend):
+    faulthandler.enable(all_threads=True)  # a rank that dies in C code (abort, segfault) says where, in the test log
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -87,19 +91,29 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 600, backend: str 
     for p in procs:
         p.start()
     results, errors = {}, []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, value = queue.get(timeout=1)
+            except queue_module.Empty:
+                # a rank that died in C code (an abort, a segfault) reports nothing; its peers may wait forever
+                died = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if died or time.monotonic() > deadline:
+                    errors.append(f"ranks {died} died" if died else f"timed out after {timeout} s")
+                continue
             if status == "ok":
                 results[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if errors else timeout)
             if p.is_alive():
                 p.kill()
+    errors += [f"rank {rank} died of {signal.Signals(-p.exitcode).name} (its faulthandler traceback is in the "
+               f"captured stderr)" for rank, p in enumerate(procs)
+               if p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGKILL]
     if errors:
         raise RuntimeError("distributed test failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
@@ -116,6 +130,7 @@ def _run_script(rank, nproc, port, script, argv, env, log_dir):
     for fd, name in ((1, "stdout.log"), (2, "stderr.log")):
         with open(os.path.join(log_dir, str(rank), name), "w") as f:
             os.dup2(f.fileno(), fd)
+    faulthandler.enable(all_threads=True)
     os.chdir(ROOT)
     sys.argv = [script, *argv]
     try:
