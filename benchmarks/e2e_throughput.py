@@ -76,7 +76,18 @@ PARAM_GATHER_ABLATION = {
                         "--delta-capacity-factor", "1.25"],
     # and replayed as CUDA graphs
     "delta_all_slots_graphs": ["--param-gather-compression", "delta", "--param-gather-selection", "all",
-                               "--delta-capacity-factor", "1.25", "--delta-cuda-graphs"]}
+                               "--delta-capacity-factor", "1.25", "--delta-cuda-graphs"],
+    # the same chosen by the benefit selection and kept by the trial (which times replayed gathers)
+    "delta_slots_graphs": ["--param-gather-compression", "delta", "--delta-capacity-factor", "1.25",
+                           "--delta-cuda-graphs"]}
+
+
+GRAPHED_TRIAL_LAG = 4  # iterations a trial of graphed gathers starts later (megatron.hooks.param_gather.trial_skip_iterations)
+
+
+def _graphed_trial(flags) -> bool:
+    """Whether a variant's parameter gathers are replayed as CUDA graphs and chosen with a trial (the default)."""
+    return "--delta-cuda-graphs" in flags and "all" not in flags
 
 
 def tp_suite(tp, sequence_parallel=False):
@@ -223,11 +234,12 @@ def main():
     parser.add_argument("--links", nargs="+", choices=sorted(LINKS), default=list(LINKS))
     parser.add_argument("--variants", nargs="+", help="run only these of the suite's variants (the baseline always)")
     parser.add_argument("--train-iters", type=int, default=None,
-                        help="default 16, or 22 for the param-gather suites")
+                        help="default 16, or 22 for the param-gather suites (26 with a graphed gather's trial)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="iterations excluded from timing; default 10 (past TACO's `auto` trial, iterations "
                              "3-8), or 17 for the param-gather suites (past the selection's 8 warm-up gathers and its "
-                             "trial, iterations 12-17 with --param-gather-trial-iters 6)")
+                             "trial, iterations 12-17 with --param-gather-trial-iters 6; 21 where a variant's trial "
+                             "times graphed gathers, iterations 16-21)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--log-dir", default="/tmp/e2e_logs")
     parser.add_argument("--run-timeout", type=float, default=None,
@@ -239,9 +251,6 @@ def main():
                              "the baseline's communication share and each variant's bound (module doc)")
     args, extra = parser.parse_known_args()
     param_gather_suite = "param_gather" in args.suite
-    args.train_iters = args.train_iters or (22 if param_gather_suite else 16)
-    args.warmup = args.warmup if args.warmup is not None else (17 if param_gather_suite else 10)
-    os.makedirs(args.log_dir, exist_ok=True)
     nproc, script, suite_flags, variants = SUITES[args.suite]
     if args.variants:
         unknown = set(args.variants) - set(variants)
@@ -249,6 +258,10 @@ def main():
             parser.error(f"--variants: {sorted(unknown)} not in suite {args.suite}: {sorted(variants)}")
         first = next(iter(variants))
         variants = {name: flags for name, flags in variants.items() if name == first or name in args.variants}
+    trial_lag = GRAPHED_TRIAL_LAG if any(_graphed_trial(flags) for flags in variants.values()) else 0
+    args.train_iters = args.train_iters or (22 + trial_lag if param_gather_suite else 16)
+    args.warmup = args.warmup if args.warmup is not None else (17 + trial_lag if param_gather_suite else 10)
+    os.makedirs(args.log_dir, exist_ok=True)
     flags = ["--config", args.model, *COMMON, *suite_flags, "--train-iters", str(args.train_iters), *extra]
     timed_last = args.train_iters
     if args.comm_profile:

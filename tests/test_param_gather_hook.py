@@ -322,6 +322,7 @@ def _check_trial_wiring():
     choice that switches buckets and leaves one compressed gets a trial, no earlier than the selection's window
     (and another trial's iterations) after the start; a choice that switches nothing, or compresses nothing,
     gets none; re-selections restart the measuring every interval, not while a choice is measured or tried."""
+    from compression import shard_gather
     from megatron.hooks import param_gather
     from megatron.hooks.param_gather import (
         SELECTION_WINDOW_ITERATIONS, apply_dp_compression, build_selection_schedule,
@@ -373,6 +374,21 @@ def _check_trial_wiring():
     selection.restart()
     schedule.before_iteration(41)  # due while still measuring (as just after a resume): no restart, no choice
     assert schedule.trial is None and SELECTION_WINDOW_ITERATIONS == 10
+    # --delta-cuda-graphs: a trial times replayed gathers, not the new codecs' keyframe, first delta, eager gathers in
+    # slots and capture (+1 iteration for overlap); a choice long after the start waits that much, not 2 iterations
+    graphs = _args("delta-benefit", param_gather_trial_iters=2, delta_capacity_factor=1.25, delta_cuda_graphs=True)
+    assert param_gather.trial_skip_iterations(graphs) == shard_gather.GRAPH_WARMUP + 4
+    assert param_gather.trial_skip_iterations(_args("delta-benefit", delta_capacity_factor=1.25)) == 2
+    schedule = build_selection_schedule([ddp], graphs)
+    schedule.before_iteration(100)
+    schedule.start = 100 - SELECTION_WINDOW_ITERATIONS  # the run's first choice is long past
+    try:
+        param_gather.select_shards = lambda candidates, comm, budget: {c.key for c in candidates}
+        selection._select()  # every bucket switches to a new codec
+        schedule.before_iteration(101)
+        assert schedule.trial.first == 101 + shard_gather.GRAPH_WARMUP + 4 and schedule.compressing
+    finally:
+        param_gather.select_shards = choose
 
 
 def _assert_identical(results_by_rank):

@@ -56,7 +56,8 @@ Invariants:
   after each choice the training loop (``SelectionSchedule``) alternates plain and compressed gathers
   and keeps compression only if iterations get faster. A plain gather during the trial calls each codec's
   ``observe`` with the shard it sent (delta: its sender copy; CIERA: a keyframe next), so switching
-  back needs no extra state and both modes stay bit-exact.
+  back needs no extra state and both modes stay bit-exact. With ``--delta-cuda-graphs`` a trial times its
+  iterations only once the new codecs' gathers replay (``trial_skip_iterations``).
 """
 
 import logging
@@ -75,7 +76,7 @@ from compression.selection import (
 from compression.sdp4bit import (
     HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather, quantized_reduce_scatter,
 )
-from compression.shard_gather import GatherFusions, ShardGather, prepare_gathers
+from compression.shard_gather import GRAPH_WARMUP, GatherFusions, ShardGather, prepare_gathers
 from compression.telemetry import TELEMETRY
 from megatron.hooks.trial import TRIAL_SKIP_ITERATIONS, CompressionTrial
 
@@ -658,9 +659,11 @@ class SelectionSchedule:
     at 40, 11.8x from 58 on), and a learning-rate schedule keeps moving the payload over a run. Both modes
     of every bucket are bit-exact, so training is the same whatever is chosen."""
 
-    def __init__(self, selection: _BenefitSelection, new_trial, interval: int, first_trial_after: int, agree):
+    def __init__(self, selection: _BenefitSelection, new_trial, interval: int, first_trial_after: int, agree,
+                 trial_skip: int = TRIAL_SKIP_ITERATIONS):
         self.selection, self.new_trial, self.interval = selection, new_trial, interval
         self.first_trial_after = first_trial_after  # iterations from the start before the first trial may start
+        self.trial_skip = trial_skip  # iterations from a choice before its trial times any
         self.agree = agree  # (switched, compressed) flags of this rank -> the MAX of each over all ranks
         self.trial, self.start, self.choices_seen, self.active = None, None, 0, False
 
@@ -680,7 +683,7 @@ class SelectionSchedule:
             self.choices_seen = self.selection.rounds
             switched, self.active = self.agree(self.selection.switched, self._any_compressed())
             if switched and self.active:
-                skip = max(TRIAL_SKIP_ITERATIONS, self.start + self.first_trial_after - iteration)
+                skip = max(self.trial_skip, self.start + self.first_trial_after - iteration)
                 self.trial = self.new_trial(skip)
         if self.trial is not None:
             self.trial.before_iteration(iteration)
@@ -722,7 +725,18 @@ def build_selection_schedule(ddp_chunks: list, args, after_iters: int = 0):
                                 skip=skip)
 
     first_trial_after = max(SELECTION_WINDOW_ITERATIONS, TRIAL_SKIP_ITERATIONS + after_iters)
-    return SelectionSchedule(selection, new_trial, interval, first_trial_after, agree)
+    return SelectionSchedule(selection, new_trial, interval, first_trial_after, agree, trial_skip_iterations(args))
+
+
+def trial_skip_iterations(args) -> int:
+    """Iterations between a choice and the first its trial times. With ``--delta-cuda-graphs`` the rest of the run
+    replays each gather as a CUDA graph, so the trial waits for the replays rather than timing the warm-up: a new
+    codec's keyframe, its first delta (whose sizes set the slots' capacity), ``GRAPH_WARMUP`` eager gathers in slots
+    and the capture, and one iteration more for ``--overlap-param-gather`` (a round's gathers run in the next
+    iteration's forward)."""
+    if args.param_gather_compression == "delta" and args.delta_cuda_graphs:
+        return max(TRIAL_SKIP_ITERATIONS, GRAPH_WARMUP + 4)
+    return TRIAL_SKIP_ITERATIONS
 
 
 def reset_param_gather_state(ddp_chunks: list) -> None:

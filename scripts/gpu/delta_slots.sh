@@ -9,7 +9,8 @@
 # E2E_VARIANTS picks among those, E2E_FLAGS adds training flags (e.g. "--lr-decay-style constant": payloads that
 # stay the size they reach, as in a long run, so that the graphs are not re-captured as the 40-iteration decay
 # shrinks them; session 40). A graphed run's line also lists the iterations that captured, and its speedup between
-# captures (session 41).
+# captures (session 41). E2E_VARIANTS=delta_slots_graphs: the graphed gather as the benefit selection and its trial
+# choose it (the trial times replays since session 42; the run is 4 iterations longer for it).
 # Usage (device machine, repo root):
 #   [WORLDS="2 8"] [LRS=1e-4] [LINKS="nvlink p2p_off sockets"] [E2E=1 E2E_LINKS=... E2E_VARIANTS=... E2E_FLAGS=...]
 #   bash scripts/gpu/delta_slots.sh
