@@ -90,33 +90,40 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 600, backend: str 
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, []
+    results, errors, killed = {}, [], set()
     deadline = time.monotonic() + timeout
     try:
         while len(results) < world_size and not errors:
             try:
                 rank, status, value = queue.get(timeout=1)
             except queue_module.Empty:
-                # a rank that died in C code (an abort, a segfault) reports nothing; its peers may wait forever
-                died = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if died or time.monotonic() > deadline:
-                    errors.append(f"ranks {died} died" if died else f"timed out after {timeout} s")
+                # a rank that died in C code (an abort, a segfault) reports nothing, and its peers may wait forever
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout} s")
                 continue
             if status == "ok":
                 results[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
     finally:
-        for p in procs:
-            p.join(timeout=5 if errors else timeout)
+        for rank, p in enumerate(procs):
+            p.join(timeout=5 if errors or len(results) < world_size else timeout)
             if p.is_alive():
                 p.kill()
-    errors += [f"rank {rank} died of {signal.Signals(-p.exitcode).name} (its faulthandler traceback is in the "
-               f"captured stderr)" for rank, p in enumerate(procs)
-               if p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGKILL]
+                killed.add(rank)
+    errors += [f"rank {rank} ended without reporting: {_ended(p.exitcode)}" for rank, p in enumerate(procs)
+               if rank not in killed and rank not in results and p.exitcode not in (None, 0)]
     if errors:
         raise RuntimeError("distributed test failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _ended(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"died of {signal.Signals(-exitcode).name} (its faulthandler traceback is in the captured stderr)"
+    return f"exited with status {exitcode}"
 
 
 def _run_script(rank, nproc, port, script, argv, env, log_dir):

@@ -660,7 +660,7 @@ class SelectionSchedule:
     of every bucket are bit-exact, so training is the same whatever is chosen."""
 
     def __init__(self, selection: _BenefitSelection, new_trial, interval: int, first_trial_after: int, agree,
-                 trial_skip: int = TRIAL_SKIP_ITERATIONS):
+                 trial_skip: int):
         self.selection, self.new_trial, self.interval = selection, new_trial, interval
         self.first_trial_after = first_trial_after  # iterations from the start before the first trial may start
         self.trial_skip = trial_skip  # iterations from a choice before its trial times any
