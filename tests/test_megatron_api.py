@@ -2,8 +2,8 @@
 
 A megatron-core upgrade that renames or reshapes one of them fails here, by name, instead of failing
 (or silently changing behaviour) mid-run. To pin a new dependency, append a row to a list below. Rows
-that hold on one side of a release only (``megatron.hooks.version``) are added under ``ON_0_19``; run
-this file on every supported release (0.16.1 and 0.19.x).
+that hold on one side of a release only (``megatron.hooks.version``) are added under the ``ON_0_*`` flag of the
+release that changed them; run this file on every supported release (0.16.1, 0.17.x, 0.18.x and 0.19.x).
 """
 
 import importlib
@@ -14,6 +14,8 @@ import pytest
 
 from megatron.hooks.version import mcore_at_least
 
+ON_0_17 = mcore_at_least("0.17")
+ON_0_18 = mcore_at_least("0.18")
 ON_0_19 = mcore_at_least("0.19")
 
 # (module, qualified name, parameter names that must appear, in this order, in the signature)
@@ -55,7 +57,7 @@ SIGNATURES = [
     # megatron/training/checkpointing.py passes only the backend (0.19 dropped the version argument).
     ("megatron.core.dist_checkpointing.serialization", "get_default_save_sharded_strategy", ["backend"]),
 ]
-if ON_0_19:
+if ON_0_18:
     SIGNATURES += [
         # megatron/training/tokenizer.py: "null-text" takes the full vocabulary size, eod its last id.
         ("megatron.core.tokenizers.text.libraries.null_tokenizer", "NullTokenizer.__init__",
@@ -97,8 +99,8 @@ SOURCE_CONTAINS = [
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving",
      "P2PCommunicator("),
 ]
-# MLA's query latent: gathered in get_query_key_value_tensors, from 0.19 in the _qkv_down_projection it calls.
-Q_LATENT_GATHER = ("MLASelfAttention._qkv_down_projection" if ON_0_19
+# MLA's query latent: gathered in get_query_key_value_tensors, from 0.17 in the _qkv_down_projection it calls.
+Q_LATENT_GATHER = ("MLASelfAttention._qkv_down_projection" if ON_0_17
                    else "MLASelfAttention.get_query_key_value_tensors")
 SOURCE_CONTAINS += [
     ("megatron.core.transformer.multi_latent_attention", Q_LATENT_GATHER,
@@ -106,13 +108,13 @@ SOURCE_CONTAINS += [
     ("megatron.core.transformer.multi_latent_attention", Q_LATENT_GATHER,
      "scatter_to_sequence_parallel_region(q_compressed)"),
 ]
-if ON_0_19:
+if ON_0_17:
     SOURCE_CONTAINS += [
         ("megatron.core.transformer.multi_latent_attention", "MLASelfAttention.get_query_key_value_tensors",
          "self._qkv_down_projection(hidden_states)"),
-        # Generalized TP, rejected by megatron/hooks/tp.py, reaches the linears through this keyword.
-        ("megatron.core.tensor_parallel.layers", "ColumnParallelLinear.forward", "gtp_remat_size=self.gtp_remat_size"),
-        ("megatron.core.tensor_parallel.layers", "RowParallelLinear.forward", "gtp_remat_size=self.gtp_remat_size"),
+    ]
+if ON_0_18:
+    SOURCE_CONTAINS += [
         # FP8 post-processing moved into _post_param_sync(), which our start_param_sync override calls
         # after waiting on an outstanding gather, as the stock one does.
         ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.start_param_sync",
@@ -120,11 +122,17 @@ if ON_0_19:
         ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.finish_param_sync",
          "self._post_param_sync()"),
     ]
+if ON_0_19:
+    SOURCE_CONTAINS += [
+        # Generalized TP, rejected by megatron/hooks/tp.py, reaches the linears through this keyword.
+        ("megatron.core.tensor_parallel.layers", "ColumnParallelLinear.forward", "gtp_remat_size=self.gtp_remat_size"),
+        ("megatron.core.tensor_parallel.layers", "RowParallelLinear.forward", "gtp_remat_size=self.gtp_remat_size"),
+    ]
 
 # (module, name of a collection, member it must hold)
 MEMBERS = [
     # megatron/training/tokenizer.py: the null tokenizer's library name.
-    ("megatron.core.tokenizers.megatron_tokenizer", "TEXT_LIBRARIES", "null-text") if ON_0_19
+    ("megatron.core.tokenizers.megatron_tokenizer", "TEXT_LIBRARIES", "null-text") if ON_0_17
     else ("megatron.core.tokenizers.megatron_tokenizer", "TOKENIZER_LIBRARIES", "null"),
 ]
 

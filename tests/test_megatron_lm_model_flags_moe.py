@@ -179,7 +179,7 @@ def _built_layers():
 
 def test_local_spec_builds_what_the_flags_ask():
     (built,) = run_on_ranks(_built_layers, 1)
-    no_norm = [("NoneType", "NoneType")] if mcore_at_least("0.19") else [("IdentityOp", "IdentityOp")]
+    no_norm = [("NoneType", "NoneType")] if mcore_at_least("0.18") else [("IdentityOp", "IdentityOp")]
     assert built["q_k_norms"] == no_norm * 2 + [("LayerNorm", "LayerNorm")] * 4
     # Llama 3.1 scaling: the highest frequency kept, the lowest (a wavelength beyond 8192 tokens) divided by 4
     ratios = built["inv_freq_ratio"]

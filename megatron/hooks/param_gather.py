@@ -418,7 +418,7 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
             self.plain = False
 
     def _post_param_sync_if_defined(self) -> None:
-        # megatron-core >= 0.19 moved FP8 post-processing into _post_param_sync(), which
+        # megatron-core >= 0.18 moved FP8 post-processing into _post_param_sync(), which
         # start_param_sync calls after a forced gather under overlap (a no-op for our 16-bit buckets,
         # kept so the override matches the stock method).
         post_param_sync = getattr(super(), "_post_param_sync", None)

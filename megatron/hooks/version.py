@@ -1,7 +1,8 @@
 """The installed megatron-core version, for the few places whose behaviour differs between releases.
 
-Supported: megatron-core >= 0.16.1, < 0.20 (``megatron.training.initialize.SUPPORTED_MCORE``). Code that
-works on every supported release needs no gate; each gate names the release that changed the behaviour.
+Supported: megatron-core >= 0.16.1, < 0.20 (``megatron.training.initialize.SUPPORTED_MCORE``): 0.16.1, 0.17.x,
+0.18.x and 0.19.x, each run by the CPU suite. Code that works on every supported release needs no gate; each gate
+names the release that changed the behaviour.
 """
 
 from packaging.version import Version

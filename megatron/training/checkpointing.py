@@ -456,16 +456,16 @@ def _restore_rng_state(state: dict) -> None:
 
 
 def _async_strategy() -> dict:
-    """megatron-core 0.19 takes the background writer as ``async_strategy``: nvidia-resiliency-ext's ("nvrx", its
-    default) where that package is installed, else its own ("mcore", the only one 0.16 has)."""
-    if not mcore_at_least("0.19"):
+    """megatron-core 0.17 and later take the background writer as ``async_strategy``: nvidia-resiliency-ext's
+    ("nvrx", their default) where that package is installed, else their own ("mcore", the only one 0.16 has)."""
+    if not mcore_at_least("0.17"):
         return {}
     return {"async_strategy": "nvrx" if importlib.util.find_spec("nvidia_resiliency_ext") else "mcore"}
 
 
 def async_calls_queue(persistent: bool):
     """The queue that runs and finalizes --async-save's requests: the one of the writer ``_async_strategy`` picks."""
-    if mcore_at_least("0.19"):
+    if mcore_at_least("0.17"):
         from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
         queue_class = get_async_strategy(_async_strategy()["async_strategy"])[1]["AsyncCallsQueue"]

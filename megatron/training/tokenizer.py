@@ -123,11 +123,11 @@ def _build_null(args):
 
     if not getattr(args, "vocab_size", None):
         raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size (ids 0..N-1; N is end-of-document)")
-    # Ids 0..N-1 are text and N is end-of-document on every release: megatron-core 0.16.1's "null"
-    # library puts eod just past vocab_size; from 0.19 "null-text" makes it the last of vocab_size ids.
-    if mcore_at_least("0.19"):
-        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=args.vocab_size + 1)
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=args.vocab_size)
+    # Ids 0..N-1 are text and N is end-of-document on every release: megatron-core 0.16.1's "null" library (0.17's
+    # "null-text") puts eod just past vocab_size; from 0.18 "null-text" makes it the last of vocab_size ids.
+    library = "null-text" if mcore_at_least("0.17") else "null"
+    vocab_size = args.vocab_size + 1 if mcore_at_least("0.18") else args.vocab_size
+    return MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size)
 
 
 def build_tokenizer(args):
