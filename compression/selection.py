@@ -3,11 +3,12 @@
 CIERA, the paper's per-iteration gain of compressing shard i (S bytes, of which S_e exponent and S_sm
 sign+mantissa bytes, a bitmap of S_bm bytes, block change rate q):
 
-    g = Comm(S) - Comm(S_sm + S_bm + q * S_e) - T_merge(S)
+    g = Comm(S) - Comm(S_sm + S_bm + q * S_e) - (world - 1) * T_merge(S)
 
 Comm(bytes) is the all-gather time for that many bytes per rank, a latency + bytes/bandwidth line
 fitted to timings on the real process group at start-up. Hashing and packing run off the critical
-path in the paper's schedule and are left out; the receiver's merge (T_merge) is not. Shards with
+path in the paper's schedule and are left out; the receiver's merge of each of the other ranks' shards
+(T_merge, ``measure_merge_seconds_per_byte`` x S) is not. Shards with
 g > 0 are ranked by g per byte of codec cache and taken greedily until ``--ciera-cache-budget-mb``
 is spent; the rest are gathered uncompressed. The cache is the sender's change-detection state
 (the receiver reads previous exponents from the resident parameter buffer, see compression/ciera.py).
@@ -99,6 +100,8 @@ class ShardStats:
     cache_bytes: int
     block_size: int = 512
     dtype: torch.dtype = torch.bfloat16
+    merge_seconds: float = 0.0  # the receiver's decode of one payload; every receiver decodes world_size - 1
+    world_size: int = 2
 
 
 def cache_bytes(numel: int, block_size: int, change_detect: str) -> int:
@@ -138,21 +141,20 @@ class DeltaShardStats:
 SIZE_EXCHANGE_BYTES = 8  # ShardGather's all-gather of payload sizes before a variable-size gather
 
 
-def gain_seconds(s, comm: CommModel, merge_seconds_per_byte: float = 0.0) -> float:
+def gain_seconds(s, comm: CommModel) -> float:
     """Expected seconds saved per gather by compressing shard ``s`` (ShardStats or DeltaShardStats)."""
     raw = s.numel * 2
     if isinstance(s, DeltaShardStats):
         exchange = comm.time(SIZE_EXCHANGE_BYTES) if s.size_exchange else 0.0
         return (comm.time(raw) - comm.time(s.payload_bytes) - exchange - s.encode_seconds
                 - (s.world_size - 1) * s.decode_seconds)
-    return comm.time(raw) - comm.time(expected_payload_bytes(s)) - merge_seconds_per_byte * raw
+    return comm.time(raw) - comm.time(expected_payload_bytes(s)) - (s.world_size - 1) * s.merge_seconds
 
 
-def select_shards(candidates, comm: CommModel, cache_budget_bytes: Optional[int],
-                  merge_seconds_per_byte: float = 0.0) -> set:
+def select_shards(candidates, comm: CommModel, cache_budget_bytes: Optional[int]) -> set:
     """Keys of the shards to compress: positive gain, best gain per cache byte first, within budget
     (None: unlimited). Ties break by key order so every rank picks the same set."""
-    scored = [(gain_seconds(s, comm, merge_seconds_per_byte), s) for s in candidates]
+    scored = [(gain_seconds(s, comm), s) for s in candidates]
     scored = [(g, s) for g, s in scored if g > 0]
     scored.sort(key=lambda gs: (-gs[0] / max(gs[1].cache_bytes, 1), str(gs[1].key)))
     selected, used = set(), 0
@@ -163,11 +165,11 @@ def select_shards(candidates, comm: CommModel, cache_budget_bytes: Optional[int]
     return selected
 
 
-def selection_summary(candidates, selected: set, comm: CommModel, merge_seconds_per_byte: float = 0.0) -> str:
+def selection_summary(candidates, selected: set, comm: CommModel) -> str:
     """One readable log line."""
     chosen = [s for s in candidates if s.key in selected]
     total_bytes = sum(s.numel * 2 for s in candidates) or 1
-    gain = sum(gain_seconds(s, comm, merge_seconds_per_byte) for s in chosen)
+    gain = sum(gain_seconds(s, comm) for s in chosen)
     cache = sum(s.cache_bytes for s in chosen)
     codec = "delta" if any(isinstance(s, DeltaShardStats) for s in candidates) else "ciera"
     return (f"{codec} selection: {len(chosen)}/{len(candidates)} shards "
@@ -189,7 +191,8 @@ def _measured(candidates) -> str:
         return (f"wire ratio {raw / max(payload, 1):.2f}x, encode {speed(encode)}, decode {speed(decode)} "
                 f"({clock}, later half of the warm-up)")
     rate = sum(s.change_rate * s.numel for s in candidates) / sum(s.numel for s in candidates)
-    return f"block change rate {rate:.3f}"
+    merge = sum(s.merge_seconds for s in candidates)
+    return f"block change rate {rate:.3f}, merge " + (f"{raw / merge / 1e9:.2f} GB/s" if merge > 0 else "unmeasured")
 
 
 def _bandwidth(comm: CommModel) -> str:
@@ -205,7 +208,9 @@ def measure_merge_seconds_per_byte(config, numel: int = 1 << 22, dtype=torch.bfl
     from compression.ciera import CieraCodec  # selection stays importable without the codec's deps
 
     device = torch.device(device) if device is not None else torch.device("cpu")
-    shard = (torch.randn(numel, device=device) * 0.02).to(dtype)
+    # its own generator: drawing from the default one would change training's random numbers (dropout)
+    generator = torch.Generator(device).manual_seed(0)
+    shard = (torch.randn(numel, device=device, generator=generator) * 0.02).to(dtype)
     sender, receiver = CieraCodec(config, 2, 0), CieraCodec(config, 2, 1)
     out = torch.empty_like(shard)
     payload = sender.encode(shard)  # a keyframe: every block carries its exponents

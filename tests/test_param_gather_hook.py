@@ -146,6 +146,7 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.hooks.param_gather import apply_dp_compression, reset_param_gather_state
 
+    from compression.selection import CommModel
     from compression.telemetry import COMM_CLASSES, TELEMETRY
 
     from megatron.hooks import param_gather
@@ -170,10 +171,21 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     cap = param_gather.PREPARE_SHARD_BYTES
     if method == "delta-capped":
         param_gather.PREPARE_SHARD_BYTES = CAPPED_SHARD_BYTES
-    patched = {name: getattr(param_gather, name) for name in ("SELECTION_WARMUP_GATHERS", "select_shards")}
+    patched = {name: getattr(param_gather, name) for name in ("SELECTION_WARMUP_GATHERS", "select_shards",
+                                                               "profile_comm", "_comm_models")}
     choice = _alternating_choice()
     if method == "delta-reselect":
         param_gather.SELECTION_WARMUP_GATHERS, param_gather.select_shards = 2, choice
+    merges = []  # what the benefit selection's candidates would cost each receiver to merge (CIERA's T_decmp)
+    if method == "ciera-benefit":  # a link slow enough that the CPU's merge (~13 MB/s) costs less than it saves
+        param_gather.profile_comm, param_gather._comm_models = lambda group: CommModel(1e-4, 1 / 1e6), {}
+        select = param_gather.select_shards
+
+        def recorded(candidates, comm, budget):
+            merges.extend(c.merge_seconds for c in candidates)
+            return select(candidates, comm, budget)
+
+        param_gather.select_shards = recorded
     forward_backward = get_forward_backward_func()
     loss_bits = []
     for step in range(STEPS):
@@ -212,7 +224,7 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
         slot_gathers=counters.get("dp_param_gather/slot_gathers", 0),
         slot_overflows=counters.get("dp_param_gather/slot_overflows", 0),
         loss_bits=loss_bits, param_hash=_buffers_hash(ddp), sent_ratio=sent / max(raw, 1),
-        steps_sent_ratio=steps_sent_ratio, candidate_cache_bytes=choice.cache_bytes,
+        steps_sent_ratio=steps_sent_ratio, candidate_cache_bytes=choice.cache_bytes, merge_seconds=merges,
         exchanges=exchanges, **_hook_counts(ddp),
     )
 
@@ -406,6 +418,7 @@ def _assert_identical(results_by_rank):
             assert result["undecided"] == 0, (run, result)
             if run[0] == "ciera-benefit":
                 assert 0 < result["num_compressed"] < result["num_groups"], (run, result)
+                assert len(result["merge_seconds"]) >= result["num_groups"] and min(result["merge_seconds"]) > 0
             elif run[0] == "delta-reselect":  # the odd bucket groups, chosen in the second round
                 assert result["selections"] == 2 and result["num_compressed"] == result["num_groups"] // 2, (run, result)
                 # the memory a bucket's codec keeps: its sender copy (2 bytes per shard value), none with a fused cast

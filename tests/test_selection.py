@@ -18,33 +18,40 @@ SLOW_LINK = CommModel(latency_s=20e-6, seconds_per_byte=1 / 4e9)  # ~4 GB/s
 MIB = 1 << 20
 
 
-def _shard(key, numel, rate, mode="compare"):
-    return ShardStats(key=key, numel=numel, change_rate=rate, cache_bytes=cache_bytes(numel, 512, mode))
+def _shard(key, numel, rate, mode="compare", merge_seconds_per_byte=0.0, world_size=2):
+    return ShardStats(key=key, numel=numel, change_rate=rate, cache_bytes=cache_bytes(numel, 512, mode),
+                      merge_seconds=merge_seconds_per_byte * 2 * numel, world_size=world_size)
 
 
 def test_gain_formula_matches_the_paper():
-    s = _shard("ln", 1 << 20, 0.25)
+    s = _shard("ln", 1 << 20, 0.25, merge_seconds_per_byte=1e-12, world_size=4)
     # bf16: S = 2 MiB, S_sm = 1 MiB, bitmap 2048 blocks / 8 = 256 B, tile table 2048 / 8 tiles * 4 B = 1 KiB,
     # S_e = 1 MiB, + 32 B header
     assert expected_payload_bytes(s) == MIB + 256 + 1024 + 0.25 * MIB + 32
-    want = SLOW_LINK.time(2 * MIB) - SLOW_LINK.time(expected_payload_bytes(s)) - 1e-12 * 2 * MIB
-    assert gain_seconds(s, SLOW_LINK, merge_seconds_per_byte=1e-12) == pytest.approx(want)
+    # T_decmp: each receiver merges the 3 other ranks' shards
+    want = SLOW_LINK.time(2 * MIB) - SLOW_LINK.time(expected_payload_bytes(s)) - 3 * 1e-12 * 2 * MIB
+    assert gain_seconds(s, SLOW_LINK) == pytest.approx(want)
     fp16 = ShardStats("x", 1024, 0.0, 0, dtype=torch.float16)
     assert expected_payload_bytes(fp16) == 32 + 1 + 4 + 1024 * 11 / 8  # 2 blocks: one tile
 
 
 def test_select_shards_ranks_by_gain_per_cache_byte_within_budget():
-    candidates = [_shard("expert", 8 * MIB, 0.1), _shard("norm", MIB, 0.0), _shard("attn", 4 * MIB, 0.99),
-                  _shard("gate", 2 * MIB, 1.0), _shard("embed", 16 * MIB, 0.5)]
-    merge = 2e-12  # 500 GB/s: enough to make the shards whose blocks nearly all change lose
-    assert select_shards(candidates, SLOW_LINK, None, merge) == {"expert", "norm", "embed"}
+    def shards(merge):
+        return [_shard(key, numel, rate, merge_seconds_per_byte=merge) for key, numel, rate in
+                (("expert", 8 * MIB, 0.1), ("norm", MIB, 0.0), ("attn", 4 * MIB, 0.99), ("gate", 2 * MIB, 1.0),
+                 ("embed", 16 * MIB, 0.5))]
+
+    candidates = shards(2e-12)  # a 500 GB/s merge: enough to make the shards whose blocks nearly all change lose
+    assert select_shards(candidates, SLOW_LINK, None) == {"expert", "norm", "embed"}
+    assert select_shards(shards(0.0), SLOW_LINK, None) == {"expert", "norm", "embed", "attn"}  # the merge counts
     # "norm" has the best gain per cache byte; a budget of 9 MiB then fits "expert" (8 MiB) but not "embed"
-    assert select_shards(candidates, SLOW_LINK, 9 * MIB, merge) == {"norm", "expert"}
-    assert select_shards(candidates, SLOW_LINK, MIB // 2, merge) == set()
+    assert select_shards(candidates, SLOW_LINK, 9 * MIB) == {"norm", "expert"}
+    assert select_shards(candidates, SLOW_LINK, MIB // 2) == set()
     # on a fast link with a costly merge nothing pays (the paper's Llama-4-Scout on NVLink)
-    assert select_shards(candidates, CommModel(5e-6, 1 / 300e9), None, 1e-11) == set()
-    line = selection_summary(candidates, {"norm", "expert"}, SLOW_LINK, merge)
+    assert select_shards(shards(1e-11), CommModel(5e-6, 1 / 300e9), None) == set()
+    line = selection_summary(candidates, {"norm", "expert"}, SLOW_LINK)
     assert line.startswith("ciera selection: 2/5 shards") and "MiB" in line and "measured block change rate" in line
+    assert line.endswith("merge 500.00 GB/s")
     assert cache_bytes(1000, 512, "hash") == 2 * 16 and cache_bytes(1000, 512, "compare") == 1024
 
 
@@ -68,8 +75,10 @@ def test_block_change_meter():
 
 
 def test_measure_merge_seconds_per_byte():
+    rng = torch.get_rng_state()
     seconds = measure_merge_seconds_per_byte(CieraConfig(64), numel=4096, repeats=1)
     assert 0 < seconds < 1e-3
+    assert torch.equal(torch.get_rng_state(), rng)  # training's random numbers (dropout) stay as they were
 
 
 def _profile():

@@ -71,7 +71,7 @@ from compression.ciera import CieraCodec, CieraConfig
 from compression.delta import DeltaCodec, DeltaConfig
 from compression.selection import (
     SELECTION_WARMUP_GATHERS, SELECTION_WINDOW_ITERATIONS, BlockChangeMeter, DeltaCostMeter, DeltaShardStats,
-    ShardStats, cache_bytes, profile_comm, select_shards, selection_summary,
+    ShardStats, cache_bytes, measure_merge_seconds_per_byte, profile_comm, select_shards, selection_summary,
 )
 from compression.sdp4bit import (
     HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather, quantized_reduce_scatter,
@@ -86,6 +86,7 @@ PARAM_GATHER_METHODS = ("none", "ciera", "delta", "sdp4bit")
 GRAD_REDUCE_METHODS = ("none", "hadamard-int8", "hadamard-int4")
 SELECTABLE_METHODS = ("ciera", "delta")  # lossless: --param-gather-selection applies; sdp4bit compresses all
 _SIXTEEN_BIT_DTYPES = (torch.bfloat16, torch.float16)
+MERGE_PROBE_NUMEL = 1 << 22  # values of the payload CIERA's merge time is measured on (8 MiB of bf16)
 _comm_models = {}  # process group -> all-gather latency/bandwidth model, profiled once per group
 
 
@@ -210,15 +211,28 @@ class _BenefitSelection:
         rates = torch.tensor(rates, dtype=torch.float64, device=device)
         dist.all_reduce(rates, group=group)
         rates = iter((rates / group.size()).tolist())
+        merge = self._merge_seconds_per_byte(group, bucket_groups, device)
         return [
             ShardStats(
                 key=(group_index, bucket_index), numel=bucket.param_data.numel() // group.size(),
                 change_rate=next(rates), cache_bytes=_bucket_cache_bytes(bucket, group.size(), self.args),
                 block_size=self.args.ciera_block_size, dtype=bucket.param_data.dtype,
+                merge_seconds=merge * 2 * (bucket.param_data.numel() // group.size()), world_size=group.size(),
             )
             for group_index, bg in enumerate(bucket_groups)
             for bucket_index, bucket in enumerate(bg.buckets)
         ]
+
+    def _merge_seconds_per_byte(self, group, bucket_groups: list, device) -> float:
+        """The paper's T_decmp per shard byte: CIERA's decode of a payload whose blocks all changed, as large as the
+        largest shard (at most MERGE_PROBE_NUMEL values), on the slowest rank of ``group``."""
+        buckets = [bucket for bg in bucket_groups for bucket in bg.buckets]
+        numel = min(MERGE_PROBE_NUMEL, max(bucket.param_data.numel() // group.size() for bucket in buckets))
+        seconds = measure_merge_seconds_per_byte(ciera_config(self.args), numel=max(numel, 1),
+                                                 dtype=buckets[0].param_data.dtype, device=device)
+        seconds = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+        return seconds.item()
 
 
     def _delta_candidates(self, group, bucket_groups: list, device) -> list:
@@ -541,6 +555,11 @@ def _check_args(args) -> None:
             )
 
 
+def ciera_config(args) -> CieraConfig:
+    return CieraConfig(block_size=args.ciera_block_size, change_detect=args.ciera_change_detect,
+                       exponent_coder=args.ciera_exponent_coder)
+
+
 def build_gather(args, group, comm_class: str, cast: bool = False):
     """The compressed gather of one bucket over ``group``, from ``--param-gather-compression`` and its
     options; its bytes are counted as ``comm_class``. ``cast``: a delta codec of ``--delta-fused-cast``."""
@@ -550,12 +569,7 @@ def build_gather(args, group, comm_class: str, cast: bool = False):
         config = Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
         return WeightDiffGather(WeightDiffCodec(config, world_size, rank), group, comm_class)
     if method == "ciera":
-        config = CieraConfig(
-            block_size=args.ciera_block_size,
-            change_detect=args.ciera_change_detect,
-            exponent_coder=args.ciera_exponent_coder,
-        )
-        return ShardGather(CieraCodec(config, world_size, rank), group, comm_class)
+        return ShardGather(CieraCodec(ciera_config(args), world_size, rank), group, comm_class)
     return ShardGather(DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank, cast=cast), group,
                        comm_class, capacity_factor=args.delta_capacity_factor, cuda_graphs=args.delta_cuda_graphs)
 
