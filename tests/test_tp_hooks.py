@@ -475,13 +475,13 @@ def _check_gpt_report(report):
         for sequence_parallel in (False, True):
             key = tp, sequence_parallel
             # Off by default: building the model swaps nothing.
-            assert set(report["stock_counts", *key].values()) == {0}
+            assert set(report[("stock_counts", *key)].values()) == {0}
             # 2 layers x (qkv, fc1) + output layer; 2 x (proj, fc2); the embedding.
-            assert report["counts", *key] == {
+            assert report[("counts", *key)] == {
                 "CompressedColumnParallelLinear": 5, "CompressedRowParallelLinear": 4,
                 "CompressedVocabParallelEmbedding": 1,
             }
-            (stock, stock_params), (identity, identity_params) = report["stock", *key], report["identity", *key]
+            (stock, stock_params), (identity, identity_params) = report[("stock", *key)], report[("identity", *key)]
             if tp == 2:  # a + b is the same in any order: bit-identical
                 assert identity == stock[:IDENTITY_STEPS], key
                 assert torch.equal(identity_params.view(torch.int32), stock_params.view(torch.int32)), key
@@ -491,7 +491,7 @@ def _check_gpt_report(report):
                 # so only the losses are compared (a routing bug moves them by >1e-3 within 4 steps).
                 assert torch.allclose(torch.tensor(identity), torch.tensor(stock[:IDENTITY_STEPS]), rtol=1e-5), key
             stock = torch.tensor(stock, dtype=torch.float64)
-            taco = torch.tensor(report["taco", *key][0], dtype=torch.float64)
+            taco = torch.tensor(report[("taco", *key)][0], dtype=torch.float64)
             assert stock[-1] < stock[0] - 2, "the model must learn for the comparison to mean much"
             rel_diff = (taco - stock).abs() / stock
             assert rel_diff[0] < TACO_FIRST_LOSS_REL_DIFF, (key, stock, taco)
