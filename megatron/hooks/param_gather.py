@@ -234,7 +234,6 @@ class _BenefitSelection:
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
         return seconds.item()
 
-
     def _delta_candidates(self, group, bucket_groups: list, device) -> list:
         """Payload bytes averaged over the group (as sent: in slots with --delta-capacity-factor); encode and decode
         times of the slowest rank."""
