@@ -45,6 +45,7 @@ SELECTION_WARMUP_GATHERS = 8  # gathers of each bucket measured before each choi
 # chooses, and one more (with --overlap-param-gather a round's gathers run in the next iteration's forward)
 SELECTION_WINDOW_ITERATIONS = SELECTION_WARMUP_GATHERS + 2
 HEADER_BYTES = 32
+MERGE_PROBE_NUMEL = 1 << 22  # values of the payload CIERA's merge time is measured on (8 MiB of bf16)
 
 
 @dataclass(frozen=True)

@@ -146,3 +146,28 @@ def test_delta_cost_meter_times_the_fused_cast_encode():
     assert [p[0] for p in cast.samples] == [p[0] for p in plain.samples] and len(cast.samples) == 3
     assert cast.sender._prev is None and torch.equal(cast.sender_buffer.view(torch.int16),
                                                      cast.previous.view(torch.int16))
+
+
+def test_link_selection_benchmark_dry_run(tmp_path):
+    """benchmarks/ciera_selection_links.py on CPU: the committed link timings fitted, change rates measured, and the
+    merge charged: with it, a gain drops by exactly the merge time, and no link selects more shards than without."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "links.json"
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "ciera_selection_links.py"), "--dry-run", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["lr"], r["link"]) for r in rows} == {(lr, link) for lr in (1e-4, 1e-5)
+                                                     for link in ("nvlink", "p2p_off", "sockets")}
+    for r in rows:
+        assert 0 < r["block_change_rate"] <= 1 and r["merge_us"] > 0
+        assert r["with_merge_gain_us"] == pytest.approx(r["without_merge_gain_us"] - r["merge_us"])
+        assert r["with_merge_selected"] <= r["without_merge_selected"]
+    sockets = {r["lr"]: r for r in rows if r["link"] == "sockets"}
+    assert sockets[1e-5]["block_change_rate"] < sockets[1e-4]["block_change_rate"]  # fewer exponents change
+    assert sockets[1e-5]["payload_us"] < sockets[1e-5]["raw_us"]

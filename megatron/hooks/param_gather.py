@@ -70,8 +70,9 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from compression.ciera import CieraCodec, CieraConfig
 from compression.delta import DeltaCodec, DeltaConfig
 from compression.selection import (
-    SELECTION_WARMUP_GATHERS, SELECTION_WINDOW_ITERATIONS, BlockChangeMeter, DeltaCostMeter, DeltaShardStats,
-    ShardStats, cache_bytes, measure_merge_seconds_per_byte, profile_comm, select_shards, selection_summary,
+    MERGE_PROBE_NUMEL, SELECTION_WARMUP_GATHERS, SELECTION_WINDOW_ITERATIONS, BlockChangeMeter, DeltaCostMeter,
+    DeltaShardStats, ShardStats, cache_bytes, measure_merge_seconds_per_byte, profile_comm, select_shards,
+    selection_summary,
 )
 from compression.sdp4bit import (
     HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather, quantized_reduce_scatter,
@@ -86,7 +87,6 @@ PARAM_GATHER_METHODS = ("none", "ciera", "delta", "sdp4bit")
 GRAD_REDUCE_METHODS = ("none", "hadamard-int8", "hadamard-int4")
 SELECTABLE_METHODS = ("ciera", "delta")  # lossless: --param-gather-selection applies; sdp4bit compresses all
 _SIXTEEN_BIT_DTYPES = (torch.bfloat16, torch.float16)
-MERGE_PROBE_NUMEL = 1 << 22  # values of the payload CIERA's merge time is measured on (8 MiB of bf16)
 _comm_models = {}  # process group -> all-gather latency/bandwidth model, profiled once per group
 
 

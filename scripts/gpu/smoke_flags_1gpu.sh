@@ -2,10 +2,13 @@
 # One GPU: every GPU test, then the CUDA paths of the Megatron-LM flags added in session 16 that the CPU suite
 # cannot reach (NCCL default backend, --local-rank, CUDA memory logging and history, the NaN check under bf16,
 # params norm and num-zeros logging, a save without optimizer state and a load of it) in short GPT-125M-shaped runs.
-#   bash scripts/gpu/smoke_flags_1gpu.sh          (results in $RES, back as results.tgz)
+#   GPU_TESTS=1 bash scripts/gpu/smoke_flags_1gpu.sh   (the default; 0 skips the GPU tests; results in $RES, back as
+#   results.tgz)
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
-python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | grep -E "passed|failed|error" | tee $RES/gpu_tests.txt
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | grep -E "passed|failed|error" | tee $RES/gpu_tests.txt
+fi
 common="--config configs/gpt_125m.yaml --builtin-corpus python-stdlib --tokenizer-type ByteTokenizer --transformer-impl local
   --bf16 --micro-batch-size 2 --global-batch-size 4 --seq-length 512 --max-position-embeddings 512 --lr-warmup-iters 2
   --log-interval 2 --eval-interval 10 --eval-iters 2"
