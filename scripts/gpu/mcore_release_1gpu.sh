@@ -25,7 +25,9 @@ has ckpt && MODES="sync async" MTP=1 GPU_TESTS=0 bash scripts/gpu/smoke_ckpt_mtp
 if has gather; then
   RUNS="ciera:1e-4 delta:1e-4" ITERS=30 EXTRA="--param-gather-selection all --param-gather-verify-interval 1" \
     bash scripts/gpu/wire_ratio_dp2_one_gpu.sh
-  RUNS="ciera:1e-5" ITERS=14 EXTRA="--param-gather-trial-iters 0" bash scripts/gpu/wire_ratio_dp2_one_gpu.sh
+  # 16 iterations: the selection's 10-iteration window, then its choice; the warm-up must end inside the run
+  RUNS="ciera:1e-5" ITERS=16 EXTRA="--param-gather-trial-iters 0 --lr-warmup-iters 2" \
+    bash scripts/gpu/wire_ratio_dp2_one_gpu.sh
   grep -h "selection:" /tmp/res/dp2_one_gpu_ciera_lr1e-5.rank0.log | cut -c1-400
 fi
 has moe || exit 0
