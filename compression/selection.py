@@ -3,12 +3,13 @@
 CIERA, the paper's per-iteration gain of compressing shard i (S bytes, of which S_e exponent and S_sm
 sign+mantissa bytes, a bitmap of S_bm bytes, block change rate q):
 
-    g = Comm(S) - Comm(S_sm + S_bm + q * S_e) - (world - 1) * T_merge(S)
+    g = Comm(S) - Comm(S_sm + S_bm + q * S_e) - Comm(size exchange) - (world - 1) * T_merge(S)
 
 Comm(bytes) is the all-gather time for that many bytes per rank, a latency + bytes/bandwidth line
 fitted to timings on the real process group at start-up. Hashing and packing run off the critical
 path in the paper's schedule and are left out; the receiver's merge of each of the other ranks' shards
-(T_merge, ``measure_merge_seconds_per_byte`` x S) is not. Shards with
+(T_merge, ``measure_merge_seconds_per_byte`` x S, device time as the delta codec's is measured) is not,
+nor is the all-gather of the payload sizes that a variable-size payload needs first. Shards with
 g > 0 are ranked by g per byte of codec cache and taken greedily until ``--ciera-cache-budget-mb``
 is spent; the rest are gathered uncompressed. The cache is the sender's change-detection state
 (the receiver reads previous exponents from the resident parameter buffer, see compression/ciera.py).
@@ -36,7 +37,7 @@ from typing import Hashable, Optional
 import torch
 import torch.distributed as dist
 
-from compression.timing import call_seconds, default_device, queued_call_seconds, synchronize
+from compression.timing import default_device, queued_call_seconds, synchronize
 from kernels.ciera import LAYOUTS, split_compare_reference, tile_blocks
 
 HASH_BYTES_PER_BLOCK = 16
@@ -149,7 +150,8 @@ def gain_seconds(s, comm: CommModel) -> float:
         exchange = comm.time(SIZE_EXCHANGE_BYTES) if s.size_exchange else 0.0
         return (comm.time(raw) - comm.time(s.payload_bytes) - exchange - s.encode_seconds
                 - (s.world_size - 1) * s.decode_seconds)
-    return comm.time(raw) - comm.time(expected_payload_bytes(s)) - (s.world_size - 1) * s.merge_seconds
+    return (comm.time(raw) - comm.time(expected_payload_bytes(s)) - comm.time(SIZE_EXCHANGE_BYTES)
+            - (s.world_size - 1) * s.merge_seconds)
 
 
 def select_shards(candidates, comm: CommModel, cache_budget_bytes: Optional[int]) -> set:
@@ -205,7 +207,12 @@ def _bandwidth(comm: CommModel) -> str:
 def measure_merge_seconds_per_byte(config, numel: int = 1 << 22, dtype=torch.bfloat16, device=None,
                                    repeats: int = 3) -> float:
     """Seconds per shard byte of CieraCodec.decode of a payload whose blocks all changed (the worst
-    case) on ``device``. Timings differ between ranks: MAX-reduce the result before selecting."""
+    case) on ``device``: on CUDA the device time of its kernels, its header already on the host, as in a
+    gather (which reads all headers in its one sync) and as ``DeltaCostMeter`` times the delta decode. The
+    wall time of a lone decode, header read included, is ~90 us of sync and launches at the probe's 8 MiB
+    (1x H200), which scaled by bytes charged a 44 MB shard 475 us for a merge whose kernels run at ~1.9 TB/s
+    (docs/ciera.md), ~25 us.
+    Timings differ between ranks: MAX-reduce the result before selecting."""
     from compression.ciera import CieraCodec  # selection stays importable without the codec's deps
 
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -215,8 +222,12 @@ def measure_merge_seconds_per_byte(config, numel: int = 1 << 22, dtype=torch.bfl
     sender, receiver = CieraCodec(config, 2, 0), CieraCodec(config, 2, 1)
     out = torch.empty_like(shard)
     payload = sender.encode(shard)  # a keyframe: every block carries its exponents
-    best = min(call_seconds(lambda: receiver.decode(0, payload, out), device, repeats))
-    return best / (numel * shard.element_size())
+    header = receiver.read_header(payload)
+    seconds, host = [], 0.05
+    for _ in range(repeats + 1):  # the first call compiles the kernels: not counted
+        device_s, host = queued_call_seconds(lambda: receiver.decode(0, payload, out, header), device, min(host, 0.05))
+        seconds.append(device_s)
+    return min(seconds[1:]) / (numel * shard.element_size())
 
 
 class BlockChangeMeter:
