@@ -7,7 +7,8 @@ H200s, ``all_gather_wire``); the block change rate of the benchmark's simulated 
 (``BlockChangeMeter`` over ``--steps`` consecutive steps, as the warm-up gathers measure it); and the seconds per byte
 of CIERA's decode of a payload whose blocks all changed, on this device (``measure_merge_seconds_per_byte``, the
 hook's probe, at the hook's probe size). For ``--buckets`` shards of ``--numel`` values at DP = 2 it prints, per link
-and lr, the gain per gather with and without the merge term, and how many shards each would select.
+and lr, the gain per gather with and without the merge term (both pay the payload sizes' all-gather), and how many
+shards each would select.
 
     python benchmarks/ciera_selection_links.py --out results/gpu/ciera_selection_links.json
 """
@@ -24,8 +25,8 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.delta_wire_ratio import simulated_adamw  # noqa: E402
 from compression.ciera import CieraConfig  # noqa: E402
-from compression.selection import (MERGE_PROBE_NUMEL, BlockChangeMeter, ShardStats, cache_bytes,  # noqa: E402
-                                   expected_payload_bytes, fit_comm_model, gain_seconds,
+from compression.selection import (MERGE_PROBE_NUMEL, SIZE_EXCHANGE_BYTES, BlockChangeMeter, ShardStats,  # noqa: E402
+                                   cache_bytes, expected_payload_bytes, fit_comm_model, gain_seconds,
                                    measure_merge_seconds_per_byte, select_shards)
 
 LINKS = ("nvlink", "p2p_off", "sockets")
@@ -83,14 +84,15 @@ def main(argv=None):
                 row[f"{name}_selected"] = len(select_shards(shards, comm, None))
             row["raw_us"] = comm.time(2 * numel) * 1e6
             row["payload_us"] = comm.time(expected_payload_bytes(shards[0])) * 1e6
+            row["size_exchange_us"] = comm.time(SIZE_EXCHANGE_BYTES) * 1e6
             row["merge_us"] = merge_per_byte * 2 * numel * 1e6
             rows.append(row)
-    print(f"| lr | link | block change rate | raw gather us | payload gather us | merge us | gain us per shard: without "
-          f"merge / with | shards chosen (of {args.buckets}): without / with |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| lr | link | block change rate | raw gather us | payload gather us | size exchange us | merge us | gain us "
+          f"per shard: without merge / with | shards chosen (of {args.buckets}): without / with |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['lr']:g} | {r['link']} | {r['block_change_rate']:.3f} | {r['raw_us']:.1f} | {r['payload_us']:.1f} "
-              f"| {r['merge_us']:.1f} | {r['without_merge_gain_us']:+.1f} / {r['with_merge_gain_us']:+.1f} "
+              f"| {r['size_exchange_us']:.1f} | {r['merge_us']:.1f} | {r['without_merge_gain_us']:+.1f} / {r['with_merge_gain_us']:+.1f} "
               f"| {r['without_merge_selected']} / {r['with_merge_selected']} |")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
