@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 import kernels.sdp4bit as kernels  # noqa: E402
 from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.sdp4bit import (  # noqa: E402
-    HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, decode_sum, encode_rows, groups_nbytes,
+    HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, decode_sum, encode_rows,
 )
 from compression.timing import call_seconds, device_throughput  # noqa: E402
 

@@ -104,7 +104,7 @@ def analyze(trace: dict, min_gap_us: float, top: int) -> str:
     counts = collections.Counter(g[3] for g in gaps)
     for where, t in charged.most_common(top):
         lines.append(f"  {t / 1e3:8.2f}  {counts[where]:4d}  {host_late[where]:4d}  {where}")
-    lines.append(f"\nlongest gaps (us, at ms, next device work, launched after the gap began, host code):")
+    lines.append("\nlongest gaps (us, at ms, next device work, launched after the gap began, host code):")
     for dur, at, name, where, late in sorted(gaps, reverse=True)[:top]:
         lines.append(f"  {dur:9.0f}  {at / 1e3:8.2f}  {name:60s}  {'late' if late else '    '}  {where}")
 

@@ -160,11 +160,11 @@ def _built_layers():
     rope = "--position-embedding-type rope"
     plain_rope = build(rope)
     scaled = build(f"{rope} --use-rope-scaling --rope-scaling-factor 4 --rotary-seq-len-interpolation-factor 2 "
-                   f"--qk-layernorm --init-method-xavier-uniform")
+                   "--qk-layernorm --init-method-xavier-uniform")
     fc1 = scaled.decoder.layers[0].mlp.linear_fc1.weight
-    moe = build(f"--disable-bias-linear --num-experts 4 --moe-ffn-hidden-size 64 --moe-layer-freq ([0]*1+[1]*3) "
-                f"--moe-shared-expert-intermediate-size 32 --moe-router-score-function sigmoid "
-                f"--moe-router-enable-expert-bias --qk-layernorm")
+    moe = build("--disable-bias-linear --num-experts 4 --moe-ffn-hidden-size 64 --moe-layer-freq ([0]*1+[1]*3) "
+                "--moe-shared-expert-intermediate-size 32 --moe-router-score-function sigmoid "
+                "--moe-router-enable-expert-bias --qk-layernorm")
     return {
         "q_k_norms": [(type(layer.self_attention.q_layernorm).__name__, type(layer.self_attention.k_layernorm).__name__)
                       for model in (plain_rope, scaled, moe) for layer in model.decoder.layers[:2]],

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dist_utils import launch_training, run_on_ranks
-from test_parallel_training import GPT, RTOL, assert_same_trajectory
+from test_parallel_training import GPT, assert_same_trajectory
 
 MLA = (" --multi-latent-attention --position-embedding-type rope --q-lora-rank 32 --kv-lora-rank 16 "
        "--qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 24 --normalization RMSNorm --num-layers 2")

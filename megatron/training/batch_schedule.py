@@ -8,7 +8,6 @@ calculator ramps by the same rule in floating point, which can round down exactl
 it is counted in integers.
 """
 
-import math
 
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
