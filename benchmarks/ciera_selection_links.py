@@ -87,12 +87,13 @@ def main(argv=None):
             row["size_exchange_us"] = comm.time(SIZE_EXCHANGE_BYTES) * 1e6
             row["merge_us"] = merge_per_byte * 2 * numel * 1e6
             rows.append(row)
-    print(f"| lr | link | block change rate | raw gather us | payload gather us | size exchange us | merge us | gain us "
-          f"per shard: without merge / with | shards chosen (of {args.buckets}): without / with |")
+    print(f"| lr | link | block change rate | raw gather us | payload gather us | size exchange us | merge us "
+          f"| gain us per shard: without merge / with | shards chosen (of {args.buckets}): without / with |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['lr']:g} | {r['link']} | {r['block_change_rate']:.3f} | {r['raw_us']:.1f} | {r['payload_us']:.1f} "
-              f"| {r['size_exchange_us']:.1f} | {r['merge_us']:.1f} | {r['without_merge_gain_us']:+.1f} / {r['with_merge_gain_us']:+.1f} "
+              f"| {r['size_exchange_us']:.1f} | {r['merge_us']:.1f} "
+              f"| {r['without_merge_gain_us']:+.1f} / {r['with_merge_gain_us']:+.1f} "
               f"| {r['without_merge_selected']} / {r['with_merge_selected']} |")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
