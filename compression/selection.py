@@ -37,7 +37,7 @@ from typing import Hashable, Optional
 import torch
 import torch.distributed as dist
 
-from compression.timing import default_device, queued_call_seconds, synchronize
+from compression.timing import default_device, queued_call_seconds, queued_seconds, synchronize
 from kernels.ciera import LAYOUTS, split_compare_reference, tile_blocks
 
 HASH_BYTES_PER_BLOCK = 16
@@ -223,11 +223,8 @@ def measure_merge_seconds_per_byte(config, numel: int = 1 << 22, dtype=torch.bfl
     out = torch.empty_like(shard)
     payload = sender.encode(shard)  # a keyframe: every block carries its exponents
     header = receiver.read_header(payload)
-    seconds, host = [], 0.05
-    for _ in range(repeats + 1):  # the first call compiles the kernels: not counted
-        device_s, host = queued_call_seconds(lambda: receiver.decode(0, payload, out, header), device, min(host, 0.05))
-        seconds.append(device_s)
-    return min(seconds[1:]) / (numel * shard.element_size())
+    seconds, _ = queued_seconds(lambda: receiver.decode(0, payload, out, header), device, repeats)
+    return seconds / (numel * shard.element_size())
 
 
 class BlockChangeMeter:
