@@ -258,6 +258,22 @@ ERRORS = [
     ("--pipeline-model-parallel-layout E|t*4|L", 1, "has 3 stages for PP 1: the interleaved schedule needs"),
     ("--multi-latent-attention --tensor-model-parallel-size 2 --q-lora-rank 96 --kv-lora-rank 64 "
      "--qk-pos-emb-head-dim 32", 2, "the query and kv latents must differ in width"),
+    ("--padded-vocab-size 255 --tensor-model-parallel-size 2", 2, "--padded-vocab-size 255 is not divisible by"),
+    ("--no-rope-freq 2", 1, "--no-rope-freq picks the layers that skip RoPE: it needs --position-embedding-type rope"),
+    ("--position-embedding-type rope --no-rope-freq 3", 1, "--no-rope-freq 3 must divide --num-layers 4"),
+    ("--position-embedding-type rope --no-rope-freq [0,1]", 1, "--no-rope-freq lists 2 layers, the model has"),
+    ("--moe-layer-recompute --recompute-granularity full --recompute-method uniform", 1,
+     "drop it or --recompute-granularity full"),
+    ("--num-distributed-optimizer-instances 2", 2, "copies of the distributed optimizer: add --use-distributed-opt"),
+    ("--num-distributed-optimizer-instances 0", 1, "--num-distributed-optimizer-instances 0 must be at least 1"),
+    ("--use-distributed-optimizer --num-distributed-optimizer-instances 3", 4,
+     "does not divide the data-parallel size 4 (x CP) into equal copies"),
+    ("--use-distributed-optimizer --num-distributed-optimizer-instances 2 --num-experts 4 --disable-bias-linear "
+     "--expert-model-parallel-size 4", 4, "does not divide the expert data-parallel size 1 into equal copies"),
+    ("--use-distributed-optimizer --num-distributed-optimizer-instances 2 --grad-reduce-compression hadamard-int8", 4,
+     "--num-distributed-optimizer-instances 2 is not implemented"),
+    ("--outer-dp-sharding-strategy optim", 1, "Megatron FSDP is not implemented"),
+    ("--megatron-fsdp-max-pool-double-buffer", 1, "Megatron FSDP is not implemented"),
 ]
 
 
@@ -389,6 +405,23 @@ def test_yaml_config_precedence_and_types(tmp_path):
     assert args.recompute_activations and not args.mmap_bin_files
     assert parse_args(f"--config {config}".split()).lr == 3e-4
     assert parse_args(f"--config {config}".split(), defaults={"seed": 7}).seed == 7
+
+
+def test_megatron_lm_model_config_flags():
+    """Flags of Megatron-LM's model configs (examples/post_training/modelopt/conf: Qwen3, DeepSeek-R1, Llama 4, Kimi
+    K2, gpt-oss): --moe-layer-recompute as megatron-core translates it, --padded-vocab-size taken as given,
+    --trust-remote-code and --disable-gloo-process-groups accepted."""
+    args = make("--moe-layer-recompute")
+    assert (args.recompute_granularity, args.recompute_modules) == ("selective", ["core_attn", "moe"])
+    args = make("--recompute-activations --moe-layer-recompute --recompute-modules moe layernorm")
+    assert (args.recompute_granularity, args.recompute_modules) == ("selective", ["moe", "layernorm"])
+    assert set_padded_vocab_size(make("--padded-vocab-size 258 --tensor-model-parallel-size 2", world_size=2),
+                                 257) == 258
+    with pytest.raises(ValueError, match="--padded-vocab-size 256 is smaller than the tokenizer's 257 tokens"):
+        set_padded_vocab_size(make("--padded-vocab-size 256"), 257)
+    args = make("--trust-remote-code --disable-gloo-process-groups")
+    assert args.trust_remote_code and args.disable_gloo_process_groups
+    assert not parse_args([]).disable_gloo_process_groups and parse_args([]).num_distributed_optimizer_instances == 1
 
 
 def test_matmul_and_experimental_flags():

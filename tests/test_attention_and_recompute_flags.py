@@ -1,10 +1,12 @@
-"""Megatron-LM's attention-form, recompute and replica-check flags, as gpt-oss, Qwen2 and Mistral launch scripts give
-them: --window-size with --window-attn-skip-freq (sliding-window attention per layer), --softmax-type,
---rotary-interleaved, --add-qkv-bias, --recompute-modules, --moe-router-force-load-balancing and
---check-weight-hash-across-dp-replicas-interval; learnable softmax logits at TP=2 against one process.
+"""Megatron-LM's attention-form, recompute and replica-check flags, as gpt-oss, Qwen2, Mistral and Llama 4 launch
+scripts give them: --window-size with --window-attn-skip-freq (sliding-window attention per layer), --softmax-type,
+--no-rope-freq (layers without RoPE), --rotary-interleaved, --add-qkv-bias, --recompute-modules,
+--moe-router-force-load-balancing and --check-weight-hash-across-dp-replicas-interval; learnable softmax logits at
+TP=2 against one process.
 
 In one process: which layers get a window and which softmax, the projections' biases, what reaches megatron-core's
-config, and that a window changes the logits only when it is shorter than the sequence; selective recompute of
+config, that a window changes the logits only when it is shorter than the sequence, and that a model whose every
+layer skips RoPE is the model without position embedding (same weights, same logit bits); selective recompute of
 attention, MLP and norms gives the same gradient bits as no recompute (the backward recomputes the same operations).
 One driver run: DP=2 with every new attention form, overlapped delta-coded parameter gathers and the weight-hash
 check at start and every 2 iterations, which stops the run on any difference between replicas.
@@ -65,6 +67,17 @@ def _layer_forms() -> dict:
     tokens = torch.randint(0, 255, (2, args.seq_length), generator=torch.Generator().manual_seed(0))
     results["rotary_interleaved"] = (config.rotary_interleaved,
                                      torch.equal(_logits(interleaved, tokens), _logits(halves, tokens)))
+    # Llama 4's NoPE layers: with every layer skipping RoPE the model is the one without position embedding
+    rope = {}
+    for name, flags in {"rope": "rope", "none": "none", "all": "rope --no-rope-freq 1", "2nd": "rope --no-rope-freq 2",
+                        "listed": "rope --no-rope-freq ([0]*3+[1])"}.items():
+        args, config, model = _build(f"--position-embedding-type {flags}", initialize=False)
+        if rope:
+            model.load_state_dict(rope["rope"][1], strict=False)  # (no rotary buffers without RoPE)
+        tokens = torch.randint(0, 255, (2, args.seq_length), generator=torch.Generator().manual_seed(0))
+        rope[name] = (config.no_rope_freq, model.state_dict(), _logits(model, tokens))
+    results["no_rope"] = {name: (freq, torch.equal(logits, rope["none"][2]), torch.equal(logits, rope["rope"][2]))
+                          for name, (freq, _, logits) in rope.items()}
     _, config, model = _build("--add-qkv-bias --disable-bias-linear", initialize=False)
     attention = model.decoder.layers[0].self_attention
     results["qkv_bias"] = (config.add_qkv_bias, attention.linear_qkv.bias is not None, attention.linear_proj.bias)
@@ -89,6 +102,9 @@ def test_window_softmax_and_bias_flags_build_what_they_ask():
     assert results["learnable"][:3] == ("learnable", ["Parameter"] * 4, [4] * 4)
     assert not results["learnable"][3]  # initialized with --init-method-std
     assert results["rotary_interleaved"] == (True, False)  # other pairs rotated: other logits
+    assert results["no_rope"] == {"rope": (None, False, True), "none": (None, True, False),
+                                  "all": ([1, 1, 1, 1], True, False), "2nd": ([0, 1, 0, 1], False, False),
+                                  "listed": ([0, 0, 0, 1], False, False)}
     assert results["qkv_bias"] == (True, True, None)
     assert results["config"] == (["mlp", "layernorm"], True)
     assert results["fused_softmax"] == [True, False]

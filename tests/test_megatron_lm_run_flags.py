@@ -6,14 +6,14 @@ choice of checkpoint to load, per-split data, the TensorBoard interval) or in on
 schedule, the bf16 params norm, the NaN and spike checks). Two 2-process runs of the real driver (pretrain_gpt.py):
 
 - A: TP=2, fp32, with --log-params-norm --log-num-zeros-in-grad, the NaN check (on by default), a linear weight-decay
-  schedule, level-1 timers, --log-progress and saves at iterations 2 and 4 with --no-save-optim --no-save-rng
-  --ckpt-assume-constant-structure (the second save reuses the first one's plan). The logged params norm equals the
-  norm of the checkpoint's weights read back on one process (same bits, summed in another order: rel 1e-6), which
-  checks that every TP-sharded weight counts once and every replicated one once.
-- B: resumes A at TP=1 x DP=2 with the distributed optimizer, --use-checkpoint-args (no model-shape flags),
-  --no-load-optim, --ckpt-fully-parallel-load, --dist-ckpt-strictness raise_all, --ddp-average-in-collective and
-  its own per-split data (--train-data-path / --valid-data-path), and saves with --no-ckpt-fully-parallel-save;
-  its last params norm is its checkpoint's.
+  schedule, level-1 timers, --log-progress, --padded-vocab-size and saves at iterations 2 and 4 with --no-save-optim
+  --no-save-rng --ckpt-assume-constant-structure (the second save reuses the first one's plan). The logged params
+  norm equals the norm of the checkpoint's weights read back on one process (same bits, summed in another order: rel
+  1e-6), which checks that every TP-sharded weight counts once and every replicated one once.
+- B: resumes A at TP=1 x DP=2 with the distributed optimizer, --use-checkpoint-args (no model-shape flags; A's padded
+  vocabulary too), --no-load-optim, --ckpt-fully-parallel-load, --dist-ckpt-strictness raise_all,
+  --ddp-average-in-collective and its own per-split data (--train-data-path / --valid-data-path), and saves with
+  --no-ckpt-fully-parallel-save; its last params norm is its checkpoint's.
 A reads its data through --data-args-path; both use small indexed datasets (--mock-data's indices of two million
 samples take most of a run's time to build here). And --skip-train against the end-of-run evaluation of a TP=2 run,
 and --rampup-batch-size / --step-batch-size-schedule (four DP=2 runs: the ramp, a constant batch, a resume in
@@ -389,7 +389,7 @@ RUN_A = (GPT.replace("--mock-data", "--split 90,10,0") + " --tensor-model-parall
          "--log-num-zeros-in-grad --check-for-nan-in-loss-and-grad --weight-decay-incr-style linear "
          "--start-weight-decay 0.0 --end-weight-decay 0.1 --timing-log-level 1 --log-validation-ppl-to-tensorboard "
          "--save-interval 2 --no-save-optim --no-save-rng --ckpt-assume-constant-structure --log-progress "
-         "--log-timers-to-tensorboard --log-world-size-to-tensorboard")
+         "--log-timers-to-tensorboard --log-world-size-to-tensorboard --padded-vocab-size 384")
 
 
 def write_corpus(prefix, documents: int, seed: int) -> None:
@@ -474,6 +474,7 @@ def test_resume_with_checkpoint_args_and_per_split_data(run_a, tmp_path):
     assert (given.num_layers, given.hidden_size, given.num_attention_heads, given.seq_length) == (2, 64, 4, 32)
     assert (given.tokenizer_type, given.hidden_dropout, given.untie_embeddings_and_output_weights) == (
         "NullTokenizer", 0.0, False)
+    assert given.padded_vocab_size == 384  # A's (TP=1 would pad the 256 tokens to 256)
 
     records = launch_training(tmp_path, "b", "pretrain_gpt.py", 2, flags)
     assert [r["iteration"] for r in records] == [5, 6]

@@ -616,3 +616,32 @@ def test_driver_moe_tp2_ep2(tmp_path, codec, moe_reference):
         else:
             assert gather["sent_bytes"] <= bound * gather["raw_bytes"], comm_class
     assert moe_reference[-1]["comm"]["dp_expert_param_gather"]["raw_bytes"] == 0  # no hook, no count
+
+
+@pytest.mark.slow
+def test_driver_dp4_two_optimizer_instances(tmp_path):
+    """--num-distributed-optimizer-instances 2 at DP=4: each codec gathers within its copy of the distributed
+    optimizer (2 ranks) and the copies all-reduce their gradient shards. CIERA and delta give the uncompressed run's
+    loss and parameter bits at every step, also resumed from its checkpoint, and the training follows the one-copy
+    run (the same sums of gradients, added in another order)."""
+    checkpoints = tmp_path / "checkpoints"
+    run = GPT.replace("--train-iters 50", "--train-iters 12") + f" {SMALL_BUCKETS}"
+    copies = f"{run} --num-distributed-optimizer-instances 2"
+    one_copy = launch_training(tmp_path, "one-copy", "pretrain_gpt.py", 4, run)
+    reference = launch_training(tmp_path, "none", "pretrain_gpt.py", 4,
+                                f"{copies} --save {checkpoints} --save-interval 6")
+    assert [r["loss"] for r in reference] == pytest.approx([r["loss"] for r in one_copy], rel=2e-2)
+    for name, flags in (("ciera", "ciera"), ("delta", "delta")):
+        compressed = launch_training(tmp_path, name, "pretrain_gpt.py", 4, f"{copies} {COMPRESSED} {flags}")
+        assert [r["iteration"] for r in compressed] == list(range(1, 13))
+        _assert_same_iterations(reference, compressed)
+    for directory in checkpoints.glob("iter_*"):  # resume from iteration 6
+        if int(directory.name.removeprefix("iter_")) > 6:
+            shutil.rmtree(directory)
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("6")
+    resumed = launch_training(tmp_path, "delta-resumed", "pretrain_gpt.py", 4,  # (no gloo groups of megatron-core's)
+                              f"{copies} {COMPRESSED} delta --load {checkpoints} --disable-gloo-process-groups")
+    assert [r["iteration"] for r in resumed] == list(range(7, 13))
+    _assert_same_iterations(reference, resumed)
+    gathered = resumed[-1]["comm"]["dp_param_gather"]
+    assert gathered["sent_bytes"] < gathered["raw_bytes"]

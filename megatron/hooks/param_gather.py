@@ -35,7 +35,7 @@ Invariants:
   its ``gradient_scaling_factor`` in place, then leave the SUM (AVG with ``average_in_collective``) of
   this rank's shard in its slice of ``grad_data``; the first-batch early return, the overlap (a
   ``.wait()``-able ``grad_reduce_handle``) and the sync path behave as the stock method.
-  ``force_all_reduce`` and several distributed-optimizer instances fall back to the stock method.
+  ``force_all_reduce`` falls back to the stock method; several distributed-optimizer instances are refused.
 - ``--param-gather-selection benefit`` (the default; CIERA and delta): the first
   ``SELECTION_WARMUP_GATHERS`` gathers of each bucket group are uncompressed while each bucket is
   measured (CIERA: block change rate; delta: payload, encode and decode time of the real shard); then
@@ -375,9 +375,7 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         return super().finish_grad_sync(*args, **kwargs)
 
     def start_grad_sync(self, force_all_reduce: bool = False):
-        stock = (self.grad_quant is None or force_all_reduce
-                 or self.ddp_config.num_distributed_optimizer_instances > 1)
-        if stock:
+        if self.grad_quant is None or force_all_reduce:
             return super().start_grad_sync(force_all_reduce)
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # already dispatched in the first batch (stock behaviour)
@@ -586,6 +584,9 @@ def _check_supported(ddp: DistributedDataParallel, args) -> None:
     for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
         if isinstance(bucket_group, CompressedBucketGroup):
             raise ValueError("apply_dp_compression() was already applied to this model chunk")
+    if args.grad_reduce_compression != "none" and ddp_config.num_distributed_optimizer_instances > 1:
+        raise ValueError("--grad-reduce-compression with --num-distributed-optimizer-instances > 1 is not "
+                         "implemented (the copies' all-reduce of the gradient shards): drop one of them")
     if args.param_gather_compression != "none":
         _check_param_gather_supported(ddp)
 

@@ -83,6 +83,11 @@ def window_attn_skip_freq_type(value):
     return _layer_freq(value, "--window-attn-skip-freq")
 
 
+def no_rope_freq_type(value):
+    """--no-rope-freq: layers N, 2N, ... without RoPE, or a 1 (no RoPE) or 0 (RoPE) per layer."""
+    return _layer_freq(value, "--no-rope-freq")
+
+
 @dataclass(kw_only=True)
 class ParallelArgs:
     tensor_model_parallel_size: int = arg(1, "Tensor-parallel degree (TP).")
@@ -94,6 +99,10 @@ class ParallelArgs:
     expert_model_parallel_size: int = arg(1, "Expert-parallel degree (EP).")
     expert_tensor_parallel_size: Optional[int] = arg(None, "Tensor-parallel degree inside experts (default: TP).")
     use_distributed_optimizer: bool = arg(False, "Shard the optimizer state over DP (param all-gather, grad reduce-scatter).")
+    num_distributed_optimizer_instances: int = arg(1, "Copies of the distributed optimizer over DP: each shards its "
+                                                   "state over DP / N ranks (the param all-gather and grad "
+                                                   "reduce-scatter stay within them), and the N copies all-reduce "
+                                                   "their gradient shards.")
     overlap_grad_reduce: bool = arg(False, "Overlap the DP grad reduction with backward.")
     overlap_param_gather: bool = arg(False, "Overlap the distributed-optimizer param all-gather with forward.")
     accumulate_allreduce_grads_in_fp32: bool = arg(False, "Keep the DP grad buffer in fp32.")
@@ -130,6 +139,9 @@ class ParallelArgs:
                                      "(one node), its data-parallel replicas further apart.")
     distributed_backend: Optional[str] = arg(None, "torch.distributed backend (default: nccl with CUDA, gloo "
                                              "without).", choices=["nccl", "gloo"])
+    disable_gloo_process_groups: bool = arg(False, "Create no gloo groups beside the NCCL ones (megatron-core makes "
+                                            "them for checkpoint formats this trainer does not write; on CPU every "
+                                            "group is gloo anyway).")
     local_rank: Optional[int] = arg(None, "This process's GPU on its node; torchrun's LOCAL_RANK wins when set "
                                     "(as in Megatron-LM).")
 
@@ -161,6 +173,10 @@ class ModelArgs:
                                  "--rope-scaling-factor, the middle ones interpolated (as for an 8192-token original "
                                  "context).")
     rope_scaling_factor: float = arg(8.0, "Divisor of the low RoPE frequencies with --use-rope-scaling (Llama 3.1: 8).")
+    no_rope_freq: Union[int, list[int], None] = arg(None, "Layers that skip RoPE (Llama 4's NoPE layers): N skips "
+                                                    "it in layers N, 2N, ... (the last of every N), or a Python list "
+                                                    "expression with a 1 (no RoPE) or 0 (RoPE) per layer, e.g. "
+                                                    "\"([0]*3+[1])*12\".", type=no_rope_freq_type)
     normalization: str = arg("LayerNorm", "Norm layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = arg(1e-5, "Norm epsilon.")
     apply_layernorm_1p: bool = arg(False, "Zero-centered norm weight (LayerNorm and RMSNorm): stored as gamma - 1, "
@@ -208,6 +224,9 @@ class ModelArgs:
     use_cpu_initialization: bool = arg(False, "Create the weights on the CPU, then move them to the GPU (different, "
                                        "equally valid random draws; always so without CUDA).")
     make_vocab_size_divisible_by: int = arg(128, "Pad the vocabulary to a multiple of this x TP.")
+    padded_vocab_size: Optional[int] = arg(None, "The model's vocabulary size as it is, instead of the tokenizer's "
+                                           "padded by --make-vocab-size-divisible-by (at least the tokenizer's, and "
+                                           "divisible by TP).")
     transformer_impl: Optional[str] = arg(None, "Layer implementation (default transformer_engine if installed, else local).",
                                           choices=["local", "transformer_engine"])
     spec: Optional[list[str]] = arg(None, "Custom layer spec: MODULE FUNCTION_OR_ATTRIBUTE.")
@@ -217,6 +236,8 @@ class ModelArgs:
     use_flash_attn: bool = arg(False, "Megatron-LM's older spelling of --attention-backend flash.")
     recompute_granularity: Optional[str] = arg(None, "Activation recomputation.", choices=["full", "selective"])
     recompute_activations: bool = arg(False, "Megatron-LM's shorthand for --recompute-granularity selective.")
+    moe_layer_recompute: bool = arg(False, "Megatron-LM's deprecated spelling of --recompute-granularity selective "
+                                    "with moe added to --recompute-modules (recompute each MoE layer).")
     recompute_method: Optional[str] = arg(None, "Full recompute method.", choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = arg(None, "Layers per recompute unit.")
     recompute_modules: Optional[list[str]] = arg(None, "With --recompute-granularity selective: the parts of each "
@@ -414,6 +435,9 @@ class DataArgs:
                               choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                                        "TikTokenizer"])
     tokenizer_model: Optional[str] = arg(None, "Tokenizer model path (HuggingFaceTokenizer).")
+    trust_remote_code: bool = arg(False, "Megatron-LM's permission for a HuggingFace tokenizer to run the model's own "
+                                  "code. Changes nothing here: tokenizer.json is read by the tokenizers library, which "
+                                  "runs none.")
     vocab_file: Optional[str] = arg(None, "Vocabulary file (GPT2BPETokenizer).")
     merge_file: Optional[str] = arg(None, "BPE merges file (GPT2BPETokenizer).")
     vocab_size: Optional[int] = arg(None, "Vocabulary size (NullTokenizer).")
@@ -680,7 +704,10 @@ NOT_IMPLEMENTED = {
     **{flag: (nargs, "Megatron FSDP is not implemented: use --use-distributed-optimizer (ZeRO-1: optimizer state "
                      "sharded over DP)")
        for flag, nargs in (("fsdp-double-buffer", 0), ("megatron-fsdp-main-grads-dtype", 1),
-                           ("megatron-fsdp-grad-comm-dtype", 1))},
+                           ("megatron-fsdp-grad-comm-dtype", 1), ("megatron-fsdp-main-params-dtype", 1),
+                           ("megatron-fsdp-max-pool-double-buffer", 0), ("fsdp-db-use-persist-buf-on-alloc-fail", 0),
+                           ("fsdp-manual-registration", 0), ("outer-dp-sharding-strategy", 1),
+                           ("megatron-fsdp-enable-fine-grained-param-gather", 0), ("megatron-fsdp-version", 1))},
     "use-nccl-ub": (0, "NCCL user buffers (registered for FSDP and NVLS collectives) are not wired up: drop it"),
     "enable-gpt-oss": (0, "it is a ModelOpt (post-training) flag that makes Megatron-LM's ModelOpt model builder use "
                           "YaRN RoPE; not implemented here: drop it (gpt-oss's layers: --quick-geglu "
@@ -862,7 +889,22 @@ def _validate_parallel(args) -> None:
     _check(args.world_size % expert_parallel == 0,
            f"world size {args.world_size} is not divisible by --expert-model-parallel-size {ep} x "
            f"--expert-tensor-parallel-size {etp} x PP {pp} x CP {cp}: change the expert-parallel sizes")
+    _validate_optimizer_instances(args, args.world_size // (ep * etp * pp))
     _validate_virtual_pipeline(args)
+
+
+def _validate_optimizer_instances(args, expert_data_parallel_size: int) -> None:
+    copies = args.num_distributed_optimizer_instances
+    flag = f"--num-distributed-optimizer-instances {copies}"
+    _check(copies >= 1, f"{flag} must be at least 1")
+    if copies == 1:
+        return
+    _check(args.use_distributed_optimizer, f"{flag} makes copies of the distributed optimizer: add "
+                                           f"--use-distributed-optimizer")
+    dp_cp = args.data_parallel_size * args.context_parallel_size
+    _check(dp_cp % copies == 0, f"{flag} does not divide the data-parallel size {dp_cp} (x CP) into equal copies")
+    _check(expert_data_parallel_size % copies == 0, f"{flag} does not divide the expert data-parallel size "
+                                                    f"{expert_data_parallel_size} into equal copies")
 
 
 def _validate_pipeline_layout(args) -> None:
@@ -975,6 +1017,12 @@ def _validate_megatron_lm_spellings(args) -> None:
         args.attention_backend = "flash"
     if args.recompute_activations:
         args.recompute_granularity = "selective"
+    if args.moe_layer_recompute:  # megatron-core's own translation of it, which warns that it is deprecated
+        _check(args.recompute_granularity != "full", "--moe-layer-recompute recomputes MoE layers in selective "
+                                                     "recompute: drop it or --recompute-granularity full")
+        args.recompute_granularity = "selective"
+        modules = args.recompute_modules or ["core_attn"]  # megatron-core's default
+        args.recompute_modules = modules if "moe" in modules else [*modules, "moe"]
 
 
 def _validate_model(args) -> None:
@@ -1002,6 +1050,9 @@ def _validate_model(args) -> None:
     if args.position_embedding_type == "learned_absolute":
         _check(args.seq_length <= args.max_position_embeddings,
                f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    _check(args.padded_vocab_size is None or args.padded_vocab_size % tp == 0,
+           f"--padded-vocab-size {args.padded_vocab_size} is not divisible by --tensor-model-parallel-size {tp}: the "
+           f"embedding and output layer split the vocabulary over TP")
     _check(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive: pick one")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     if args.apply_query_key_layer_scaling:
@@ -1014,6 +1065,7 @@ def _validate_model(args) -> None:
     _validate_glu_options(args)
     _validate_recompute_modules(args)
     _validate_attention_window(args)
+    _validate_no_rope(args)
     _validate_transformer_impl(args)
     _validate_fp32_residual_connection(args)
     _validate_mla(args)
@@ -1069,6 +1121,21 @@ def _validate_attention_window(args) -> None:
            f"--window-attn-skip-freq lists {len(freq) if isinstance(freq, list) else 0} layers, the model has "
            f"--num-layers {args.num_layers}")
     _check(not isinstance(freq, int) or freq > 0, f"--window-attn-skip-freq {freq} must be positive")
+
+
+def _validate_no_rope(args) -> None:
+    freq = args.no_rope_freq
+    if freq is None:
+        return
+    # megatron-core's multi-latent attention applies its rotary embedding in every layer, --no-rope-freq or not
+    _check(args.position_embedding_type == "rope" and not args.multi_latent_attention,
+           "--no-rope-freq picks the layers that skip RoPE: it needs --position-embedding-type rope (and "
+           "megatron-core's multi-latent attention does not take it)")
+    _check(not isinstance(freq, list) or len(freq) == args.num_layers,
+           f"--no-rope-freq lists {len(freq) if isinstance(freq, list) else 0} layers, the model has "
+           f"--num-layers {args.num_layers}")
+    _check(not isinstance(freq, int) or freq > 0 and args.num_layers % freq == 0,
+           f"--no-rope-freq {freq} must divide --num-layers {args.num_layers} (every {freq}th layer skips RoPE)")
 
 
 def _validate_mla(args) -> None:
@@ -1389,6 +1456,10 @@ def _validate_compression(args) -> None:
     _check(args.grad_reduce_compression == "none" or args.use_distributed_optimizer,
            f"--grad-reduce-compression {args.grad_reduce_compression} compresses the distributed optimizer's "
            f"gradient reduce-scatter: add --use-distributed-optimizer")
+    _check(args.grad_reduce_compression == "none" or args.num_distributed_optimizer_instances == 1,
+           f"--grad-reduce-compression {args.grad_reduce_compression} with --num-distributed-optimizer-instances "
+           f"{args.num_distributed_optimizer_instances} is not implemented (the optimizer copies' all-reduce of the "
+           f"gradient shards would stay uncompressed): drop one of them")
     # The codec configs check their own fields (block sizes, choices) with flag-naming errors.
     from compression.ciera import CieraConfig
     from compression.delta import DeltaConfig
@@ -1443,7 +1514,6 @@ def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = 
     args.consumed_train_samples = getattr(args, "consumed_train_samples", 0)
     args.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)
     args.num_floating_point_operations_so_far = getattr(args, "num_floating_point_operations_so_far", 0)
-    args.padded_vocab_size = getattr(args, "padded_vocab_size", None)
     return args
 
 
@@ -1556,8 +1626,14 @@ def _validate_profile(args) -> None:
 
 
 def set_padded_vocab_size(args, vocab_size: int) -> int:
-    """Round the tokenizer's vocabulary up to a multiple of make_vocab_size_divisible_by x TP, so the
-    output layer splits evenly over tensor-parallel ranks (Megatron-LM's padding)."""
+    """--padded-vocab-size where given (or taken from a checkpoint by --use-checkpoint-args), else the tokenizer's
+    vocabulary rounded up to a multiple of make_vocab_size_divisible_by x TP, so the output layer splits evenly over
+    tensor-parallel ranks (Megatron-LM's padding)."""
+    if args.padded_vocab_size is not None:
+        _check(args.padded_vocab_size >= vocab_size,
+               f"--padded-vocab-size {args.padded_vocab_size} is smaller than the tokenizer's {vocab_size} tokens: "
+               f"raise it, or drop it to pad by --make-vocab-size-divisible-by")
+        return args.padded_vocab_size
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = -(-vocab_size // multiple) * multiple
     return args.padded_vocab_size

@@ -96,7 +96,8 @@ CHECKPOINT_ARG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Checkpo
 # first group keeps a value given on the command line, the second takes the checkpoint's always; names this
 # trainer does not have are skipped.
 CHECKPOINT_ARGS_UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
-                                "kv_channels", "max_position_embeddings", "moe_token_dispatcher_type", "ckpt_format")
+                                "kv_channels", "max_position_embeddings", "moe_token_dispatcher_type", "ckpt_format",
+                                "padded_vocab_size")
 CHECKPOINT_ARGS_ALWAYS = (
     "num_query_groups", "group_query_attention", "position_embedding_type", "add_position_embedding",
     "use_rotary_position_embeddings", "rotary_base", "rotary_percent", "rotary_interleaved", "add_bias_linear",

@@ -130,7 +130,9 @@ def initialize_model_parallel(args) -> None:
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
+        create_gloo_process_groups=not args.disable_gloo_process_groups,
         order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",  # Megatron-LM's two
     )
 

@@ -44,7 +44,7 @@ def core_transformer_config(args):
         kv_channels=args.kv_channels, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias, window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
-        softmax_type=args.softmax_type, rotary_interleaved=args.rotary_interleaved,
+        softmax_type=args.softmax_type, rotary_interleaved=args.rotary_interleaved, no_rope_freq=args.no_rope_freq,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
@@ -289,6 +289,7 @@ def wrap_ddp(args, config, chunks) -> list:
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.align_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         bucket_size=args.ddp_bucket_size, average_in_collective=args.ddp_average_in_collective,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
     )
@@ -312,7 +313,7 @@ def build_optimizer(args, ddp_chunks, timers=None):
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,  # embedding and output layer groups
         log_num_zeros_in_grad=args.log_num_zeros_in_grad, timers=timers, barrier_with_L1_time=True,
     )
-    optimizer = get_megatron_optimizer(config, ddp_chunks)
+    optimizer = get_megatron_optimizer(config, ddp_chunks, use_gloo_process_groups=not args.disable_gloo_process_groups)
     # The scheduler counts samples, stepped by the global batch size each iteration (Megatron-LM); the weight
     # decay goes from start to end over the training length.
     scheduler = OptimizerParamScheduler(
