@@ -623,8 +623,8 @@ def test_driver_dp4_two_optimizer_instances(tmp_path):
     """--num-distributed-optimizer-instances 2 at DP=4: each codec gathers within its copy of the distributed
     optimizer (2 ranks) and the copies all-reduce their gradient shards. CIERA and delta give the uncompressed run's
     loss and parameter bits at every step, also resumed from its checkpoint (delta fused into the optimizer's cast:
-    every loss), SDP4Bit's weights are the same on all
-    four replicas, and the training follows the one-copy run (the same sums of gradients, added in another order)."""
+    every loss), SDP4Bit's weights are the same on all four replicas, and the training follows the one-copy run
+    (the same sums of gradients, added in another order)."""
     checkpoints = tmp_path / "checkpoints"
     run = GPT.replace("--train-iters 50", "--train-iters 12") + f" {SMALL_BUCKETS}"
     copies = f"{run} --num-distributed-optimizer-instances 2"
