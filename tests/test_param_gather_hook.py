@@ -622,8 +622,8 @@ def test_driver_moe_tp2_ep2(tmp_path, codec, moe_reference):
 def test_driver_dp4_two_optimizer_instances(tmp_path):
     """--num-distributed-optimizer-instances 2 at DP=4: each codec gathers within its copy of the distributed
     optimizer (2 ranks) and the copies all-reduce their gradient shards. CIERA and delta give the uncompressed run's
-    loss and parameter bits at every step, also resumed from its checkpoint (delta fused into the optimizer's cast:
-    every loss), SDP4Bit's weights are the same on all four replicas, and the training follows the one-copy run
+    loss and parameter bits at every step, also resumed from its checkpoint and with the benefit selection and its
+    trial (delta fused into the optimizer's cast: every loss), SDP4Bit's weights are the same on all four replicas, and the training follows the one-copy run
     (the same sums of gradients, added in another order)."""
     checkpoints = tmp_path / "checkpoints"
     run = GPT.replace("--train-iters 50", "--train-iters 12") + f" {SMALL_BUCKETS}"
@@ -636,6 +636,9 @@ def test_driver_dp4_two_optimizer_instances(tmp_path):
         compressed = launch_training(tmp_path, name, "pretrain_gpt.py", 4, f"{copies} {COMPRESSED} {flags}")
         assert [r["iteration"] for r in compressed] == list(range(1, 13))
         _assert_same_iterations(reference, compressed)
+    benefit = launch_training(tmp_path, "benefit", "pretrain_gpt.py", 4, f"{copies} --param-gather-verify-interval 2 "
+                              "--param-gather-compression delta --param-gather-trial-iters 2")  # (per copy)
+    _assert_same_iterations(reference, benefit)
     cast = launch_training(tmp_path, "cast", "pretrain_gpt.py", 4, f"{copies} {COMPRESSED} delta --delta-fused-cast")
     assert [r["loss"] for r in cast] == [r["loss"] for r in reference]  # (its own shard is gathered with the rest)
     # the lossy weight differences: every replica of both copies holds the same weights (the run stops otherwise)
