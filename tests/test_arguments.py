@@ -272,6 +272,8 @@ ERRORS = [
      "--expert-model-parallel-size 4", 4, "does not divide the expert data-parallel size 1 into equal copies"),
     ("--use-distributed-optimizer --num-distributed-optimizer-instances 2 --grad-reduce-compression hadamard-int8", 4,
      "--num-distributed-optimizer-instances 2 is not implemented"),
+    ("--ddp-num-buckets 0", 1, "--ddp-num-buckets must be at least 1, got 0"),
+    ("--ddp-num-buckets 4 --ddp-bucket-size 1000", 1, "both size the DP buckets: give one"),
     ("--outer-dp-sharding-strategy optim", 1, "Megatron FSDP is not implemented"),
     ("--megatron-fsdp-max-pool-double-buffer", 1, "Megatron FSDP is not implemented"),
 ]

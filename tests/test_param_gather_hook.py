@@ -655,3 +655,20 @@ def test_driver_dp4_two_optimizer_instances(tmp_path):
     _assert_same_iterations(reference, resumed)
     gathered = resumed[-1]["comm"]["dp_param_gather"]
     assert gathered["sent_bytes"] < gathered["raw_bytes"]
+
+
+@pytest.mark.slow
+def test_driver_dp2_counted_and_padded_buckets(tmp_path):
+    """--ddp-num-buckets and --ddp-pad-buckets-for-high-nccl-busbw reach megatron-core's buckets, and delta codes the
+    padded buckets bit for bit: the uncompressed run's losses and parameters. Each rank's raw gather bytes are its
+    buckets' padded sizes, whole multiples of 2^16 values: 2 x 2^16 for the tiny GPT's ~110K parameters in one
+    bucket, more for the same parameters in four buckets (each padded on its own)."""
+    run = GPT.replace("--train-iters 50", "--train-iters 4") + " --ddp-pad-buckets-for-high-nccl-busbw"
+    reference = launch_training(tmp_path, "none", "pretrain_gpt.py", 2, f"{run} --ddp-num-buckets 4")
+    runs = {buckets: launch_training(tmp_path, f"delta{buckets}", "pretrain_gpt.py", 2,
+                                     f"{run} --ddp-num-buckets {buckets} {COMPRESSED} delta") for buckets in (1, 4)}
+    _assert_same_iterations(reference, runs[4])
+    raw = {buckets: records[-1]["comm"]["dp_param_gather"]["raw_bytes"] // 2 for buckets, records in runs.items()}
+    value_bytes, padding = 2, 2**16
+    assert raw[1] == 2 * padding * value_bytes
+    assert raw[4] > raw[1] and raw[4] % (padding * value_bytes) == 0

@@ -108,7 +108,12 @@ class ParallelArgs:
     accumulate_allreduce_grads_in_fp32: bool = arg(False, "Keep the DP grad buffer in fp32.")
     overlap_p2p_comm: bool = arg(True, "Overlap pipeline p2p with compute (interleaved schedule only).",
                                  flag="no-overlap-p2p-communication")
-    ddp_bucket_size: Optional[int] = arg(None, "DP bucket size in elements (default: megatron-core's).")
+    ddp_bucket_size: Optional[int] = arg(None, "DP bucket size in elements (default: megatron-core's, max(40M, 1M x "
+                                         "DP); with --overlap-grad-reduce only, else one bucket).")
+    ddp_num_buckets: Optional[int] = arg(None, "DP buckets instead of --ddp-bucket-size: the bucket size is this "
+                                         "rank's parameter count / N (Megatron-LM's).")
+    ddp_pad_buckets_for_high_nccl_busbw: bool = arg(False, "Pad each DP bucket to a multiple of 2^16 elements (and of "
+                                                    "DP), for NCCL's bus bandwidth at large DP counts.")
     ddp_average_in_collective: bool = arg(False, "Average the DP gradients in the collective (ReduceOp.AVG) instead "
                                           "of scaling them by 1/DP before a sum.")
     align_param_gather: bool = arg(True, "With --overlap-param-gather and the interleaved schedule: the pipeline "
@@ -890,6 +895,10 @@ def _validate_parallel(args) -> None:
            f"world size {args.world_size} is not divisible by --expert-model-parallel-size {ep} x "
            f"--expert-tensor-parallel-size {etp} x PP {pp} x CP {cp}: change the expert-parallel sizes")
     _validate_optimizer_instances(args, args.world_size // (ep * etp * pp))
+    _check(args.ddp_num_buckets is None or args.ddp_num_buckets >= 1,
+           f"--ddp-num-buckets must be at least 1, got {args.ddp_num_buckets}")
+    _check(args.ddp_num_buckets is None or args.ddp_bucket_size is None,
+           "--ddp-num-buckets and --ddp-bucket-size both size the DP buckets: give one")
     _validate_virtual_pipeline(args)
 
 

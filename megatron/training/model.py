@@ -285,12 +285,16 @@ def build_model_chunks(args, config) -> list:
 def wrap_ddp(args, config, chunks) -> list:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    bucket_size = args.ddp_bucket_size
+    if args.ddp_num_buckets is not None:  # Megatron-LM's: this rank's parameters, all chunks, over N
+        bucket_size = sum(p.numel() for chunk in chunks for p in chunk.parameters()) // args.ddp_num_buckets
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.align_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        bucket_size=args.ddp_bucket_size, average_in_collective=args.ddp_average_in_collective,
+        bucket_size=bucket_size, average_in_collective=args.ddp_average_in_collective,
+        pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
     )
     # Only the first chunk's buckets may be skipped for overlap (Megatron-LM's bucketing rule).
