@@ -3,7 +3,8 @@ ERRORS list).
 
 Fast checks run in this process (parsing, derived values, the uneven pipeline split, the progress log, the
 choice of checkpoint to load, per-split data, the TensorBoard interval) or in one spawned process (the weight-decay
-schedule, the bf16 params norm, the NaN and spike checks). Two 2-process runs of the real driver (pretrain_gpt.py):
+schedule and --apply-wd-to-qk-layernorm's parameter groups, the bf16 params norm, the NaN, spike and large-gradient
+checks). Two 2-process runs of the real driver (pretrain_gpt.py):
 
 - A: TP=2, fp32, with --log-params-norm --log-num-zeros-in-grad, the NaN check (on by default), a linear weight-decay
   schedule, level-1 timers, --log-progress, --padded-vocab-size and saves at iterations 2 and 4 with --no-save-optim
@@ -300,7 +301,8 @@ def test_tensorboard_interval_and_log_line(tmp_path):
 
 
 def _single_rank_checks():
-    """The weight-decay schedule, the bf16 params norm, and the loss and gradient checks on one rank."""
+    """The weight-decay schedule and its parameter groups, the bf16 params norm, and the loss and gradient checks on
+    one rank."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     from megatron.training import metrics
@@ -310,12 +312,18 @@ def _single_rank_checks():
     from megatron.training.training import check_loss
 
     args = validate_args(parse_args((GPT + " --bf16 --use-distributed-optimizer --weight-decay-incr-style cosine "
-                                     "--start-weight-decay 0.0 --end-weight-decay 0.1 --check-for-spiky-loss").split()),
+                                     "--start-weight-decay 0.0 --end-weight-decay 0.1 --check-for-spiky-loss "
+                                     "--check-for-large-grads --qk-layernorm --apply-wd-to-qk-layernorm").split()),
                          world_size=1, rank=0)
     initialize_megatron(args)
     set_padded_vocab_size(args, 255)
     ddp_chunks, optimizer, scheduler, _ = setup_model_and_optimizer(args)
     out = {"weight_decays": []}
+    names = {id(param): name for name, param in ddp_chunks[0].named_parameters()}
+    out["decayed_norms"] = sorted(  # the norm weights and biases of the groups with weight decay
+        names[id(param)].split("layers.0.")[-1] for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+        for group, params in zip(sub.optimizer.param_groups, sub.model_float16_groups) if group["wd_mult"] == 1.0
+        for param in params if "norm" in names[id(param)] and ".layers.0." in names[id(param)])
     for _ in range(args.train_iters):
         scheduler.step(increment=args.global_batch_size)
         out["weight_decays"].append(sorted({group["weight_decay"] for group in optimizer.param_groups}))
@@ -344,6 +352,10 @@ def _single_rank_checks():
 
     chunk = ddp_chunks[0]
     out["ddp_checks_grads"] = chunk.ddp_config.check_for_nan_in_grad
+    for value in [1.0] * 100 + [50.0]:  # a bucket's gradient norm: the first 100, then 50x their max
+        chunk.buffers[0].grad_data.fill_(value)
+        chunk.start_grad_sync()
+    out["large_grad_warnings"] = [message for message in warnings if "unexpected large grads" in message]
     chunk.buffers[0].grad_data.fill_(float("nan"))
     get_rerun_state_machine().current_iteration = 7
     try:
@@ -369,6 +381,9 @@ def test_weight_decay_schedule_params_norm_and_nan_checks():
     assert "found Inf in local forward loss calculation" in out["loss_inf"]
     assert len(out["spike_warnings"]) == 1 and "Unexpected result 50.0" in out["spike_warnings"][0]
     assert out["ddp_checks_grads"]
+    assert len(out["large_grad_warnings"]) == 1 and "bucket #0" in out["large_grad_warnings"][0]
+    # --apply-wd-to-qk-layernorm: of the norms, only the query and key norms get weight decay (megatron-core's rule)
+    assert out["decayed_norms"] == [f"self_attention.{qk}_layernorm.{p}" for qk in "kq" for p in ("bias", "weight")]
     # megatron-core's report names the iteration (7 on 0.16, 8 on 0.19, which counts from 1) and the bucket
     assert re.search(r"iteration [78]:", out["grad_nan"]) and "found NaN in local grad norm for bucket #0" in out["grad_nan"]
 

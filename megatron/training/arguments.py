@@ -387,6 +387,8 @@ class TrainingArgs:
                                                "gradient norm of a DP bucket (off with fp16 dynamic loss scaling, "
                                                "whose overflows are expected).")
     check_for_spiky_loss: bool = arg(False, "Warn when a micro-batch's loss exceeds 10x the largest of the first 100.")
+    check_for_large_grads: bool = arg(False, "Warn when a DP bucket's gradient norm, before the DP reduction, exceeds "
+                                      "10x the largest of the first 100.")
     empty_unused_memory_level: int = arg(0, "Release the CUDA caching allocator's unused memory: 1 after the "
                                          "forward-backward, 2 also after the optimizer step (0: never).",
                                          choices=[0, 1, 2])
@@ -408,6 +410,8 @@ class OptimizerArgs:
     decoupled_min_lr: Optional[float] = arg(None, "Minimum learning rate of the input embedding and output layer "
                                             "(default --min-lr), with --decoupled-lr.")
     weight_decay: float = arg(0.01, "Weight decay (with --weight-decay-incr-style constant).")
+    apply_wd_to_qk_layernorm: bool = arg(False, "Weight decay on the --qk-layernorm weights too (Qwen3-Next's), which "
+                                         "like every other norm weight and bias get none by default.")
     start_weight_decay: Optional[float] = arg(None, "Weight decay at the start of training (with "
                                               "--weight-decay-incr-style linear or cosine).")
     end_weight_decay: Optional[float] = arg(None, "Weight decay at the end of training (with "

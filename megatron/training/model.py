@@ -295,7 +295,7 @@ def wrap_ddp(args, config, chunks) -> list:
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         bucket_size=bucket_size, average_in_collective=args.ddp_average_in_collective,
         pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, check_for_large_grads=args.check_for_large_grads,
     )
     # Only the first chunk's buckets may be skipped for overlap (Megatron-LM's bucketing rule).
     return [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
@@ -315,6 +315,7 @@ def build_optimizer(args, ddp_chunks, timers=None):
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,  # embedding and output layer groups
+        apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad, timers=timers, barrier_with_L1_time=True,
     )
     optimizer = get_megatron_optimizer(config, ddp_chunks, use_gloo_process_groups=not args.disable_gloo_process_groups)
