@@ -2,9 +2,10 @@
 in megatron-core's TransformerConfig and GPTModel, the layers the local spec then builds, and two tiny CPU runs.
 
 - Parsing: every flag reaches the config with Megatron-LM's default and meaning (``core_transformer_config``).
-- Building (one process): --qk-layernorm puts a norm on queries and keys, RoPE scaling and interpolation change
-  the rotary frequencies and positions, --init-method-xavier-uniform fills to the Xavier bound, --moe-layer-freq
-  mixes dense and MoE layers, the shared expert and the expert bias exist.
+- Building (one process): --qk-layernorm puts a norm on queries and keys (--qk-l2-norm a weightless one, dense and
+  MoE), RoPE scaling and interpolation change the rotary frequencies and positions, --init-method-xavier-uniform
+  fills to the Xavier bound, --moe-layer-freq mixes dense and MoE layers, the shared expert and the expert bias exist,
+  --moe-apply-probs-on-input reaches the experts and changes the logits of the same weights.
 - Training (slow): TP=2 + SP bf16 with --qk-layernorm and the attention flags; EP=2 MoE with sigmoid routing,
   the expert bias, a shared expert, capacity dropping, z-loss and per-layer logging. Losses must be finite and
   fall, and the expert bias, which ``finalize_model_grads`` updates after every step, must have moved (read back
@@ -165,9 +166,22 @@ def _built_layers():
     moe = build("--disable-bias-linear --num-experts 4 --moe-ffn-hidden-size 64 --moe-layer-freq ([0]*1+[1]*3) "
                 "--moe-shared-expert-intermediate-size 32 --moe-router-score-function sigmoid "
                 "--moe-router-enable-expert-bias --qk-layernorm")
+    l2_models = [build(f"{rope} --qk-l2-norm"), build("--disable-bias-linear --num-experts 4 --qk-layernorm --qk-l2-norm")]
+    # Llama 4's top-1 routing, each token scaled by its probability before its expert instead of after (the GeLU
+    # experts are not linear, so the same weights give other logits)
+    top1 = ("--disable-bias-linear --num-experts 4 --moe-ffn-hidden-size 64 --moe-router-topk 1 "
+            "--moe-router-score-function sigmoid")
+    after, on_input = build(top1), build(top1 + " --moe-apply-probs-on-input")
+    on_input.load_state_dict(after.state_dict())
+    tokens = torch.randint(0, 255, (2, 32), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(32).expand(2, -1)
+    with torch.no_grad():
+        logits = [model(tokens, positions, None) for model in (after, after, on_input)]
     return {
         "q_k_norms": [(type(layer.self_attention.q_layernorm).__name__, type(layer.self_attention.k_layernorm).__name__)
-                      for model in (plain_rope, scaled, moe) for layer in model.decoder.layers[:2]],
+                      for model in (plain_rope, scaled, moe, *l2_models) for layer in model.decoder.layers[:2]],
+        "probs_on_input": (on_input.decoder.layers[0].mlp.config.moe_apply_probs_on_input,
+                           torch.equal(logits[0], logits[1]), torch.equal(logits[0], logits[2])),
         "inv_freq_ratio": (plain_rope.rotary_pos_emb.inv_freq / scaled.rotary_pos_emb.inv_freq).tolist(),
         "interpolation": scaled.rotary_pos_emb.seq_len_interpolation_factor,
         "fc1_max_over_xavier_bound": (fc1.abs().max() / math.sqrt(6 / sum(fc1.shape))).item(),
@@ -180,7 +194,8 @@ def _built_layers():
 def test_local_spec_builds_what_the_flags_ask():
     (built,) = run_on_ranks(_built_layers, 1)
     no_norm = [("NoneType", "NoneType")] if mcore_at_least("0.18") else [("IdentityOp", "IdentityOp")]
-    assert built["q_k_norms"] == no_norm * 2 + [("LayerNorm", "LayerNorm")] * 4
+    assert built["q_k_norms"] == no_norm * 2 + [("LayerNorm", "LayerNorm")] * 4 + [("L2Norm", "L2Norm")] * 4
+    assert built["probs_on_input"] == (True, True, False)
     # Llama 3.1 scaling: the highest frequency kept, the lowest (a wavelength beyond 8192 tokens) divided by 4
     ratios = built["inv_freq_ratio"]
     assert ratios[0] == 1.0 and ratios[-1] == pytest.approx(4.0) and ratios == sorted(ratios)

@@ -188,6 +188,8 @@ class ModelArgs:
                                    "initialized to 0, applied as 1 + weight.")
     qk_layernorm: bool = arg(False, "Normalize each head's queries and keys (with --normalization's norm) before "
                              "the attention scores (OLMoE, Qwen3).")
+    qk_l2_norm: bool = arg(False, "Scale each head's queries and keys to unit RMS, without weights, before the "
+                           "attention scores (Llama 4's; it replaces --qk-layernorm's norm).")
     apply_query_key_layer_scaling: bool = arg(False, "Divide the attention scores by the layer number before the "
                                               "softmax and multiply them back inside it, against fp16 overflow; "
                                               "implies --attention-softmax-in-fp32.")
@@ -339,6 +341,8 @@ class MoEArgs:
     moe_permute_fusion: bool = arg(False, "Transformer Engine's fused token permutation (needs Transformer Engine).")
     moe_router_force_load_balancing: bool = arg(False, "Route by random scores, so every expert gets about the same "
                                                 "tokens (for measuring speed only: the router does not learn).")
+    moe_apply_probs_on_input: bool = arg(False, "Scale each token by its routing probability before the expert "
+                                         "instead of scaling the expert's output (Llama 4's; --moe-router-topk 1).")
 
 
 @dataclass(kw_only=True)
@@ -1079,6 +1083,7 @@ def _validate_model(args) -> None:
     _validate_recompute_modules(args)
     _validate_attention_window(args)
     _validate_no_rope(args)
+    _validate_qk_l2_norm(args)
     _validate_transformer_impl(args)
     _validate_fp32_residual_connection(args)
     _validate_mla(args)
@@ -1134,6 +1139,11 @@ def _validate_attention_window(args) -> None:
            f"--window-attn-skip-freq lists {len(freq) if isinstance(freq, list) else 0} layers, the model has "
            f"--num-layers {args.num_layers}")
     _check(not isinstance(freq, int) or freq > 0, f"--window-attn-skip-freq {freq} must be positive")
+
+
+def _validate_qk_l2_norm(args) -> None:
+    _check(not (args.qk_l2_norm and args.multi_latent_attention),
+           "--qk-l2-norm is not supported with --multi-latent-attention (megatron-core's specs refuse it): drop one")
 
 
 def _validate_no_rope(args) -> None:
@@ -1209,6 +1219,9 @@ def _validate_moe(args) -> None:
            f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
     _check(args.moe_router_topk <= args.num_experts,
            f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+    _check(not args.moe_apply_probs_on_input or args.moe_router_topk == 1,
+           f"--moe-apply-probs-on-input scales a token by its one expert's probability: it needs --moe-router-topk 1, "
+           f"got {args.moe_router_topk}")
     _check(args.tensor_model_parallel_size == 1 or args.sequence_parallel,
            "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel: add it")
     # megatron-core 0.16.1 adds the expert bias in place on a view when no expert communication

@@ -45,7 +45,7 @@ def core_transformer_config(args):
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization, add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias, window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
         softmax_type=args.softmax_type, rotary_interleaved=args.rotary_interleaved, no_rope_freq=args.no_rope_freq,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm, qk_l2_norm=args.qk_l2_norm,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         fp32_residual_connection=args.fp32_residual_connection,
@@ -95,6 +95,7 @@ def core_transformer_config(args):
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=args.moe_token_drop_policy, moe_per_layer_logging=args.moe_per_layer_logging,
         moe_permute_fusion=args.moe_permute_fusion, moe_router_force_load_balancing=args.moe_router_force_load_balancing,
+        moe_apply_probs_on_input=args.moe_apply_probs_on_input,
         deterministic_mode=args.deterministic_mode, attention_backend=AttnBackend[args.attention_backend],
         calculate_per_token_loss=args.calculate_per_token_loss,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
@@ -140,7 +141,8 @@ def layer_spec(args, config, vp_stage):
         return _dense_layer_spec(args)
     use_te = args.transformer_impl == "transformer_engine"  # the block spec reads multi_latent_attention from config
     spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                                    normalization=args.normalization, vp_stage=vp_stage)
+                                                    normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
+                                                    vp_stage=vp_stage)
     return spec if use_te else _local_mla(args, spec)
 
 
@@ -150,10 +152,11 @@ def _dense_layer_spec(args):
 
     if args.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention)
+            qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention,
+            qk_l2_norm=args.qk_l2_norm)
     return _local_mla(args, gpt_layer_specs.get_gpt_layer_local_spec(
         qk_layernorm=args.qk_layernorm, normalization=args.normalization,
-        multi_latent_attention=args.multi_latent_attention))
+        multi_latent_attention=args.multi_latent_attention, qk_l2_norm=args.qk_l2_norm))
 
 
 def _local_mla(args, spec):
