@@ -273,6 +273,8 @@ ERRORS = [
     ("--use-distributed-optimizer --num-distributed-optimizer-instances 2 --grad-reduce-compression hadamard-int8", 4,
      "--num-distributed-optimizer-instances 2 is not implemented"),
     ("--qk-l2-norm --multi-latent-attention", 1, "--qk-l2-norm is not supported with --multi-latent-attention"),
+    ("--attention-output-gate --multi-latent-attention", 1, "--attention-output-gate is not supported with --multi"),
+    ("--num-experts 4 --disable-bias-linear --moe-shared-expert-gate", 1, "add --moe-shared-expert-intermediate-size"),
     ("--num-experts 4 --disable-bias-linear --moe-router-topk 2 --moe-apply-probs-on-input", 1,
      "it needs --moe-router-topk 1, got 2"),
     ("--ddp-num-buckets 0", 1, "--ddp-num-buckets must be at least 1, got 0"),

@@ -1,8 +1,8 @@
 """Megatron-LM's attention-form, recompute and replica-check flags, as gpt-oss, Qwen2, Mistral and Llama 4 launch
 scripts give them: --window-size with --window-attn-skip-freq (sliding-window attention per layer), --softmax-type,
 --no-rope-freq (layers without RoPE), --rotary-interleaved, --add-qkv-bias, --recompute-modules,
---moe-router-force-load-balancing and --check-weight-hash-across-dp-replicas-interval; learnable softmax logits at
-TP=2 against one process.
+--moe-router-force-load-balancing and --check-weight-hash-across-dp-replicas-interval; learnable softmax logits and
+the attention output gate at TP=2 against one process.
 
 In one process: which layers get a window and which softmax, the projections' biases, what reaches megatron-core's
 config, that a window changes the logits only when it is shorter than the sequence, and that a model whose every
@@ -164,6 +164,19 @@ def test_learnable_softmax_at_tp2_follows_the_single_process_run(tmp_path):
     parallel = launch_training(tmp_path, "tp2", "pretrain_gpt.py", 2, flags + " --tensor-model-parallel-size 2")
     assert_same_trajectory(reference, parallel, ["loss", "grad_norm", "eval_loss"])
     assert parallel[-1]["loss"] < parallel[0]["loss"]
+
+
+@pytest.mark.slow
+def test_attention_output_gate_at_tp2_follows_the_single_process_run(tmp_path):
+    """--attention-output-gate widens each query group's rows of the QKV projection by its heads' gates: split over
+    TP=2 by groups (GQA, 2 groups) and initialized layout-independently, the run follows one process."""
+    flags = GPT + " --group-query-attention --num-query-groups 2 --attention-output-gate"
+    reference = launch_training(tmp_path, "single", "pretrain_gpt.py", 1, flags)
+    parallel = launch_training(tmp_path, "tp2", "pretrain_gpt.py", 2, flags + " --tensor-model-parallel-size 2")
+    assert_same_trajectory(reference, parallel, ["loss", "grad_norm", "eval_loss"])
+    plain = launch_training(tmp_path, "plain", "pretrain_gpt.py", 1, GPT + " --group-query-attention "
+                            "--num-query-groups 2")
+    assert plain[0]["loss"] != reference[0]["loss"]  # the gate (at its random init) changes the model
 
 
 def _gpt_oss_mlp_against_formula() -> tuple:

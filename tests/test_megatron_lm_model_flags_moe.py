@@ -7,7 +7,7 @@ in megatron-core's TransformerConfig and GPTModel, the layers the local spec the
   fills to the Xavier bound, --moe-layer-freq mixes dense and MoE layers, the shared expert and the expert bias exist,
   --moe-apply-probs-on-input reaches the experts and changes the logits of the same weights.
 - Training (slow): TP=2 + SP bf16 with --qk-layernorm and the attention flags; EP=2 MoE with sigmoid routing,
-  the expert bias, a shared expert, capacity dropping, z-loss and per-layer logging. Losses must be finite and
+  the expert bias, a gated shared expert, capacity dropping, z-loss and per-layer logging. Losses must be finite and
   fall, and the expert bias, which ``finalize_model_grads`` updates after every step, must have moved (read back
   from the checkpoint).
 """
@@ -222,13 +222,13 @@ def test_qk_layernorm_and_attention_flags_train(tmp_path):
     _assert_trained(records)
 
 
-def _expert_bias(checkpoint):
-    """The MoE layer's expert bias as saved (torch_dist format read back into one state dict)."""
+def _saved(checkpoint) -> dict:
+    """The model's tensors as saved (torch_dist format read back into one state dict)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     merged = checkpoint.parent / "merged.pt"
     dcp_to_torch_save(checkpoint, merged)
-    return torch.load(merged, weights_only=False)["decoder.layers.1.mlp.router.expert_bias"]
+    return torch.load(merged, weights_only=False)
 
 
 @pytest.mark.slow
@@ -237,7 +237,8 @@ def test_moe_router_flags_train_and_move_the_expert_bias(tmp_path):
         tmp_path, "moe_router", "pretrain_moe.py", 2,
         MOE + " --expert-model-parallel-size 2 --train-iters 3 --moe-layer-freq ([0]*1+[1]*1) "
         "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-dtype fp64 "
-        "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-overlap --moe-expert-capacity-factor 1.0 "
+        "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-overlap --moe-shared-expert-gate "
+        "--moe-expert-capacity-factor 1.0 "
         f"--moe-token-drop-policy position --moe-z-loss-coeff 1e-3 --moe-per-layer-logging --save {tmp_path / 'ckpt'}")
     _assert_trained(records)
     last = records[-1]
@@ -246,5 +247,7 @@ def test_moe_router_flags_train_and_move_the_expert_bias(tmp_path):
     for name, key in (("load_balancing_loss", "moe_aux_loss"), ("z_loss", "moe_z_loss")):
         # layer 0 is dense; the mean is over the one MoE layer
         assert per_layer[name][0] == 0.0 and per_layer[name][1] == last[key] > 0, name
-    bias = _expert_bias(tmp_path / "ckpt" / "iter_0000003")
+    saved = _saved(tmp_path / "ckpt" / "iter_0000003")
+    bias = saved["decoder.layers.1.mlp.router.expert_bias"]
     assert bias.dtype == torch.float32 and bias.abs().sum() > 0, bias  # steps of 1e-3 after every iteration
+    assert saved["decoder.layers.1.mlp.shared_experts.gate_weight"].shape == (1, 64)  # Qwen2-MoE's shared-expert gate

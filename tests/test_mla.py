@@ -9,7 +9,8 @@
   initialization covers MLA's projections), and with TACO it tracks it within the bound of test_tp_hooks.py's GPT
   check, with MLA's projections and latent all-gathers compressed (the latents layer by layer: test_tp_hooks.py).
 - The FLOP count behind TFLOP/s/GPU (megatron/training/metrics.py) against torch's FlopCounterMode on the model's
-  forward: MLA, GQA + SwiGLU, the squared-ReLU and quick-GeGLU activations, and multi-token prediction layers.
+  forward: MLA, GQA + SwiGLU, GQA with the attention output gate, the squared-ReLU and quick-GeGLU activations, and
+  multi-token prediction layers.
 """
 
 import pytest
@@ -149,7 +150,8 @@ def test_mla_tp2_sp_follows_single_process_and_taco_tracks_it(tmp_path):
 
 
 def _counted_and_formula_flops():
-    """For a GQA SwiGLU GPT, quick-GeGLU and squared-ReLU GPTs (their biases added unfused), MLA with and
+    """For a GQA SwiGLU GPT, a GQA GPT with the attention output gate, quick-GeGLU and squared-ReLU GPTs (their
+    biases added unfused), MLA with and
     without a query latent and two multi-token prediction layers: the forward FLOPs that
     torch's FlopCounterMode counts in the model's matrix products, and a third of gpt_flops_per_iteration (which
     counts forward + backward) for the same tokens."""
@@ -162,6 +164,7 @@ def _counted_and_formula_flops():
 
     variants = {
         "gqa_swiglu": " --group-query-attention --num-query-groups 2 --swiglu",
+        "output_gate": " --group-query-attention --num-query-groups 2 --attention-output-gate",
         "quick_geglu": " --quick-geglu",
         "squared_relu": " --squared-relu",
         "mla": MLA,

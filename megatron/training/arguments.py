@@ -190,6 +190,9 @@ class ModelArgs:
                              "the attention scores (OLMoE, Qwen3).")
     qk_l2_norm: bool = arg(False, "Scale each head's queries and keys to unit RMS, without weights, before the "
                            "attention scores (Llama 4's; it replaces --qk-layernorm's norm).")
+    attention_output_gate: bool = arg(False, "Gate each head's attention output by the sigmoid of one more projection "
+                                      "of the layer's input (Qwen3-Next's: the QKV projection grows by the queries' "
+                                      "width).")
     apply_query_key_layer_scaling: bool = arg(False, "Divide the attention scores by the layer number before the "
                                               "softmax and multiply them back inside it, against fp16 overflow; "
                                               "implies --attention-softmax-in-fp32.")
@@ -310,6 +313,8 @@ class MoEArgs:
                                                              "each one's size); default none.")
     moe_shared_expert_overlap: bool = arg(False, "Overlap the shared expert with the alltoall dispatcher's "
                                           "communication.")
+    moe_shared_expert_gate: bool = arg(False, "Scale the shared expert's output by the sigmoid of a learned "
+                                       "projection of each token (Qwen2-MoE's).")
     moe_router_score_function: str = arg("softmax", "Router score function.", choices=["softmax", "sigmoid"])
     moe_router_pre_softmax: bool = arg(False, "Apply the score function before the top-k choice (else softmax over "
                                        "the chosen k; needed for --moe-router-topk 1 with softmax).")
@@ -1083,7 +1088,6 @@ def _validate_model(args) -> None:
     _validate_recompute_modules(args)
     _validate_attention_window(args)
     _validate_no_rope(args)
-    _validate_qk_l2_norm(args)
     _validate_transformer_impl(args)
     _validate_fp32_residual_connection(args)
     _validate_mla(args)
@@ -1141,11 +1145,6 @@ def _validate_attention_window(args) -> None:
     _check(not isinstance(freq, int) or freq > 0, f"--window-attn-skip-freq {freq} must be positive")
 
 
-def _validate_qk_l2_norm(args) -> None:
-    _check(not (args.qk_l2_norm and args.multi_latent_attention),
-           "--qk-l2-norm is not supported with --multi-latent-attention (megatron-core's specs refuse it): drop one")
-
-
 def _validate_no_rope(args) -> None:
     freq = args.no_rope_freq
     if freq is None:
@@ -1169,6 +1168,9 @@ def _validate_mla(args) -> None:
         return
     _check(not args.group_query_attention, "--group-query-attention and --multi-latent-attention are exclusive "
                                            "(as in Megatron-LM): drop one")
+    # megatron-core's specs refuse the L2 norm with MLA, and its MLA forward has no output gate
+    for flag, given in (("--qk-l2-norm", args.qk_l2_norm), ("--attention-output-gate", args.attention_output_gate)):
+        _check(not given, f"{flag} is not supported with --multi-latent-attention (megatron-core's): drop one")
     tp = args.tensor_model_parallel_size
     if args.transformer_impl != "local":  # Transformer Engine's down projections are replicated over TP
         return
@@ -1279,6 +1281,8 @@ def _validate_moe_capacity_and_shared_expert(args) -> None:
            "--moe-pad-expert-input-to-capacity pads to the capacity of --moe-expert-capacity-factor: add it")
     shared = args.moe_shared_expert_intermediate_size
     _check(shared is None or shared > 0, f"--moe-shared-expert-intermediate-size must be positive, got {shared}")
+    _check(not args.moe_shared_expert_gate or shared is not None,
+           "--moe-shared-expert-gate gates the shared expert: add --moe-shared-expert-intermediate-size")
     _check(not args.moe_shared_expert_overlap or args.moe_token_dispatcher_type == "alltoall",
            "--moe-shared-expert-overlap overlaps the shared expert with the alltoall dispatcher's communication: add "
            "--moe-token-dispatcher-type alltoall")

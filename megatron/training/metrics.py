@@ -39,7 +39,8 @@ def gpt_flops_per_iteration(args, batch_size: int) -> float:
 
 
 def _attention_macs(args) -> float:
-    """Forward multiply-adds of one layer's attention per token: projections, scores and context."""
+    """Forward multiply-adds of one layer's attention per token: projections (with --attention-output-gate's, as
+    Megatron-LM counts it), scores and context."""
     h, s, heads = args.hidden_size, args.seq_length, args.num_attention_heads
     if args.multi_latent_attention:
         qk = args.qk_head_dim + args.qk_pos_emb_head_dim
@@ -48,7 +49,8 @@ def _attention_macs(args) -> float:
                                                                                                 + args.v_head_dim)
         return q + kv + s * heads * (qk + args.v_head_dim) + heads * args.v_head_dim * h
     d = args.kv_channels
-    return h * d * (2 * heads + 2 * args.num_query_groups) + 2 * s * heads * d
+    gate = h * d * heads if args.attention_output_gate else 0  # one more projection of the queries' width
+    return h * d * (2 * heads + 2 * args.num_query_groups) + gate + 2 * s * heads * d
 
 
 def _mlp_macs(args, layer: int = None) -> float:
