@@ -467,6 +467,14 @@ COMPRESSED = "--param-gather-verify-interval 2 --param-gather-selection all --pa
 SMALL_BUCKETS = "--ddp-bucket-size 40000"  # ~6 buckets of the tiny GPT: delta codes all but the first as one set
 
 
+def _resume_from(checkpoints, iteration: int) -> None:
+    """Make ``checkpoints`` look as if the run had stopped after saving ``iteration``: later saves removed."""
+    for directory in checkpoints.glob("iter_*"):
+        if int(directory.name.removeprefix("iter_")) > iteration:
+            shutil.rmtree(directory)
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
 def _assert_same_iterations(reference, run, gathered=True):
     by_iteration = {r["iteration"]: r for r in reference}
     assert run
@@ -485,11 +493,7 @@ def test_driver_dp2_lossless_and_resume(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     reference = launch_training(tmp_path, "none", "pretrain_gpt.py", 2,
                        f"{GPT} {SMALL_BUCKETS} --save {checkpoints} --save-interval 25")
-    # Resume from iteration 25 as if the run had stopped there: drop the later checkpoint.
-    for directory in checkpoints.glob("iter_*"):
-        if int(directory.name.removeprefix("iter_")) > 25:
-            shutil.rmtree(directory)
-    (checkpoints / "latest_checkpointed_iteration.txt").write_text("25")
+    _resume_from(checkpoints, 25)
     ciera = launch_training(tmp_path, "ciera", "pretrain_gpt.py", 2, f"{GPT} {SMALL_BUCKETS} {COMPRESSED} ciera")
     assert [r["iteration"] for r in ciera] == list(range(1, 51))
     _assert_same_iterations(reference, ciera)
@@ -525,10 +529,7 @@ def test_driver_dp2_delta_fused_cast(tmp_path):
     assert [r["iteration"] for r in cast] == list(range(1, 31))
     _assert_same_iterations(reference, cast)
     assert cast[-1]["comm"]["dp_param_gather"]["sent_bytes"] < cast[-1]["comm"]["dp_param_gather"]["raw_bytes"] / 2
-    for directory in checkpoints.glob("iter_*"):  # resume from iteration 15
-        if int(directory.name.removeprefix("iter_")) > 15:
-            shutil.rmtree(directory)
-    (checkpoints / "latest_checkpointed_iteration.txt").write_text("15")
+    _resume_from(checkpoints, 15)
     overlap = GPT.replace("--train-iters 50", "--train-iters 30").replace("--params-checksum-interval 1", "")
     benefit = ("--param-gather-verify-interval 2 --param-gather-compression delta --param-gather-selection benefit "
                "--param-gather-trial-iters 2 --param-gather-reselect-interval 13 --delta-fused-cast")
@@ -538,10 +539,7 @@ def test_driver_dp2_delta_fused_cast(tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in reference[15:]]
     # every bucket compressed, from the checkpoint the fused-cast run saved: keyframes after the load, then the fused
     # encodes overlapped with the forward
-    for directory in cast_checkpoints.glob("iter_*"):
-        if int(directory.name.removeprefix("iter_")) > 15:
-            shutil.rmtree(directory)
-    (cast_checkpoints / "latest_checkpointed_iteration.txt").write_text("15")
+    _resume_from(cast_checkpoints, 15)
     resumed = launch_training(tmp_path, "cast-all", "pretrain_gpt.py", 2,
                               f"{overlap} {SMALL_BUCKETS} {COMPRESSED} delta --delta-fused-cast --load {cast_checkpoints}")
     assert [r["loss"] for r in resumed] == [r["loss"] for r in reference[15:]]
@@ -645,10 +643,7 @@ def test_driver_dp4_two_optimizer_instances(tmp_path):
     lossy = launch_training(tmp_path, "sdp4bit", "pretrain_gpt.py", 4, f"{copies} {COMPRESSED} sdp4bit "
                             "--check-weight-hash-across-dp-replicas-interval 2")
     assert [r["loss"] for r in lossy] == pytest.approx([r["loss"] for r in reference], rel=2e-2)
-    for directory in checkpoints.glob("iter_*"):  # resume from iteration 6
-        if int(directory.name.removeprefix("iter_")) > 6:
-            shutil.rmtree(directory)
-    (checkpoints / "latest_checkpointed_iteration.txt").write_text("6")
+    _resume_from(checkpoints, 6)
     resumed = launch_training(tmp_path, "delta-resumed", "pretrain_gpt.py", 4,  # (no gloo groups of megatron-core's)
                               f"{copies} {COMPRESSED} delta --load {checkpoints} --disable-gloo-process-groups")
     assert [r["iteration"] for r in resumed] == list(range(7, 13))
