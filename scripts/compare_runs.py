@@ -5,7 +5,8 @@ bit-identical to the uncompressed run under the same flags; this checks it on yo
 is compared with the first on ``loss`` and ``grad_norm`` (exact: the file holds them as round-tripping floats),
 ``params_checksum`` where both runs logged it (``--params-checksum-interval``), ``eval_loss`` where both evaluated, and
 with ``--bytes`` on the bytes sent per communication class (for repeats of one compressed configuration). A resumed
-run appends to its metrics file; a repeated iteration's last record counts. Exit status 1 if any run differs.
+run appends to its metrics file; a repeated iteration's last record counts. Files ending in ``.gz`` are read gzipped
+(as scripts/convergence.py keeps its runs'). Exit status 1 if any run differs.
 
     python scripts/compare_runs.py none.jsonl delta.jsonl delta-fused-cast.jsonl
     python scripts/compare_runs.py --bytes first.jsonl repeat.jsonl
@@ -14,6 +15,7 @@ Runs on GPUs repeat bit for bit only with ``--deterministic-mode`` (README "Runn
 """
 
 import argparse
+import gzip
 import json
 import sys
 
@@ -21,8 +23,8 @@ FIELDS = ("loss", "grad_norm", "params_checksum", "eval_loss")
 
 
 def load(path: str) -> dict:
-    """Iteration -> record (the last one written for it)."""
-    with open(path) as f:
+    """Iteration -> record (the last one written for it). A path ending in ``.gz`` is read through gzip."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         return {record["iteration"]: record for record in map(json.loads, filter(str.strip, f))}
 
 

@@ -5,7 +5,8 @@ differences in the parameter all-gather, Hadamard INT8/INT4 gradient reduce-scat
 
 Each variant is one `torchrun pretrain_gpt.py` run with the same model, data, seed and flags except
 the compression settings; losses come from the runs' `--metrics-file`. Outputs, under --out-dir:
-`<variant>.jsonl` (raw metrics), `summary.md` / `summary.json` (final train and validation losses,
+`<variant>.jsonl.gz` (raw metrics: the run writes `<variant>.jsonl`, kept gzipped once every run has
+finished, ~7x smaller; `zcat` reads them), `summary.md` / `summary.json` (final train and validation losses,
 relative to the baseline) and `loss_curves.png`.
 
     python scripts/convergence.py --family taco --preset cpu-tiny --out-dir results/taco_convergence_cpu
@@ -13,6 +14,7 @@ relative to the baseline) and `loss_curves.png`.
 """
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -91,10 +93,11 @@ def start_variant(name, variant_flags, preset, out_dir, extra, reuse, log_to_fil
     metrics = os.path.join(out_dir, f"{name}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={preset['nproc']}",
            "pretrain_gpt.py", *preset["flags"], *variant_flags, *extra, "--metrics-file", metrics]
-    if reuse and os.path.exists(metrics):
+    left = [path for path in (metrics, metrics + ".gz") if os.path.exists(path)]
+    if reuse and left:
         return cmd, None
-    if os.path.exists(metrics):
-        os.remove(metrics)
+    for path in left:
+        os.remove(path)
     print("+", " ".join(cmd), flush=True)
     log = open(os.path.join(out_dir, f"{name}.log"), "w") if log_to_file else None
     return cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT if log else None)
@@ -122,8 +125,27 @@ def run_variants(names, variants, preset, out_dir, extra, reuse, jobs):
                 break
         else:
             time.sleep(1)
-    curves = {name: [json.loads(line) for line in open(os.path.join(out_dir, f"{name}.jsonl"))] for name in names}
+    curves = {name: read_metrics(os.path.join(out_dir, f"{name}.jsonl")) for name in names}
+    for name in names:
+        archive_metrics(os.path.join(out_dir, f"{name}.jsonl"))
     return commands, curves
+
+
+def read_metrics(path):
+    """The records of a metrics file ``path``, or of ``path + ".gz"`` where only the gzipped one exists."""
+    opened = open(path) if os.path.exists(path) else gzip.open(path + ".gz", "rt")
+    with opened as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def archive_metrics(path):
+    """Replace the metrics file ``path`` by ``path + ".gz"`` (no time stamp in it: the same records give the same
+    bytes). A file already archived is left as it is."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as src, gzip.GzipFile(path + ".gz", "wb", mtime=0) as dst:
+        dst.write(src.read())
+    os.remove(path)
 
 
 def final_losses(records, until):
@@ -249,7 +271,7 @@ def main(argv=None, family=None):
         parser.error(f"--variants: {sorted(unknown)} not in family {args.family}: {sorted(variants)}")
     if "baseline" not in chosen_variants:
         parser.error("--variants must include baseline: every result is reported relative to it (to reuse a "
-                     "baseline trained earlier with the same flags, put its metrics at <out-dir>/baseline.jsonl "
+                     "baseline trained earlier with the same flags, put its metrics at <out-dir>/baseline.jsonl(.gz) "
                      "and add --reuse)")
     os.makedirs(args.out_dir, exist_ok=True)
     preset = presets[args.preset]

@@ -5,8 +5,8 @@
 # variant of scripts/convergence.py's taco family but hadamard_single, one after another (~100 s each alone;
 # session 5 ran them 8 at once: out of GPU memory, then 4 at once: each 4-5x slower than alone).
 # SKIP_GATHER=1 skips (1); VARIANTS (default all eight) picks the variants: 4 take ~420 s (session 6).
-# BASELINE_JSONL=path reuses a baseline trained by an earlier call of this script (same flags) instead of
-# training it again: it is copied into the output folder and the variants run with --reuse.
+# BASELINE_JSONL=path (.jsonl or .jsonl.gz) reuses a baseline trained by an earlier call of this script (same
+# flags) instead of training it again: it is copied into the output folder and the variants run with --reuse.
 # Usage (device machine, repo root): bash scripts/gpu/taco_ablations_and_delta_gather.sh
 set -uo pipefail
 source scripts/gpu/setup_device.sh || exit 1
@@ -16,7 +16,7 @@ OUT_DIR=$RES/taco_convergence_gpu_ablations
 VARIANTS=${VARIANTS:-baseline taco naive_fp8 ds_only hadamard_ds e5m2 int8 hadamard_int8}
 REUSE=""
 if [ -n "${BASELINE_JSONL:-}" ]; then
-  mkdir -p $OUT_DIR && cp "$BASELINE_JSONL" $OUT_DIR/baseline.jsonl && REUSE="--reuse"
+  mkdir -p $OUT_DIR && cp "$BASELINE_JSONL" "$OUT_DIR/baseline.jsonl${BASELINE_JSONL##*.jsonl}" && REUSE="--reuse"
   VARIANTS="baseline $VARIANTS"
 fi
 timeout 560 python3 scripts/taco_convergence.py --preset gpu-125m --jobs 1 $REUSE --variants $VARIANTS \
