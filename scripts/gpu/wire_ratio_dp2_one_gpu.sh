@@ -11,12 +11,16 @@ source scripts/gpu/setup_device.sh || exit 1
 RUNS=${RUNS:-"delta:1e-4 delta:1e-5"}
 ITERS=${ITERS:-150}
 EXTRA=${EXTRA:-}
+# Two ranks at micro-batch 8 hold ~40 GiB each: more than an H100's 80 GiB with CIERA's buffers (session 47), so
+# smaller GPUs take two micro-batches of 4 (the same global batch; the gathered bytes do not depend on it).
+GPU_GIB=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+MBS=${MBS:-$([ "$GPU_GIB" -ge 100 ] && echo 8 || echo 4)}
 port=29611
 for run in $RUNS; do
   codec=${run%%:*}; lr=${run##*:}; name=dp2_one_gpu_${codec}_lr$lr
   for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-      python3 pretrain_gpt.py --config configs/gpt_125m.yaml --distributed-backend gloo --micro-batch-size 8 \
+      python3 pretrain_gpt.py --config configs/gpt_125m.yaml --distributed-backend gloo --micro-batch-size $MBS \
       --global-batch-size 16 --train-iters $ITERS --lr $lr --min-lr $lr --lr-decay-style constant --lr-warmup-iters 20 \
       --eval-interval 100000 --log-interval 10 --param-gather-compression $codec $EXTRA \
       --metrics-file $RES/$name.jsonl > $RES/$name.rank$rank.log 2>&1 &
