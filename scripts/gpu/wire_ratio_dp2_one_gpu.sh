@@ -11,8 +11,8 @@ source scripts/gpu/setup_device.sh || exit 1
 RUNS=${RUNS:-"delta:1e-4 delta:1e-5"}
 ITERS=${ITERS:-150}
 EXTRA=${EXTRA:-}
-# Two ranks at micro-batch 8 hold ~40 GiB each: more than an H100's 80 GiB with CIERA's buffers (session 47), so
-# smaller GPUs take two micro-batches of 4 (the same global batch; the gathered bytes do not depend on it).
+# MBS: the micro-batch. Two ranks at 8 hold ~40 GiB each, and the CIERA runs ran out of an H100's 80 GiB (session
+# 47), so GPUs under 100 GiB take two micro-batches of 4 (the same global batch; the gathered bytes do not change).
 GPU_GIB=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
 MBS=${MBS:-$([ "$GPU_GIB" -ge 100 ] && echo 8 || echo 4)}
 port=29611
