@@ -166,7 +166,8 @@ def _built_layers():
     moe = build("--disable-bias-linear --num-experts 4 --moe-ffn-hidden-size 64 --moe-layer-freq ([0]*1+[1]*3) "
                 "--moe-shared-expert-intermediate-size 32 --moe-router-score-function sigmoid "
                 "--moe-router-enable-expert-bias --qk-layernorm")
-    l2_models = [build(f"{rope} --qk-l2-norm"), build("--disable-bias-linear --num-experts 4 --qk-layernorm --qk-l2-norm")]
+    l2_models = [build(f"{rope} --qk-l2-norm"),
+                 build("--disable-bias-linear --num-experts 4 --qk-layernorm --qk-l2-norm")]
     # Llama 4's top-1 routing, each token scaled by its probability before its expert instead of after (the GeLU
     # experts are not linear, so the same weights give other logits)
     top1 = ("--disable-bias-linear --num-experts 4 --moe-ffn-hidden-size 64 --moe-router-topk 1 "

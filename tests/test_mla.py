@@ -151,9 +151,8 @@ def test_mla_tp2_sp_follows_single_process_and_taco_tracks_it(tmp_path):
 
 def _counted_and_formula_flops():
     """For a GQA SwiGLU GPT, a GQA GPT with the attention output gate, quick-GeGLU and squared-ReLU GPTs (their
-    biases added unfused), MLA with and
-    without a query latent and two multi-token prediction layers: the forward FLOPs that
-    torch's FlopCounterMode counts in the model's matrix products, and a third of gpt_flops_per_iteration (which
+    biases added unfused), MLA with and without a query latent and two multi-token prediction layers: the forward FLOPs
+    that torch's FlopCounterMode counts in the model's matrix products, and a third of gpt_flops_per_iteration (which
     counts forward + backward) for the same tokens."""
     from torch.utils.flop_counter import FlopCounterMode
 
