@@ -13,8 +13,10 @@ ITERS=${ITERS:-150}
 EXTRA=${EXTRA:-}
 # MBS: the micro-batch. Two ranks at 8 hold ~40 GiB each, and the CIERA runs ran out of an H100's 80 GiB (session
 # 47), so GPUs under 100 GiB take two micro-batches of 4 (the same global batch and raw gather bytes).
-GPU_GIB=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
-MBS=${MBS:-$([ "$GPU_GIB" -ge 100 ] && echo 8 || echo 4)}
+if [ -z "${MBS:-}" ]; then
+  GPU_GIB=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+  MBS=$([ "$GPU_GIB" -ge 100 ] && echo 8 || echo 4)
+fi
 port=29611
 for run in $RUNS; do
   codec=${run%%:*}; lr=${run##*:}; name=dp2_one_gpu_${codec}_lr$lr
