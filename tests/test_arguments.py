@@ -1,6 +1,7 @@
 """Flag parsing, --config YAML precedence, derived sizes, and every bad-input error of validate_args."""
 
 import glob
+import importlib.util
 import os
 
 import pytest
@@ -289,6 +290,20 @@ def test_bad_input_is_a_clear_error(flags, world_size, message):
     with pytest.raises(ValueError) as error:
         make(flags, world_size)
     assert message in str(error.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
+                    reason="checks the error for a missing nvidia-resiliency-ext")
+def test_async_strategy():
+    """Megatron-LM's --async-strategy: accepted without --async-save (where it does nothing, as there); with it, nvrx
+    is an error naming the fix where megatron-core or nvidia-resiliency-ext cannot run it."""
+    assert parse_args([]).async_strategy is None  # nvrx where nvidia-resiliency-ext is installed, else mcore
+    assert make("--async-strategy nvrx").async_strategy == "nvrx"
+    assert make("--async-save --async-strategy mcore").async_strategy == "mcore"
+    with pytest.raises(ValueError, match="--async-strategy nvrx (needs megatron-core 0.17 or later, this is .*: drop "
+                                         "the flag|writes through nvidia-resiliency-ext, which is not installed: pip "
+                                         "install nvidia-resiliency-ext, or pass --async-strategy mcore)"):
+        make("--async-save --async-strategy nvrx")
 
 
 def test_taco_requires_local_transformer_impl(monkeypatch):

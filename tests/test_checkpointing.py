@@ -332,14 +332,16 @@ def test_pretrain_gpt_resume_matches_uninterrupted_run(tmp_path):
 
 @pytest.mark.slow
 def test_async_save_publishes_every_checkpoint_and_resumes_bit_exactly(tmp_path):
-    """--async-save: the shards are written by a forked writer while training goes on, and each checkpoint is
-    published (renamed, tracker written) once every rank's writer is done; the last before the run exits. Resumed
-    from the iteration-2 checkpoint, iterations 3-4 repeat the uninterrupted run's bits: the writer saved iteration
-    2's state, not the parameters that training changed while it wrote."""
+    """--async-save, with megatron-core's writer named as Megatron-LM names it (--async-strategy mcore): the shards
+    are written by a forked writer while training goes on, and each checkpoint is published (renamed, tracker
+    written) once every rank's writer is done; the last before the run exits. Resumed from the iteration-2
+    checkpoint, iterations 3-4 repeat the uninterrupted run's bits: the writer saved iteration 2's state, not the
+    parameters that training changed while it wrote."""
     from megatron.training.checkpointing import TRACKER_FILENAME
 
     ckpt = tmp_path / "ckpt"
-    uninterrupted = _pretrain_gpt(tmp_path, "async", f"--save {ckpt} --save-interval 2 --async-save")
+    uninterrupted = _pretrain_gpt(tmp_path, "async",
+                                 f"--save {ckpt} --save-interval 2 --async-save --async-strategy mcore")
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", TRACKER_FILENAME]
     assert (ckpt / TRACKER_FILENAME).read_text() == "4"
     resumed = _pretrain_gpt(tmp_path, "resumed", f"--load {ckpt} --ckpt-step 2")

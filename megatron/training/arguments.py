@@ -514,6 +514,10 @@ class CheckpointArgs:
                            "a save is published, tracker included, only once every rank has written it).")
     use_persistent_ckpt_worker: bool = arg(False, "--async-save: keep one writer process for the run instead of "
                                            "forking one per save (needs CUDA).")
+    async_strategy: Optional[str] = arg(None, "--async-save's background writer: nvidia-resiliency-ext's (nvrx) or "
+                                        "megatron-core's own (mcore). Default: nvrx where nvidia-resiliency-ext is "
+                                        "installed, else mcore. No effect without --async-save (as in Megatron-LM).",
+                                        choices=["nvrx", "mcore"])
     ckpt_fully_parallel_save: bool = arg(True, "Do not spread the writing of DP-replicated tensors over the DP "
                                          "replicas (DP rank 0 writes them).", flag="no-ckpt-fully-parallel-save")
     ckpt_fully_parallel_load: bool = arg(False, "Each DP replica reads part of the checkpoint and they exchange "
@@ -1567,6 +1571,16 @@ def _validate_checkpointing(args) -> None:
            "--use-persistent-ckpt-worker with --async-save needs CUDA (on CPU its writer would read the parameters "
            "while training changes them): drop --use-persistent-ckpt-worker, each save then forks a writer that "
            "holds a copy")
+    if args.async_save and args.async_strategy == "nvrx":
+        import importlib.util
+
+        from megatron.hooks.version import MCORE_VERSION, mcore_at_least
+
+        _check(mcore_at_least("0.17"), f"--async-strategy nvrx needs megatron-core 0.17 or later, this is "
+                                       f"{MCORE_VERSION}: drop the flag (megatron-core's own writer is its only one)")
+        _check(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
+               "--async-strategy nvrx writes through nvidia-resiliency-ext, which is not installed: pip install "
+               "nvidia-resiliency-ext, or pass --async-strategy mcore")
     # A fine-tuning run counts from iteration 0: saving into the pretrained directory would overwrite its
     # iterations (and the tracker file) with the new run's.
     if args.finetune:

@@ -318,7 +318,7 @@ class Saver:
         self.args = args
         self.context = {}
         self.progress = ProgressLog(args, start_time)
-        self.async_queue = async_calls_queue(args.use_persistent_ckpt_worker) if args.async_save else None
+        self.async_queue = async_calls_queue(args) if args.async_save else None
 
     def save(self, iteration, ddp_chunks, optimizer, scheduler, non_persistent: bool = False) -> None:
         from megatron.training.checkpointing import non_persistent_root, save_checkpoint
