@@ -297,7 +297,8 @@ def test_bad_input_is_a_clear_error(flags, world_size, message):
 def test_async_strategy():
     """Megatron-LM's --async-strategy: accepted without --async-save (where it does nothing, as there); with it, nvrx
     is an error naming the fix where megatron-core or nvidia-resiliency-ext cannot run it."""
-    assert parse_args([]).async_strategy is None  # nvrx where nvidia-resiliency-ext is installed, else mcore
+    assert parse_args([]).async_strategy is None
+    assert make("--async-save").async_strategy == "mcore"  # nvrx where nvidia-resiliency-ext is installed
     assert make("--async-strategy nvrx").async_strategy == "nvrx"
     assert make("--async-save --async-strategy mcore").async_strategy == "mcore"
     with pytest.raises(ValueError, match="--async-strategy nvrx (needs megatron-core 0.17 or later, this is .*: drop "

@@ -1571,16 +1571,19 @@ def _validate_checkpointing(args) -> None:
            "--use-persistent-ckpt-worker with --async-save needs CUDA (on CPU its writer would read the parameters "
            "while training changes them): drop --use-persistent-ckpt-worker, each save then forks a writer that "
            "holds a copy")
-    if args.async_save and args.async_strategy == "nvrx":
+    if args.async_save:
         import importlib.util
 
         from megatron.hooks.version import MCORE_VERSION, mcore_at_least
 
-        _check(mcore_at_least("0.17"), f"--async-strategy nvrx needs megatron-core 0.17 or later, this is "
-                                       f"{MCORE_VERSION}: drop the flag (megatron-core's own writer is its only one)")
-        _check(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
-               "--async-strategy nvrx writes through nvidia-resiliency-ext, which is not installed: pip install "
-               "nvidia-resiliency-ext, or pass --async-strategy mcore")
+        nvrx_runs = importlib.util.find_spec("nvidia_resiliency_ext") is not None and mcore_at_least("0.17")
+        if args.async_strategy is None:  # Megatron-LM's default where it runs, else megatron-core's own writer
+            args.async_strategy = "nvrx" if nvrx_runs else "mcore"
+        elif args.async_strategy == "nvrx":
+            _check(mcore_at_least("0.17"), f"--async-strategy nvrx needs megatron-core 0.17 or later, this is "
+                                           f"{MCORE_VERSION}: drop the flag (megatron-core's own writer is its only one)")
+            _check(nvrx_runs, "--async-strategy nvrx writes through nvidia-resiliency-ext, which is not installed: "
+                              "pip install nvidia-resiliency-ext, or pass --async-strategy mcore")
     # A fine-tuning run counts from iteration 0: saving into the pretrained directory would overwrite its
     # iterations (and the tracker file) with the new run's.
     if args.finetune:

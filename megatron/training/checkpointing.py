@@ -53,7 +53,6 @@ functions in ``megatron.hooks.optimizer_state`` work around it.
 
 import contextlib
 import dataclasses
-import importlib.util
 import logging
 import os
 import random
@@ -185,7 +184,7 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
     async_save = _option(args, "async_save")
     request = dist_checkpointing.save(state, staging_dir, sharded_strategy=_save_strategy(args, context),
                                       validate_access_integrity=not reused, async_sharded_save=async_save,
-                                      **(_async_strategy(_option(args, "async_strategy")) if async_save else {}))
+                                      **(_async_strategy(args) if async_save else {}))
 
     def publish():
         if dist.get_rank() == 0:
@@ -456,15 +455,10 @@ def _restore_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _async_strategy(choice) -> dict:
-    """megatron-core 0.17 and later take the background writer as ``async_strategy``: ``choice`` (--async-strategy,
-    checked by validate_args) or by default nvidia-resiliency-ext's ("nvrx", their default) where that package is
-    installed, else their own ("mcore", the only one 0.16 has)."""
-    if not mcore_at_least("0.17"):
-        return {}
-    if choice is None:
-        choice = "nvrx" if importlib.util.find_spec("nvidia_resiliency_ext") else "mcore"
-    return {"async_strategy": choice}
+def _async_strategy(args) -> dict:
+    """megatron-core 0.17 and later take the background writer as ``async_strategy``: --async-strategy (validate_args
+    fills in the default); 0.16 has only its own."""
+    return {"async_strategy": args.async_strategy} if mcore_at_least("0.17") else {}
 
 
 def async_calls_queue(args):
@@ -472,8 +466,7 @@ def async_calls_queue(args):
     if mcore_at_least("0.17"):
         from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
-        strategy = _async_strategy(args.async_strategy)["async_strategy"]
-        queue_class = get_async_strategy(strategy)[1]["AsyncCallsQueue"]
+        queue_class = get_async_strategy(args.async_strategy)[1]["AsyncCallsQueue"]
     else:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as queue_class
     return queue_class(persistent=args.use_persistent_ckpt_worker)
