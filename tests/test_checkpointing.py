@@ -351,6 +351,48 @@ def test_async_save_publishes_every_checkpoint_and_resumes_bit_exactly(tmp_path)
             assert res[key] == ref[key], (key, ref["iteration"])
 
 
+def test_save_retain_interval_deletes_the_previous_checkpoint_once_the_next_is_published(tmp_path):
+    """--save-retain-interval 4 with saves at 2, 4, 6, 8, 10: each publish deletes the checkpoint the tracker named
+    before unless its iteration is a multiple of 4 or it is a symbolic link; re-saving the latest iteration keeps it."""
+    from megatron.training.checkpointing import TRACKER_FILENAME, _publish, checkpoint_dir
+
+    def publish(iteration):
+        final = checkpoint_dir(str(tmp_path), iteration)
+        os.makedirs(final + ".tmp")
+        _publish(str(tmp_path), final + ".tmp", final, iteration, retain_interval=4)
+
+    publish(2)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", TRACKER_FILENAME]
+    publish(4)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", TRACKER_FILENAME]
+    publish(4)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", TRACKER_FILENAME]
+    publish(6)
+    os.rename(tmp_path / "iter_0000006", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "iter_0000006")
+    publish(8)
+    publish(10)
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "iter_0000004", "iter_0000006", "iter_0000008",
+                                            "iter_0000010", TRACKER_FILENAME]
+    assert (tmp_path / TRACKER_FILENAME).read_text() == "10"
+
+
+@pytest.mark.slow
+def test_save_retain_interval_in_training(tmp_path):
+    """--save-interval 1 --save-retain-interval 2 over 4 iterations keeps iterations 2 and 4, and the retained
+    iteration 2 resumes into the uninterrupted run's iterations 3-4 bit for bit."""
+    from megatron.training.checkpointing import TRACKER_FILENAME
+
+    ckpt = tmp_path / "ckpt"
+    uninterrupted = _pretrain_gpt(tmp_path, "retain", f"--save {ckpt} --save-interval 1 --save-retain-interval 2")
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", TRACKER_FILENAME]
+    resumed = _pretrain_gpt(tmp_path, "resumed", f"--load {ckpt} --ckpt-step 2")
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    for ref, res in zip(uninterrupted[2:], resumed):
+        for key in ("consumed_samples", "loss", "grad_norm", "params_checksum"):
+            assert res[key] == ref[key], (key, ref["iteration"])
+
+
 @pytest.mark.slow
 def test_non_persistent_checkpoints(tmp_path):
     """--non-persistent-save-interval 1 --non-persistent-ckpt-type global beside --save-interval 3 over 6

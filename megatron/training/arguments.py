@@ -476,6 +476,10 @@ class CheckpointArgs:
     save: Optional[str] = arg(None, "Checkpoint directory to save to.")
     load: Optional[str] = arg(None, "Checkpoint directory to resume from.")
     save_interval: Optional[int] = arg(None, "Iterations between saves.")
+    save_retain_interval: Optional[int] = arg(None, "Keep under --save only the checkpoints of iterations divisible "
+                                              "by this (a multiple of --save-interval) and the latest: once a save is "
+                                              "published, the one before it is deleted unless its iteration is such "
+                                              "a multiple or it is a symbolic link (Megatron-LM's).")
     non_persistent_save_interval: Optional[int] = arg(None, "Iterations between non-persistent saves (with "
                                                       "--non-persistent-ckpt-type global: only the newest two are "
                                                       "kept, and a load takes the newer of them and --load's).")
@@ -1571,6 +1575,12 @@ def _validate_checkpointing(args) -> None:
            "--use-persistent-ckpt-worker with --async-save needs CUDA (on CPU its writer would read the parameters "
            "while training changes them): drop --use-persistent-ckpt-worker, each save then forks a writer that "
            "holds a copy")
+    if args.save_retain_interval is not None:
+        _check(args.save is not None and args.save_interval is not None,
+               "--save-retain-interval thins out --save's checkpoints: add --save DIR and --save-interval N")
+        _check(args.save_retain_interval > 0 and args.save_retain_interval % args.save_interval == 0,
+               f"--save-retain-interval {args.save_retain_interval} must be a positive multiple of --save-interval "
+               f"{args.save_interval}, or no checkpoint but the latest would be kept")
     if args.async_save:
         import importlib.util
 

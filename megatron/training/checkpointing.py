@@ -186,9 +186,11 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
                                       validate_access_integrity=not reused, async_sharded_save=async_save,
                                       **(_async_strategy(args) if async_save else {}))
 
+    retain_interval = None if non_persistent else _option(args, "save_retain_interval")
+
     def publish():
         if dist.get_rank() == 0:
-            _publish(root, staging_dir, final_dir, iteration)
+            _publish(root, staging_dir, final_dir, iteration, retain_interval)
 
     if async_save:  # finalized once every rank's writer is done, after megatron-core's metadata
         request.add_finalize_fn(publish)
@@ -472,8 +474,11 @@ def async_calls_queue(args):
     return queue_class(persistent=args.use_persistent_ckpt_worker)
 
 
-def _publish(root: str, staging_dir: str, final_dir: str, iteration: int) -> None:
-    """Rank 0: move the finished checkpoint into place, then point the tracker at it."""
+def _publish(root: str, staging_dir: str, final_dir: str, iteration: int, retain_interval: int = None) -> None:
+    """Rank 0: move the finished checkpoint into place, then point the tracker at it. ``retain_interval``
+    (--save-retain-interval): then delete the checkpoint the tracker named before, unless its iteration is a multiple
+    of it or it is a symbolic link, as Megatron-LM does: only once the new one is published."""
+    previous = read_tracker(root) if retain_interval else None
     if os.path.exists(final_dir):  # re-saving an iteration (e.g. after resuming from it)
         shutil.rmtree(final_dir)
     os.replace(staging_dir, final_dir)
@@ -481,3 +486,7 @@ def _publish(root: str, staging_dir: str, final_dir: str, iteration: int) -> Non
     with open(tracker + ".tmp", "w") as f:
         f.write(str(iteration))
     os.replace(tracker + ".tmp", tracker)
+    if previous is not None and previous != iteration and previous % retain_interval:
+        stale = checkpoint_dir(root, previous)
+        if os.path.isdir(stale) and not os.path.islink(stale):
+            shutil.rmtree(stale)
