@@ -252,6 +252,10 @@ ERRORS = [
     ("--window-attn-skip-freq 2", 1, "--window-attn-skip-freq picks the layers of --window-size's"),
     ("--window-size 8,0 --window-attn-skip-freq [1,0]", 1, "lists 2 layers, the model has --num-layers 4"),
     ("--async-save --use-persistent-ckpt-worker", 1, "drop --use-persistent-ckpt-worker, each save then forks"),
+    ("--eval-global-batch-size 6 --global-batch-size 8", 2,
+     "--eval-global-batch-size 6 must be a positive multiple of --micro-batch-size 2 x data-parallel size 2"),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8 "
+     "--eval-global-batch-size 6", 2, "an iteration of 3 micro-batches (--global-batch-size, --eval-global-batch-size"),
     ("--save-retain-interval 4", 1, "thins out --save's checkpoints: add --save DIR and --save-interval N"),
     ("--save ckpt --save-interval 3 --save-retain-interval 4", 1,
      "--save-retain-interval 4 must be a positive multiple of --save-interval 3"),
@@ -293,6 +297,14 @@ def test_bad_input_is_a_clear_error(flags, world_size, message):
     with pytest.raises(ValueError) as error:
         make(flags, world_size)
     assert message in str(error.value)
+
+
+def test_eval_global_batch_size():
+    """Megatron-LM's default is the training batch (the last of a schedule); evaluation runs it as micro-batches."""
+    args = make("--global-batch-size 8", 2)
+    assert (args.eval_global_batch_size, args.eval_micro_batches) == (8, 2)
+    args = make("--global-batch-size 8 --eval-global-batch-size 20", 2)
+    assert (args.eval_global_batch_size, args.eval_micro_batches, args.num_micro_batches) == (20, 5, 2)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is not None,

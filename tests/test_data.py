@@ -19,7 +19,7 @@ UNICODE_TEXT = "def f(x):\n    return 'héllo ∑ 😀'\n\n\nclass A:\n    pass\
 def make_args(cache_dir, **overrides) -> argparse.Namespace:
     args = dict(
         tokenizer_type="ByteTokenizer", tokenizer_model=None, vocab_file=None, merge_file=None, vocab_size=None,
-        micro_batch_size=2, global_batch_size=8, seq_length=32, train_iters=6, train_samples=None,
+        micro_batch_size=2, global_batch_size=8, eval_global_batch_size=8, seq_length=32, train_iters=6, train_samples=None,
         eval_interval=3, eval_iters=1, data_path=None, split="969,30,1", mock_data=False,
         builtin_corpus="python-stdlib", builtin_corpus_max_bytes=4 << 20, data_cache_path=str(cache_dir),
         num_workers=0, seed=1234,

@@ -522,6 +522,21 @@ def test_skip_train_repeats_the_end_of_run_evaluation(tmp_path):
     assert not (tmp_path / "ckpt" / "iter_0000005").exists()
 
 
+@pytest.mark.slow
+def test_eval_global_batch_size_evaluates_the_same_samples(tmp_path):
+    """--eval-global-batch-size 16 with --eval-iters 1 evaluates the 16 validation (and test) samples that 2
+    iterations of the default batch of 8 do, in the same order: every evaluation logs the same loss to the bit, and
+    training is untouched."""
+    two_of_8 = launch_training(tmp_path, "two_of_8", "pretrain_gpt.py", 2, GPT + " --eval-iters 2")
+    one_of_16 = launch_training(tmp_path, "one_of_16", "pretrain_gpt.py", 2,
+                                GPT + " --eval-iters 1 --eval-global-batch-size 16")
+    assert [r.get("eval_loss") for r in one_of_16] == [r.get("eval_loss") for r in two_of_8]
+    assert [r["eval_loss"] is not None for r in one_of_16 if "eval_loss" in r] == [True, True]
+    assert [r["loss"] for r in one_of_16] == [r["loss"] for r in two_of_8]
+    assert _final_evaluations(tmp_path, "one_of_16") == _final_evaluations(tmp_path, "two_of_8")
+    assert len(_final_evaluations(tmp_path, "two_of_8")) == 2
+
+
 RAMPUP = (GPT.replace("--micro-batch-size 2", "--micro-batch-size 1").replace("--global-batch-size 8", "--global-batch-size 6")
           .replace("--train-iters 4", "--train-samples 40 --lr-decay-samples 40")
           .replace("--lr-warmup-iters 1", "--lr-warmup-samples 2"))

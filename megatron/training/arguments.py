@@ -549,6 +549,8 @@ class LoggingArgs:
                                  choices=["max", "minmax", "all"])
     eval_interval: Optional[int] = arg(None, "Iterations between evaluations (default: none).")
     eval_iters: int = arg(100, "Iterations per evaluation.")
+    eval_global_batch_size: Optional[int] = arg(None, "Samples per evaluation iteration (default: --global-batch-size): "
+                                                "a multiple of --micro-batch-size x data-parallel size.")
     skip_train: bool = arg(False, "Do not train: evaluate the validation and test splits (--eval-iters batches each; "
                            "with --load, the checkpoint's model) and exit.")
     tensorboard_dir: Optional[str] = arg(None, "TensorBoard log directory.")
@@ -1319,6 +1321,14 @@ def _validate_batch_and_schedule(args) -> None:
     elif args.step_batch_size_schedule is None:
         args.batch_steps = ((0, args.global_batch_size),)
     _validate_batch_steps(args, micro_dp)
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    _check(args.eval_global_batch_size > 0 and args.eval_global_batch_size % micro_dp == 0,
+           f"--eval-global-batch-size {args.eval_global_batch_size} must be a positive multiple of --micro-batch-size "
+           f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}: change it")
+    args.eval_micro_batches = args.eval_global_batch_size // micro_dp
+    if args.virtual_pipeline_model_parallel_size is not None:
+        _validate_microbatch_groups(args, args.eval_micro_batches)
     _validate_lr_schedule(args)
     _validate_weight_decay_schedule(args)
     # Megatron-LM's: only the interleaved schedule dispatches aligned param all-gathers
@@ -1371,13 +1381,13 @@ def _validate_microbatch_groups(args, micro: int) -> None:
     group = args.microbatch_group_size_per_vp_stage or pp
     _check(pp <= group <= micro,
            f"--microbatch-group-size-per-virtual-pipeline-stage {group} must lie between PP={pp} and the "
-           f"{micro} micro-batches of an iteration (--global-batch-size, or a step of --rampup-batch-size, / "
-           f"(--micro-batch-size x DP))")
+           f"{micro} micro-batches of an iteration (--global-batch-size, --eval-global-batch-size or a step of "
+           f"--rampup-batch-size, / (--micro-batch-size x DP))")
     _check(micro % group == 0 or micro % group >= pp,
            f"the interleaved schedule runs micro-batches in groups of {group} (--microbatch-group-size-per-virtual-"
-           f"pipeline-stage, default PP={pp}), but an iteration of {micro} micro-batches (--global-batch-size, or a "
-           f"step of --rampup-batch-size, / (--micro-batch-size x DP)) leaves a last group of {micro % group}, fewer "
-           f"than PP: make it a multiple of {group}")
+           f"pipeline-stage, default PP={pp}), but an iteration of {micro} micro-batches (--global-batch-size, "
+           f"--eval-global-batch-size or a step of --rampup-batch-size, / (--micro-batch-size x DP)) leaves a last "
+           f"group of {micro % group}, fewer than PP: make it a multiple of {group}")
 
 
 def _validate_weight_decay_schedule(args) -> None:

@@ -141,8 +141,8 @@ def split_sizes(args) -> list[int]:
     train_iters = args.train_iters if args.train_iters is not None else args.train_samples // args.global_batch_size
     train = getattr(args, "train_samples", None) or train_iters * args.global_batch_size
     evaluations = train_iters // args.eval_interval + 1 if args.eval_interval else 0
-    valid = evaluations * args.eval_iters * args.global_batch_size
-    test = args.eval_iters * args.global_batch_size
+    valid = evaluations * args.eval_iters * args.eval_global_batch_size
+    test = args.eval_iters * args.eval_global_batch_size
     return [train, valid, test]
 
 

@@ -166,8 +166,8 @@ def train_step(args, ddp_chunks, optimizer, scheduler, data_iterators) -> dict:
 
 
 def evaluate(args, ddp_chunks, data_iterators, validation: bool = True) -> float:
-    """Mean loss over --eval-iters batches of --global-batch-size samples (during a --rampup-batch-size ramp too, as
-    Megatron-LM evaluates) of ``data_iterators``' split (the validation split's samples counted in
+    """Mean loss over --eval-iters batches of --eval-global-batch-size samples (during a --rampup-batch-size ramp too,
+    as Megatron-LM evaluates) of ``data_iterators``' split (the validation split's samples counted in
     ``args.consumed_valid_samples``, where a resume continues it)."""
     for chunk in ddp_chunks:
         chunk.eval()
@@ -175,11 +175,11 @@ def evaluate(args, ddp_chunks, data_iterators, validation: bool = True) -> float
     with torch.no_grad():
         for _ in range(args.eval_iters):
             total += run_schedule(args, ddp_chunks, data_iterators, forward_only=True,
-                                  num_microbatches=args.num_micro_batches)
+                                  num_microbatches=args.eval_micro_batches)
     for chunk in ddp_chunks:
         chunk.train()
     if validation:
-        args.consumed_valid_samples += args.eval_iters * args.global_batch_size
+        args.consumed_valid_samples += args.eval_iters * args.eval_global_batch_size
     return global_mean_loss(total)
 
 
