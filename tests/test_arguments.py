@@ -256,6 +256,8 @@ ERRORS = [
      "--eval-global-batch-size 6 must be a positive multiple of --micro-batch-size 2 x data-parallel size 2"),
     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8 "
      "--eval-global-batch-size 6", 2, "an iteration of 3 micro-batches (--global-batch-size, --eval-global-batch-size"),
+    ("--rerun-mode validate_results", 1, "--rerun-mode validate_results re-runs iterations, which is not implemented"),
+    ("--rerun-mode report_stats", 1, "use --rerun-mode disabled (the default here)"),
     ("--save-retain-interval 4", 1, "thins out --save's checkpoints: add --save DIR and --save-interval N"),
     ("--save ckpt --save-interval 3 --save-retain-interval 4", 1,
      "--save-retain-interval 4 must be a positive multiple of --save-interval 3"),
@@ -297,6 +299,11 @@ def test_bad_input_is_a_clear_error(flags, world_size, message):
     with pytest.raises(ValueError) as error:
         make(flags, world_size)
     assert message in str(error.value)
+
+
+def test_rerun_mode_disabled_is_accepted():
+    """Launch scripts may name the one mode this trainer runs megatron-core's rerun state machine in."""
+    assert make("--rerun-mode disabled").rerun_mode == "disabled" == parse_args([]).rerun_mode
 
 
 def test_eval_global_batch_size():

@@ -396,6 +396,11 @@ class TrainingArgs:
                                                "gradient norm of a DP bucket (off with fp16 dynamic loss scaling, "
                                                "whose overflows are expected).")
     check_for_spiky_loss: bool = arg(False, "Warn when a micro-batch's loss exceeds 10x the largest of the first 100.")
+    rerun_mode: str = arg("disabled", "megatron-core's rerun state machine: disabled checks the losses and gradients "
+                          "(--check-for-nan-in-loss-and-grad, --check-for-spiky-loss) without re-running an "
+                          "iteration. Megatron-LM's default, validate_results (re-run a rejected iteration to tell a "
+                          "transient fault from a persistent one), and report_stats are not implemented (an error).",
+                          choices=["disabled", "validate_results", "report_stats"])
     check_for_large_grads: bool = arg(False, "Warn when a DP bucket's gradient norm, before the DP reduction, exceeds "
                                       "10x the largest of the first 100.")
     empty_unused_memory_level: int = arg(0, "Release the CUDA caching allocator's unused memory: 1 after the "
@@ -1650,6 +1655,10 @@ def _validate_logging(args) -> None:
 
 def _validate_run_control(args) -> None:
     """Backend, local rank, NaN checks and DP averaging (Megatron-LM's rules)."""
+    _check(args.rerun_mode == "disabled",
+           f"--rerun-mode {args.rerun_mode} re-runs iterations, which is not implemented: use --rerun-mode disabled "
+           f"(the default here), with which a NaN or Inf loss still stops the run with an error naming the rank and "
+           f"iteration")
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     _check(args.distributed_backend != "nccl" or torch.cuda.is_available(),

@@ -99,8 +99,8 @@ def initialize_distributed(args) -> None:
 
 def initialize_rerun_state_machine() -> None:
     """megatron-core's rerun state machine checks the losses and gradients of --check-for-nan-in-loss-and-grad
-    (and --check-for-spiky-loss); disabled, it checks without re-running: a NaN or Inf stops with an error naming
-    the rank and iteration, a spike is a warning."""
+    (and --check-for-spiky-loss); disabled (--rerun-mode's only mode here), it checks without re-running: a NaN or
+    Inf stops with an error naming the rank and iteration, a spike is a warning."""
     from megatron.core.rerun_state_machine import RerunMode
     from megatron.core.rerun_state_machine import initialize_rerun_state_machine as initialize
 
