@@ -474,7 +474,7 @@ def async_calls_queue(args):
     return queue_class(persistent=args.use_persistent_ckpt_worker)
 
 
-def _publish(root: str, staging_dir: str, final_dir: str, iteration: int, retain_interval: int = None) -> None:
+def _publish(root: str, staging_dir: str, final_dir: str, iteration: int, retain_interval: int | None = None) -> None:
     """Rank 0: move the finished checkpoint into place, then point the tracker at it. ``retain_interval``
     (--save-retain-interval): then delete the checkpoint the tracker named before, unless its iteration is a multiple
     of it or it is a symbolic link, as Megatron-LM does: only once the new one is published."""
