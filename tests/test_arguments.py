@@ -75,7 +75,7 @@ MEGATRON_LM_SCRIPT = (
     "--split 99,1,0 "
     "--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --log-interval 1 --eval-iters 32 "
     "--eval-interval 100 --save-interval 1000 --log-throughput --ckpt-format torch_dist --distributed-timeout-minutes 60 "
-    "--transformer-impl local"
+    "--transformer-impl local --straggler-minmax-count 16"
 )
 
 
@@ -256,6 +256,7 @@ ERRORS = [
      "--eval-global-batch-size 6 must be a positive multiple of --micro-batch-size 2 x data-parallel size 2"),
     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8 "
      "--eval-global-batch-size 6", 2, "an iteration of 3 micro-batches (--global-batch-size, --eval-global-batch-size"),
+    ("--log-straggler", 1, "--log-straggler: the straggler detector (each rank's GPU throughput) is not implemented"),
     ("--rerun-mode validate_results", 1, "--rerun-mode validate_results re-runs iterations, which is not implemented"),
     ("--rerun-mode report_stats", 1, "use --rerun-mode disabled (the default here)"),
     ("--save-retain-interval 4", 1, "thins out --save's checkpoints: add --save DIR and --save-interval N"),
@@ -604,4 +605,6 @@ def test_not_implemented_megatron_lm_flag_from_yaml(tmp_path):
     with pytest.raises(ValueError, match="--tp-comm-overlap: Transformer Engine's userbuffer TP overlap is not"):
         validate_args(parse_args(f"--config {config} {BASE}".split()), world_size=1, rank=0)
     config.write_text("tp-comm-overlap: false\n")
+    assert validate_args(parse_args(f"--config {config} {BASE}".split()), world_size=1, rank=0).train_iters == 10
+    config.write_text("straggler-minmax-count: 16\n")  # a no-op with a value, as Megatron-LM's configs pass it
     assert validate_args(parse_args(f"--config {config} {BASE}".split()), world_size=1, rank=0).train_iters == 10

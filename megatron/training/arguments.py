@@ -672,23 +672,29 @@ class CompressionArgs:
 SECTIONS = (ParallelArgs, ModelArgs, MLAArgs, MTPArgs, MoEArgs, TrainingArgs, OptimizerArgs, DataArgs, CheckpointArgs,
             LoggingArgs, CompressionArgs)
 
-# Megatron-LM flags that launch scripts pass and that ask for what this trainer always does: accepted, no effect.
+# Megatron-LM flags that launch scripts pass and that change nothing here (they ask for what this trainer always does,
+# or for nothing without another flag): accepted, no effect (number of values).
 ALREADY_SO = {
-    "use-mcore-models": "megatron-core models are the only models here",
-    "no-gradient-accumulation-fusion": "gradient accumulation fusion (a CUDA extension of apex) is never used here",
-    "no-create-attention-mask-in-dataloader": "the data loader never builds attention masks (causal attention "
-                                              "needs none)",
-    "log-throughput": "every log line shows tokens/s and TFLOP/s/GPU",
-    "grad-reduce-in-bf16": "gradients are reduced in the parameters' dtype unless --accumulate-allreduce-grads-in-fp32",
-    "no-persist-layer-norm": "apex's persistent LayerNorm kernel is never used here (persist_layer_norm stays off; "
-                             "without apex the local spec's norms are torch's)",
-    "use-dist-ckpt": "Megatron-LM's older spelling of --ckpt-format torch_dist, the only format here",
-    "auto-detect-ckpt-format": "a load reads the checkpoint's format from its directory: torch_dist loads, another "
-                               "format is an error naming it",
-    "openai-gelu": "Megatron-LM parses it and uses it nowhere: its GeLU, and this trainer's, is torch's",
+    "use-mcore-models": (0, "megatron-core models are the only models here"),
+    "no-gradient-accumulation-fusion": (0, "gradient accumulation fusion (a CUDA extension of apex) is never used here"),
+    "no-create-attention-mask-in-dataloader": (0, "the data loader never builds attention masks (causal attention "
+                                                  "needs none)"),
+    "log-throughput": (0, "every log line shows tokens/s and TFLOP/s/GPU"),
+    "grad-reduce-in-bf16": (0, "gradients are reduced in the parameters' dtype unless "
+                               "--accumulate-allreduce-grads-in-fp32"),
+    "no-persist-layer-norm": (0, "apex's persistent LayerNorm kernel is never used here (persist_layer_norm stays "
+                                 "off; without apex the local spec's norms are torch's)"),
+    "use-dist-ckpt": (0, "Megatron-LM's older spelling of --ckpt-format torch_dist, the only format here"),
+    "auto-detect-ckpt-format": (0, "a load reads the checkpoint's format from its directory: torch_dist loads, "
+                                   "another format is an error naming it"),
+    "openai-gelu": (0, "Megatron-LM parses it and uses it nowhere: its GeLU, and this trainer's, is torch's"),
+    "straggler-minmax-count": (1, "it sizes the report of --log-straggler (not implemented here, an error), and "
+                                  "without it Megatron-LM uses it nowhere either"),
 }
 # Megatron-LM flags this trainer does not implement: an error that names the flag and the fix (number of values).
 NOT_IMPLEMENTED = {
+    "log-straggler": (0, "the straggler detector (each rank's GPU throughput) is not implemented: drop it "
+                         "(--timing-log-option all logs every rank's timers)"),
     "non-persistent-local-ckpt-dir": (1, "local non-persistent checkpoints (nvidia-resiliency-ext's) are not "
                                          "implemented: use --non-persistent-ckpt-type global"),
     "non-persistent-local-ckpt-algo": (1, "local non-persistent checkpoints (nvidia-resiliency-ext's) are not "
@@ -791,8 +797,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
         for f in dataclasses.fields(section):
             _add_field(group, f)
     group = parser.add_argument_group("Megatron-LM flags that change nothing here")
-    for flag, reason in ALREADY_SO.items():
-        group.add_argument("--" + flag, action="store_true", dest="megatron_lm_" + flag.replace("-", "_"),
+    for flag, (nargs, reason) in ALREADY_SO.items():
+        takes = dict(nargs=nargs) if nargs else dict(action="store_true")
+        group.add_argument("--" + flag, **takes, dest="megatron_lm_" + flag.replace("-", "_"),
                            help=f"Accepted: {reason}.")
     group = parser.add_argument_group("Megatron-LM flags not implemented (error)")
     for flag, (nargs, reason) in NOT_IMPLEMENTED.items():
