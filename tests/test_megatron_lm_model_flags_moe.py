@@ -48,10 +48,10 @@ def test_model_flags_reach_transformer_config():
     assert config.init_method is xavier and config.output_layer_init_method is xavier
     assert config.embedding_init_method is xavier
     assert config.use_cpu_initialization and not config.persist_layer_norm
-    plain = _config()  # Megatron-LM's defaults, but for the fp32 softmax (megatron-core's default; arguments.py)
+    plain = _config()  # Megatron-LM's defaults
     assert not (plain.qk_layernorm or plain.apply_query_key_layer_scaling or plain.fp32_residual_connection)
-    assert plain.attention_softmax_in_fp32 and plain.init_method is not xavier
-    assert not _config("--bf16 --no-attention-softmax-in-fp32").attention_softmax_in_fp32
+    assert not plain.attention_softmax_in_fp32 and plain.init_method is not xavier
+    assert _config("--bf16 --attention-softmax-in-fp32").attention_softmax_in_fp32
     scaled = make("--no-attention-softmax-in-fp32 --apply-query-key-layer-scaling")
     assert scaled.attention_softmax_in_fp32  # implied by the layer scaling; args show it, as Megatron-LM's do
 

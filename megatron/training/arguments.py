@@ -196,11 +196,9 @@ class ModelArgs:
     apply_query_key_layer_scaling: bool = arg(False, "Divide the attention scores by the layer number before the "
                                               "softmax and multiply them back inside it, against fp16 overflow; "
                                               "implies --attention-softmax-in-fp32.")
-    # On by default, unlike Megatron-LM's argparse default: there the softmax is Transformer Engine's or apex's
-    # fused kernel, which computes in fp32 either way; the local spec without apex runs torch's softmax, which
-    # this flag alone keeps out of bf16 (megatron-core's own default; every run here so far used it).
-    attention_softmax_in_fp32: bool = arg(True, "With --bf16/--fp16: attention masking and softmax in fp32 "
-                                          "(--no-attention-softmax-in-fp32: in the half type).")
+    attention_softmax_in_fp32: bool = arg(False, "With --bf16/--fp16 and --attention-backend unfused: attention "
+                                          "masking and softmax in fp32 (SDPA's and Transformer Engine's kernels "
+                                          "keep the scores in fp32 either way).")
     fp32_residual_connection: bool = arg(False, "With --bf16/--fp16: keep the residual stream (the embedding output "
                                          "and every residual add) in fp32.")
     swiglu: bool = arg(False, "SwiGLU MLP.")
@@ -240,8 +238,10 @@ class ModelArgs:
     transformer_impl: Optional[str] = arg(None, "Layer implementation (default transformer_engine if installed, else local).",
                                           choices=["local", "transformer_engine"])
     spec: Optional[list[str]] = arg(None, "Custom layer spec: MODULE FUNCTION_OR_ATTRIBUTE.")
-    attention_backend: str = arg("auto", "Attention implementation (Transformer Engine's flash or fused kernels need "
-                                 "--transformer-impl transformer_engine; the local spec's is unfused).",
+    attention_backend: str = arg("auto", "Attention implementation. With --transformer-impl local: torch's "
+                                 "scaled_dot_product_attention choosing its kernel (auto), only its flash kernel "
+                                 "(flash), only cuDNN's (fused), or megatron-core's unfused DotProductAttention "
+                                 "(unfused, local). With transformer_engine: Transformer Engine's.",
                                  choices=["auto", "flash", "fused", "unfused", "local"])
     use_flash_attn: bool = arg(False, "Megatron-LM's older spelling of --attention-backend flash.")
     recompute_granularity: Optional[str] = arg(None, "Activation recomputation.", choices=["full", "selective"])
@@ -1217,10 +1217,25 @@ def _validate_transformer_impl(args) -> None:
                "--transformer-impl transformer_engine asks for Transformer Engine, which is not installed: "
                "pip install '.[te]' or use --transformer-impl local")
     else:
-        _check(args.attention_backend in ("auto", "unfused", "local"),
-               f"--attention-backend {args.attention_backend} (or --use-flash-attn) runs Transformer Engine's attention "
-               f"kernels, and --transformer-impl local uses megatron-core's unfused attention: drop the flag (or use "
-               f"--attention-backend auto), or use --transformer-impl transformer_engine")
+        _validate_local_attention_backend(args)
+
+
+def _validate_local_attention_backend(args) -> None:
+    """--attention-backend flash|fused with the local spec pins SDPA's kernel (megatron/hooks/attention.py): what that
+    kernel cannot compute is an error here rather than torch's "no available kernel" at the first step."""
+    from megatron.hooks.attention import sdpa_supports
+
+    backend = args.attention_backend
+    if backend not in ("flash", "fused"):
+        return
+    fix = "use --attention-backend auto (SDPA picks a kernel that can) or unfused"
+    _check(sdpa_supports(args.softmax_type),
+           f"--softmax-type {args.softmax_type} adds a logit to the softmax's denominator, which no SDPA kernel "
+           f"computes, so --attention-backend {backend} (or --use-flash-attn) cannot run it: {fix}")
+    _check(backend != "flash" or args.window_size is None,
+           f"--window-size {args.window_size} needs an attention mask, which SDPA's flash kernel does not take: {fix}")
+    _check(backend != "fused" or torch.cuda.is_available(),
+           f"--attention-backend fused is cuDNN's attention, which needs CUDA: {fix}")
 
 
 def _validate_fp32_residual_connection(args) -> None:

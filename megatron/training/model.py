@@ -144,7 +144,7 @@ def layer_spec(args, config, vp_stage):
     spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                     normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
                                                     vp_stage=vp_stage)
-    return spec if use_te else _local_mla(args, spec)
+    return spec if use_te else _local_core_attention(args, spec)
 
 
 def _dense_layer_spec(args):
@@ -155,18 +155,22 @@ def _dense_layer_spec(args):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention,
             qk_l2_norm=args.qk_l2_norm)
-    return _local_mla(args, gpt_layer_specs.get_gpt_layer_local_spec(
+    return _local_core_attention(args, gpt_layer_specs.get_gpt_layer_local_spec(
         qk_layernorm=args.qk_layernorm, normalization=args.normalization,
         multi_latent_attention=args.multi_latent_attention, qk_l2_norm=args.qk_l2_norm))
 
 
-def _local_mla(args, spec):
-    """A local-spec layer or block spec with its MLA layers made buildable (megatron/hooks/mla.py)."""
-    if not args.multi_latent_attention:
-        return spec
+def _local_core_attention(args, spec):
+    """A local-spec layer or block spec with its MLA layers made buildable (megatron/hooks/mla.py) and its core
+    attention computed by torch's SDPA unless --attention-backend unfused|local (megatron/hooks/attention.py)."""
+    from megatron.hooks.attention import sdpa_supports, use_sdpa_core_attention
     from megatron.hooks.mla import use_latent_dot_product_attention
 
-    return use_latent_dot_product_attention(spec)
+    if args.multi_latent_attention:
+        spec = use_latent_dot_product_attention(spec)
+    if args.attention_backend in ("unfused", "local") or not sdpa_supports(args.softmax_type):
+        return spec
+    return use_sdpa_core_attention(spec)
 
 
 def mtp_block_spec(args, config, decoder_spec, vp_stage):
