@@ -38,9 +38,13 @@ MODELS = {
                    "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights"),
 }
 VARIANTS = {
-    "unfused": "--attention-backend unfused",  # the baseline: megatron-core's DotProductAttention
-    "sdpa": "",  # --attention-backend auto: SDPA choosing its kernel
+    # the baseline, the local spec without this project's compute path: megatron-core's DotProductAttention and its
+    # unfused gradient accumulation
+    "unfused": "--attention-backend unfused --no-gradient-accumulation-fusion",
+    "sdpa_unfused_wgrad": "--no-gradient-accumulation-fusion",
+    "sdpa": "",  # the defaults: SDPA choosing its kernel, the weight gradient accumulated inside its GEMM
     "sdpa_flash": "--attention-backend flash",
+    "sdpa_eager_elementwise": "--no-bias-gelu-fusion --no-bias-dropout-fusion",  # without torch.compile'd bias fusions
 }
 WARMUP = 4  # iterations left out of the medians
 

@@ -106,6 +106,10 @@ class ParallelArgs:
     overlap_grad_reduce: bool = arg(False, "Overlap the DP grad reduction with backward.")
     overlap_param_gather: bool = arg(False, "Overlap the distributed-optimizer param all-gather with forward.")
     accumulate_allreduce_grads_in_fp32: bool = arg(False, "Keep the DP grad buffer in fp32.")
+    gradient_accumulation_fusion: bool = arg(True, "On CUDA, the weight-gradient GEMM adds into the DP grad buffer "
+                                             "(apex's kernel, or its stand-in on torch's addmm) instead of writing a "
+                                             "gradient that a hook then adds.",
+                                             flag="no-gradient-accumulation-fusion")
     overlap_p2p_comm: bool = arg(True, "Overlap pipeline p2p with compute (interleaved schedule only).",
                                  flag="no-overlap-p2p-communication")
     ddp_bucket_size: Optional[int] = arg(None, "DP bucket size in elements (default: megatron-core's, max(40M, 1M x "
@@ -676,7 +680,6 @@ SECTIONS = (ParallelArgs, ModelArgs, MLAArgs, MTPArgs, MoEArgs, TrainingArgs, Op
 # or for nothing without another flag): accepted, no effect (number of values).
 ALREADY_SO = {
     "use-mcore-models": (0, "megatron-core models are the only models here"),
-    "no-gradient-accumulation-fusion": (0, "gradient accumulation fusion (a CUDA extension of apex) is never used here"),
     "no-create-attention-mask-in-dataloader": (0, "the data loader never builds attention masks (causal attention "
                                                   "needs none)"),
     "log-throughput": (0, "every log line shows tokens/s and TFLOP/s/GPU"),

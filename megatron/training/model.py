@@ -23,6 +23,7 @@ def core_transformer_config(args):
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
+    from megatron.hooks.fused_ops import gradient_accumulation_fusion_available
     from megatron.training.arguments import transformer_engine_installed
 
     dtype = args.params_dtype
@@ -64,7 +65,8 @@ def core_transformer_config(args):
         pipeline_dtype=(torch.float32 if args.fp32_residual_connection else dtype)
         if args.pipeline_model_parallel_size > 1 else None,
         use_cpu_initialization=args.use_cpu_initialization or on_cpu,
-        gradient_accumulation_fusion=False,  # needs a CUDA extension that the pip wheel does not ship
+        # apex's wgrad-into-main_grad GEMM, or its stand-in on torch's addmm (megatron/hooks/fused_ops.py) on CUDA
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion and gradient_accumulation_fusion_available(),
         # the fused softmax is an apex CUDA extension, selected for bf16/fp16: without it megatron-core
         # fails at the first forward, so use the unfused softmax (same math). megatron-core's fused kernel
         # ignores --window-size (it masks causally only), so a sliding window takes the unfused softmax too.
