@@ -154,6 +154,7 @@ def _counted_and_formula_flops():
     biases added unfused), MLA with and without a query latent and two multi-token prediction layers: the forward FLOPs
     that torch's FlopCounterMode counts in the model's matrix products, and a third of gpt_flops_per_iteration (which
     counts forward + backward) for the same tokens."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron.training import metrics
@@ -179,8 +180,9 @@ def _counted_and_formula_flops():
         model = build_model_chunks(args, core_transformer_config(args))[0]
         tokens = torch.randint(0, 255, (args.global_batch_size, args.seq_length))
         position_ids = torch.arange(args.seq_length).expand(args.global_batch_size, -1)
-        with FlopCounterMode(display=False) as counter:  # MTP layers run only with labels (their loss)
-            model(tokens, position_ids, None, labels=tokens if args.mtp_num_layers else None)
+        # SDPA's math kernel: torch's FLOP counter has no formula for its fused CPU kernel
+        with FlopCounterMode(display=False) as counter, sdpa_kernel([SDPBackend.MATH]):
+            model(tokens, position_ids, None, labels=tokens if args.mtp_num_layers else None)  # MTP: with labels
         results[name] = (counter.get_total_flops(), metrics.gpt_flops_per_iteration(args, args.global_batch_size) / 3)
     return results
 
