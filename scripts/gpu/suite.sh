@@ -11,14 +11,15 @@
 #   e2e            2 GPUs: TACO at TP=2 (GPT-1.3B, with and without sequence parallelism; GPT-350M with CUDA graphs)
 #                  and the exposed parameter gather at DP=2 (GPT-350M), each against the baseline of the same run
 #   wire-ratio     1 GPU: GPT-125M at DP=2, both ranks on the one GPU over gloo (the bytes are the training's; the
-#                  times mean nothing): delta at lr 1e-4 and 1e-5, CIERA at 1e-4, every gather checked bit for bit
+#                  times mean nothing): delta at lr 1e-4 and 1e-5 (and with --delta-fused-cast), CIERA and SDP4Bit
+#                  at 1e-4, every gather checked
 #   convergence    1-2 GPUs: GPT-125M TACO ablations at TP=2 (scripts/convergence.py --preset gpu-125m)
 #   compatibility  1 GPU: every GPU test under the megatron-core wheel folder WHEELS (default .whl)
 #
 # Environment: WHEELS (megatron-core wheel folder, scripts/gpu/setup_device.sh), RES (output folder, default
 # /tmp/res; setup_device.sh archives it into $OUT/results.tgz on exit), ITERS (wire-ratio iterations, 150).
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,22p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,23p "$0"; exit 2; }
 source scripts/gpu/setup_device.sh || exit 1
 
 link_env() {  # the NCCL environment of a link class
@@ -102,6 +103,7 @@ wire-ratio() {
   dp2_one_gpu gpt125m_dp2_delta_lr1e-5 delta 1e-5 $checked
   dp2_one_gpu gpt125m_dp2_delta_fused_cast_lr1e-4 delta 1e-4 $checked --delta-fused-cast
   dp2_one_gpu gpt125m_dp2_ciera_lr1e-4 ciera 1e-4 $checked
+  dp2_one_gpu gpt125m_dp2_sdp4bit_lr1e-4 sdp4bit 1e-4 $checked  # lossy: every gather's replicas compared
 }
 
 convergence() {
