@@ -16,10 +16,10 @@
 #   convergence    1-2 GPUs: GPT-125M TACO ablations at TP=2 (scripts/convergence.py --preset gpu-125m)
 #   compatibility  1 GPU: every GPU test under the megatron-core wheel folder WHEELS (default .whl)
 #
-# Environment: WHEELS (megatron-core wheel folder, scripts/gpu/setup_device.sh), RES (output folder, default
-# /tmp/res; setup_device.sh archives it into $OUT/results.tgz on exit), ITERS (wire-ratio iterations, 150).
+# Environment: WHEELS (megatron-core wheel folder, scripts/gpu/setup_device.sh), ITERS (wire-ratio iterations, 150).
+# Output goes to $RES (/tmp/res), which setup_device.sh archives into $OUT/results.tgz on exit.
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,23p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,19p "$0"; exit 2; }
 source scripts/gpu/setup_device.sh || exit 1
 
 link_env() {  # the NCCL environment of a link class
