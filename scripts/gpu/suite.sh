@@ -19,7 +19,7 @@
 # Environment: WHEELS (megatron-core wheel folder, scripts/gpu/setup_device.sh), ITERS (wire-ratio iterations, 150).
 # Output goes to $RES (/tmp/res), which setup_device.sh archives into $OUT/results.tgz on exit.
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,19p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,20p "$0"; exit 2; }
 source scripts/gpu/setup_device.sh || exit 1
 
 link_env() {  # the NCCL environment of a link class
