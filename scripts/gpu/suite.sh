@@ -52,7 +52,7 @@ collectives() {
     on_2_gpus $link -m benchmarks.bench_tp_collectives --format int8 --cuda-graphs \
       --sizes-kib 1024,4096,16384,32768,65536,262144 --out $out/taco_int8_$link.json
     on_2_gpus $link benchmarks/nccl_transports.py --out $out/nccl_transports_$link.json
-    on_2_gpus $link benchmarks/bench_param_gather.py --codecs none delta sdp4bit --buckets 8 --fuse-buckets \
+    on_2_gpus $link benchmarks/bench_param_gather.py --codecs none delta sdp4bit --buckets 8 --fuse-buckets --steps 6 \
       --repeats 3 --out $out/param_gather_$link.json
   done
   on_2_gpus nvlink benchmarks/bench_param_gather.py --codecs none delta-slots-graphs --buckets 8 --fuse-buckets \
