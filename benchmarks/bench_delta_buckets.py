@@ -17,9 +17,9 @@ time for the same work without launch gaps. ``fused_slots``: the fused buckets' 
 with a capacity: each payload and its size into a slot of 1.25x the payload, no size read before the transfer, the
 decodes skipping payloads that outgrew their slots on the device, the sizes read once at the end). Every gather's
 result is checked bit for bit. ``--ops`` (CUDA) adds
-each mode's device time per kernel and copy (``ops_us``; what session 32's and 33's ``prof_buckets.py`` printed).
+each mode's device time per kernel and copy (``ops_us``).
 
-    python benchmarks/bench_delta_buckets.py --buckets 1 8 32 --world 2 8 --out results/gpu/delta_buckets.json
+    python benchmarks/bench_delta_buckets.py --buckets 1 8 32 --world 2 8 --out delta_buckets.json
 """
 
 import argparse

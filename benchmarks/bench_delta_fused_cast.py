@@ -12,9 +12,7 @@ torch's ``copy_`` of the master weights bit for bit, also on fp32 values that ro
 NaNs. Device time (PyTorch profiler) of: a bf16 copy of the shard (the yardstick), the optimizer's cast
 (``param.copy_(master)``), the encode with a sender copy and its kernel, and the fused encode (``encode`` of a
 ``CastShard``) and its kernel. The encode's cost is what it adds to the cast: ``encode``, and ``fused - cast``.
-(Session 23 measured the same design as a diagnostic, the kernel patched from outside: results/gpu/session23/.)
-
-    python benchmarks/bench_delta_fused_cast.py --out results/gpu/session24/delta_fused_cast.json
+    python benchmarks/bench_delta_fused_cast.py --out delta_fused_cast.json
     TRITON_INTERPRET=1 python benchmarks/bench_delta_fused_cast.py --check-only   # CPU: the payload check only
 """
 

@@ -12,7 +12,7 @@ setting), ``--gather`` the tiles of the record gather and its copy width and war
 ``*_host_us``: the host's time in each half of a gather's codec work (begin_encode, finish_encode, decode)
 with the device held busy, i.e. what every compressed bucket costs the host whatever its size.
 
-    python benchmarks/bench_delta_kernels.py --out results/gpu/delta_kernels.json
+    python benchmarks/bench_delta_kernels.py --out results/kernels/delta.json
 """
 
 import argparse

@@ -11,9 +11,9 @@ compared bit for bit with an uncompressed gather, and any difference aborts the 
 sdp4bit every rank must hold the same bits instead, and the bucket's error against the uncompressed
 gather is reported (relative L2, largest absolute).
 
-The link class is set by the caller's NCCL environment (see shared/notes/measured-baselines.md):
-    torchrun --nproc-per-node 2 benchmarks/bench_param_gather.py --out results/pg_nvlink.json
-    NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/bench_param_gather.py --out results/pg_p2p_off.json
+The link class is set by the caller's NCCL environment (scripts/gpu/suite.sh collectives runs all three):
+    torchrun --nproc-per-node 2 benchmarks/bench_param_gather.py --out pg_nvlink.json
+    NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/bench_param_gather.py --out pg_p2p_off.json
     NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/bench_param_gather.py --out ...
 ``--dry-run`` runs a tiny CPU/gloo version (used by the tests).
 """
@@ -45,8 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--numel", type=int, default=125_000_000, help="bucket values over all ranks")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps (gathers) per codec")
     # lr 3e-5 after 30 warm-up steps gives ~79% of bf16 values unchanged per step, 0.4% exponents
-    # changed per value and ~88% of 512-blocks changed: the real GPT's lr 1e-4 row of
-    # shared/notes/measured-baselines.md (81%, 0.38%, 79%).
+    # changed per value and ~88% of 512-blocks changed: what GPT-125M's DP=2 training at lr
+    # 1e-4 showed (81%, 0.38%, 79%).
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--optimizer-warmup", type=int, default=30, help="AdamW steps before the first gather")
     p.add_argument("--codecs", nargs="+", default=["none", "ciera", "delta", "sdp4bit"],

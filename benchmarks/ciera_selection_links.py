@@ -2,7 +2,7 @@
 charges the receivers' merge (the paper's T_decmp), with that merge measured on this device.
 
 Inputs, each measured: the all-gather time per rank byte of each link class, a line fitted (``fit_comm_model``, as
-the hook's ``profile_comm`` fits its own timings) to the rows of ``results/gpu/nccl_transports_<link>.json`` (two
+the hook's ``profile_comm`` fits its own timings) to the rows of ``results/collectives/nccl_transports_<link>.json`` (two
 H200s, ``all_gather_wire``); the block change rate of the benchmark's simulated AdamW trajectory at each ``--lrs``
 (``BlockChangeMeter`` over ``--steps`` consecutive steps, as the warm-up gathers measure it); and the seconds per byte
 of CIERA's decode of a payload whose blocks all changed, on this device (``measure_merge_seconds_per_byte``, the
@@ -10,7 +10,7 @@ hook's probe, at the hook's probe size). For ``--buckets`` shards of ``--numel``
 and lr, the gain per gather with and without the merge term (both pay the payload sizes' all-gather), and how many
 shards each would select.
 
-    python benchmarks/ciera_selection_links.py --out results/gpu/ciera_selection_links.json
+    python benchmarks/ciera_selection_links.py --out ciera_selection_links.json
 """
 
 import argparse
@@ -40,7 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--lrs", default="1e-4,1e-5")
     p.add_argument("--steps", type=int, default=8, help="warm-up gathers whose block change rate is averaged")
     p.add_argument("--block-size", type=int, default=CieraConfig().block_size)
-    p.add_argument("--links-dir", default=os.path.join(ROOT, "results", "gpu"))
+    p.add_argument("--links-dir", default=os.path.join(ROOT, "results", "collectives"))
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU and a small shard: checks the script")
     return p.parse_args(argv)

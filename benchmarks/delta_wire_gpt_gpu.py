@@ -1,6 +1,6 @@
 """Wire ratio of the delta codec over GPT-125M-shaped training on one GPU (format 4, and what format 3 sent).
 
-The real measurement is a DP=2 run of ``pretrain_gpt.py`` (results/gpu/README.md: GPT-125M, byte-level Python
+The real measurement is a DP=2 run of ``pretrain_gpt.py`` (results/wire_ratio/: GPT-125M, byte-level Python
 standard library text, AdamW, 150 iterations), which needs two GPUs. This trains the same shape in plain PyTorch on
 one: 12 layers, d = 768, 12 heads, byte vocabulary, seq 2048, batch 16 on the same text, fp32 master weights and
 AdamW (0.9 / 0.95, weight decay 0.1, gradient clipping 1.0; lr warmed up linearly over 20 iterations, then
@@ -12,7 +12,7 @@ keyframes) and decoded bit for bit into a receiver's copy. Per iteration: bf16 b
 the same over what format 3 sent (the payloads with every changed block's bitmap flat, B / 8 bytes:
 ``ratio_flat_bitmaps``; the two formats differ in nothing else), and the fraction of unchanged values.
 
-    python benchmarks/delta_wire_gpt_gpu.py --out results/gpu/sessionN/delta_wire_gpt.json
+    python benchmarks/delta_wire_gpt_gpu.py --out delta_wire_gpt.json
 """
 
 import argparse

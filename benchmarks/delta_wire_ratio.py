@@ -12,7 +12,7 @@ without the bitmap, and CIERA (exponent reuse) when compression/ciera.py is pres
 markdown table, writes JSON to --out and the table plus the command line into --doc (docs/delta.md,
 between the BENCHMARK markers).
 
-    python benchmarks/delta_wire_ratio.py --steps 120 --out results/delta_ratio.json --doc docs/delta.md
+    python benchmarks/delta_wire_ratio.py --steps 120 --out delta_ratio.json --doc docs/delta.md
 """
 
 import argparse

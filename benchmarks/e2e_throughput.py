@@ -2,10 +2,10 @@
 
 Runs `torchrun pretrain_gpt.py` (or `pretrain_moe.py`) once per (link class, variant) with identical model and flags, reads
 each run's `--metrics-file`, and reports the median iteration time after warm-up, tokens/s,
-TFLOP/s/GPU, MFU and the speedup over the baseline of the same link class. The link classes are the
-three NCCL settings of ../shared/notes/measured-baselines.md.
+TFLOP/s/GPU, MFU and the speedup over the baseline of the same link class. The link classes are
+NCCL settings: NVLink, ~25 GB/s (NCCL_P2P_DISABLE=1), sockets (NCCL_SHM_DISABLE=1 as well).
 
-    python benchmarks/e2e_throughput.py --suite tp2_taco --model configs/gpt_350m.yaml --out results/e2e.json
+    python benchmarks/e2e_throughput.py --suite tp2_taco --model configs/gpt_350m.yaml --out e2e.json
 
 With ``--comm-profile`` the last two iterations of every run are profiled (PyTorch profiler, rank 0, left out
 of the timing): the device time per iteration of each NCCL collective and of the codecs' Triton kernels.
@@ -171,7 +171,7 @@ def run_one(nproc, script, flags, env_extra, metrics, log, timeout=None):
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.terminate()  # torchrun stops its ranks on SIGTERM (they run in sessions of their own)
+            proc.terminate()  # torchrun stops its ranks on SIGTERM (each rank leads its own process group)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

@@ -10,7 +10,7 @@ metrics file. The first iteration after a load is a keyframe (a full gather) and
 steady-state figure (median of the remaining iterations). The from-scratch run's own ratio per codec is
 measured the same way (its iterations after warm-up).
 
-    python benchmarks/finetune_wire_ratio.py --out results/finetune_wire_ratio
+    python benchmarks/finetune_wire_ratio.py --out finetune_wire_ratio
 """
 
 import argparse

@@ -14,7 +14,7 @@ that every run's losses are bit-identical to the uncompressed one, and reads raw
 iteration for `dp_param_gather` (dense) and `dp_expert_param_gather` (experts) from the metrics file.
 Steady state: median over the second half of the iterations.
 
-    python benchmarks/moe_wire_ratio.py --out results/moe_wire_ratio_cpu
+    python benchmarks/moe_wire_ratio.py --out moe_wire_ratio_cpu
 """
 
 import argparse

@@ -2,7 +2,7 @@
 link class, a bar per variant (its speedup over the baseline of the same run), the bound of
 ``--comm-profile`` runs drawn as a tick above each bar, and the iteration IQR as an error bar.
 
-    python benchmarks/plot_e2e.py results/gpu/exposed_s10/e2e_exposed_share_*.json --out speedups.png
+    python benchmarks/plot_e2e.py results/e2e/dp2_exposed_gather_gpt_350m.json --out speedups.png
 """
 
 import argparse

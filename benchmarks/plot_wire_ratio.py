@@ -5,7 +5,7 @@ choice of none) are left out, since their 1.0x says nothing about the code. A cu
 of ``benchmarks/delta_wire_gpt_gpu.py`` (``PATH.json@LR``, its ``ratio`` per iteration, or ``PATH.json@LR@FIELD``
 for another per-iteration field such as ``ratio_flat_bitmaps``, format 3's bytes of the same run).
 
-    python benchmarks/plot_wire_ratio.py 'lr 1e-4=results/gpu/wire_delta_v2_lr1e-4.jsonl' --out ratio.png
+    python benchmarks/plot_wire_ratio.py 'lr 1e-4=results/wire_ratio/gpt125m_dp2_delta_lr1e-4.jsonl' --out ratio.png
     python benchmarks/plot_wire_ratio.py 'format 4, lr 1e-5=delta_wire_gpt.json@1e-5' --out ratio.png
 """
 

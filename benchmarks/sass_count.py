@@ -1,17 +1,17 @@
 """Static SASS instruction counts of codec Triton kernels (delta, TACO), compiled for sm_90 on the CPU.
 
-Nsight Compute (results/gpu/ncu/SUMMARY.md) shows the delta encoder and decoder ALU-bound: their time
+Nsight Compute (results/kernels/delta_ncu.md) shows the delta encoder and decoder ALU-bound: their time
 follows the instructions they execute. Their programs have no data-dependent loops (one program per
 block, loops unrolled), so the static SASS count per program tracks the executed count (encode: 2784
-static vs ~2084 executed per 256-value block before session 5, the difference being skipped store branches) and lets a
-kernel change be judged on a machine without a GPU before a GPU session times it; memory-side costs do
+static vs ~2084 executed per 256-value block of an earlier per-value encoder, the difference being skipped store branches) and lets a
+kernel change be judged on a machine without a GPU before a GPU times it; memory-side costs do
 not show (the atomic-OR packing cut the encoder's count 46% but its time 20%). Compiles with
 Triton's bundled ptxas and disassembles with its nvdisasm; prints the count and the top opcodes.
 
     python benchmarks/sass_count.py            # the codec kernels
     python benchmarks/sass_count.py --specialize
 
-By default every argument is compiled unspecialized (so the counts compare across sessions); a real
+By default every argument is compiled unspecialized (so the counts compare across kernel versions); a real
 launch specializes pointers that are 16-byte aligned and integers divisible by 16, which lets loads and
 stores vectorize. ``--specialize`` compiles that way: every pointer aligned and the sizes in
 ``SPECIALIZED_INTS`` divisible by 16, as in the benchmarks' launches (62.5M values, MiB-sized tensors).

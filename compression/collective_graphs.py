@@ -2,7 +2,7 @@
 
 A compressed collective costs the GPU less than NCCL's but the host more: Triton's Python launch
 path, tensor bookkeeping and the NCCL calls add up to 0.24-0.43 ms per one-shot all-reduce against
-~0.1 ms for NCCL (results/gpu/README.md, session 3), and where the host is the bottleneck (GPT-350M at
+~0.1 ms for NCCL (measured on an H200), and where the host is the bottleneck (GPT-350M at
 TP=2) that cost eats the GPU's saving. The TACO collectives have no host synchronization, so a call
 of fixed input shape can be captured once and replayed: the host then launches one graph.
 
@@ -66,7 +66,7 @@ def capturing(graph: "torch.cuda.CUDAGraph", pool, stream: "torch.cuda.Stream"):
 
     What ``torch.cuda.graph`` does, less its emptying of the allocators' caches (device and pinned host memory) at
     every capture, which makes the rest of the iteration allocate afresh: a gather re-captured during training (a new
-    slot capacity) paid for it (results/gpu/README.md, session 41). ``thread_local``: NCCL's watchdog thread keeps
+    slot capacity) paid for it (+11-17 ms on one H200). ``thread_local``: NCCL's watchdog thread keeps
     querying its events while this thread captures."""
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):

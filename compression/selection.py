@@ -259,7 +259,7 @@ class DeltaCostMeter:
     device-bound iteration the host queues them ahead of the device, and where it cannot (a host-bound
     model) the trial (megatron/hooks/trial.py) is what catches it. Timing each call between
     synchronizations (the first version) charged the host's launches and syncs too: 50-85 GB/s on an H200
-    against the kernels' ~400-600 GB/s (results/gpu/README.md, session 11). On the CPU: wall clock."""
+    against the kernels' ~400-600 GB/s (measured on an H200). On the CPU: wall clock."""
 
     def __init__(self, config):
         from compression.delta import DeltaCodec  # selection stays importable without the codec's deps

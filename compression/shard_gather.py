@@ -62,7 +62,7 @@ def next_capacity(capacity, largest: int, factor: float) -> int:
     """The slot capacity after a gather whose largest payload was ``largest`` bytes: ``factor`` times it (rounded up to
     ``SLOT_ROUND``), kept while it stays between ``factor`` and ``factor * SLOT_SHRINK`` times ``largest``, so that
     small changes of the payload keep the slots (and a captured gather) as they are, and a payload that grows by less
-    than ``factor`` per gather never outgrows its slot (session 38: resizing only on an overflow let GPT-125M's
+    than ``factor`` per gather never outgrows its slot (resizing only on an overflow let GPT-125M's
     payloads, growing 1-5% per step in the lr warm-up, overflow every few steps)."""
     if capacity is None or largest * factor > capacity or largest * factor * SLOT_SHRINK < capacity:
         return _round_up(math.ceil(largest * factor), SLOT_ROUND)
@@ -440,7 +440,7 @@ class GatherFusions:
     """Which buckets are coded as one (codecs whose ``can_fuse`` says so: delta), kept across rounds: the
     buckets of one process group, storage, dtype and telemetry class whose codecs hold their state (no keyframe
     due) become one ``ShardGather`` over ``Segments``. Every compressed bucket alone costs the host ~1.4 ms of
-    launches per gather (delta on an H200, results/gpu/README.md session 11), a fused set about that once. A set
+    launches per gather (delta on an H200), a fused set about that once. A set
     whose member was reset or switched is replaced (its members code alone until they hold state again)."""
 
     def __init__(self):

@@ -33,8 +33,8 @@ class TacoConfig:
     format: str = "int8"
     """8-bit format (``--taco-format``): e4m3 (the paper's) | e5m2 | int8. INT8 is the default on
     evidence: after the rotation it has 12-18 dB more SQNR than E4M3 at the same wire size
-    (docs/taco.md, ../shared/notes/measured-baselines.md) and it converged best in our ablation
-    (results/taco_convergence_cpu: -0.05% validation loss vs +0.47% for E4M3)."""
+    (docs/taco.md) and it converged best in our ablation
+    (tiny CPU GPT: -0.05% validation loss vs +0.47% for E4M3)."""
     transform: str = "ash"
     """Pre-quantization transform (``--taco-transform``): ash | hadamard | none."""
     scaling: str = "dual"

@@ -249,7 +249,7 @@ if triton is not None:
             changed = tl.max((exp != prev).to(tl.int32), axis=1)
             # Only changed blocks are rewritten (the others' exponents are already stored): the store
             # then depends on its whole block's loads, so no barrier is needed, and it is 1.7x faster
-            # than storing every block after a barrier (results/gpu/ciera_split_variants.json).
+            # than storing every block after a barrier (H200).
             tl.store(exp_ptr + offs, pairs, mask=store & (changed[:, None] != 0))
         else:
             changed = tl.full([BPP], 1, tl.int32)

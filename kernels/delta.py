@@ -770,12 +770,12 @@ if triton is not None:
 
 # Register caps (PTX .maxnreg) of the block kernels by rows of 8 values per thread, None: the compiler's choice.
 # A one-warp program runs at most 32 per SM, at most 65536 / (32 * registers) with more than 64 registers.
-# Session 8 (per-value packing): the encoder's 122 registers allowed 16 programs per SM, a cap of 80 25 (+10-12%
+# With per-value packing (an earlier encoder) the encoder's 122 registers allowed 16 programs per SM, a cap of 80 25 (+10-12%
 # device throughput), the decoder's 70 28, 64 32 (+2-6%; benchmarks/bench_delta_kernels.py --max-registers). The
 # row kernels need 57 (encode, narrow path) and 44 (decode) registers at a row per thread, their per-value paths
-# ~90 and ~62: 64 keeps 32 programs per SM without spills. At two rows per thread (B = 512 and 1024, session 27)
+# ~90 and ~62: 64 keeps 32 programs per SM without spills. At two rows per thread (B = 512 and 1024)
 # 80 was as fast as 64 or faster than 64 and the compiler's choice (B = 512: 96-128 registers), the encoder's
-# spills all on its per-value path. Format 4's encoder (session 28) wants 72 at B = 256 and stores 2 under 64, as
+# spills all on its per-value path. Format 4's encoder wants 72 at B = 256 and stores 2 under 64, as
 # fast as under 80 or uncapped. Applied up to CAPPED_MAX_BLOCK values per block: larger blocks spill heavily
 # under them (benchmarks/sass_count.py, tests/test_register_caps.py).
 MAX_REGISTERS = {("encode", 1): 64, ("decode", 1): 64, ("encode", 2): 80, ("decode", 2): 80}
@@ -806,7 +806,7 @@ def _launch_shape(kernel: str, block_size: int) -> dict:
 
 def _num_warps(block_size: int) -> int:
     """Warps per block program: two rows of 8 values per thread from B = 512 (B = 512-2048: 1.10-1.17x the encode
-    and 1.07-1.35x the decode device throughput of a row per thread; results/gpu/README.md, session 27), one
+    and 1.07-1.35x the decode device throughput of a row per thread on an H200), one
     below (B >= 32 * num_warps: no value held by two threads)."""
     return max(1, min(8, block_size // 512))
 
@@ -821,7 +821,7 @@ def _gather_launch(block_size: int) -> tuple:
     """(CHUNK, num_warps) of the gather kernel: record words copied per block and pass, 4 per thread of 4 warps. At
     B = 256 the gather took 34 / 24 us (lr 1e-4 / 1e-5) against 43 / 40 with 32 words and 83 / 79 with 64, whose
     passes mask off more lanes past each record's end, and 8 words or 64 blocks per program took 34-36 / 20-25 us; at
-    B = 512 31 / 16 us against 31 / 24 with 16 blocks of 32 words (results/gpu/README.md session 29)."""
+    B = 512 31 / 16 us against 31 / 24 with 16 blocks of 32 words (H200)."""
     return 16, 4
 
 

@@ -34,7 +34,7 @@ except ImportError:  # CPU-only installs: the reference runs everywhere
 from kernels.tahquant import fwht_norm
 
 # (values per program, warps) of the weight-difference and the gradient kernels: ROWS = values / G groups a program.
-# The fastest of 512-16384 values at 1-16 warps on an H200 (session 37, results/gpu/README.md).
+# The fastest of 512-16384 values at 1-16 warps on an H200 (benchmarks/bench_sdp4bit_kernels.py --launches).
 LAUNCH = dict(weights=(1024, 4), gradients=(512, 1))
 
 

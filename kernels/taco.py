@@ -373,8 +373,7 @@ if gl is not None:
         or all but row ``skip`` if SKIP), in wire order (``pos``: the payload positions). The stride counts
         records, not bytes, so that every record's byte offset is a known multiple of 8 and its payload loads
         are 8-byte vectors. A loop, not unrolled: unrolled, the compiler hoisted every row's loads (168
-        registers at 8 rows) or branched around row ``skip``, 20-40% slower at 8 rows (results/gpu/README.md,
-        session 13)."""
+        registers at 8 rows) or branched around row ``skip``, 20-40% slower at 8 rows (H200)."""
         t = gl.zeros([R, B], gl.float32, WIRE)
         n_folded: gl.constexpr = SOURCES - 1 if SKIP else SOURCES
         for i in range(n_folded):

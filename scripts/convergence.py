@@ -9,8 +9,8 @@ the compression settings; losses come from the runs' `--metrics-file`. Outputs, 
 finished, ~7x smaller; `zcat` reads them), `summary.md` / `summary.json` (final train and validation losses,
 relative to the baseline) and `loss_curves.png`.
 
-    python scripts/convergence.py --family taco --preset cpu-tiny --out-dir results/taco_convergence_cpu
-    python scripts/convergence.py --family sdp4bit --preset cpu-tiny --out-dir results/sdp4bit_convergence_cpu
+    python scripts/convergence.py --family taco --preset cpu-tiny --out-dir taco_convergence_cpu
+    python scripts/convergence.py --family sdp4bit --preset cpu-tiny --out-dir sdp4bit_convergence_cpu
 """
 
 import argparse

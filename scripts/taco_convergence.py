@@ -1,7 +1,7 @@
 """TACO's convergence comparison: ``scripts/convergence.py --family taco`` (kept for the commands recorded
 in results/*/summary.md).
 
-    python scripts/taco_convergence.py --preset cpu-tiny --out-dir results/taco_convergence_cpu
+    python scripts/taco_convergence.py --preset cpu-tiny --out-dir taco_convergence_cpu
 """
 
 import os

@@ -3,7 +3,7 @@ collect each rank's result.
 
 Process start-up dominates CPU test time: importing torch and megatron-core costs ~8 s of CPU per process,
 more than a short run trains. So CPU ranks are forked from one server process that imported them once per
-session (multiprocessing's forkserver, started with the ranks' CPU environment); NCCL ranks are spawned.
+test run (multiprocessing's forkserver, started with the ranks' CPU environment); NCCL ranks are spawned.
 Tests should still pack many checks into one call of ``run_on_ranks`` rather than launch one world per check.
 """
 

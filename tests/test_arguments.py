@@ -418,7 +418,7 @@ def test_gloo_with_cuda_refuses_megatron_core_coalesced_collectives(monkeypatch)
                                          "unsupported device type cuda\\): use --distributed-backend nccl"):
         make("--distributed-backend gloo", world_size=2)
     # the compressed gathers go bucket by bucket and the distributed optimizer's gradient reduce-scatter survives
-    # (scripts/gpu/wire_ratio_dp2_one_gpu.sh)
+    # (scripts/gpu/suite.sh wire-ratio)
     args = make("--distributed-backend gloo --use-distributed-optimizer --param-gather-compression delta", world_size=2)
     assert args.distributed_backend == "gloo"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -10,9 +10,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import compare_runs  # noqa: E402
 
-S33 = os.path.join(ROOT, "results", "gpu", "session33")
-S34 = os.path.join(ROOT, "results", "gpu", "session34", "call1_deterministic_pair")
-RUN = "dp2_one_gpu_delta_lr1e-4.jsonl"
+RUNS = os.path.join(ROOT, "results", "wire_ratio")
 
 
 def _write(path, records):
@@ -27,12 +25,12 @@ def _record(iteration, loss, grad_norm=1.0, sent=100, **extra):
 
 def test_real_runs(capsys):
     # DP=2 GPT-125M on an H200: the fused cast and a repeat equal the sender-copy run under --deterministic-mode ...
-    runs = [os.path.join(S34, name, RUN) for name in ("nonfused", "fused", "nonfused2")]
+    runs = [os.path.join(RUNS, f"deterministic_delta_{name}lr1e-4.jsonl") for name in ("", "fused_cast_", "repeat_")]
     assert compare_runs.main(["--bytes", *runs]) == 0
     assert capsys.readouterr().out.count("identical to") == 2
-    # ... while without it session 33's fused-cast run parted at iteration 147's grad norm (nondeterministic kernels)
-    fused = os.path.join(S33, "call5_fused_cast_verify", RUN)
-    assert compare_runs.main([os.path.join(S33, "call2_dp2_one_gpu", RUN), fused]) == 1
+    # ... while without it the fused-cast run parted at iteration 147's grad norm (nondeterministic kernels)
+    fused = os.path.join(RUNS, "gpt125m_dp2_delta_fused_cast_lr1e-4.jsonl")
+    assert compare_runs.main([os.path.join(RUNS, "gpt125m_dp2_delta_lr1e-4.jsonl"), fused]) == 1
     out = capsys.readouterr().out
     assert "at 4 of 150 common iterations (iterations 1-150), first at iteration 147: grad_norm" in out
 

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import compare_runs  # noqa: E402
 import convergence  # noqa: E402
 
-SEEDS_2K = os.path.join(ROOT, "results", "taco_convergence_cpu_2k_seeds")
+SEEDS_2K = os.path.join(ROOT, "results", "convergence", "taco_cpu_2k_seeds")
 
 
 def test_archive_is_lossless_and_reproducible(tmp_path):

@@ -776,14 +776,6 @@ def test_fused_cast_bench_matches_production_interpreted():
     assert "fused payloads and buffers equal production's" in _benchmark_check("bench_delta_fused_cast.py")
 
 
-def test_encode_atomics_diagnostic_variants_interpreted():
-    """benchmarks/diag_delta_encode_atomics.py's builds of kernels/delta.py (atomic ORs as stores, no stream packing)
-    still match its patterns and code production's per-block fields, so its timings compare the same work."""
-    pytest.importorskip("triton")
-    assert ("variants agree on every per-block field: production, stores, no_packing"
-            in _benchmark_check("diag_delta_encode_atomics.py"))
-
-
 @pytest.mark.gpu
 def test_triton_matches_reference_cuda():
     _check_triton_matches_reference("cuda")
@@ -814,34 +806,6 @@ def test_triton_matches_reference_cuda():
             gpu.decode(0, payload.cuda(), out)
             assert_same_bits(out.cpu(), bits)
             bits = nudge(bits, 0.3 / (step + 1), 2 + step, g)
-
-
-def test_format_study_sizes_by_hand(tmp_path):
-    """benchmarks/delta_format_study.py: the ``rows`` format's block sizes against a block sized by hand, and a
-    small run whose "current" column is the codec's own payload size."""
-    from benchmarks import delta_format_study as study
-
-    z = torch.zeros(1, 8, 8, dtype=torch.int64)  # one 64-value block: rows 0 and 3 non-empty
-    z[0, 0] = torch.tensor([1, 0, 0, 2, 0, 0, 0, 5])
-    z[0, 3, 7] = 1
-    # bytes = xw byte + row bitmap (1 byte for 8 rows) + w per non-empty row + ceil(n_esc * xw / 8)
-    expected = {1: 1 + 1 + 2 * 1 + 2,  # every non-zero escapes: entries z - 1 = 0, 1, 4, 0 -> 3 bits each, 12 bits
-                2: 1 + 1 + 2 * 2 + 1,  # z = 5 escapes (entry 2: 2 bits)
-                3: 1 + 1 + 2 * 3,  # nothing escapes
-                4: 1 + 1 + 2 * 4}
-    for width, nbytes in expected.items():
-        assert int(study.rows_block_bytes(z, width, byte_entries=False)[0]) == nbytes, width
-    assert int(study.rows_block_bytes(z, 1, byte_entries=True)[0]) == 1 + 1 + 2 + 4  # 1-byte entries
-    total, used = study.rows_nbytes(z, study.WIDTHS)
-    assert total == study.HEADER.size + 1 + 6 and used == {1: 1, 2: 0, 3: 0, 4: 0}
-
-    out = tmp_path / "study.json"
-    study.main(["--sources", "sim", "--lrs", "1e-4", "--steps", "4", "--every", "1", "--sim-numel", "3001",
-                "--out", str(out)])
-    rows = json.loads(out.read_text())["results"][0]["steps"]
-    assert [r["step"] for r in rows] == [3, 4]
-    for r in rows:
-        assert r["either"] >= max(r["current"], r["rows"]) - 1e-9 and r["rows"] > 1.0
 
 
 def test_sparse_bitmaps_pay_where_rows_are_empty():

@@ -12,8 +12,8 @@ from benchmarks import sass_count as sc  # noqa: E402
 from kernels import delta  # noqa: E402
 
 # the delta encoder at 256-512-value blocks spills 4 registers under its cap of 80 and is 10-12% faster
-# (results/gpu/README.md, session 8); heavy spilling stores hundreds. At two rows per thread (B = 512, 1024) the
-# encoder's per-value fallback spills ~40 under the cap of 80, which was faster than none (session 27)
+# (H200); heavy spilling stores hundreds. At two rows per thread (B = 512, 1024) the
+# encoder's per-value fallback spills ~40 under the cap of 80, which was faster than none
 MAX_SPILL_STORES = 8
 PER_VALUE_FALLBACKS = (delta._or_bits, delta._load_bits)
 

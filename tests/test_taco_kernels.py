@@ -150,14 +150,6 @@ def test_fused_steps_benchmark_checks_and_times_every_step(tmp_path):
     assert not result["problems"] and len(result["rows"]) == 6 and all(r["device_us"] > 0 for r in result["rows"])
 
 
-@pytest.mark.gpu
-def test_launch_cost_diagnostic_runs(tmp_path):
-    from benchmarks import diag_launch_cost
-
-    diag_launch_cost.main(["--calls", "5", "--out", str(tmp_path / "cost.json")])
-    assert all(us > 0 for us in json.loads((tmp_path / "cost.json").read_text())["host_us"].values())
-
-
 def test_cuda_tensors_without_the_kernels_use_the_reference_with_a_warning(monkeypatch):
     from types import SimpleNamespace
 

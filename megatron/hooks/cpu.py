@@ -6,7 +6,7 @@ megatron-core assumes a CUDA device in a few dozen places (``torch.cuda.current_
 the CPU. It changes no numerics: every redirected call does the same arithmetic on the CPU tensor.
 It is applied once per process by ``apply()``, and only when ``torch.cuda.is_available()`` is False.
 
-Measured on megatron-core 0.16.1 (../shared/notes/megatron-core-cpu.md lists each failure site).
+Measured on megatron-core 0.16.1 (each shim below names the failure site it replaces).
 """
 
 import contextlib

@@ -80,8 +80,8 @@ def keep_compression(plain: list, compressed: list) -> tuple:
     """(keep, why) from the seconds of a trial's uncompressed and compressed iterations: keep if the compressed
     median is ``TRIAL_MARGIN`` faster, or if every compressed iteration beat every uncompressed one, with at
     least ``SEPARATION_MIN_ITERS`` of each (a gain smaller than the margin but larger than the noise: with
-    3 + 3 iterations that order arises by chance in 1 of 20 trials of equal speeds). Measured on 2x H200
-    (session 11): GPT-350M DP=2 with the parameter gather exposed at ~25 GB/s, compressed 258.5 / 258.5 /
+    3 + 3 iterations that order arises by chance in 1 of 20 trials of equal speeds). Measured on 2x H200:
+    GPT-350M DP=2 with the parameter gather exposed at ~25 GB/s, compressed 258.5 / 258.5 /
     262.6 ms against 264.5 / 263.5 / 264.0 ms plain: 2.0% by the medians, 0.1 ms short of the margin, and
     faster in every iteration."""
     plain_median, compressed_median = _median(plain), _median(compressed)

@@ -1,5 +1,5 @@
 # Sourced at the start of every command on the lent GPU machine (Python 3.12, torch and triton
-# preinstalled, no megatron-core): installs the carried wheels (see README "GPUs") of the folder WHEELS (default .whl)
+# preinstalled, no megatron-core): installs the carried wheels (README "Running on GPUs") of the folder WHEELS (default .whl)
 # into /tmp/site (another folder .whlX: /tmp/siteX, e.g. WHEELS=.whl019 for megatron-core 0.19.2) and keeps NVLink
 # multicast off as the machine requires.
 WHEELS=${WHEELS:-.whl}
