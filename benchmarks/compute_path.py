@@ -47,6 +47,14 @@ VARIANTS = {
     "sdpa_eager_elementwise": "--no-bias-gelu-fusion --no-bias-dropout-fusion",  # without torch.compile'd bias fusions
 }
 WARMUP = 4  # iterations left out of the medians
+# --curves: loss curves on real text (the built-in corpus, byte-tokenized), GPT-125M, against the unfused baseline and
+# the baseline's second seed (run-to-run noise)
+CURVES = ("--bf16 --transformer-impl local --use-distributed-optimizer --builtin-corpus python-stdlib "
+          "--tokenizer-type ByteTokenizer --num-layers 12 --hidden-size 768 --num-attention-heads 12 "
+          "--seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 32 --lr 6e-4 "
+          "--min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30 --weight-decay 0.1 --clip-grad 1.0 "
+          "--hidden-dropout 0 --attention-dropout 0 --log-interval 10 --eval-interval 100 --eval-iters 10")
+CURVE_RUNS = {"unfused": ("unfused", 1234), "unfused_seed2": ("unfused", 1235), "sdpa": ("sdpa", 1234)}
 
 KERNEL_CLASSES = [  # (class, substrings of a kernel name, lower case), first match wins
     ("attention", ("flash", "fmha", "attention", "cudnn", "softmax")),
@@ -82,6 +90,34 @@ def run(model: str, variant: str, iters: int, out: str, profile: bool) -> dict:
     return result
 
 
+def curves(iters: int, out: str) -> None:
+    """Train GPT-125M on real text with each of CURVE_RUNS; print the evaluations and the largest gap between the
+    SDPA run's training loss and the baseline's (10-iteration means) beside the same gap between the baseline's two
+    seeds."""
+    runs = {}
+    for name, (variant, seed) in CURVE_RUNS.items():
+        metrics = os.path.join(out, f"curve_{name}.jsonl")
+        flags = f"{CURVES} {VARIANTS[variant]} --seed {seed} --train-iters {iters} --metrics-file {metrics}".split()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               os.path.join(ROOT, "pretrain_gpt.py"), *flags]
+        with open(os.path.join(out, f"curve_{name}.log"), "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        runs[name] = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+        evals = [(r["iteration"], round(r["eval_loss"], 4)) for r in runs[name] if "eval_loss" in r]
+        print(f"curve {name}: rc {rc}, final loss {runs[name][-1]['loss'] if runs[name] else None}, evals {evals}",
+              flush=True)
+
+    def means(rows):
+        losses = [r["loss"] for r in rows]
+        return [statistics.mean(losses[i:i + 10]) for i in range(0, len(losses) - 9, 10)]
+
+    base, seed2, sdpa = (means(runs[n]) for n in CURVE_RUNS)
+    noise = max(abs(a - b) for a, b in zip(base, seed2))
+    gap = max(abs(a - b) for a, b in zip(base, sdpa))
+    print(f"curves: largest gap of 10-iteration mean losses: sdpa vs unfused {gap:.4f}, "
+          f"unfused seed 1234 vs 1235 {noise:.4f}")
+
+
 def device_time_breakdown(trace_path: str) -> dict:
     """Milliseconds of kernel time per class in the profiled iteration, and the idle time of the device (the
     profiled span minus the union of kernel intervals)."""
@@ -112,8 +148,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=14)
     parser.add_argument("--profile", nargs="*", default=[], choices=list(MODELS), help="models to profile")
     parser.add_argument("--out", default="runs/compute_path")
+    parser.add_argument("--curves", type=int, default=0, metavar="ITERS",
+                        help="instead: loss curves of ITERS iterations on real text (CURVE_RUNS)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.curves:
+        return curves(args.curves, args.out)
     results = []
     for model in args.models:
         for variant in args.variants:
