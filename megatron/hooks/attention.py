@@ -76,6 +76,7 @@ class _SDPAForward:
         self.sdpa_kernels = SDPA_KERNELS[self.config.attention_backend]
         self.sdpa_window = (self.config.window_size if is_layer_window_attention(
             self.config.window_size, self.config.window_attn_skip_freq, layer_number) else None)
+        self._window_mask, self._window_mask_key = None, None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -99,7 +100,11 @@ class _SDPAForward:
     def _keep_mask(self, sq, sk, device, attention_mask, packed_seq_params):
         """SDPA's boolean mask (True: attend) and is_causal, from what megatron-core's softmax would apply."""
         if self.sdpa_window is not None:  # megatron-core's softmax replaces any mask by the window's
-            return sliding_window_keep_mask(sq, sk, self.sdpa_window, device), False
+            key = (sq, sk, device)
+            if self._window_mask_key != key:  # one mask per shape, not one per call
+                self._window_mask = sliding_window_keep_mask(sq, sk, self.sdpa_window, device)
+                self._window_mask_key = key
+            return self._window_mask, False
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_q = packed_seq_params.cu_seqlens_q_padded
             cu_kv = packed_seq_params.cu_seqlens_kv_padded
