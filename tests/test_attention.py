@@ -154,12 +154,12 @@ def _dropout_outputs():
         model_parallel_cuda_manual_seed(seed)
         outs.append(sdpa.train()(q, k, v, None))
     outs.append(sdpa.eval()(q, k, v, None))
-    return outs
+    return [out.detach().numpy() for out in outs]  # tensors would leave through shared memory that ends with the rank
 
 
 def test_sdpa_dropout_follows_the_rng_tracker():
     (outs,) = run_on_ranks(_dropout_outputs, 1)
-    same_seed_a, same_seed_b, other_seed, evaluated = outs
+    same_seed_a, same_seed_b, other_seed, evaluated = (torch.from_numpy(out) for out in outs)
     assert torch.equal(same_seed_a, same_seed_b)
     assert not torch.equal(same_seed_a, other_seed)
     assert not torch.allclose(same_seed_a, evaluated)
