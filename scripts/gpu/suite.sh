@@ -14,6 +14,9 @@
 #                  times mean nothing): delta at lr 1e-4 and 1e-5 (and with --delta-fused-cast), CIERA and SDP4Bit
 #                  at 1e-4, every gather checked
 #   convergence    1-2 GPUs: GPT-125M TACO ablations at TP=2 (scripts/convergence.py --preset gpu-125m)
+#   compute        1 GPU: the compute path (benchmarks/compute_path.py): GPT-1.3B, GPT-350M and a Llama-style model
+#                  with SDPA and the fused ops against megatron-core's unfused local spec, a profile of GPT-1.3B,
+#                  and GPT-125M loss curves on real text
 #   compatibility  1 GPU: every GPU test under the megatron-core wheel folder WHEELS (default .whl)
 #
 # Environment: WHEELS (megatron-core wheel folder, scripts/gpu/setup_device.sh), ITERS (wire-ratio iterations, 150).
@@ -111,6 +114,13 @@ convergence() {
     hadamard_ds e5m2 int8 hadamard_int8 --taco-all-reduce two-shot --out-dir $RES/convergence/taco_gpu_125m
 }
 
+compute() {
+  python3 benchmarks/compute_path.py --out $RES/compute_path/gpt_1.3b --models gpt_1.3b --profile gpt_1.3b \
+    --variants unfused sdpa_unfused_wgrad sdpa sdpa_eager_elementwise --iters 12
+  python3 benchmarks/compute_path.py --out $RES/compute_path/others --models gpt_350m llama_1.2b --iters 12
+  python3 benchmarks/compute_path.py --out $RES/compute_path/curves --curves 300
+}
+
 compatibility() {
   mkdir -p $RES/compatibility
   python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -3 | tee $RES/compatibility/gpu_tests.txt
@@ -118,7 +128,8 @@ compatibility() {
 
 for suite in "$@"; do
   case $suite in
-    kernels|collectives|e2e|wire-ratio|convergence|compatibility) echo "== $suite"; $suite;;
-    *) echo "unknown suite '$suite': kernels, collectives, e2e, wire-ratio, convergence or compatibility" >&2; exit 2;;
+    kernels|collectives|e2e|wire-ratio|convergence|compute|compatibility) echo "== $suite"; $suite;;
+    *) echo "unknown suite '$suite': kernels, collectives, e2e, wire-ratio, convergence, compute or compatibility" >&2
+       exit 2;;
   esac
 done
