@@ -11,10 +11,10 @@ parameters. Megatron's distributed optimizer keeps the whole parameter buffer re
 that ``decode`` writes holds the source rank's previous values, so the previous exponents are read
 from it and no extra receiver memory is needed.
 
-Payload (uint8, little endian), format version 3: fixed-size sections first, the variable one last,
+Payload (uint8, little endian), format version 4: fixed-size sections first, the variable one last,
 each section starting 16-byte aligned (zero padding) so that kernels write it with vector stores:
   header, 32 bytes:
-    [0:2] magic b"CE" | [2] version | [3] flags (bit 0 keyframe, bit 1 exponents rANS-coded)
+    [0:2] magic b"CE" | [2] version | [3] flags (bit 0 keyframe, bit 1 exponents rANS-coded, bit 2 raw)
     [4] log2(block_size) | [5] dtype (0 bf16, 1 fp16) | [6] log2(tile_blocks) | [7] zero
     [8:16] numel (i64) | [16:24] changed blocks (i64) | [24:32] exponent-section bytes (i64)
   bitmap: one bit per block (LSB first), ceil(nblocks / 8) bytes, zero-padded to a multiple of 16
@@ -30,6 +30,11 @@ the order their programs ran (kernels/ciera.py), so two encodes of the same shar
 differently; every order decodes to the same bits. The plain-PyTorch encode gives them in tile order.
 A keyframe (first payload after construction or ``reset()``) marks every block changed. An empty
 shard's payload is the header alone.
+Raw payloads (version 4; ``compression/wire.py``): where the sections above would be larger than the raw values
+(keyframes and dense encodes always, tiny shards, a last block mostly padding), the header (raw flag set, the
+exponent-section field holding the values' 2 * numel bytes) is followed by the raw 16-bit values, so a payload
+never exceeds raw + 32 bytes. The sender's state moves on as for a coded payload; a receiver needs none. The
+length a header gives (``sec.exp + exp bytes``, or 32 + 2 * numel) is checked before any section is read.
 
 CUDA path (bf16, block_size <= 8192, a 4-byte aligned shard): the codec keeps one payload buffer of the
 largest size (every block changed) per shard size and returns a view of it, so a payload is valid only until the next
@@ -54,16 +59,17 @@ import torch
 
 from compression import ans
 from compression.codec import CastShard, EncodeStart, HostValues, ShardCodec, bytes_to_device, check_block_size
+from compression.wire import WireFormatError, check_format, check_length, raw_nbytes
 from kernels import ciera as kernels
 from kernels.ciera import LAYOUTS, block_hashes, merge_blocks_reference, split_compare_reference
 
 MAGIC = b"CE"
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("<2sBBBBBxqqq")  # magic, version, flags, log2(block), dtype, log2(tile), numel,
 # changed, exp bytes
 HEADER_BYTES = HEADER.size
 ALIGN = 16  # every section starts 16-byte aligned
-FLAG_KEYFRAME, FLAG_ANS = 1, 2
+FLAG_KEYFRAME, FLAG_ANS, FLAG_RAW = 1, 2, 4
 # Encodes with raw exponents after one in which at least this fraction of the blocks changed send every
 # block's exponents ("dense"): the payload's exponent section is then the sender's compare state, written
 # in place by the split kernel, written once instead of twice (state and slot), with no bitmap kernel and no
@@ -199,6 +205,7 @@ class _SplitBlocks:
     dtype: torch.dtype
     keyframe: bool
     dense: bool  # every block's exponents sent, in place of the payload's exponent section
+    bits: torch.Tensor  # the shard (int16), for a raw payload
 
 
 class CieraCodec(ShardCodec):
@@ -269,7 +276,11 @@ class CieraCodec(ShardCodec):
         else:
             raw = self.config.exponent_coder == "raw"
             split = self._split_fused(bits, shard.dtype, layout, keyframe, dense or (keyframe and raw))
-            if raw:  # the kernels wrote the header and the size (dense: a size the host knows)
+            if raw and split.dense:  # larger than the raw values: sent raw, a size the host knows
+                header = self._device_header(FLAG_RAW | (FLAG_KEYFRAME if keyframe else 0), shard.dtype, n,
+                                             split.nblocks, 2 * n)
+                return EncodeStart(raw_nbytes(HEADER_BYTES, n), header, split)
+            if raw:  # the kernels wrote the header and the size (the raw values' where those are smaller)
                 return EncodeStart(split.size, split.payload[:HEADER_BYTES], split)
             payload = self._finish_fused(split)
         return EncodeStart(payload.numel(), payload[:HEADER_BYTES], payload)
@@ -279,7 +290,7 @@ class CieraCodec(ShardCodec):
             return super().finish_encode(start, out)
         # n_changed landed with the size the caller waited for (a dense payload's size needed no wait:
         # there _finish_fused waits for the split kernel's count)
-        out.copy_(self._finish_fused(start.state))
+        self._finish_fused(start.state, out)
 
     def _encode_reference(self, bits, dtype, layout, keyframe: bool, dense: bool) -> torch.Tensor:
         """Plain PyTorch: the CPU path and the oracle of the fused one."""
@@ -299,11 +310,24 @@ class CieraCodec(ShardCodec):
         exp_changed = exp.view(-1, B)[changed].view(-1)
         n_changed = exp_changed.numel() // B
         exp_section, coder_flag = self._exponent_section(exp_changed, layout)
-        header = _header(coder_flag | (FLAG_KEYFRAME if keyframe else 0), B, dtype, n, n_changed,
-                         exp_section.numel())
+        flags = coder_flag | (FLAG_KEYFRAME if keyframe else 0)
+        sec = sections(n, B, layout, kernels.tile_blocks(B))
+        if sec.exp + exp_section.numel() > raw_nbytes(HEADER_BYTES, n):  # the raw values are smaller
+            return self._raw_payload(flags & ~FLAG_ANS, dtype, bits, n_changed)
+        header = _header(flags, B, dtype, n, n_changed, exp_section.numel())
         table = kernels.tile_slots_reference(changed, kernels.tile_blocks(B))
         return torch.cat([header.to(bits.device), _pad(pack_field(changed, 1)), _pad(table.view(torch.uint8)),
                           _pad(pack_field(sm[:n], layout.sm_bits)), exp_section])
+
+    def _raw_payload(self, flags: int, dtype, bits, n_sent: int, out=None) -> torch.Tensor:
+        """The header (raw flag set) and the raw values, into ``out`` if given."""
+        n = bits.numel()
+        header = _header(flags | FLAG_RAW, self.config.block_size, dtype, n, n_sent, 2 * n)
+        if out is None:
+            return torch.cat([header.to(bits.device), bits.reshape(-1).view(torch.uint8)])
+        out[:HEADER_BYTES].copy_(header.pin_memory() if out.is_cuda else header, non_blocking=True)
+        out[HEADER_BYTES:].copy_(bits.reshape(-1).view(torch.uint8))
+        return out
 
     def _count_changed(self, keyframe: bool, changed: int, counted: int, total: int) -> None:
         """Statistics of an encode (blocks whose exponents changed, even where all were sent: ``changed``
@@ -369,18 +393,20 @@ class CieraCodec(ShardCodec):
             sizes = torch.empty(2, dtype=torch.int64, device=bits.device)
             template = self._device_header(flag, dtype, n, 0)
             kernels.finish_split(flags, n_changed, payload[HEADER_BYTES:sec.table], template, payload[:HEADER_BYTES],
-                                 sizes, sec.exp, B)
+                                 sizes, sec.exp, B, raw_nbytes(HEADER_BYTES, n), FLAG_RAW)
             n_changed, size = sizes[:1], sizes[1:]
         counted = -(-nblocks // DENSE_SAMPLE_STRIDE) if sampled else nblocks
-        return _SplitBlocks(payload, sec, nblocks, size, HostValues(n_changed), counted, dtype, keyframe, dense)
+        return _SplitBlocks(payload, sec, nblocks, size, HostValues(n_changed), counted, dtype, keyframe, dense, bits)
 
-    def _device_header(self, flags: int, dtype, n: int, n_sent: int) -> torch.Tensor:
-        """The header of a payload sending ``n_sent`` blocks' raw exponents, on the device (kept: a codec needs two
-        or three; a sparse encode's kernel takes the first 16 bytes of ``n_sent`` = 0's and writes the rest)."""
+    def _device_header(self, flags: int, dtype, n: int, n_sent: int, exp_bytes: int = None) -> torch.Tensor:
+        """The header of a payload sending ``n_sent`` blocks' raw exponents (or ``exp_bytes`` bytes), on the device
+        (kept: a codec needs a few; a sparse encode's kernel takes the first 16 bytes of ``n_sent`` = 0's and writes
+        the rest)."""
         B = self.config.block_size
-        key = (flags, dtype, n, n_sent, kernels.tile_blocks(B), self._payload.device)
+        exp_bytes = n_sent * B if exp_bytes is None else exp_bytes
+        key = (flags, dtype, n, n_sent, exp_bytes, kernels.tile_blocks(B), self._payload.device)
         if key not in self._device_headers:
-            header = _header(flags, B, dtype, n, n_sent, n_sent * B).numpy().tobytes()
+            header = _header(flags, B, dtype, n, n_sent, exp_bytes).numpy().tobytes()
             self._device_headers[key] = bytes_to_device(header, self._payload.device)
         return self._device_headers[key]
 
@@ -396,37 +422,50 @@ class CieraCodec(ShardCodec):
             self._dense_sections = (key, sections_.to(device))
         return self._dense_sections[1]
 
-    def _finish_fused(self, split: "_SplitBlocks") -> torch.Tensor:
-        """The exponent section (ANS-coded if asked) and the header of a ``_split_fused`` payload."""
+    def _finish_fused(self, split: "_SplitBlocks", out: torch.Tensor = None) -> torch.Tensor:
+        """The exponent section (ANS-coded if asked) and the header of a ``_split_fused`` payload, or the raw values
+        where those are smaller (the choice the kernels made for raw exponents); into ``out`` if given."""
         B, n, layout, payload, sec = self.config.block_size, self._numel, _layout(split.dtype), split.payload, split.sec
         changed = split.n_changed.get()[0]
         n_sent = split.nblocks if split.dense else changed
         raw = payload[sec.exp:sec.exp + n_sent * B]
         exp_section, coder_flag = self._exponent_section(raw, layout)
         self._count_changed(split.keyframe, changed, split.counted, split.nblocks)
+        if sec.exp + exp_section.numel() > raw_nbytes(HEADER_BYTES, n):
+            return self._raw_payload(FLAG_KEYFRAME if split.keyframe else 0, split.dtype, split.bits, n_sent, out)
         if coder_flag:  # the header the kernels wrote is for raw exponents
             raw[:exp_section.numel()].copy_(exp_section)
             header = _header(coder_flag | (FLAG_KEYFRAME if split.keyframe else 0), B, split.dtype, n, n_sent,
                              exp_section.numel())
             payload[:HEADER_BYTES].copy_(header.pin_memory() if payload.is_cuda else header, non_blocking=True)
+        if out is not None:
+            out.copy_(payload[:sec.exp + exp_section.numel()])
         return payload[:sec.exp + exp_section.numel()]
 
     def _parse_header(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header):
+        """The header's fields, once it matches this codec and ``out``, and the payload has the length it gives."""
+        source = f"from rank {src_rank}"
         if payload.numel() < HEADER_BYTES:
-            raise RuntimeError(f"CIERA payload from rank {src_rank} has {payload.numel()} bytes, less than a header")
+            check_length("CIERA", source, payload.numel(), HEADER_BYTES, "less than its header's")
         if header is None:
             header = self.read_header(payload)
         magic, version, flags, log2_block, dtype_code, log2_tile, numel, n_changed, exp_bytes = HEADER.unpack(header)
-        if magic != MAGIC or version != VERSION:
-            raise RuntimeError(f"CIERA payload from rank {src_rank} has a bad magic/version {magic!r}/{version}")
+        check_format("CIERA", source, magic, version, MAGIC, VERSION)
         if 1 << log2_block != self.config.block_size or dtype_code != DTYPE_CODES[out.dtype] or numel != out.numel():
-            raise RuntimeError(f"CIERA payload from rank {src_rank} (block 2^{log2_block}, dtype code {dtype_code}, "
-                               f"numel {numel}) does not match this rank's bucket slice "
-                               f"(block {self.config.block_size}, {out.dtype}, numel {out.numel()})")
+            raise WireFormatError(f"CIERA payload {source} (block 2^{log2_block}, dtype code {dtype_code}, numel "
+                                  f"{numel}) does not match this rank's bucket slice (block {self.config.block_size}, "
+                                  f"{out.dtype}, numel {out.numel()}): every rank must use the same "
+                                  f"--ciera-block-size and buckets")
         if (1 << log2_tile) * self.config.block_size > MAX_TILE_VALUES:
-            raise RuntimeError(f"CIERA payload from rank {src_rank} has tiles of 2^{log2_tile} blocks of "
-                               f"{self.config.block_size} values, more than {MAX_TILE_VALUES} values")
-        if not flags & FLAG_KEYFRAME and src_rank not in self._synced:
+            raise WireFormatError(f"CIERA payload {source} has tiles of 2^{log2_tile} blocks of "
+                                  f"{self.config.block_size} values, more than {MAX_TILE_VALUES} values")
+        if flags & FLAG_RAW:
+            check_length("CIERA", source, exp_bytes, 2 * numel, "(a raw one) holds values for")
+            check_length("CIERA", source, payload.numel(), raw_nbytes(HEADER_BYTES, numel))
+        else:
+            sec = sections(numel, self.config.block_size, _layout(out.dtype), 1 << log2_tile)
+            check_length("CIERA", source, payload.numel(), sec.exp + exp_bytes)
+        if not flags & (FLAG_KEYFRAME | FLAG_RAW) and src_rank not in self._synced:
             raise RuntimeError(f"CIERA delta payload from rank {src_rank} before any keyframe: "
                                "all ranks must reset() together")
         return flags, numel, n_changed, exp_bytes, 1 << log2_tile
@@ -435,13 +474,14 @@ class CieraCodec(ShardCodec):
         layout = _layout(out.dtype)
         flags, n, n_changed, exp_bytes, tiles = self._parse_header(src_rank, payload, out, header)
         B = self.config.block_size
+        bits = out.view(torch.int16)
+        if flags & FLAG_RAW:
+            bits.view(torch.uint8).copy_(payload[HEADER_BYTES:])
+            self._synced.add(src_rank)
+            return
         sec = sections(n, B, layout, tiles)
-        if payload.numel() != sec.exp + exp_bytes:
-            raise RuntimeError(f"CIERA payload from rank {src_rank} has {payload.numel()} bytes, its header "
-                               f"says {sec.exp + exp_bytes}")
         exp_section = payload[sec.exp:]
         exps = ans.decode(exp_section, n_changed * B) if flags & FLAG_ANS else None
-        bits = out.view(torch.int16)
         if kernels.use_triton(bits, B, layout):
             exps = exp_section if exps is None else exps
             kernels.merge_payload(bits, payload[HEADER_BYTES:sec.table], payload[sec.table:sec.sm],

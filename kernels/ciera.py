@@ -269,7 +269,7 @@ if triton is not None:
 
     @triton.jit
     def _finish_split_kernel(flags_ptr, bitmap_ptr, count_ptr, template_ptr, header_ptr, sizes_ptr, nblocks, exp_at,
-                             B: tl.constexpr, TILE: tl.constexpr):
+                             raw_nbytes, raw_flag, B: tl.constexpr, TILE: tl.constexpr):
         byte = tl.program_id(0) * TILE + tl.arange(0, TILE)
         rows = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
         bits = tl.load(flags_ptr + rows, mask=rows < nblocks, other=0)
@@ -277,12 +277,16 @@ if triton is not None:
         tl.store(bitmap_ptr + byte, value.to(tl.uint8), mask=byte * 8 < nblocks)
         if tl.program_id(0) == 0:  # the header and the payload size, from the changed-block count
             changed = tl.load(count_ptr).to(tl.int64)
+            raw = exp_at + changed * B > raw_nbytes  # the raw values are smaller: they are sent instead
             tl.store(sizes_ptr, changed)
-            tl.store(sizes_ptr + 1, exp_at + changed * B)
+            tl.store(sizes_ptr + 1, tl.where(raw, raw_nbytes, exp_at + changed * B))
             k = tl.arange(0, 32)
-            field = tl.where(k < 24, changed, changed * B)  # int64 at [16:24] and [24:32], little endian
+            # int64 at [16:24] and [24:32], little endian: the changed blocks, the exponent section's (or the raw
+            # values') bytes
+            field = tl.where(k < 24, changed, tl.where(raw, raw_nbytes - 32, changed * B))
             counts = ((field >> (8 * (k % 8))) & 0xFF).to(tl.uint8)
             template = tl.load(template_ptr + k, mask=k < 16, other=0)
+            template = tl.where((k == 3) & raw, template | raw_flag, template)  # the flags byte
             tl.store(header_ptr + k, tl.where(k < 16, template, counts))
 
     @triton.jit
@@ -342,14 +346,18 @@ def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None,
     return flags, count
 
 
-def finish_split(flags, count, bitmap_out, template, header_out, sizes, exp_at: int, block_size: int) -> None:
+def finish_split(flags, count, bitmap_out, template, header_out, sizes, exp_at: int, block_size: int,
+                 raw_nbytes: int, raw_flag: int) -> None:
     """After ``split_blocks``: ``flags`` (int32 [nblocks], 0 or 1) as bits, LSB first, into
     ``bitmap_out[:ceil(nblocks / 8)]``; and from ``count`` (its changed blocks), the payload's 32 header bytes
     into ``header_out`` (``template``'s first 16, then the count and count * block_size as int64) and
-    ``sizes`` (int64 [2]: the count, and the payload's size ``exp_at + count * block_size``)."""
+    ``sizes`` (int64 [2]: the count, and the payload's size ``exp_at + count * block_size``). Where that size
+    exceeds ``raw_nbytes`` (the 32-byte header and the raw values), the payload is the raw values: the size is
+    ``raw_nbytes``, the header's flags get ``raw_flag`` and its last field ``raw_nbytes - 32``."""
     nblocks = flags.numel()
     _finish_split_kernel[(triton.cdiv(triton.cdiv(nblocks, 8), PACK_TILE),)](
-        flags, bitmap_out, count, template, header_out, sizes, nblocks, exp_at, B=block_size, TILE=PACK_TILE)
+        flags, bitmap_out, count, template, header_out, sizes, nblocks, exp_at, raw_nbytes, raw_flag, B=block_size,
+        TILE=PACK_TILE)
 
 
 def merge_payload(out_bits, bitmap, tile_slots, sm, exps, n_changed: int, block_size: int, tiles: int) -> None:

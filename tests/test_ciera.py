@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compression import ans
-from compression.ciera import (DENSE_SAMPLE_STRIDE, FLAG_ANS, HEADER, HEADER_BYTES, VERSION, CieraCodec, CieraConfig,
+from compression.ciera import (DENSE_SAMPLE_STRIDE, FLAG_ANS, FLAG_RAW, HEADER, HEADER_BYTES, VERSION, CieraCodec, CieraConfig,
                                field_nbytes, pack_field, sections, unpack_field)
 from kernels.ciera import LAYOUTS, block_hashes, block_slots_reference, tile_blocks
 
@@ -96,9 +96,11 @@ def test_dense_encodes_count_a_sample(dtype, mode):
     nblocks = -(-N // BLOCK)
     n_counted = -(-nblocks // DENSE_SAMPLE_STRIDE)
     exp_bytes = field_nbytes(BLOCK, LAYOUTS[dtype].exp_bits)  # one block's exponents (BLOCK * bits / 8)
-    full = keyframe.numel()
-    assert sizes[:3] == [full, full, full - n_counted * exp_bytes]
-    assert sizes[3:6] == [full, full, full] and sizes[6] < full - (nblocks - 1) * exp_bytes
+    full = sections(N, BLOCK, LAYOUTS[dtype], tile_blocks(BLOCK)).capacity  # every block's exponents
+    raw = HEADER_BYTES + 2 * N  # what is sent instead: the raw values are smaller
+    assert keyframe.numel() == raw and keyframe[3] & FLAG_RAW
+    assert sizes[:3] == [raw, raw, full - n_counted * exp_bytes]
+    assert sizes[3:6] == [raw, raw, raw] and sizes[6] < full - (nblocks - 1) * exp_bytes
     assert stats == [nblocks, 0, nblocks - n_counted, nblocks, nblocks, 0, 0]
 
 
@@ -146,7 +148,8 @@ def test_payload_layout_sizes(dtype):
     assert sec.table == HEADER_BYTES + 16  # 2 bitmap bytes, padded to 16
     assert sec.ntiles == 1 and sec.sm == sec.table + 16  # one tile of 64 blocks: 4 bytes, padded to 16
     assert sec.exp == sec.sm + -(-field_nbytes(1000, sm_bits) // 16) * 16
-    assert codec.encode(shard).numel() == sec.exp + field_nbytes(nblocks * BLOCK, exp_bits) == sec.capacity
+    assert sec.capacity == sec.exp + field_nbytes(nblocks * BLOCK, exp_bits)
+    assert codec.encode(shard).numel() == HEADER_BYTES + 2 * 1000 < sec.capacity  # a keyframe: raw values are smaller
     assert codec.encode(shard).numel() == sec.exp  # nothing changed: no exponents at all
 
 
@@ -278,11 +281,66 @@ def test_empty_shard_and_errors():
         receiver.decode(0, sender.encode(x), torch.zeros_like(x))
     with pytest.raises(RuntimeError, match="fixed size"):
         sender.encode(x[:10])
-    with pytest.raises(RuntimeError, match="its header says"):
+    with pytest.raises(ValueError, match="has 631 bytes, its header gives 632"):  # a raw keyframe, cut short
         CieraCodec(CieraConfig(BLOCK), 2, 1).decode(0, CieraCodec(CieraConfig(BLOCK), 2, 0).encode(x)[:-1],
                                                     torch.zeros_like(x))
-    with pytest.raises(RuntimeError, match="does not match"):
+    with pytest.raises(ValueError, match="does not match"):
         receiver.decode(0, CieraCodec(CieraConfig(BLOCK), 2, 0).encode(x), torch.zeros(301, dtype=torch.bfloat16))
+
+
+
+@pytest.mark.parametrize("coder", ["raw", "ans"])
+@pytest.mark.parametrize("block_size, n, changed", [(65536, 513, [0]), (512, 1, [0]), (512, 513, [512]),
+                                                    (64, 100_000, "all"), (512, 4099, [0, 4098])])
+def test_payload_never_exceeds_raw_plus_header(coder, block_size, n, changed):
+    """A last block mostly padding (513 values at B = 65536 cost 64.5x raw; one changed value at B = 512, 592 B),
+    a keyframe, every block changed at B = 64 (bitmap and table 0.15%): at most the raw values behind the 32-byte
+    header (within the wanted 1.001x + 64 B), sent raw where the coded payload is larger, decoding bit-exactly,
+    and the next payload coded against them."""
+    g = torch.Generator().manual_seed(n)
+    sender, receiver = CieraCodec(CieraConfig(block_size, exponent_coder=coder), 2, 0), CieraCodec(
+        CieraConfig(block_size, exponent_coder=coder), 2, 1)
+    x = (torch.randn(n, generator=g) * 0.02).bfloat16()
+    out = torch.zeros_like(x)
+    for step in range(3):
+        payload = sender.encode(x)
+        assert payload.numel() <= HEADER_BYTES + 2 * n <= 1.001 * 2 * n + 64, (step, payload.numel())
+        receiver.decode(0, payload, out)
+        assert torch.equal(_bits(out), _bits(x)), step
+        x = x.clone()
+        if changed == "all":
+            x = (x.float() * 3).bfloat16()
+        else:
+            x[changed] = x[changed] * 5
+    for _ in range(2):  # (after an encode where all blocks changed, the next sends all: raw)
+        receiver.decode(0, sender.encode(x), out)
+    small = x.clone()
+    small[-1] = -small[-1]  # sign+mantissa only: coded (no exponents), not raw
+    payload = sender.encode(small)
+    assert not payload[3] & FLAG_RAW or n == 1
+    receiver.decode(0, payload, out)
+    assert torch.equal(_bits(out), _bits(small))
+
+
+def test_cut_payload_is_a_clear_error():
+    """A coded payload cut by any number of bytes, or one byte long, is a ValueError naming the length, and
+    another format's bytes one naming the magic."""
+    sender, receiver = CieraCodec(CieraConfig(BLOCK), 2, 0), CieraCodec(CieraConfig(BLOCK), 2, 1)
+    x = (torch.randn(3000) * 0.02).bfloat16()
+    receiver.decode(0, sender.encode(x), torch.zeros_like(x))
+    y = x.clone()
+    y[::500] *= 8
+    payload = sender.encode(y)
+    assert not payload[3] & FLAG_RAW
+    for cut in list(range(1, 9)) + [payload.numel() - HEADER_BYTES]:
+        with pytest.raises(ValueError, match="CIERA payload from rank 0 has .* bytes, its header gives"):
+            receiver.decode(0, payload[:-cut], torch.zeros_like(x))
+    with pytest.raises(ValueError, match="its header gives"):
+        receiver.decode(0, torch.cat([payload, payload[:1]]), torch.zeros_like(x))
+    with pytest.raises(ValueError, match="less than its header"):
+        receiver.decode(0, payload[:HEADER_BYTES - 1], torch.zeros_like(x))
+    with pytest.raises(ValueError, match="magic"):
+        receiver.decode(0, torch.zeros_like(payload), torch.zeros_like(x))
 
 
 def _splitmix_block_hash(exp_bytes: bytes, seed: int) -> int:
