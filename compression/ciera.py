@@ -14,7 +14,8 @@ from it and no extra receiver memory is needed.
 Payload (uint8, little endian), format version 4: fixed-size sections first, the variable one last,
 each section starting 16-byte aligned (zero padding) so that kernels write it with vector stores:
   header, 32 bytes:
-    [0:2] magic b"CE" | [2] version | [3] flags (bit 0 keyframe, bit 1 exponents rANS-coded, bit 2 raw)
+    [0:2] magic b"CE" | [2] version | [3] flags (bit 0 keyframe, bit 1 exponents rANS-coded, bit 2 raw,
+                                                 bit 3 the shard's last block changed)
     [4] log2(block_size) | [5] dtype (0 bf16, 1 fp16) | [6] log2(tile_blocks) | [7] zero
     [8:16] numel (i64) | [16:24] changed blocks (i64) | [24:32] exponent-section bytes (i64)
   bitmap: one bit per block (LSB first), ceil(nblocks / 8) bytes, zero-padded to a multiple of 16
@@ -22,9 +23,10 @@ each section starting 16-byte aligned (zero padding) so that kernels write it wi
     section (i32; its changed blocks follow in block order), zero-padded to a multiple of 16
   sign+mantissa of all numel values, as a field of 1 + mant_bits (see pack_field; bf16: one byte per
     value), zero-padded to a multiple of 16
-  exponents of the changed blocks in slot order (the tiles' runs in any order; the last block
-    zero-padded), as a field of exp_bits, or rANS-coded bytes (compression/ans.py) when that is smaller;
-    the payload ends with this section
+  exponents of the changed blocks in slot order (the tiles' runs in any order), as a field of exp_bits, or
+    rANS-coded bytes (compression/ans.py) when that is smaller; the payload ends with this section. The
+    shard's last block, if changed (flag bit 3), is left out of its tile's run and takes the last slot, with
+    only its values' exponents (numel - (nblocks - 1) * block_size): no padding is sent
 The tile table lets the CUDA encode place each tile's changed exponents in one pass, the tiles' runs in
 the order their programs ran (kernels/ciera.py), so two encodes of the same shard may order them
 differently; every order decodes to the same bits. The plain-PyTorch encode gives them in tile order.
@@ -69,7 +71,7 @@ HEADER = struct.Struct("<2sBBBBBxqqq")  # magic, version, flags, log2(block), dt
 # changed, exp bytes
 HEADER_BYTES = HEADER.size
 ALIGN = 16  # every section starts 16-byte aligned
-FLAG_KEYFRAME, FLAG_ANS, FLAG_RAW = 1, 2, 4
+FLAG_KEYFRAME, FLAG_ANS, FLAG_RAW, FLAG_LAST = 1, 2, 4, 8
 # Encodes with raw exponents after one in which at least this fraction of the blocks changed send every
 # block's exponents ("dense"): the payload's exponent section is then the sender's compare state, written
 # in place by the split kernel, written once instead of twice (state and slot), with no bitmap kernel and no
@@ -182,6 +184,11 @@ def _layout(dtype: torch.dtype):
     return LAYOUTS[dtype]
 
 
+def exponent_count(n: int, block_size: int, n_changed: int, last_changed: bool) -> int:
+    """Exponents a payload sends: a block's per changed block, the last block's only for its values."""
+    return n_changed * block_size - (-n % block_size if last_changed else 0)
+
+
 def _header(flags: int, block_size: int, dtype, numel: int, n_changed: int, exp_bytes: int) -> torch.Tensor:
     """The 32 header bytes of a payload this process encodes (its tiles: ``kernels.tile_blocks``), on the CPU."""
     packed = HEADER.pack(MAGIC, VERSION, flags, block_size.bit_length() - 1, DTYPE_CODES[dtype],
@@ -201,6 +208,7 @@ class _SplitBlocks:
     nblocks: int
     size: object  # the payload's size with raw exponents: an int (dense), or an int64 [1] on the device
     n_changed: HostValues  # counted blocks whose exponents changed (or hashed as changed), on the way to the host
+    # (sparse: then the size and whether the last block changed)
     counted: int  # blocks n_changed counts: all, or a sample on dense encodes
     dtype: torch.dtype
     keyframe: bool
@@ -307,13 +315,15 @@ class CieraCodec(ShardCodec):
         self._count_changed(keyframe, int(counted.sum()), counted.numel(), changed.numel())
         if dense:
             changed = torch.ones_like(changed)
+        last = bool(changed.numel()) and bool(changed[-1])
         exp_changed = exp.view(-1, B)[changed].view(-1)
         n_changed = exp_changed.numel() // B
+        exp_changed = exp_changed[:exponent_count(n, B, n_changed, last)]  # tile order: the last block comes last
         exp_section, coder_flag = self._exponent_section(exp_changed, layout)
-        flags = coder_flag | (FLAG_KEYFRAME if keyframe else 0)
+        flags = coder_flag | (FLAG_KEYFRAME if keyframe else 0) | (FLAG_LAST if last else 0)
         sec = sections(n, B, layout, kernels.tile_blocks(B))
         if sec.exp + exp_section.numel() > raw_nbytes(HEADER_BYTES, n):  # the raw values are smaller
-            return self._raw_payload(flags & ~FLAG_ANS, dtype, bits, n_changed)
+            return self._raw_payload(flags & FLAG_KEYFRAME, dtype, bits, n_changed)
         header = _header(flags, B, dtype, n, n_changed, exp_section.numel())
         table = kernels.tile_slots_reference(changed, kernels.tile_blocks(B))
         return torch.cat([header.to(bits.device), _pad(pack_field(changed, 1)), _pad(table.view(torch.uint8)),
@@ -390,11 +400,12 @@ class CieraCodec(ShardCodec):
             payload[:HEADER_BYTES].copy_(self._device_header(flag, dtype, n, nblocks))
             size = sec.capacity
         else:
-            sizes = torch.empty(2, dtype=torch.int64, device=bits.device)
+            sizes = torch.empty(3, dtype=torch.int64, device=bits.device)
             template = self._device_header(flag, dtype, n, 0)
             kernels.finish_split(flags, n_changed, payload[HEADER_BYTES:sec.table], template, payload[:HEADER_BYTES],
-                                 sizes, sec.exp, B, raw_nbytes(HEADER_BYTES, n), FLAG_RAW)
-            n_changed, size = sizes[:1], sizes[1:]
+                                 sizes, sec.exp, B, raw_nbytes(HEADER_BYTES, n), FLAG_RAW, FLAG_LAST, bits,
+                                 payload[sec.exp:])
+            n_changed, size = sizes, sizes[1:2]
         counted = -(-nblocks // DENSE_SAMPLE_STRIDE) if sampled else nblocks
         return _SplitBlocks(payload, sec, nblocks, size, HostValues(n_changed), counted, dtype, keyframe, dense, bits)
 
@@ -426,17 +437,18 @@ class CieraCodec(ShardCodec):
         """The exponent section (ANS-coded if asked) and the header of a ``_split_fused`` payload, or the raw values
         where those are smaller (the choice the kernels made for raw exponents); into ``out`` if given."""
         B, n, layout, payload, sec = self.config.block_size, self._numel, _layout(split.dtype), split.payload, split.sec
-        changed = split.n_changed.get()[0]
-        n_sent = split.nblocks if split.dense else changed
-        raw = payload[sec.exp:sec.exp + n_sent * B]
+        values = split.n_changed.get()
+        changed = values[0]
+        n_sent, last = (split.nblocks, True) if split.dense else (changed, bool(values[2]))
+        raw = payload[sec.exp:sec.exp + exponent_count(n, B, n_sent, last)]
         exp_section, coder_flag = self._exponent_section(raw, layout)
         self._count_changed(split.keyframe, changed, split.counted, split.nblocks)
         if sec.exp + exp_section.numel() > raw_nbytes(HEADER_BYTES, n):
             return self._raw_payload(FLAG_KEYFRAME if split.keyframe else 0, split.dtype, split.bits, n_sent, out)
         if coder_flag:  # the header the kernels wrote is for raw exponents
             raw[:exp_section.numel()].copy_(exp_section)
-            header = _header(coder_flag | (FLAG_KEYFRAME if split.keyframe else 0), B, split.dtype, n, n_sent,
-                             exp_section.numel())
+            header = _header(coder_flag | (FLAG_KEYFRAME if split.keyframe else 0) | (FLAG_LAST if last else 0), B,
+                             split.dtype, n, n_sent, exp_section.numel())
             payload[:HEADER_BYTES].copy_(header.pin_memory() if payload.is_cuda else header, non_blocking=True)
         if out is not None:
             out.copy_(payload[:sec.exp + exp_section.numel()])
@@ -481,23 +493,25 @@ class CieraCodec(ShardCodec):
             return
         sec = sections(n, B, layout, tiles)
         exp_section = payload[sec.exp:]
-        exps = ans.decode(exp_section, n_changed * B) if flags & FLAG_ANS else None
+        count = exponent_count(n, B, n_changed, bool(flags & FLAG_LAST))
+        exps = ans.decode(exp_section, count) if flags & FLAG_ANS else None
         if kernels.use_triton(bits, B, layout):
             exps = exp_section if exps is None else exps
             kernels.merge_payload(bits, payload[HEADER_BYTES:sec.table], payload[sec.table:sec.sm],
                                   payload[sec.sm:sec.exp], exps, n_changed, B, tiles)
         else:
             if exps is None:
-                exps = unpack_field(exp_section, n_changed * B, layout.exp_bits).to(torch.uint8)
-            self._merge_reference(payload, sec, tiles, exps, bits, layout)
+                exps = unpack_field(exp_section, count, layout.exp_bits).to(torch.uint8)
+            exps = torch.nn.functional.pad(exps, (0, n_changed * B - count))  # whole blocks for the merge
+            self._merge_reference(payload, sec, tiles, exps, bits, layout, n_changed)
         self._synced.add(src_rank)
 
-    def _merge_reference(self, payload, sec: Sections, tiles: int, exps, bits, layout) -> None:
+    def _merge_reference(self, payload, sec: Sections, tiles: int, exps, bits, layout, n_changed: int) -> None:
         B, n = self.config.block_size, bits.numel()
         nblocks = -(-n // B)
         changed = unpack_field(payload[HEADER_BYTES:HEADER_BYTES + field_nbytes(nblocks, 1)], nblocks, 1).bool()
         tile_slots = payload[sec.table:sec.table + 4 * sec.ntiles].clone().view(torch.int32)  # (aligned by the clone)
-        slots = kernels.block_slots_reference(changed, tile_slots, tiles)
+        slots = kernels.block_slots_reference(changed, tile_slots, tiles, n_changed)
         sm_field = payload[sec.sm:sec.sm + field_nbytes(n, layout.sm_bits)]
         sm = unpack_field(sm_field, n, layout.sm_bits).to(layout.sm_dtype)
         bits.copy_(merge_blocks_reference(bits, changed, slots, exps, sm, B, layout))

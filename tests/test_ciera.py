@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compression import ans
-from compression.ciera import (DENSE_SAMPLE_STRIDE, FLAG_ANS, FLAG_RAW, HEADER, HEADER_BYTES, VERSION, CieraCodec, CieraConfig,
+from compression.ciera import (DENSE_SAMPLE_STRIDE, FLAG_ANS, FLAG_LAST, FLAG_RAW, exponent_count, HEADER, HEADER_BYTES, VERSION, CieraCodec, CieraConfig,
                                field_nbytes, pack_field, sections, unpack_field)
 from kernels.ciera import LAYOUTS, block_hashes, block_slots_reference, tile_blocks
 
@@ -154,7 +154,8 @@ def test_payload_layout_sizes(dtype):
 
 
 def test_bf16_payload_bytes():
-    """Version 3, byte by byte: header | bitmap | tile table | sign+mantissa | exponents of the changed blocks."""
+    """Version 4, byte by byte: header | bitmap | tile table | sign+mantissa | exponents of the changed blocks, the
+    last (partial) block's only for its 40 values."""
     g = torch.Generator().manual_seed(5)
     n = 1000
     shard = (torch.randn(n, generator=g) * 0.02).bfloat16()
@@ -166,14 +167,14 @@ def test_bf16_payload_bytes():
     payload = codec.encode(new)
     sec = sections(n, BLOCK, LAYOUTS[torch.bfloat16], tile_blocks(BLOCK))
     assert tile_blocks(BLOCK) == 64  # the whole shard is one tile, whose changed blocks start at slot 0
-    assert payload[:8].tolist() == [ord("C"), ord("E"), VERSION, 0, 6, 0, 6, 0]
-    assert payload[8:32].clone().view(torch.int64).tolist() == [n, 2, 2 * BLOCK]
+    assert payload[:8].tolist() == [ord("C"), ord("E"), VERSION, FLAG_LAST, 6, 0, 6, 0]
+    assert payload[8:32].clone().view(torch.int64).tolist() == [n, 2, BLOCK + n - 15 * BLOCK]
     assert payload[32:34].tolist() == [0b10, 0b10000000] and not payload[34:sec.sm].any()
     w = new.view(torch.int16).to(torch.int32) & 0xFFFF
     assert torch.equal(payload[sec.sm:sec.sm + n], (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8))
     assert not payload[sec.sm + n:sec.exp].any()
     exp = torch.nn.functional.pad((w >> 7) & 0xFF, (0, 16 * BLOCK - n)).view(16, BLOCK)[[1, 15]]
-    assert torch.equal(payload[sec.exp:], exp.to(torch.uint8).view(-1))
+    assert torch.equal(payload[sec.exp:], exp.to(torch.uint8).view(-1)[:BLOCK + n - 15 * BLOCK])
 
 
 def test_raw_and_ans_decode_identically_and_ans_is_smaller():
@@ -205,17 +206,23 @@ def _reorder_tile_runs(payload, order=None):
     nblocks = -(-n // B)
     changed = unpack_field(payload[HEADER_BYTES:sec.table], nblocks, 1).bool()
     exps = payload[sec.exp:]
-    exps = ans.decode(exps, n_changed * B) if flags & FLAG_ANS else unpack_field(exps, n_changed * B, layout.exp_bits)
+    count = exponent_count(n, B, n_changed, bool(flags & FLAG_LAST))
+    exps = ans.decode(exps, count) if flags & FLAG_ANS else unpack_field(exps, count, layout.exp_bits)
+    exps = torch.nn.functional.pad(exps, (0, n_changed * B - count))
     slots = block_slots_reference(changed, payload[sec.table:sec.table + 4 * sec.ntiles].clone().view(torch.int32),
-                                  tiles)
+                                  tiles, n_changed)
     by_block = torch.zeros(nblocks, B, dtype=torch.int32)
     by_block[changed] = exps.view(-1, B)[slots[changed]].to(torch.int32)
     tile_of = torch.arange(nblocks) // tiles
+    others = changed.clone()
+    others[-1] = False  # the last block: the last slot, its values' exponents only
     order = range(sec.ntiles) if order is None else order
-    runs = [by_block[changed & (tile_of == t)].view(-1) for t in order]
+    runs = [by_block[others & (tile_of == t)].view(-1) for t in order]
     counts = torch.tensor([r.numel() // B for r in runs], dtype=torch.int32)
     table = torch.zeros(sec.ntiles, dtype=torch.int32)
     table[list(order)] = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    if changed[-1]:
+        runs.append(by_block[-1][:n - (nblocks - 1) * B])
     exp_section = pack_field(torch.cat(runs), layout.exp_bits) if runs else payload.new_zeros(0)
     header = HEADER.pack(magic, version, flags & ~FLAG_ANS, log2_block, dtype_code, log2_tile, n, n_changed,
                          exp_section.numel())
@@ -322,6 +329,31 @@ def test_payload_never_exceeds_raw_plus_header(coder, block_size, n, changed):
     assert torch.equal(_bits(out), _bits(small))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size, n", [(65536, 4 * 65536 + 1), (512, 5 * 512 + 3), (64, 640)])
+def test_last_block_sends_only_its_values_exponents(dtype, block_size, n):
+    """A changed partial last block costs its values' exponents, not a whole block's (4 x 65536 + 1 values at
+    B = 65536 used to pay 65535 padding bytes); with another block changed before it, in either tile order."""
+    g = torch.Generator().manual_seed(n)
+    sender, receiver = CieraCodec(CieraConfig(block_size), 2, 0), CieraCodec(CieraConfig(block_size), 2, 1)
+    x = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    out = torch.zeros_like(x)
+    receiver.decode(0, sender.encode(x), out)
+    layout, nblocks = LAYOUTS[dtype], -(-n // block_size)
+    sec = sections(n, block_size, layout, tile_blocks(block_size))
+    left = n - (nblocks - 1) * block_size
+    for others in ([], [0]):
+        y = x.clone()
+        y[[-1] + others] *= 8
+        payload = sender.encode(y)
+        assert payload[3] & FLAG_LAST and not payload[3] & FLAG_RAW
+        assert payload.numel() == sec.exp + field_nbytes(len(others) * block_size + left, layout.exp_bits)
+        receiver.decode(0, payload, out)
+        assert torch.equal(_bits(out), _bits(y))
+        x = y
+
+
 def test_cut_payload_is_a_clear_error():
     """A coded payload cut by any number of bytes, or one byte long, is a ValueError naming the length, and
     another format's bytes one naming the magic."""
@@ -395,6 +427,7 @@ def _check_fused_matches_reference():
     from kernels import ciera as k
 
     reference_path = k.use_triton
+    kinds = set()  # (raw, last block changed) of the coded payloads
     # odd and even shards: the split reads pairs of values, an odd shard's last one alone
     for block, mode, coder, n in [(64, "compare", "raw", 9037), (1024, "compare", "raw", 9036),
                                   (8192, "compare", "raw", 9037), (64, "hash", "ans", 9036),
@@ -415,12 +448,14 @@ def _check_fused_matches_reference():
                 fused.finish_encode(start, got)
                 assert torch.equal(start.header, got[:32]), (block, mode, step)
             assert torch.equal(got, want), (block, mode, step)
+            kinds.add((bool(got[3] & FLAG_RAW), bool(got[3] & FLAG_LAST)))
             assert fused.last_stats == reference.last_stats
             receiver._synced.add(0)
             receiver.decode(0, got, outs[1])
             for out in outs:
                 assert torch.equal(_bits(out), _bits(shard)), (block, mode, step)
         k.use_triton = reference_path
+    assert kinds == {(True, False), (False, True), (False, False)}, kinds  # raw, last block trimmed, or neither
 
 
 def _check_fused_hashes_match_reference():
