@@ -11,10 +11,11 @@ parameters. Megatron's distributed optimizer keeps the whole parameter buffer re
 that ``decode`` writes holds the source rank's previous values, so the previous exponents are read
 from it and no extra receiver memory is needed.
 
-Payload (uint8, little endian), format version 3: fixed-size sections first, the variable one last,
+Payload (uint8, little endian), format version 4: fixed-size sections first, the variable one last,
 each section starting 16-byte aligned (zero padding) so that kernels write it with vector stores:
   header, 32 bytes:
-    [0:2] magic b"CE" | [2] version | [3] flags (bit 0 keyframe, bit 1 exponents rANS-coded)
+    [0:2] magic b"CE" | [2] version | [3] flags (bit 0 keyframe, bit 1 exponents rANS-coded, bit 2 raw,
+                                                 bit 3 the shard's last block changed)
     [4] log2(block_size) | [5] dtype (0 bf16, 1 fp16) | [6] log2(tile_blocks) | [7] zero
     [8:16] numel (i64) | [16:24] changed blocks (i64) | [24:32] exponent-section bytes (i64)
   bitmap: one bit per block (LSB first), ceil(nblocks / 8) bytes, zero-padded to a multiple of 16
@@ -22,14 +23,20 @@ each section starting 16-byte aligned (zero padding) so that kernels write it wi
     section (i32; its changed blocks follow in block order), zero-padded to a multiple of 16
   sign+mantissa of all numel values, as a field of 1 + mant_bits (see pack_field; bf16: one byte per
     value), zero-padded to a multiple of 16
-  exponents of the changed blocks in slot order (the tiles' runs in any order; the last block
-    zero-padded), as a field of exp_bits, or rANS-coded bytes (compression/ans.py) when that is smaller;
-    the payload ends with this section
+  exponents of the changed blocks in slot order (the tiles' runs in any order), as a field of exp_bits, or
+    rANS-coded bytes (compression/ans.py) when that is smaller; the payload ends with this section. The
+    shard's last block, if changed (flag bit 3), is left out of its tile's run and takes the last slot, with
+    only its values' exponents (numel - (nblocks - 1) * block_size): no padding is sent
 The tile table lets the CUDA encode place each tile's changed exponents in one pass, the tiles' runs in
 the order their programs ran (kernels/ciera.py), so two encodes of the same shard may order them
 differently; every order decodes to the same bits. The plain-PyTorch encode gives them in tile order.
 A keyframe (first payload after construction or ``reset()``) marks every block changed. An empty
 shard's payload is the header alone.
+Raw payloads (version 4; ``compression/wire.py``): where the sections above would be larger than the raw values
+(keyframes and dense encodes always, tiny shards, a last block mostly padding), the header (raw flag set, the
+exponent-section field holding the values' 2 * numel bytes) is followed by the raw 16-bit values, so a payload
+never exceeds raw + 32 bytes. The sender's state moves on as for a coded payload; a receiver needs none. The
+length a header gives (``sec.exp + exp bytes``, or 32 + 2 * numel) is checked before any section is read.
 
 CUDA path (bf16, block_size <= 8192, a 4-byte aligned shard): the codec keeps one payload buffer of the
 largest size (every block changed) per shard size and returns a view of it, so a payload is valid only until the next
@@ -54,16 +61,17 @@ import torch
 
 from compression import ans
 from compression.codec import CastShard, EncodeStart, HostValues, ShardCodec, bytes_to_device, check_block_size
+from compression.wire import WireFormatError, check_format, check_length, raw_nbytes
 from kernels import ciera as kernels
 from kernels.ciera import LAYOUTS, block_hashes, merge_blocks_reference, split_compare_reference
 
 MAGIC = b"CE"
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("<2sBBBBBxqqq")  # magic, version, flags, log2(block), dtype, log2(tile), numel,
 # changed, exp bytes
 HEADER_BYTES = HEADER.size
 ALIGN = 16  # every section starts 16-byte aligned
-FLAG_KEYFRAME, FLAG_ANS = 1, 2
+FLAG_KEYFRAME, FLAG_ANS, FLAG_RAW, FLAG_LAST = 1, 2, 4, 8
 # Encodes with raw exponents after one in which at least this fraction of the blocks changed send every
 # block's exponents ("dense"): the payload's exponent section is then the sender's compare state, written
 # in place by the split kernel, written once instead of twice (state and slot), with no bitmap kernel and no
@@ -176,6 +184,11 @@ def _layout(dtype: torch.dtype):
     return LAYOUTS[dtype]
 
 
+def exponent_count(n: int, block_size: int, n_changed: int, last_changed: bool) -> int:
+    """Exponents a payload sends: a block's per changed block, the last block's only for its values."""
+    return n_changed * block_size - (-n % block_size if last_changed else 0)
+
+
 def _header(flags: int, block_size: int, dtype, numel: int, n_changed: int, exp_bytes: int) -> torch.Tensor:
     """The 32 header bytes of a payload this process encodes (its tiles: ``kernels.tile_blocks``), on the CPU."""
     packed = HEADER.pack(MAGIC, VERSION, flags, block_size.bit_length() - 1, DTYPE_CODES[dtype],
@@ -195,10 +208,12 @@ class _SplitBlocks:
     nblocks: int
     size: object  # the payload's size with raw exponents: an int (dense), or an int64 [1] on the device
     n_changed: HostValues  # counted blocks whose exponents changed (or hashed as changed), on the way to the host
+    # (sparse: then the size and whether the last block changed)
     counted: int  # blocks n_changed counts: all, or a sample on dense encodes
     dtype: torch.dtype
     keyframe: bool
     dense: bool  # every block's exponents sent, in place of the payload's exponent section
+    bits: torch.Tensor  # the shard (int16), for a raw payload
 
 
 class CieraCodec(ShardCodec):
@@ -269,7 +284,11 @@ class CieraCodec(ShardCodec):
         else:
             raw = self.config.exponent_coder == "raw"
             split = self._split_fused(bits, shard.dtype, layout, keyframe, dense or (keyframe and raw))
-            if raw:  # the kernels wrote the header and the size (dense: a size the host knows)
+            if raw and split.dense:  # larger than the raw values: sent raw, a size the host knows
+                header = self._device_header(FLAG_RAW | (FLAG_KEYFRAME if keyframe else 0), shard.dtype, n,
+                                             split.nblocks, 2 * n)
+                return EncodeStart(raw_nbytes(HEADER_BYTES, n), header, split)
+            if raw:  # the kernels wrote the header and the size (the raw values' where those are smaller)
                 return EncodeStart(split.size, split.payload[:HEADER_BYTES], split)
             payload = self._finish_fused(split)
         return EncodeStart(payload.numel(), payload[:HEADER_BYTES], payload)
@@ -279,7 +298,7 @@ class CieraCodec(ShardCodec):
             return super().finish_encode(start, out)
         # n_changed landed with the size the caller waited for (a dense payload's size needed no wait:
         # there _finish_fused waits for the split kernel's count)
-        out.copy_(self._finish_fused(start.state))
+        self._finish_fused(start.state, out)
 
     def _encode_reference(self, bits, dtype, layout, keyframe: bool, dense: bool) -> torch.Tensor:
         """Plain PyTorch: the CPU path and the oracle of the fused one."""
@@ -296,14 +315,29 @@ class CieraCodec(ShardCodec):
         self._count_changed(keyframe, int(counted.sum()), counted.numel(), changed.numel())
         if dense:
             changed = torch.ones_like(changed)
+        last = bool(changed.numel()) and bool(changed[-1])
         exp_changed = exp.view(-1, B)[changed].view(-1)
         n_changed = exp_changed.numel() // B
+        exp_changed = exp_changed[:exponent_count(n, B, n_changed, last)]  # tile order: the last block comes last
         exp_section, coder_flag = self._exponent_section(exp_changed, layout)
-        header = _header(coder_flag | (FLAG_KEYFRAME if keyframe else 0), B, dtype, n, n_changed,
-                         exp_section.numel())
+        flags = coder_flag | (FLAG_KEYFRAME if keyframe else 0) | (FLAG_LAST if last else 0)
+        sec = sections(n, B, layout, kernels.tile_blocks(B))
+        if sec.exp + exp_section.numel() > raw_nbytes(HEADER_BYTES, n):  # the raw values are smaller
+            return self._raw_payload(flags & FLAG_KEYFRAME, dtype, bits, n_changed)
+        header = _header(flags, B, dtype, n, n_changed, exp_section.numel())
         table = kernels.tile_slots_reference(changed, kernels.tile_blocks(B))
         return torch.cat([header.to(bits.device), _pad(pack_field(changed, 1)), _pad(table.view(torch.uint8)),
                           _pad(pack_field(sm[:n], layout.sm_bits)), exp_section])
+
+    def _raw_payload(self, flags: int, dtype, bits, n_sent: int, out=None) -> torch.Tensor:
+        """The header (raw flag set) and the raw values, into ``out`` if given."""
+        n = bits.numel()
+        header = _header(flags | FLAG_RAW, self.config.block_size, dtype, n, n_sent, 2 * n)
+        if out is None:
+            return torch.cat([header.to(bits.device), bits.reshape(-1).view(torch.uint8)])
+        out[:HEADER_BYTES].copy_(header.pin_memory() if out.is_cuda else header, non_blocking=True)
+        out[HEADER_BYTES:].copy_(bits.reshape(-1).view(torch.uint8))
+        return out
 
     def _count_changed(self, keyframe: bool, changed: int, counted: int, total: int) -> None:
         """Statistics of an encode (blocks whose exponents changed, even where all were sent: ``changed``
@@ -366,21 +400,24 @@ class CieraCodec(ShardCodec):
             payload[:HEADER_BYTES].copy_(self._device_header(flag, dtype, n, nblocks))
             size = sec.capacity
         else:
-            sizes = torch.empty(2, dtype=torch.int64, device=bits.device)
+            sizes = torch.empty(3, dtype=torch.int64, device=bits.device)
             template = self._device_header(flag, dtype, n, 0)
             kernels.finish_split(flags, n_changed, payload[HEADER_BYTES:sec.table], template, payload[:HEADER_BYTES],
-                                 sizes, sec.exp, B)
-            n_changed, size = sizes[:1], sizes[1:]
+                                 sizes, sec.exp, B, raw_nbytes(HEADER_BYTES, n), FLAG_RAW, FLAG_LAST, bits,
+                                 payload[sec.exp:])
+            n_changed, size = sizes, sizes[1:2]
         counted = -(-nblocks // DENSE_SAMPLE_STRIDE) if sampled else nblocks
-        return _SplitBlocks(payload, sec, nblocks, size, HostValues(n_changed), counted, dtype, keyframe, dense)
+        return _SplitBlocks(payload, sec, nblocks, size, HostValues(n_changed), counted, dtype, keyframe, dense, bits)
 
-    def _device_header(self, flags: int, dtype, n: int, n_sent: int) -> torch.Tensor:
-        """The header of a payload sending ``n_sent`` blocks' raw exponents, on the device (kept: a codec needs two
-        or three; a sparse encode's kernel takes the first 16 bytes of ``n_sent`` = 0's and writes the rest)."""
+    def _device_header(self, flags: int, dtype, n: int, n_sent: int, exp_bytes: int = None) -> torch.Tensor:
+        """The header of a payload sending ``n_sent`` blocks' raw exponents (or ``exp_bytes`` bytes), on the device
+        (kept: a codec needs a few; a sparse encode's kernel takes the first 16 bytes of ``n_sent`` = 0's and writes
+        the rest)."""
         B = self.config.block_size
-        key = (flags, dtype, n, n_sent, kernels.tile_blocks(B), self._payload.device)
+        exp_bytes = n_sent * B if exp_bytes is None else exp_bytes
+        key = (flags, dtype, n, n_sent, exp_bytes, kernels.tile_blocks(B), self._payload.device)
         if key not in self._device_headers:
-            header = _header(flags, B, dtype, n, n_sent, n_sent * B).numpy().tobytes()
+            header = _header(flags, B, dtype, n, n_sent, exp_bytes).numpy().tobytes()
             self._device_headers[key] = bytes_to_device(header, self._payload.device)
         return self._device_headers[key]
 
@@ -396,37 +433,51 @@ class CieraCodec(ShardCodec):
             self._dense_sections = (key, sections_.to(device))
         return self._dense_sections[1]
 
-    def _finish_fused(self, split: "_SplitBlocks") -> torch.Tensor:
-        """The exponent section (ANS-coded if asked) and the header of a ``_split_fused`` payload."""
+    def _finish_fused(self, split: "_SplitBlocks", out: torch.Tensor = None) -> torch.Tensor:
+        """The exponent section (ANS-coded if asked) and the header of a ``_split_fused`` payload, or the raw values
+        where those are smaller (the choice the kernels made for raw exponents); into ``out`` if given."""
         B, n, layout, payload, sec = self.config.block_size, self._numel, _layout(split.dtype), split.payload, split.sec
-        changed = split.n_changed.get()[0]
-        n_sent = split.nblocks if split.dense else changed
-        raw = payload[sec.exp:sec.exp + n_sent * B]
+        values = split.n_changed.get()
+        changed = values[0]
+        n_sent, last = (split.nblocks, True) if split.dense else (changed, bool(values[2]))
+        raw = payload[sec.exp:sec.exp + exponent_count(n, B, n_sent, last)]
         exp_section, coder_flag = self._exponent_section(raw, layout)
         self._count_changed(split.keyframe, changed, split.counted, split.nblocks)
+        if sec.exp + exp_section.numel() > raw_nbytes(HEADER_BYTES, n):
+            return self._raw_payload(FLAG_KEYFRAME if split.keyframe else 0, split.dtype, split.bits, n_sent, out)
         if coder_flag:  # the header the kernels wrote is for raw exponents
             raw[:exp_section.numel()].copy_(exp_section)
-            header = _header(coder_flag | (FLAG_KEYFRAME if split.keyframe else 0), B, split.dtype, n, n_sent,
-                             exp_section.numel())
+            header = _header(coder_flag | (FLAG_KEYFRAME if split.keyframe else 0) | (FLAG_LAST if last else 0), B,
+                             split.dtype, n, n_sent, exp_section.numel())
             payload[:HEADER_BYTES].copy_(header.pin_memory() if payload.is_cuda else header, non_blocking=True)
+        if out is not None:
+            out.copy_(payload[:sec.exp + exp_section.numel()])
         return payload[:sec.exp + exp_section.numel()]
 
     def _parse_header(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header):
+        """The header's fields, once it matches this codec and ``out``, and the payload has the length it gives."""
+        source = f"from rank {src_rank}"
         if payload.numel() < HEADER_BYTES:
-            raise RuntimeError(f"CIERA payload from rank {src_rank} has {payload.numel()} bytes, less than a header")
+            check_length("CIERA", source, payload.numel(), HEADER_BYTES, "less than its header's")
         if header is None:
             header = self.read_header(payload)
         magic, version, flags, log2_block, dtype_code, log2_tile, numel, n_changed, exp_bytes = HEADER.unpack(header)
-        if magic != MAGIC or version != VERSION:
-            raise RuntimeError(f"CIERA payload from rank {src_rank} has a bad magic/version {magic!r}/{version}")
+        check_format("CIERA", source, magic, version, MAGIC, VERSION)
         if 1 << log2_block != self.config.block_size or dtype_code != DTYPE_CODES[out.dtype] or numel != out.numel():
-            raise RuntimeError(f"CIERA payload from rank {src_rank} (block 2^{log2_block}, dtype code {dtype_code}, "
-                               f"numel {numel}) does not match this rank's bucket slice "
-                               f"(block {self.config.block_size}, {out.dtype}, numel {out.numel()})")
+            raise WireFormatError(f"CIERA payload {source} (block 2^{log2_block}, dtype code {dtype_code}, numel "
+                                  f"{numel}) does not match this rank's bucket slice (block {self.config.block_size}, "
+                                  f"{out.dtype}, numel {out.numel()}): every rank must use the same "
+                                  f"--ciera-block-size and buckets")
         if (1 << log2_tile) * self.config.block_size > MAX_TILE_VALUES:
-            raise RuntimeError(f"CIERA payload from rank {src_rank} has tiles of 2^{log2_tile} blocks of "
-                               f"{self.config.block_size} values, more than {MAX_TILE_VALUES} values")
-        if not flags & FLAG_KEYFRAME and src_rank not in self._synced:
+            raise WireFormatError(f"CIERA payload {source} has tiles of 2^{log2_tile} blocks of "
+                                  f"{self.config.block_size} values, more than {MAX_TILE_VALUES} values")
+        if flags & FLAG_RAW:
+            check_length("CIERA", source, exp_bytes, 2 * numel, "(a raw one) holds values for")
+            check_length("CIERA", source, payload.numel(), raw_nbytes(HEADER_BYTES, numel))
+        else:
+            sec = sections(numel, self.config.block_size, _layout(out.dtype), 1 << log2_tile)
+            check_length("CIERA", source, payload.numel(), sec.exp + exp_bytes)
+        if not flags & (FLAG_KEYFRAME | FLAG_RAW) and src_rank not in self._synced:
             raise RuntimeError(f"CIERA delta payload from rank {src_rank} before any keyframe: "
                                "all ranks must reset() together")
         return flags, numel, n_changed, exp_bytes, 1 << log2_tile
@@ -435,29 +486,32 @@ class CieraCodec(ShardCodec):
         layout = _layout(out.dtype)
         flags, n, n_changed, exp_bytes, tiles = self._parse_header(src_rank, payload, out, header)
         B = self.config.block_size
-        sec = sections(n, B, layout, tiles)
-        if payload.numel() != sec.exp + exp_bytes:
-            raise RuntimeError(f"CIERA payload from rank {src_rank} has {payload.numel()} bytes, its header "
-                               f"says {sec.exp + exp_bytes}")
-        exp_section = payload[sec.exp:]
-        exps = ans.decode(exp_section, n_changed * B) if flags & FLAG_ANS else None
         bits = out.view(torch.int16)
+        if flags & FLAG_RAW:
+            bits.view(torch.uint8).copy_(payload[HEADER_BYTES:])
+            self._synced.add(src_rank)
+            return
+        sec = sections(n, B, layout, tiles)
+        exp_section = payload[sec.exp:]
+        count = exponent_count(n, B, n_changed, bool(flags & FLAG_LAST))
+        exps = ans.decode(exp_section, count) if flags & FLAG_ANS else None
         if kernels.use_triton(bits, B, layout):
             exps = exp_section if exps is None else exps
             kernels.merge_payload(bits, payload[HEADER_BYTES:sec.table], payload[sec.table:sec.sm],
                                   payload[sec.sm:sec.exp], exps, n_changed, B, tiles)
         else:
             if exps is None:
-                exps = unpack_field(exp_section, n_changed * B, layout.exp_bits).to(torch.uint8)
-            self._merge_reference(payload, sec, tiles, exps, bits, layout)
+                exps = unpack_field(exp_section, count, layout.exp_bits).to(torch.uint8)
+            exps = torch.nn.functional.pad(exps, (0, n_changed * B - count))  # whole blocks for the merge
+            self._merge_reference(payload, sec, tiles, exps, bits, layout, n_changed)
         self._synced.add(src_rank)
 
-    def _merge_reference(self, payload, sec: Sections, tiles: int, exps, bits, layout) -> None:
+    def _merge_reference(self, payload, sec: Sections, tiles: int, exps, bits, layout, n_changed: int) -> None:
         B, n = self.config.block_size, bits.numel()
         nblocks = -(-n // B)
         changed = unpack_field(payload[HEADER_BYTES:HEADER_BYTES + field_nbytes(nblocks, 1)], nblocks, 1).bool()
         tile_slots = payload[sec.table:sec.table + 4 * sec.ntiles].clone().view(torch.int32)  # (aligned by the clone)
-        slots = kernels.block_slots_reference(changed, tile_slots, tiles)
+        slots = kernels.block_slots_reference(changed, tile_slots, tiles, n_changed)
         sm_field = payload[sec.sm:sec.sm + field_nbytes(n, layout.sm_bits)]
         sm = unpack_field(sm_field, n, layout.sm_bits).to(layout.sm_dtype)
         bits.copy_(merge_blocks_reference(bits, changed, slots, exps, sm, B, layout))

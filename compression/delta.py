@@ -9,13 +9,17 @@ the measurements behind it). Bit-exact for every pattern: NaN payloads, +-Inf, -
 
 Wire format (one uint8 tensor, little-endian):
 
-    header, 24 bytes: magic b"DLTA" | version u8 | flags u8 (bit 0 keyframe, bit 1 fp16) |
-                      reserved u16 | block_size u32 | n_changed u32 | numel u64
-    keyframe:  the raw 16-bit values (numel * 2 bytes)
+    header, 32 bytes: magic b"DLTA" | version u8 | flags u8 (bit 0 keyframe, bit 1 fp16, bit 2 raw) |
+                      reserved u16 | block_size u32 | n_changed u32 | numel u64 | nbytes u64 (the whole payload's)
+    keyframe, raw: the raw 16-bit values (numel * 2 bytes)
     delta:     codes u8[n_blocks] | 0-3 pad bytes to a multiple of 4 | group entries u32[ceil(n_blocks / G)] |
                the groups' regions, in group order, each: offsets u16[n] | exc_widths u8[n] | records
                (the group's n changed blocks in block order: per changed block its bitmap, then its value stream)
 
+A raw payload is what the encoder sends where the delta would be larger than the raw values (incompressible
+shards: random bits, NaN patterns): the payload never exceeds raw + 32 bytes (``compression/wire.py``). Unlike a
+keyframe it is sent with the sender state kept (the next payload is a delta again). A decoder checks the
+magic, version, block size, numel and dtype, and that the payload has ``nbytes`` bytes (a ``WireFormatError``).
 ``codes``/``exc_widths``/bitmaps/value streams are the per-block fields of ``kernels/delta.py``.
 A code's bit 7 says whether the block's bitmap is flat (B / 8 bytes) or sparse (row flags, then the non-empty rows'
 bytes). A block's count of changed values is the popcount of its bitmap. Blocks form groups of
@@ -23,10 +27,11 @@ G = ``kernels.delta.group_blocks(block_size)`` (32 at B <= 512): a group's entry
 first region), and a changed block's ``offset`` is where its record starts relative to its group's first record; a
 group's n is the number of its nonzero codes. So a decoder finds each block's record without a pass over the payload
 first.
-Version 5 (version 4 had the offsets, then the exc_widths of every changed block in sections of their own, and group
-entries of 64 blocks holding the changed blocks and record bytes before the group; version 3 had flat bitmaps only, in
-a section of their own; version 2 sent each block's escape count instead of its offset, and no groups: decoders
-summed stream sizes first; version 1 had no ``exc_widths``: every exception entry took 17 bits).
+Version 6 (version 5 had a 24-byte header without nbytes and no raw payloads; version 4 had the offsets, then the
+exc_widths of every changed block in sections of their own, and group entries of 64 blocks holding the changed blocks
+and record bytes before the group; version 3 had flat bitmaps only, in a section of their own; version 2 sent each
+block's escape count instead of its offset, and no groups: decoders summed stream sizes first; version 1 had no
+``exc_widths``: every exception entry took 17 bits).
 """
 
 import struct
@@ -36,16 +41,17 @@ import torch
 
 from compression.codec import (CastShard, EncodeStart, HostValues, Segments, SegmentedShard, ShardCodec, bytes_to_device,
                                check_block_size)
+from compression.wire import check_format, check_length, raw_nbytes
 from kernels import delta as kernels
 from kernels import use_triton
 from kernels.delta import analyze_blocks_reference, pack_records_reference, stream_nbytes, unpack_records_reference
 
 MAGIC = b"DLTA"
-VERSION = 5
-HEADER = struct.Struct("<4sBBHIIQ")
-N_CHANGED_AT = 12  # byte offset of n_changed in the header
+VERSION = 6
+HEADER = struct.Struct("<4sBBHIIQQ")
 FLAG_KEYFRAME = 1
 FLAG_FP16 = 2
+FLAG_RAW = 4  # the raw values, sent where the delta would be larger
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -144,9 +150,11 @@ class _CodedBlocks:
     """Between ``begin_encode`` and ``finish_encode`` on the Triton path: every block coded, sizes on the device."""
 
     blocks: kernels.EncodedBlocks  # with its spans' starts and the totals (kernels.scan_tiles)
-    totals: HostValues  # changed blocks, changed values, record bytes, payload size
+    totals: HostValues  # changed blocks, changed values, record bytes, payload size, delta size
     fp16_flag: int
     numel: int
+    headers: torch.Tensor  # uint8 [2 * HEADER.size] on the device: the payload's header, then the delta's (slots)
+    new_bits: object  # () -> the shard's new int16 values as coded (for a raw payload)
 
 
 class DeltaCodec(ShardCodec):
@@ -271,7 +279,8 @@ class DeltaCodec(ShardCodec):
                                       rank=shard.rank)
         else:
             e = kernels.encode_blocks(self._prev, _as_bits(shard, "shard"), b, out=self._blocks)
-        return self._start_coded(e, fp16_flag, numel, shard.device)
+        prev = self._prev  # holds the new values now
+        return self._start_coded(e, fp16_flag, numel, shard.device, lambda: prev)
 
     def _begin_cast_encode(self, shard) -> EncodeStart:
         """``begin_encode`` of a ``CastShard``: the values in the parameter buffer are the previous ones every rank
@@ -315,37 +324,45 @@ class DeltaCodec(ShardCodec):
             else:
                 e = kernels.encode_blocks(_as_bits(target, "shard"), shard.source, b, out=self._blocks,
                                           cast_to=target.dtype)
-            return self._start_coded(e, fp16_flag, numel, target.device)
+            return self._start_coded(e, fp16_flag, numel, target.device, bits)
         return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
 
-    def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device) -> EncodeStart:
+    def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device, new_bits) -> EncodeStart:
         """``begin_encode`` after the encode kernel: the payload's size and header on the device (one launch: the
-        spans' starts, the totals, and n_changed written into the header)."""
-        header = self._delta_header(fp16_flag, numel, device)
-        # the payload size: the regions' start, then 2 + 1 bytes of offset and exc_width per changed block and the records
-        kernels.scan_tiles(e, header[N_CHANGED_AT:N_CHANGED_AT + 4], _Layout.of(numel, self.config.block_size).regions)
+        spans' starts, the totals, the choice of delta or raw and the headers' fields)."""
+        headers = self._delta_header(fp16_flag, numel, device)
+        # the delta's size: the regions' start, then 2 + 1 bytes of offset and exc_width per changed block and the
+        # records; the payload's: the smaller of it and the raw one
+        kernels.scan_tiles(e, headers, _Layout.of(numel, self.config.block_size).regions,
+                           raw_nbytes(HEADER.size, numel), fp16_flag, FLAG_RAW)
         self._totals = HostValues(e.totals) if self._totals is None else self._totals.update(e.totals)
-        return EncodeStart(e.totals[3:], header, _CodedBlocks(e, self._totals, fp16_flag, numel))
+        return EncodeStart(e.totals[3:4], headers[:HEADER.size],
+                           _CodedBlocks(e, self._totals, fp16_flag, numel, headers, new_bits))
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _CodedBlocks):
             return super().finish_encode(start, out)
         c, b = start.state, self.config.block_size
-        n_changed, n_values, n_record_bytes, _ = c.totals.get()  # landed with the size the caller waited for
-        layout = _Layout.of(c.numel, b)
-        size = layout.regions + 3 * n_changed + n_record_bytes
+        n_changed, n_values, n_record_bytes, size, delta_size = c.totals.get()  # landed with the size waited for
         if out.numel() != size:
             raise ValueError(f"finish_encode needs a buffer of the payload's {size} bytes, got {out.numel()}")
-        kernels.gather_records(c.blocks, out, self._header_bytes(c.fp16_flag, c.numel, n_changed), layout.groups,
-                               layout.regions, b)
+        if size != delta_size:  # the raw values are smaller
+            out[:HEADER.size].copy_(self._header(FLAG_RAW | c.fp16_flag, c.numel, n_changed, size, out.device))
+            out[HEADER.size:].copy_(c.new_bits().view(torch.uint8))
+        else:
+            layout = _Layout.of(c.numel, b)
+            kernels.gather_records(c.blocks, out, self._header_bytes(c.fp16_flag, c.numel, n_changed, size),
+                                   layout.groups, layout.regions, b)
         self._release_records(c)
-        self._record(size, c.numel, n_changed, n_values, False)
+        self._record(size, c.numel, n_changed, n_values, False, raw=size != delta_size)
 
     def sync_free(self, start: EncodeStart) -> bool:
-        """Every delta payload (not a keyframe: its size is the raw shard's)."""
+        """Every payload but a keyframe (whose size is the raw shard's, every rank's alike). On the Triton path a slot
+        gets the delta even where the raw values would be smaller (the slot's capacity is what it costs, and the
+        decode kernel reads deltas only); the reference's raw payloads go in slots as they are."""
         if isinstance(start.state, _CodedBlocks):
             return True
-        return not self.last_stats.get("keyframe", True)  # the whole encode ran in begin_encode
+        return not self.last_stats.get("keyframe", True)  # the whole encode ran in begin_encode (raw or delta)
 
     def finish_encode_into_slot(self, start: EncodeStart, slot: torch.Tensor, size: torch.Tensor) -> None:
         """On the Triton path the size and payload go from the device into the slot, the header with the n_changed
@@ -354,9 +371,9 @@ class DeltaCodec(ShardCodec):
             return super().finish_encode_into_slot(start, slot, size)
         c = start.state
         layout = _Layout.of(c.numel, self.config.block_size)
-        size.copy_(start.nbytes.reshape(1))
-        kernels.gather_records(c.blocks, slot, start.header, layout.groups, layout.regions, self.config.block_size,
-                               capacity=slot.numel())
+        size.copy_(c.blocks.totals[4:5])  # the delta's (its header is the second one)
+        kernels.gather_records(c.blocks, slot, c.headers[HEADER.size:], layout.groups, layout.regions,
+                               self.config.block_size, capacity=slot.numel())
         self._release_records(c)
 
     def sync_free_input(self, shard) -> bool:
@@ -373,8 +390,8 @@ class DeltaCodec(ShardCodec):
 
     def encode_stats(self, start: EncodeStart, synced: bool = False) -> None:
         if isinstance(start.state, _CodedBlocks):
-            n_changed, n_values, _, size = start.state.totals.get(synced)
-            self._record(size, start.state.numel, n_changed, n_values, False)
+            n_changed, n_values, _, _, delta_size = start.state.totals.get(synced)
+            self._record(delta_size, start.state.numel, n_changed, n_values, False)
 
     def _release_records(self, c: "_CodedBlocks") -> None:
         if self._blocks is c.blocks:  # the records go back to the allocator (stream-ordered after the gather)
@@ -390,10 +407,14 @@ class DeltaCodec(ShardCodec):
         return self._encode_delta(bits, fp16_flag)
 
     def _keyframe(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
-        payload = self._header(FLAG_KEYFRAME | fp16_flag, bits.numel(), 0, bits.device)
-        payload = torch.cat([payload, bits.view(torch.uint8)])
+        payload = self._raw(FLAG_KEYFRAME | fp16_flag, bits, 0)
         self._record(payload.numel(), bits.numel(), -(-bits.numel() // self.config.block_size), bits.numel(), True)
         return payload
+
+    def _raw(self, flags: int, bits: torch.Tensor, n_changed: int) -> torch.Tensor:
+        """A keyframe or raw payload: the header, then ``bits``."""
+        header = self._header(flags, bits.numel(), n_changed, raw_nbytes(HEADER.size, bits.numel()), bits.device)
+        return torch.cat([header, bits.view(torch.uint8)])
 
     def _encode_delta(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
         """The PyTorch reference (also for empty shards on CUDA)."""
@@ -404,9 +425,13 @@ class DeltaCodec(ShardCodec):
                                                                 a.exc_widths[changed])
         n_values, n_record_bytes = int(a.counts.sum()), int(record_bytes.sum())
         layout = _Layout.of(bits.numel(), b)
-        payload = torch.zeros(layout.regions + 3 * changed.numel() + n_record_bytes, dtype=torch.uint8,
-                              device=bits.device)
-        payload[: HEADER.size] = self._header(fp16_flag, bits.numel(), changed.numel(), bits.device)
+        size = layout.regions + 3 * changed.numel() + n_record_bytes
+        if size > raw_nbytes(HEADER.size, bits.numel()):  # the raw values are smaller
+            payload = self._raw(FLAG_RAW | fp16_flag, bits, changed.numel())
+            self._record(payload.numel(), bits.numel(), changed.numel(), n_values, False, raw=True)
+            return payload
+        payload = torch.zeros(size, dtype=torch.uint8, device=bits.device)
+        payload[: HEADER.size] = self._header(fp16_flag, bits.numel(), changed.numel(), size, bits.device)
         payload[HEADER.size : HEADER.size + layout.n_blocks] = a.codes
         block_bytes = torch.zeros(layout.n_blocks, dtype=torch.int64, device=bits.device)
         block_bytes[changed] = record_bytes
@@ -421,23 +446,24 @@ class DeltaCodec(ShardCodec):
         self._record(payload.numel(), bits.numel(), changed.numel(), n_values, False)
         return payload
 
-    def _header_bytes(self, flags: int, numel: int, n_changed: int) -> bytes:
-        return HEADER.pack(MAGIC, VERSION, flags, 0, self.config.block_size, n_changed, numel)
+    def _header_bytes(self, flags: int, numel: int, n_changed: int, nbytes: int) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, flags, 0, self.config.block_size, n_changed, numel, nbytes)
 
-    def _header(self, flags: int, numel: int, n_changed: int, device) -> torch.Tensor:
-        return bytes_to_device(self._header_bytes(flags, numel, n_changed), device)
+    def _header(self, flags: int, numel: int, n_changed: int, nbytes: int, device) -> torch.Tensor:
+        return bytes_to_device(self._header_bytes(flags, numel, n_changed, nbytes), device)
 
     def _delta_header(self, fp16_flag: int, numel: int, device) -> torch.Tensor:
-        """The device header of this codec's delta payloads, made once per shape: ``begin_encode`` writes its
-        n_changed (stream-ordered after the previous encode's readers, which copy it at once)."""
+        """The device headers of this codec's Triton-path payloads, made once per shape: the payload's, then the
+        delta's (what a slot sends); ``begin_encode`` writes their flags, n_changed and nbytes (stream-ordered after
+        the previous encode's readers, which copy them at once)."""
         key = (fp16_flag, numel, str(device))
         if self._header_cache is None or self._header_cache[0] != key:
-            self._header_cache = (key, self._header(fp16_flag, numel, 0, device))
+            self._header_cache = (key, bytes_to_device(2 * self._header_bytes(fp16_flag, numel, 0, 0), device))
         return self._header_cache[1]
 
-    def _record(self, payload_bytes, numel, blocks_changed, values_changed, keyframe) -> None:
+    def _record(self, payload_bytes, numel, blocks_changed, values_changed, keyframe, raw=False) -> None:
         self.last_stats = dict(
-            keyframe=keyframe, blocks_total=-(-numel // self.config.block_size), blocks_changed=blocks_changed,
+            keyframe=keyframe, raw=raw, blocks_total=-(-numel // self.config.block_size), blocks_changed=blocks_changed,
             values_changed=values_changed, raw_bytes=2 * numel, payload_bytes=payload_bytes,
         )
 
@@ -451,8 +477,8 @@ class DeltaCodec(ShardCodec):
         _check_dtype(out.dtype, "output buffer")
         segmented = isinstance(out, SegmentedShard)
         numel = out.segments.padded_numel(b) if segmented else out.numel()
-        flags = self._check_header(payload, out, numel, header)
-        if segmented and (flags & FLAG_KEYFRAME or not use_triton(out, self.triton)):
+        flags = self._check_header(payload, out, numel, header, src_rank)
+        if segmented and (flags & (FLAG_KEYFRAME | FLAG_RAW) or not use_triton(out, self.triton)):
             padded = out.padded(b)  # the reference (and a keyframe) decode a padded copy
             self._decode_bits(_as_bits(padded, "output buffer"), payload, flags)
             out.write_padded(padded, b)
@@ -465,7 +491,7 @@ class DeltaCodec(ShardCodec):
     def _decode_bits(self, bits, payload, flags, table=None, rank=0) -> None:
         """Decode into the int16 ``bits`` (with ``table``: rank ``rank``'s slices of the segments based there)."""
         numel = bits.numel() if table is None else table[1].numel() * self.config.block_size
-        if flags & FLAG_KEYFRAME:
+        if flags & (FLAG_KEYFRAME | FLAG_RAW):
             bits.view(torch.uint8).copy_(payload[HEADER.size : HEADER.size + 2 * numel])
             return
         b = self.config.block_size
@@ -491,7 +517,7 @@ class DeltaCodec(ShardCodec):
         segments, numel = self._segments_of(target)
         sources = [src for src in range(len(sizes)) if src != skip]
         keyframe = any(self._check_header(gathered[src * stride:src * stride + sizes[src]], target, numel,
-                                          headers[src]) & FLAG_KEYFRAME for src in sources)
+                                          headers[src], src) & (FLAG_KEYFRAME | FLAG_RAW) for src in sources)
         if (keyframe or len(sources) < 2 or not use_triton(gathered, self.triton)
                 or _bytes_after(gathered[(len(sizes) - 1) * stride:][:sizes[-1]]) < self.read_slack_bytes):
             return super().decode_gathered(target, gathered, stride, sizes, headers, skip)
@@ -525,19 +551,28 @@ class DeltaCodec(ShardCodec):
         layout = _Layout.of(numel, self.config.block_size)
         return kernels.Payloads(base, rows, stride, layout.n_blocks, HEADER.size, layout.groups, layout.regions)
 
-    def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int, header) -> int:
-        """The payload's flags, once its header matches this codec and ``out``."""
-        if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < HEADER.size:
-            raise ValueError("delta payload must be a 1-D uint8 tensor with a 24-byte header")
+    def _check_header(self, payload: torch.Tensor, out: torch.Tensor, numel: int, header, src_rank: int) -> int:
+        """The payload's flags, once its header matches this codec, ``out`` and the payload's length."""
+        source = f"from rank {src_rank}"
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError(f"delta payload {source} must be a 1-D uint8 tensor, got {payload.dtype} "
+                             f"{tuple(payload.shape)}")
+        if payload.numel() < HEADER.size:
+            check_length("delta", source, payload.numel(), HEADER.size, "less than its header's")
         if header is None:
             header = self.read_header(payload)
-        magic, version, flags, _, block_size, _, p_numel = HEADER.unpack(header)
-        if magic != MAGIC or version != VERSION:
-            raise ValueError(f"not a delta payload of version {VERSION} (magic {magic!r}, version {version})")
+        magic, version, flags, _, block_size, n_changed, p_numel, nbytes = HEADER.unpack(header)
+        check_format("delta", source, magic, version, MAGIC, VERSION)
         if block_size != self.config.block_size:
             raise ValueError(f"payload block size {block_size} != --delta-block-size {self.config.block_size}: "
                              f"every rank must use the same --delta-block-size")
         payload_dtype = torch.float16 if flags & FLAG_FP16 else torch.bfloat16
         if p_numel != numel or payload_dtype != out.dtype:
             raise ValueError(f"payload holds {p_numel} {payload_dtype} values, output buffer {numel} {out.dtype}")
+        check_length("delta", source, payload.numel(), nbytes)
+        if flags & (FLAG_KEYFRAME | FLAG_RAW):
+            check_length("delta", source, nbytes, raw_nbytes(HEADER.size, numel), "(a raw one) holds values for")
+        elif nbytes < _Layout.of(numel, block_size).regions + 3 * n_changed:
+            check_length("delta", source, nbytes, _Layout.of(numel, block_size).regions + 3 * n_changed,
+                         f"with {n_changed} changed blocks needs at least")
         return flags

@@ -80,6 +80,29 @@ class TahQuantConfig:
         if not 0.0 <= self.high_bit_fraction <= 1.0:
             raise ValueError(f"--pp-comm-high-bit-fraction must be in [0, 1], got {self.high_bit_fraction!r}")
 
+    def bytes_per_value(self, hidden_size: int) -> float:
+        """Wire bytes per value of a message of many tokens of ``hidden_size`` channels: each token padded to whole
+        tiles, a bf16 scale per tile, the codes (a ``high_bit_fraction`` of the tokens at 8 bits), its token-map
+        bit."""
+        tiles = -(-hidden_size // self.tile_size)
+        f = self.high_bit_fraction
+        code_bits = (1 - f) * self.bits + f * HIGH_BITS
+        return (2 * tiles + tiles * self.tile_size * code_bits / 8 + 1 / 8) / hidden_size
+
+    def check_hidden_size(self, hidden_size: int) -> None:
+        """Start-up check: a wire larger than the bf16 message it replaces is an error naming the fix (tiles
+        pad each token to whole tiles: a small hidden size at a large tile pays for the padding)."""
+        per_value = self.bytes_per_value(hidden_size)
+        if per_value > 2.0:
+            fits = [t for t in (16, 32, 64, 128, 256, 512, 1024)
+                    if TahQuantConfig(self.bits, t, self.high_bit_fraction, self.rotate).bytes_per_value(hidden_size)
+                    <= 2.0]
+            fix = f"use --pp-comm-tile-size {max(fits)} or less" if fits else "use fewer --pp-comm-bits"
+            raise ValueError(f"--pp-comm-compression tahquant with --pp-comm-tile-size {self.tile_size}, --pp-comm-bits "
+                             f"{self.bits} and --pp-comm-high-bit-fraction {self.high_bit_fraction} would send "
+                             f"{per_value:.2f} bytes per value of hidden size {hidden_size} (each token is padded "
+                             f"to whole tiles), more than bf16's 2: {fix}")
+
     @classmethod
     def from_args(cls, args) -> "TahQuantConfig":
         return cls(bits=args.pp_comm_bits, tile_size=args.pp_comm_tile_size,
@@ -114,6 +137,7 @@ class TahQuantCodec(TensorCodec):
         """``triton``: None runs the kernels on CUDA tensors and the reference elsewhere (same bytes)."""
         if hidden_size < 1:
             raise ValueError(f"TahQuant needs a positive hidden size, got {hidden_size}")
+        config.check_hidden_size(hidden_size)
         self.config = config
         self.hidden_size = hidden_size
         self.triton = triton

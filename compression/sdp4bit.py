@@ -42,6 +42,7 @@ from compression.codec import ShardCodec, check_block_size
 from compression.shard_gather import PendingGather
 from compression.telemetry import TELEMETRY
 from compression.transport import all_to_all_rows
+from compression.wire import WireFormatError, check_length
 from kernels import sdp4bit as sdp4bit_kernels
 from kernels import use_triton
 from kernels.taco import fwht_reference
@@ -172,9 +173,17 @@ class WeightDiffCodec(ShardCodec):
         return payload
 
     def decode(self, src_rank: int, payload: torch.Tensor, out: torch.Tensor, header: bytes = None) -> None:
-        # No header (header_nbytes 0): the payload says what it is. A keyframe holds the raw values, and a
-        # difference payload is always smaller (at most 8 bits per value plus a 4-byte scale per group of >= 16).
-        if payload.numel() == out.numel() * out.element_size():
+        # No header (header_nbytes 0; one would cost each decode a device-to-host read on GPUs): the payload's length
+        # says what it is, checked against both. A keyframe holds the raw values, and a difference payload is always
+        # smaller (at most 8 bits per value plus a 4-byte scale per group of >= 16).
+        c = self.config
+        raw, difference = out.numel() * out.element_size(), groups_nbytes(out.numel(), c.group_size, c.weight_bits)
+        if payload.dtype != torch.uint8 or payload.numel() not in (raw, difference):
+            raise WireFormatError(f"SDP4Bit payload from rank {src_rank} has {payload.numel()} bytes of "
+                                  f"{payload.dtype}, expected {raw} (keyframe) or {difference} (a difference of "
+                                  f"{out.numel()} values at --sdp4bit-group-size {c.group_size}, --sdp4bit-weight-bits "
+                                  f"{c.weight_bits}): cut short, or ranks with different flags")
+        if payload.numel() == raw:
             out.view(torch.uint8).copy_(payload)
         elif src_rank == self.rank:  # our slice holds w_t; w_hat_t was built at encode
             out.copy_(self._reconstructed)
@@ -289,6 +298,8 @@ def encode_rows(rows: torch.Tensor, config: HadamardQuantConfig) -> torch.Tensor
 def decode_sum(wire: torch.Tensor, skip_row: int, numel: int, config: HadamardQuantConfig) -> torch.Tensor:
     """fp32 [numel]: the sum of every wire row but ``skip_row``, dequantized, added in row order (fixed, so that
     the kernel rounds the same) and rotated back."""
+    check_length("Hadamard-quantized gradient", f"rows of {numel} values", wire.shape[-1],
+                 groups_nbytes(numel, config.block_size, config.bits), "a row needs")
     total = torch.zeros(-(-numel // config.block_size), config.block_size, device=wire.device)
     for row in range(wire.shape[0]):
         if row != skip_row:

@@ -113,13 +113,15 @@ def cache_bytes(numel: int, block_size: int, change_detect: str) -> int:
 
 
 def expected_payload_bytes(s: ShardStats) -> float:
-    """S_sm + S_bm + q * S_e (+ the fixed header and the tile table), raw exponent coding."""
+    """S_sm + S_bm + q * S_e (+ the fixed header and the tile table), raw exponent coding; at most the raw values
+    behind the header (the codec sends those where they are smaller)."""
     layout = LAYOUTS[s.dtype]
     nblocks = -(-s.numel // s.block_size)
     sm = s.numel * layout.sm_bits / 8
     exponents = nblocks * s.block_size * layout.exp_bits / 8
     table = 4 * -(-nblocks // tile_blocks(s.block_size))
-    return HEADER_BYTES + -(-nblocks // 8) + table + sm + s.change_rate * exponents
+    coded = HEADER_BYTES + -(-nblocks // 8) + table + sm + s.change_rate * exponents
+    return min(coded, HEADER_BYTES + s.numel * (layout.sm_bits + layout.exp_bits) / 8)
 
 
 @dataclass(frozen=True)

@@ -128,13 +128,17 @@ def tile_slots_reference(changed, tile_blocks: int) -> torch.Tensor:
     return (torch.cumsum(per_tile, 0) - per_tile).to(torch.int32)
 
 
-def block_slots_reference(changed, tile_slots, tile_blocks: int) -> torch.Tensor:
-    """int64 [nblocks]: each block's slot among the payload's changed blocks (meaningful where
-    ``changed``): its tile's first slot plus the changed blocks before it in its tile."""
+def block_slots_reference(changed, tile_slots, tile_blocks: int, n_changed: int) -> torch.Tensor:
+    """int64 [nblocks]: each block's slot among the payload's ``n_changed`` changed blocks (meaningful where
+    ``changed``): its tile's first slot plus the changed blocks before it in its tile; the shard's last block's is
+    the last slot (its tile's run leaves it out)."""
     nblocks = changed.numel()
     flags = torch.nn.functional.pad(changed.to(torch.int64), (0, -nblocks % tile_blocks)).view(-1, tile_blocks)
     before = torch.cumsum(flags, 1) - flags
-    return (tile_slots.to(torch.int64)[:, None] + before).view(-1)[:nblocks]
+    slots = (tile_slots.to(torch.int64)[:, None] + before).view(-1)[:nblocks]
+    if nblocks:
+        slots[-1] = n_changed - 1
+    return slots
 
 
 def merge_blocks_reference(out_bits, changed, slots, new_exp, sm, block_size: int, layout: FloatLayout):
@@ -258,32 +262,52 @@ if triton is not None:
         tl.store(flags_ptr + rows, changed, mask=rows < nblocks)
         # One atomic per tile counts the changed blocks and, on a compact encode, gives the tile its slots:
         # the tiles' slot ranges come in the order their programs got there (the payload's tile table says
-        # where each one starts), so no program waits for another.
-        first = tl.atomic_add(count_ptr, tl.sum(changed, axis=0), sem="relaxed")
+        # where each one starts), so no program waits for another. A compact encode leaves the shard's last block
+        # out (it takes the last slot, trimmed to its values: _finish_split_kernel).
+        take = changed
+        if COMPACT:
+            take = tl.where(rows == nblocks - 1, 0, changed)
+        first = tl.atomic_add(count_ptr, tl.sum(take, axis=0), sem="relaxed")
         if COMPACT:
             tl.store(slots_ptr + pid, first)
-            slot = (first + tl.cumsum(changed, axis=0) - changed).to(tl.int64)
+            slot = (first + tl.cumsum(take, axis=0) - take).to(tl.int64)
             slot_pairs = slot[:, None] * (B // 2) + tl.arange(0, B // 2)[None, :]
             exp_out_ptr = exp_out_ptr.to(tl.pointer_type(tl.int16))
-            tl.store(exp_out_ptr + slot_pairs, pairs, mask=store & (changed[:, None] != 0))
+            tl.store(exp_out_ptr + slot_pairs, pairs, mask=store & (take[:, None] != 0))
 
     @triton.jit
     def _finish_split_kernel(flags_ptr, bitmap_ptr, count_ptr, template_ptr, header_ptr, sizes_ptr, nblocks, exp_at,
-                             B: tl.constexpr, TILE: tl.constexpr):
+                             raw_nbytes, raw_flag, last_flag, bits_ptr, exp_out_ptr, n, B: tl.constexpr,
+                             TILE: tl.constexpr, LAST_CHUNK: tl.constexpr):
         byte = tl.program_id(0) * TILE + tl.arange(0, TILE)
         rows = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
         bits = tl.load(flags_ptr + rows, mask=rows < nblocks, other=0)
         value = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
         tl.store(bitmap_ptr + byte, value.to(tl.uint8), mask=byte * 8 < nblocks)
         if tl.program_id(0) == 0:  # the header and the payload size, from the changed-block count
-            changed = tl.load(count_ptr).to(tl.int64)
-            tl.store(sizes_ptr, changed)
-            tl.store(sizes_ptr + 1, exp_at + changed * B)
+            others = tl.load(count_ptr).to(tl.int64)  # changed blocks but the last
+            last = tl.load(flags_ptr + nblocks - 1).to(tl.int64)
+            left = n - (nblocks - 1).to(tl.int64) * B  # the last block's values
+            exp_bytes = others * B + last * left
+            raw = exp_at + exp_bytes > raw_nbytes  # the raw values are smaller: they are sent instead
+            tl.store(sizes_ptr, others + last)
+            tl.store(sizes_ptr + 1, tl.where(raw, raw_nbytes, exp_at + exp_bytes))
+            tl.store(sizes_ptr + 2, last)
             k = tl.arange(0, 32)
-            field = tl.where(k < 24, changed, changed * B)  # int64 at [16:24] and [24:32], little endian
+            # int64 at [16:24] and [24:32], little endian: the changed blocks, the exponent section's (or the raw
+            # values') bytes
+            field = tl.where(k < 24, others + last, tl.where(raw, raw_nbytes - 32, exp_bytes))
             counts = ((field >> (8 * (k % 8))) & 0xFF).to(tl.uint8)
             template = tl.load(template_ptr + k, mask=k < 16, other=0)
+            flags = tl.where(raw, raw_flag, tl.where(last != 0, last_flag, 0))  # (a raw payload has no slots)
+            template = tl.where(k == 3, template | flags, template)  # the flags byte
             tl.store(header_ptr + k, tl.where(k < 16, template, counts))
+            if last != 0:  # the last block's exponents, its values' only, in the last slot
+                for at in tl.static_range(0, B, LAST_CHUNK):
+                    i = at + tl.arange(0, LAST_CHUNK)
+                    x = tl.load(bits_ptr + (nblocks - 1).to(tl.int64) * B + i, mask=i < left, other=0)
+                    exp = ((x.to(tl.int32) >> 7) & 0xFF).to(tl.uint8)
+                    tl.store(exp_out_ptr + others * B + i, exp, mask=i < left)
 
     @triton.jit
     def _merge_kernel(out_ptr, bitmap_ptr, slots_ptr, sm_ptr, exp_ptr, n, nblocks, n_changed,
@@ -297,6 +321,7 @@ if triton is not None:
         k = tl.arange(0, 4)
         first = tl.sum(tl.load(slots_ptr + 4 * pid + k).to(tl.int32) << (8 * k), axis=0)
         slot = (first + tl.cumsum(bit, axis=0) - bit).to(tl.int64)
+        slot = tl.where(rows == nblocks - 1, n_changed - 1, slot)  # the shard's last block: the last slot
         sent = (bit != 0) & (slot >= 0) & (slot < n_changed)  # a corrupt table reads nothing past the section
         cols = tl.arange(0, B)[None, :]
         offs = rows.to(tl.int64)[:, None] * B + cols
@@ -342,14 +367,20 @@ def split_blocks(bits, exp, compare: bool, sm_out, block_size: int, hashes=None,
     return flags, count
 
 
-def finish_split(flags, count, bitmap_out, template, header_out, sizes, exp_at: int, block_size: int) -> None:
-    """After ``split_blocks``: ``flags`` (int32 [nblocks], 0 or 1) as bits, LSB first, into
-    ``bitmap_out[:ceil(nblocks / 8)]``; and from ``count`` (its changed blocks), the payload's 32 header bytes
-    into ``header_out`` (``template``'s first 16, then the count and count * block_size as int64) and
-    ``sizes`` (int64 [2]: the count, and the payload's size ``exp_at + count * block_size``)."""
+def finish_split(flags, count, bitmap_out, template, header_out, sizes, exp_at: int, block_size: int,
+                 raw_nbytes: int, raw_flag: int, last_flag: int, bits, exp_out) -> None:
+    """After a compact ``split_blocks`` (``count``: the changed blocks but the shard's last): ``flags`` (int32
+    [nblocks], 0 or 1) as bits, LSB first, into ``bitmap_out[:ceil(nblocks / 8)]``; the last block's exponents, if it
+    changed, into the last slot of ``exp_out`` (its values' only: ``bits`` is the bf16 shard); and the payload's 32
+    header bytes into ``header_out`` (``template``'s first 16, ``last_flag`` added to its flags if the last block
+    changed, then the changed blocks and the exponent bytes as int64) and ``sizes`` (int64 [3]: the changed blocks,
+    the payload's size ``exp_at + exponent bytes``, whether the last block changed). Where that size exceeds
+    ``raw_nbytes`` (the 32-byte header and the raw values), the payload is the raw values: the size is
+    ``raw_nbytes``, the header's flags get ``raw_flag`` and its last field ``raw_nbytes - 32``."""
     nblocks = flags.numel()
     _finish_split_kernel[(triton.cdiv(triton.cdiv(nblocks, 8), PACK_TILE),)](
-        flags, bitmap_out, count, template, header_out, sizes, nblocks, exp_at, B=block_size, TILE=PACK_TILE)
+        flags, bitmap_out, count, template, header_out, sizes, nblocks, exp_at, raw_nbytes, raw_flag, last_flag, bits,
+        exp_out, bits.numel(), B=block_size, TILE=PACK_TILE, LAST_CHUNK=min(block_size, 1024))
 
 
 def merge_payload(out_bits, bitmap, tile_slots, sm, exps, n_changed: int, block_size: int, tiles: int) -> None:

@@ -509,13 +509,14 @@ if triton is not None:
         return (fields & _TILE_MASK) | ((fields >> _TILE_BLOCKS_AT) << 32)
 
     @triton.jit
-    def _scan_tiles_kernel(tile_sums_ptr, n_tiles, span_starts_ptr, totals_ptr, header_ptr, regions_at,
-                           SPAN: tl.constexpr, CHUNK: tl.constexpr):
+    def _scan_tiles_kernel(tile_sums_ptr, n_tiles, span_starts_ptr, totals_ptr, header_ptr, regions_at, raw_nbytes,
+                           flags, raw_flag, SPAN: tl.constexpr, CHUNK: tl.constexpr, HEADER_BYTES: tl.constexpr):
         """One program: per span of SPAN tiles, the changed blocks and record bytes before it (``span_starts``, as
         ``_record_start``: one scan of CHUNK spans per pass, each span's tiles summed in its thread), the totals
-        (changed blocks, changed values, record bytes, and the payload size ``regions_at + 3 * changed blocks +
-        record bytes``: 2 + 1 bytes of offset and exc_width per changed block) and n_changed as the header's u32 at
-        ``header_ptr``."""
+        (changed blocks, changed values, record bytes, the payload size: the delta's ``regions_at + 3 * changed
+        blocks + record bytes`` (2 + 1 bytes of offset and exc_width per changed block), or ``raw_nbytes`` where
+        that is smaller, and the delta's size) and the fields of the two headers at ``header_ptr`` (the payload's,
+        then the delta's): flags (``raw_flag`` added for a raw payload), n_changed and nbytes."""
         c = tl.arange(0, CHUNK)
         start = n_tiles * 0
         before, values = start.to(tl.int64), start.to(tl.int64)
@@ -529,11 +530,22 @@ if triton is not None:
             values += tl.sum((fields >> _TILE_FIELD) & _TILE_MASK, axis=0)
             start += CHUNK
         blocks, nbytes = before >> 32, before & 0xFFFFFFFF
+        delta = regions_at + 3 * blocks + nbytes
+        raw = delta > raw_nbytes
+        size = tl.where(raw, raw_nbytes, delta)
         tl.store(totals_ptr, blocks)
         tl.store(totals_ptr + 1, values)
         tl.store(totals_ptr + 2, nbytes)
-        tl.store(totals_ptr + 3, regions_at + 3 * blocks + nbytes)
-        _store_le(header_ptr + tl.arange(0, 1), blocks + tl.zeros([1], tl.int64), 4, tl.full([1], True, tl.int1))
+        tl.store(totals_ptr + 3, size)
+        tl.store(totals_ptr + 4, delta)
+        # the payload's header, then the delta's (their layout: compression/delta.py)
+        one, every, at = tl.zeros([1], tl.int64), tl.full([1], True, tl.int1), header_ptr + tl.arange(0, 1)
+        _store_le(at + 5, tl.where(raw, flags | raw_flag, flags) + one, 1, every)
+        _store_le(at + 12, blocks + one, 4, every)
+        _store_le(at + 24, size + one, 8, every)
+        _store_le(at + HEADER_BYTES + 5, flags + one, 1, every)
+        _store_le(at + HEADER_BYTES + 12, blocks + one, 4, every)
+        _store_le(at + HEADER_BYTES + 24, delta + one, 8, every)
 
     @triton.jit
     def _store_le(ptr, value, NBYTES: tl.constexpr, mask):
@@ -565,25 +577,26 @@ if triton is not None:
         shift = (8 * lead).to(tl.uint32)
         return ((cur << shift) | tl.where(lead > 0, prev >> (32 - shift), 0)).to(tl.int32, bitcast=True)
 
-    @triton.jit(do_not_specialize=["header0", "header1", "header2", "groups_at", "regions_at", "payload_misalign",
+    @triton.jit(do_not_specialize=["header0", "header1", "header2", "header3", "groups_at", "regions_at", "payload_misalign",
                                    "capacity"])
     def _gather_kernel(records_ptr, codes_ptr, exc_widths_ptr, nbytes_ptr, tile_sums_ptr, span_starts_ptr, n_blocks,
-                       payload_ptr, payload_misalign, header0, header1, header2, groups_at, regions_at,
+                       payload_ptr, payload_misalign, header0, header1, header2, header3, groups_at, regions_at,
                        header_ptr, totals_ptr, capacity,
                        GROUP: tl.constexpr, HEADER_BYTES: tl.constexpr, RECORD_WORDS: tl.constexpr,
                        TILE: tl.constexpr, SPAN: tl.constexpr, CHUNK: tl.constexpr, SLOT: tl.constexpr):
-        # SLOT: the payload goes into a slot of ``capacity`` bytes before the host knows its size (a sync-free
-        # gather): its header comes from the device (``header_ptr``, n_changed written by _scan_tiles_kernel), and
-        # a payload larger than the slot (totals[3]) writes nothing
+        # SLOT: the delta goes into a slot of ``capacity`` bytes before the host knows its size (a sync-free
+        # gather): its header comes from the device (``header_ptr``, its fields written by _scan_tiles_kernel), and
+        # a delta larger than the slot (totals[4]) writes nothing
         pid = tl.program_id(0)
         fits = True
         if SLOT:
-            fits = tl.load(totals_ptr + 3) <= capacity
-        t = tl.arange(0, 32)  # program 0: the header (three little-endian int64 words) and the pad bytes
+            fits = tl.load(totals_ptr + 4) <= capacity
+        t = tl.arange(0, 32)  # program 0: the header (four little-endian int64 words) and the pad bytes
         if SLOT:
             header = tl.load(header_ptr + t, mask=t < HEADER_BYTES, other=0)
         else:
-            word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), header2.to(tl.int64)))
+            word = tl.where(t < 8, header0.to(tl.int64), tl.where(t < 16, header1.to(tl.int64), tl.where(
+                t < 24, header2.to(tl.int64), header3.to(tl.int64))))
             header = ((word >> (8 * (t % 8))) & 0xFF).to(tl.uint8)
         tl.store(payload_ptr + t, header, mask=(t < HEADER_BYTES) & (pid == 0) & fits)
         pad_at = HEADER_BYTES + n_blocks
@@ -844,7 +857,7 @@ class EncodedBlocks:
     nbytes: torch.Tensor  # int64 [n_blocks]: record bytes (bitmap and value stream)
     tile_sums: torch.Tensor  # int64 [n_tiles]: record bytes, changed values and changed blocks (_tile_fields)
     span_starts: torch.Tensor  # int64 [n_spans]: changed blocks (high 32 bits) and record bytes before the span
-    totals: torch.Tensor  # int64 [4]: changed blocks, changed values, record bytes, payload size
+    totals: torch.Tensor  # int64 [5]: changed blocks, changed values, record bytes, payload size, delta size
     records: torch.Tensor  # int32 [n_blocks, 8 * ceil(18 B / 256)]
 
 
@@ -863,7 +876,7 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
                          exc_widths=per_block(torch.uint8), nbytes=per_block(torch.int64),
                          tile_sums=torch.empty(n_tiles, dtype=torch.int64, device=device),
                          span_starts=torch.empty(-(-n_tiles // SPAN_TILES), dtype=torch.int64, device=device),
-                         totals=torch.empty(4, dtype=torch.int64, device=device), records=records)
+                         totals=torch.empty(5, dtype=torch.int64, device=device), records=records)
 
 
 def _table_args(data: torch.Tensor, table) -> tuple:
@@ -903,21 +916,26 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
     return e
 
 
-def scan_tiles(e: EncodedBlocks, header: torch.Tensor, regions_at: int, max_chunk: int = 512) -> None:
+def scan_tiles(e: EncodedBlocks, headers: torch.Tensor, regions_at: int, raw_nbytes: int, flags: int, raw_flag: int,
+               max_chunk: int = 512) -> None:
     """Triton, after ``encode_blocks``: ``e.span_starts`` and ``e.totals`` from the encoder's tile sums (one program,
-    ``max_chunk`` spans per pass; ``regions_at``: where the groups' regions start, so that the payload size is
-    ``regions_at + 3 * changed blocks + record bytes``); n_changed into ``header`` (uint8 [4], on the device)."""
+    ``max_chunk`` spans per pass; ``regions_at``: where the groups' regions start, so that the delta's size is
+    ``regions_at + 3 * changed blocks + record bytes``; the payload's is ``raw_nbytes`` where that is smaller); into
+    ``headers`` (uint8 [2, 32] on the device: the payload's header, then the delta's) their flags (``flags``, plus
+    ``raw_flag`` for a raw payload), n_changed and nbytes."""
     chunk = min(max_chunk, max(16, triton.next_power_of_2(e.span_starts.numel())))
-    _scan_tiles_kernel[(1,)](e.tile_sums, e.tile_sums.numel(), e.span_starts, e.totals, header, regions_at,
-                             SPAN=SPAN_TILES, CHUNK=chunk, num_warps=8)
+    _scan_tiles_kernel[(1,)](e.tile_sums, e.tile_sums.numel(), e.span_starts, e.totals, headers, regions_at,
+                             raw_nbytes, flags, raw_flag, SPAN=SPAN_TILES, CHUNK=chunk,
+                             HEADER_BYTES=headers.numel() // 2, num_warps=8)
 
 
 def gather_records(e: EncodedBlocks, payload, header, groups_at: int, regions_at: int, block_size: int,
                    capacity: int = None) -> None:
-    """Triton: write ``header`` (24 bytes), the pad bytes, the codes, the group entries from ``groups_at``, and each
+    """Triton: write ``header`` (32 bytes), the pad bytes, the codes, the group entries from ``groups_at``, and each
     group's region from ``regions_at`` (its changed blocks' record offsets, exc_widths and records: bitmap, stream)
     into ``payload`` (uint8), after ``scan_tiles``. ``header``: bytes, or (with ``capacity``) the uint8 device header
-    ``scan_tiles`` completed; with ``capacity``, a payload (``e.totals[3]`` bytes) larger than it writes nothing."""
+    ``scan_tiles`` completed (the delta's); with ``capacity``, a delta (``e.totals[4]`` bytes) larger than it writes
+    nothing."""
     n_blocks = e.codes.numel()
     slot = capacity is not None
     if slot != torch.is_tensor(header):
@@ -930,7 +948,7 @@ def gather_records(e: EncodedBlocks, payload, header, groups_at: int, regions_at
     tile, (chunk, warps), group = _tile_blocks(block_size), _gather_launch(block_size), group_blocks(block_size)
     if tile % group:
         raise ValueError(f"gather_records: a tile of {tile} blocks must hold whole groups of {group}")
-    host_header = (0, 0, 0) if slot else struct.unpack("<3q", header)
+    host_header = (0, 0, 0, 0) if slot else struct.unpack("<4q", header)
     _gather_kernel[(triton.cdiv(n_blocks, tile),)](
         e.records, e.codes, e.exc_widths, e.nbytes, e.tile_sums, e.span_starts, n_blocks, payload,
         payload.data_ptr() % 4, *host_header, groups_at, regions_at, header if slot else payload, e.totals,

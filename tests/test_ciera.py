@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compression import ans
-from compression.ciera import (DENSE_SAMPLE_STRIDE, FLAG_ANS, HEADER, HEADER_BYTES, VERSION, CieraCodec, CieraConfig,
+from compression.ciera import (DENSE_SAMPLE_STRIDE, FLAG_ANS, FLAG_LAST, FLAG_RAW, exponent_count, HEADER, HEADER_BYTES, VERSION, CieraCodec, CieraConfig,
                                field_nbytes, pack_field, sections, unpack_field)
 from kernels.ciera import LAYOUTS, block_hashes, block_slots_reference, tile_blocks
 
@@ -96,9 +96,11 @@ def test_dense_encodes_count_a_sample(dtype, mode):
     nblocks = -(-N // BLOCK)
     n_counted = -(-nblocks // DENSE_SAMPLE_STRIDE)
     exp_bytes = field_nbytes(BLOCK, LAYOUTS[dtype].exp_bits)  # one block's exponents (BLOCK * bits / 8)
-    full = keyframe.numel()
-    assert sizes[:3] == [full, full, full - n_counted * exp_bytes]
-    assert sizes[3:6] == [full, full, full] and sizes[6] < full - (nblocks - 1) * exp_bytes
+    full = sections(N, BLOCK, LAYOUTS[dtype], tile_blocks(BLOCK)).capacity  # every block's exponents
+    raw = HEADER_BYTES + 2 * N  # what is sent instead: the raw values are smaller
+    assert keyframe.numel() == raw and keyframe[3] & FLAG_RAW
+    assert sizes[:3] == [raw, raw, full - n_counted * exp_bytes]
+    assert sizes[3:6] == [raw, raw, raw] and sizes[6] < full - (nblocks - 1) * exp_bytes
     assert stats == [nblocks, 0, nblocks - n_counted, nblocks, nblocks, 0, 0]
 
 
@@ -146,12 +148,14 @@ def test_payload_layout_sizes(dtype):
     assert sec.table == HEADER_BYTES + 16  # 2 bitmap bytes, padded to 16
     assert sec.ntiles == 1 and sec.sm == sec.table + 16  # one tile of 64 blocks: 4 bytes, padded to 16
     assert sec.exp == sec.sm + -(-field_nbytes(1000, sm_bits) // 16) * 16
-    assert codec.encode(shard).numel() == sec.exp + field_nbytes(nblocks * BLOCK, exp_bits) == sec.capacity
+    assert sec.capacity == sec.exp + field_nbytes(nblocks * BLOCK, exp_bits)
+    assert codec.encode(shard).numel() == HEADER_BYTES + 2 * 1000 < sec.capacity  # a keyframe: raw values are smaller
     assert codec.encode(shard).numel() == sec.exp  # nothing changed: no exponents at all
 
 
 def test_bf16_payload_bytes():
-    """Version 3, byte by byte: header | bitmap | tile table | sign+mantissa | exponents of the changed blocks."""
+    """Version 4, byte by byte: header | bitmap | tile table | sign+mantissa | exponents of the changed blocks, the
+    last (partial) block's only for its 40 values."""
     g = torch.Generator().manual_seed(5)
     n = 1000
     shard = (torch.randn(n, generator=g) * 0.02).bfloat16()
@@ -163,14 +167,14 @@ def test_bf16_payload_bytes():
     payload = codec.encode(new)
     sec = sections(n, BLOCK, LAYOUTS[torch.bfloat16], tile_blocks(BLOCK))
     assert tile_blocks(BLOCK) == 64  # the whole shard is one tile, whose changed blocks start at slot 0
-    assert payload[:8].tolist() == [ord("C"), ord("E"), VERSION, 0, 6, 0, 6, 0]
-    assert payload[8:32].clone().view(torch.int64).tolist() == [n, 2, 2 * BLOCK]
+    assert payload[:8].tolist() == [ord("C"), ord("E"), VERSION, FLAG_LAST, 6, 0, 6, 0]
+    assert payload[8:32].clone().view(torch.int64).tolist() == [n, 2, BLOCK + n - 15 * BLOCK]
     assert payload[32:34].tolist() == [0b10, 0b10000000] and not payload[34:sec.sm].any()
     w = new.view(torch.int16).to(torch.int32) & 0xFFFF
     assert torch.equal(payload[sec.sm:sec.sm + n], (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8))
     assert not payload[sec.sm + n:sec.exp].any()
     exp = torch.nn.functional.pad((w >> 7) & 0xFF, (0, 16 * BLOCK - n)).view(16, BLOCK)[[1, 15]]
-    assert torch.equal(payload[sec.exp:], exp.to(torch.uint8).view(-1))
+    assert torch.equal(payload[sec.exp:], exp.to(torch.uint8).view(-1)[:BLOCK + n - 15 * BLOCK])
 
 
 def test_raw_and_ans_decode_identically_and_ans_is_smaller():
@@ -202,17 +206,23 @@ def _reorder_tile_runs(payload, order=None):
     nblocks = -(-n // B)
     changed = unpack_field(payload[HEADER_BYTES:sec.table], nblocks, 1).bool()
     exps = payload[sec.exp:]
-    exps = ans.decode(exps, n_changed * B) if flags & FLAG_ANS else unpack_field(exps, n_changed * B, layout.exp_bits)
+    count = exponent_count(n, B, n_changed, bool(flags & FLAG_LAST))
+    exps = ans.decode(exps, count) if flags & FLAG_ANS else unpack_field(exps, count, layout.exp_bits)
+    exps = torch.nn.functional.pad(exps, (0, n_changed * B - count))
     slots = block_slots_reference(changed, payload[sec.table:sec.table + 4 * sec.ntiles].clone().view(torch.int32),
-                                  tiles)
+                                  tiles, n_changed)
     by_block = torch.zeros(nblocks, B, dtype=torch.int32)
     by_block[changed] = exps.view(-1, B)[slots[changed]].to(torch.int32)
     tile_of = torch.arange(nblocks) // tiles
+    others = changed.clone()
+    others[-1] = False  # the last block: the last slot, its values' exponents only
     order = range(sec.ntiles) if order is None else order
-    runs = [by_block[changed & (tile_of == t)].view(-1) for t in order]
+    runs = [by_block[others & (tile_of == t)].view(-1) for t in order]
     counts = torch.tensor([r.numel() // B for r in runs], dtype=torch.int32)
     table = torch.zeros(sec.ntiles, dtype=torch.int32)
     table[list(order)] = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    if changed[-1]:
+        runs.append(by_block[-1][:n - (nblocks - 1) * B])
     exp_section = pack_field(torch.cat(runs), layout.exp_bits) if runs else payload.new_zeros(0)
     header = HEADER.pack(magic, version, flags & ~FLAG_ANS, log2_block, dtype_code, log2_tile, n, n_changed,
                          exp_section.numel())
@@ -278,11 +288,91 @@ def test_empty_shard_and_errors():
         receiver.decode(0, sender.encode(x), torch.zeros_like(x))
     with pytest.raises(RuntimeError, match="fixed size"):
         sender.encode(x[:10])
-    with pytest.raises(RuntimeError, match="its header says"):
+    with pytest.raises(ValueError, match="has 631 bytes, its header gives 632"):  # a raw keyframe, cut short
         CieraCodec(CieraConfig(BLOCK), 2, 1).decode(0, CieraCodec(CieraConfig(BLOCK), 2, 0).encode(x)[:-1],
                                                     torch.zeros_like(x))
-    with pytest.raises(RuntimeError, match="does not match"):
+    with pytest.raises(ValueError, match="does not match"):
         receiver.decode(0, CieraCodec(CieraConfig(BLOCK), 2, 0).encode(x), torch.zeros(301, dtype=torch.bfloat16))
+
+
+
+@pytest.mark.parametrize("coder", ["raw", "ans"])
+@pytest.mark.parametrize("block_size, n, changed", [(65536, 513, [0]), (512, 1, [0]), (512, 513, [512]),
+                                                    (64, 100_000, "all"), (512, 4099, [0, 4098])])
+def test_payload_never_exceeds_raw_plus_header(coder, block_size, n, changed):
+    """A last block mostly padding (513 values at B = 65536 cost 64.5x raw; one changed value at B = 512, 592 B),
+    a keyframe, every block changed at B = 64 (bitmap and table 0.15%): at most the raw values behind the 32-byte
+    header (within the wanted 1.001x + 64 B), sent raw where the coded payload is larger, decoding bit-exactly,
+    and the next payload coded against them."""
+    g = torch.Generator().manual_seed(n)
+    sender, receiver = CieraCodec(CieraConfig(block_size, exponent_coder=coder), 2, 0), CieraCodec(
+        CieraConfig(block_size, exponent_coder=coder), 2, 1)
+    x = (torch.randn(n, generator=g) * 0.02).bfloat16()
+    out = torch.zeros_like(x)
+    for step in range(3):
+        payload = sender.encode(x)
+        assert payload.numel() <= HEADER_BYTES + 2 * n <= 1.001 * 2 * n + 64, (step, payload.numel())
+        receiver.decode(0, payload, out)
+        assert torch.equal(_bits(out), _bits(x)), step
+        x = x.clone()
+        if changed == "all":
+            x = (x.float() * 3).bfloat16()
+        else:
+            x[changed] = x[changed] * 5
+    for _ in range(2):  # (after an encode where all blocks changed, the next sends all: raw)
+        receiver.decode(0, sender.encode(x), out)
+    small = x.clone()
+    small[-1] = -small[-1]  # sign+mantissa only: coded (no exponents), not raw
+    payload = sender.encode(small)
+    assert not payload[3] & FLAG_RAW or n == 1
+    receiver.decode(0, payload, out)
+    assert torch.equal(_bits(out), _bits(small))
+
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size, n", [(65536, 4 * 65536 + 1), (512, 5 * 512 + 3), (64, 640)])
+def test_last_block_sends_only_its_values_exponents(dtype, block_size, n):
+    """A changed partial last block costs its values' exponents, not a whole block's (4 x 65536 + 1 values at
+    B = 65536 used to pay 65535 padding bytes); with another block changed before it, in either tile order."""
+    g = torch.Generator().manual_seed(n)
+    sender, receiver = CieraCodec(CieraConfig(block_size), 2, 0), CieraCodec(CieraConfig(block_size), 2, 1)
+    x = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    out = torch.zeros_like(x)
+    receiver.decode(0, sender.encode(x), out)
+    layout, nblocks = LAYOUTS[dtype], -(-n // block_size)
+    sec = sections(n, block_size, layout, tile_blocks(block_size))
+    left = n - (nblocks - 1) * block_size
+    for others in ([], [0]):
+        y = x.clone()
+        y[[-1] + others] *= 8
+        payload = sender.encode(y)
+        assert payload[3] & FLAG_LAST and not payload[3] & FLAG_RAW
+        assert payload.numel() == sec.exp + field_nbytes(len(others) * block_size + left, layout.exp_bits)
+        receiver.decode(0, payload, out)
+        assert torch.equal(_bits(out), _bits(y))
+        x = y
+
+
+def test_cut_payload_is_a_clear_error():
+    """A coded payload cut by any number of bytes, or one byte long, is a ValueError naming the length, and
+    another format's bytes one naming the magic."""
+    sender, receiver = CieraCodec(CieraConfig(BLOCK), 2, 0), CieraCodec(CieraConfig(BLOCK), 2, 1)
+    x = (torch.randn(3000) * 0.02).bfloat16()
+    receiver.decode(0, sender.encode(x), torch.zeros_like(x))
+    y = x.clone()
+    y[::500] *= 8
+    payload = sender.encode(y)
+    assert not payload[3] & FLAG_RAW
+    for cut in list(range(1, 9)) + [payload.numel() - HEADER_BYTES]:
+        with pytest.raises(ValueError, match="CIERA payload from rank 0 has .* bytes, its header gives"):
+            receiver.decode(0, payload[:-cut], torch.zeros_like(x))
+    with pytest.raises(ValueError, match="its header gives"):
+        receiver.decode(0, torch.cat([payload, payload[:1]]), torch.zeros_like(x))
+    with pytest.raises(ValueError, match="less than its header"):
+        receiver.decode(0, payload[:HEADER_BYTES - 1], torch.zeros_like(x))
+    with pytest.raises(ValueError, match="magic"):
+        receiver.decode(0, torch.zeros_like(payload), torch.zeros_like(x))
 
 
 def _splitmix_block_hash(exp_bytes: bytes, seed: int) -> int:
@@ -337,6 +427,7 @@ def _check_fused_matches_reference():
     from kernels import ciera as k
 
     reference_path = k.use_triton
+    kinds = set()  # (raw, last block changed) of the coded payloads
     # odd and even shards: the split reads pairs of values, an odd shard's last one alone
     for block, mode, coder, n in [(64, "compare", "raw", 9037), (1024, "compare", "raw", 9036),
                                   (8192, "compare", "raw", 9037), (64, "hash", "ans", 9036),
@@ -357,12 +448,14 @@ def _check_fused_matches_reference():
                 fused.finish_encode(start, got)
                 assert torch.equal(start.header, got[:32]), (block, mode, step)
             assert torch.equal(got, want), (block, mode, step)
+            kinds.add((bool(got[3] & FLAG_RAW), bool(got[3] & FLAG_LAST)))
             assert fused.last_stats == reference.last_stats
             receiver._synced.add(0)
             receiver.decode(0, got, outs[1])
             for out in outs:
                 assert torch.equal(_bits(out), _bits(shard)), (block, mode, step)
         k.use_triton = reference_path
+    assert kinds == {(True, False), (False, True), (False, False)}, kinds  # raw, last block trimmed, or neither
 
 
 def _check_fused_hashes_match_reference():

@@ -4,6 +4,8 @@ bad input, the Triton kernels against their references (TRITON_INTERPRET=1, in a
 the flag is read when ``@triton.jit`` decorates), and the wire ratio on a simulated AdamW run."""
 
 import json
+from contextlib import nullcontext
+from unittest import mock
 import os
 import subprocess
 import sys
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from compression.codec import CastShard, Segments, shard_of
-from compression.delta import HEADER, DeltaCodec, DeltaConfig, _Layout
+from compression.delta import FLAG_FP16, FLAG_RAW, HEADER, DeltaCodec, DeltaConfig, _Layout
 from kernels import delta as kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +109,7 @@ def test_unchanged_shard_costs_a_byte_per_block():
     payload = codec.encode(x.clone())
     stats = codec.last_stats
     assert stats["blocks_total"] == 40 and stats["blocks_changed"] == 0 and stats["values_changed"] == 0
-    assert payload.numel() == 24 + 40 + 8  # header, one code byte per block, the entry of the one group (64 blocks)
+    assert payload.numel() == HEADER.size + 40 + 8  # header, one code byte per block, the entry of the one group (64 blocks)
 
 
 def test_all_changed_stays_bounded_and_counts_are_right():
@@ -118,9 +120,8 @@ def test_all_changed_stays_bounded_and_counts_are_right():
     payload = codec.encode(as_float(b, torch.bfloat16))
     assert codec.last_stats["values_changed"] == int((a != b).sum())
     assert codec.last_stats["blocks_changed"] == 8
-    # worst case: 17 bits per value (whole bytes per block here) plus the codes, the one group entry and per block
-    # the offset, exception width and bitmap
-    assert payload.numel() <= 24 + 8 + 8 + 8 * (2 + 1 + 16) + (1000 * 17 + 7) // 8
+    # worst case: the raw values behind the header (a delta of random bits is larger)
+    assert payload.numel() == HEADER.size + 2 * 1000 and codec.last_stats["raw"]
 
 
 def test_ranks_decode_each_other_over_many_steps():
@@ -194,6 +195,56 @@ def test_bad_input_is_rejected():
         codec.encode(torch.zeros(1, dtype=torch.bfloat16).expand(2**31))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size, n", [(32, 1), (64, 333), (256, 100_003), (8192, 9000)])
+def test_incompressible_shards_cost_at_most_raw_plus_header(dtype, block_size, n):
+    """Random bits and all-NaN patterns after random bits (no delta pays): each payload is the raw values behind the
+    32-byte header (1.000x + 32 B, within the wanted 1.001x + 64 B), decodes bit-exactly, and the next delta is coded
+    against the values sent raw (the sender state moved on: no keyframe)."""
+    g = torch.Generator().manual_seed(n)
+    codec = DeltaCodec(DeltaConfig(block_size), 1, 0)
+    nan_patterns = torch.randint(0x7F81, 0x7FFF, (n,), generator=g).to(torch.int16)  # bf16 and fp16 NaNs
+    steps = [random_bits(n, g), random_bits(n, g), nan_patterns, random_bits(n, g)]
+    out = torch.zeros(n, dtype=dtype)
+    for step, bits in enumerate(steps):
+        payload = codec.encode(as_float(bits, dtype))
+        assert payload.numel() <= HEADER.size + 2 * n <= 1.001 * 2 * n + 64, (step, payload.numel())
+        assert codec.last_stats["raw"] == (step > 0) and payload[5] & FLAG_RAW == (FLAG_RAW if step else 0)
+        codec.decode(0, payload, out)
+        assert_same_bits(out, bits)
+    nudged = nudge(steps[-1], 0.05, 1, g)
+    payload = codec.encode(as_float(nudged, dtype))
+    assert not codec.last_stats["keyframe"] and codec.last_stats["raw"] == (n == 1)  # one value: raw is smaller
+    codec.decode(0, payload, out)
+    assert_same_bits(out, nudged)
+
+
+def test_cut_or_padded_payload_is_a_clear_error():
+    """A payload cut short by any number of bytes (or one byte too long) is a ValueError naming the length, never
+    wrong values or an IndexError; so is a header whose nbytes disagrees with the payload."""
+    codec = DeltaCodec(DeltaConfig(64), 2, 0)
+    g = torch.Generator().manual_seed(5)
+    first = random_bits(1000, g)
+    codec.encode(as_float(first, torch.bfloat16))
+    payload = codec.encode(as_float(nudge(first, 0.3, 3, g), torch.bfloat16))
+    assert not codec.last_stats["raw"]
+    for cut in list(range(1, 9)) + [payload.numel() // 2, payload.numel() - HEADER.size, payload.numel() - 1]:
+        out = as_float(first, torch.bfloat16)
+        with pytest.raises(ValueError, match="delta payload from rank 1 has"):
+            codec.decode(1, payload[:-cut], out)
+        assert_same_bits(out, first)  # nothing written
+    with pytest.raises(ValueError, match=f"has {payload.numel() + 1} bytes, its header gives {payload.numel()}"):
+        codec.decode(1, torch.cat([payload, payload[:1]]), as_float(first, torch.bfloat16))
+    lying = payload.clone()
+    lying[24:32] = torch.tensor([payload.numel() - 5], dtype=torch.int64).view(torch.uint8)
+    with pytest.raises(ValueError, match="its header gives"):
+        codec.decode(1, lying, as_float(first, torch.bfloat16))
+    raw = codec.encode(as_float(random_bits(1000, g), torch.bfloat16))
+    with pytest.raises(ValueError, match="has 2031 bytes, its header gives 2032"):
+        codec.decode(1, raw[:-1], as_float(first, torch.bfloat16))
+
+
 def test_wire_ratio_on_simulated_adamw():
     """Floors just under this trajectory's ratios (32K values, steps 12-24: 5.30x at lr 1e-4, 11.38x at
     lr 1e-5; deterministic) and above what format version 1 (17-bit exceptions) gets on it (4.70x and
@@ -229,7 +280,7 @@ def _check_triton_matches_reference(device="cpu", cases=((torch.bfloat16, 32, 10
                 tri.finish_encode(start, tri_payload)
                 tri_payload = tri_payload.cpu()
                 assert torch.equal(start.header.cpu(), tri_payload[:start.header.numel()]), (block_size, n, step)
-                assert start.header.numel() == min(24, tri_payload.numel())
+                assert start.header.numel() == min(HEADER.size, tri_payload.numel())
             assert torch.equal(payload, tri_payload), (dtype, block_size, n, step,
                                                        _first_difference(payload, tri_payload))
             assert tri.last_stats == ref.last_stats, (block_size, n, step)
@@ -368,7 +419,7 @@ def _check_decode_gathered(device="cpu", triton=False, world=3, receiver=1):
             else:
                 received_own.copy_(own)
             decoder.decode_gathered(received_target, gathered[:world * stride], stride, [p.numel() for p in payloads],
-                                    [bytes(p[:24].cpu().tolist()) for p in payloads], receiver)
+                                    [bytes(p[:HEADER.size].cpu().tolist()) for p in payloads], receiver)
             assert torch.equal(received.view(torch.int16), storage.view(torch.int16)), (fused, step)
 
 
@@ -381,64 +432,68 @@ def _check_slots(device="cpu", triton=False, world=3, receiver=1):
     its slot of a capacity between the payloads' sizes (so that some outgrow it) over junk, ``decode_slots`` applying
     exactly the payloads that fit and leaving the other sources' previous values, into a bucket buffer and into
     ``Segments``, through every step of the trajectory. Slot bytes equal the reference codec's payloads."""
-    block_size, sizes = 64, (200, 77)
-    slack = kernels.read_slack_bytes(block_size)
-    for fused in (False, True):
-        sizes_used = sizes if fused else sizes[:1]
-        storage = torch.zeros(world * sum(sizes_used), dtype=torch.bfloat16, device=device)
-        buffers = list(storage.split([world * n for n in sizes_used]))
-        target = Segments(buffers, world) if fused else buffers[0]
-        received = storage.clone()
-        received_buffers = list(received.split([world * n for n in sizes_used]))
-        received_target = Segments(received_buffers, world) if fused else received_buffers[0]
-        steps = {(r, k): trajectory(n, seed=100 * r + n) for r in range(world) for k, n in enumerate(sizes_used)}
-        senders = [DeltaCodec(DeltaConfig(block_size), world, r, triton=triton) for r in range(world)]
-        references = [DeltaCodec(DeltaConfig(block_size), world, r, triton=False) for r in range(world)]
-        decoder = DeltaCodec(DeltaConfig(block_size), world, receiver, triton=triton)
-        overflowed = 0
-        for step in range(len(steps[0, 0])):
-            previous = received.clone()
-            for (r, k), bits in steps.items():
-                buffers[k][r * sizes_used[k]:(r + 1) * sizes_used[k]].view(torch.int16).copy_(bits[step].to(device))
-            payloads = [codec.encode(shard_of(target, r, world)) for r, codec in enumerate(references)]
-            starts = [codec.begin_encode(shard_of(target, r, world)) for r, codec in enumerate(senders)]
-            if step == 0:  # keyframes go through the size exchange
-                assert not any(c.sync_free(s) for c, s in zip(senders, starts))
-                for codec, start, payload in zip(senders, starts, payloads):
-                    out = torch.empty_like(payload)
-                    codec.finish_encode(start, out)
-                received.copy_(storage)
-                continue
-            assert all(c.sync_free(s) for c, s in zip(senders, starts)), step
-            capacity = sorted(p.numel() for p in payloads)[world // 2]
-            width = 16 + -(-capacity // 16) * 16
-            gathered = torch.full((world * width + slack,), 0xAB, dtype=torch.uint8, device=device)
-            rows = gathered[:world * width].view(world, width)
-            for r, (codec, start) in enumerate(zip(senders, starts)):
-                codec.finish_encode_into_slot(start, rows[r, 16:16 + capacity], rows[r, :8].view(torch.int64))
-                codec.encode_stats(start)
-                assert codec.last_stats["payload_bytes"] == payloads[r].numel(), (fused, step, r)
-            sent_sizes = rows[:, :8].view(torch.int64)[:, 0]
-            assert sent_sizes.tolist() == [p.numel() for p in payloads], (fused, step)
-            fits = [p.numel() <= capacity for p in payloads]
-            for r, p in enumerate(payloads):
-                if fits[r]:
-                    assert torch.equal(rows[r, 16:16 + p.numel()].cpu(), p.cpu()), (fused, step, r)
-            received_own, own = shard_of(received_target, receiver, world), shard_of(target, receiver, world)
-            if fused:
-                received_own.write_padded(own.padded(block_size), block_size)
-            else:
-                received_own.copy_(own)
-            decoder.decode_slots(received_target, gathered[16:], width, sent_sizes, capacity, receiver)
-            for r in range(world):
-                want = storage if fits[r] or r == receiver else previous
-                for k, n in enumerate(sizes_used):
-                    got = received_buffers[k][r * n:(r + 1) * n].view(torch.int16)
-                    assert torch.equal(got, want.split([world * m for m in sizes_used])[k][r * n:(r + 1) * n].view(
-                        torch.int16)), (fused, step, r, fits)
-            overflowed += not all(fits)
-            received.copy_(storage)  # what the gather's uncompressed fallback gives every rank
-        assert overflowed >= 3, overflowed  # the capacity sits between the sizes: the largest payloads outgrow it
+    # a Triton slot carries the delta even where the raw values would be smaller (kernels check the delta header
+    # there): on that path the codecs code deltas only, so that the references' payloads are the slots' bytes
+    deltas_only = mock.patch("compression.delta.raw_nbytes", lambda *args: 1 << 62) if triton else nullcontext()
+    with deltas_only:
+        block_size, sizes = 64, (200, 77)
+        slack = kernels.read_slack_bytes(block_size)
+        for fused in (False, True):
+            sizes_used = sizes if fused else sizes[:1]
+            storage = torch.zeros(world * sum(sizes_used), dtype=torch.bfloat16, device=device)
+            buffers = list(storage.split([world * n for n in sizes_used]))
+            target = Segments(buffers, world) if fused else buffers[0]
+            received = storage.clone()
+            received_buffers = list(received.split([world * n for n in sizes_used]))
+            received_target = Segments(received_buffers, world) if fused else received_buffers[0]
+            steps = {(r, k): trajectory(n, seed=100 * r + n) for r in range(world) for k, n in enumerate(sizes_used)}
+            senders = [DeltaCodec(DeltaConfig(block_size), world, r, triton=triton) for r in range(world)]
+            references = [DeltaCodec(DeltaConfig(block_size), world, r, triton=False) for r in range(world)]
+            decoder = DeltaCodec(DeltaConfig(block_size), world, receiver, triton=triton)
+            overflowed = 0
+            for step in range(len(steps[0, 0])):
+                previous = received.clone()
+                for (r, k), bits in steps.items():
+                    buffers[k][r * sizes_used[k]:(r + 1) * sizes_used[k]].view(torch.int16).copy_(bits[step].to(device))
+                payloads = [codec.encode(shard_of(target, r, world)) for r, codec in enumerate(references)]
+                starts = [codec.begin_encode(shard_of(target, r, world)) for r, codec in enumerate(senders)]
+                if step == 0:  # keyframes go through the size exchange
+                    assert not any(c.sync_free(s) for c, s in zip(senders, starts))
+                    for codec, start, payload in zip(senders, starts, payloads):
+                        out = torch.empty_like(payload)
+                        codec.finish_encode(start, out)
+                    received.copy_(storage)
+                    continue
+                assert all(c.sync_free(s) for c, s in zip(senders, starts)), step
+                capacity = sorted(p.numel() for p in payloads)[world // 2]
+                width = 16 + -(-capacity // 16) * 16
+                gathered = torch.full((world * width + slack,), 0xAB, dtype=torch.uint8, device=device)
+                rows = gathered[:world * width].view(world, width)
+                for r, (codec, start) in enumerate(zip(senders, starts)):
+                    codec.finish_encode_into_slot(start, rows[r, 16:16 + capacity], rows[r, :8].view(torch.int64))
+                    codec.encode_stats(start)
+                    assert codec.last_stats["payload_bytes"] == payloads[r].numel(), (fused, step, r)
+                sent_sizes = rows[:, :8].view(torch.int64)[:, 0]
+                assert sent_sizes.tolist() == [p.numel() for p in payloads], (fused, step)
+                fits = [p.numel() <= capacity for p in payloads]
+                for r, p in enumerate(payloads):
+                    if fits[r]:
+                        assert torch.equal(rows[r, 16:16 + p.numel()].cpu(), p.cpu()), (fused, step, r)
+                received_own, own = shard_of(received_target, receiver, world), shard_of(target, receiver, world)
+                if fused:
+                    received_own.write_padded(own.padded(block_size), block_size)
+                else:
+                    received_own.copy_(own)
+                decoder.decode_slots(received_target, gathered[16:], width, sent_sizes, capacity, receiver)
+                for r in range(world):
+                    want = storage if fits[r] or r == receiver else previous
+                    for k, n in enumerate(sizes_used):
+                        got = received_buffers[k][r * n:(r + 1) * n].view(torch.int16)
+                        assert torch.equal(got, want.split([world * m for m in sizes_used])[k][r * n:(r + 1) * n].view(
+                            torch.int16)), (fused, step, r, fits)
+                overflowed += not all(fits)
+                received.copy_(storage)  # what the gather's uncompressed fallback gives every rank
+            assert overflowed >= 3, overflowed  # the capacity sits between the sizes: the largest payloads outgrow it
 
 
 def test_slots_reference():
@@ -554,7 +609,7 @@ def _reference_records(prev: torch.Tensor, bits: torch.Tensor, block_size: int, 
     e = kernels.EncodedBlocks(codes=a.codes, counts=a.counts, n_esc=a.n_esc, exc_widths=a.exc_widths, nbytes=nbytes,
                               tile_sums=tile_sums,
                               span_starts=torch.full((-(-n_tiles // kernels.SPAN_TILES),), -1, dtype=torch.int64),
-                              totals=torch.full((4,), -1, dtype=torch.int64), records=rows.view(torch.int32))
+                              totals=torch.full((5,), -1, dtype=torch.int64), records=rows.view(torch.int32))
     return kernels.EncodedBlocks(**{k: v.to(device) for k, v in vars(e).items()})
 
 
@@ -574,15 +629,24 @@ def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5),
         for step, (prev, bits) in enumerate(zip(steps, steps[1:])):
             payload = ref.encode(as_float(bits, torch.bfloat16))
             e = _reference_records(prev, bits, block_size, device)
-            header = torch.full((4,), 0xA5, dtype=torch.uint8, device=device)
+            headers = torch.full((2 * HEADER.size,), 0xA5, dtype=torch.uint8, device=device)
             layout = _Layout.of(n, block_size)
-            kernels.scan_tiles(e, header, layout.regions)
-            assert e.totals.tolist() == [(e.codes != 0).sum(), e.counts.sum(), e.nbytes.sum(), payload.numel()]
-            assert torch.equal(header.cpu(), payload[12:16]), (block_size, step)  # n_changed
+            delta_size = layout.regions + 3 * int((e.codes != 0).sum()) + int(e.nbytes.sum())
+            kernels.scan_tiles(e, headers, layout.regions, HEADER.size + 2 * n, 0, FLAG_RAW)
+            assert e.totals.tolist() == [(e.codes != 0).sum(), e.counts.sum(), e.nbytes.sum(), payload.numel(),
+                                         delta_size]
+            raw = ref.last_stats["raw"]
+            assert raw == (delta_size > HEADER.size + 2 * n), (block_size, step)
+            for h, (flags, size) in enumerate(((FLAG_RAW if raw else 0, payload.numel()), (0, delta_size))):
+                fields = headers[h * HEADER.size:][:HEADER.size].cpu()  # flags, n_changed, nbytes
+                assert fields[5] == flags and torch.equal(fields[12:16], payload[12:16]), (block_size, step, h)
+                assert fields[24:32].view(torch.int64).item() == size, (block_size, step, h)
+            if raw:  # the records of the delta are what a slot would send
+                continue
             for lead in range(4):  # the payload at every offset in a 32-bit word; the bytes around it untouched
                 buffer = torch.full((payload.numel() + 8,), 0x5A, dtype=torch.uint8, device=device)
                 gathered = buffer[lead:lead + payload.numel()]
-                kernels.gather_records(e, gathered, bytes(payload[:24].tolist()), layout.groups, layout.regions,
+                kernels.gather_records(e, gathered, bytes(payload[:HEADER.size].tolist()), layout.groups, layout.regions,
                                        block_size)
                 assert torch.equal(gathered.cpu(), payload), (block_size, step, lead,
                                                               _first_difference(payload, gathered.cpu()))
@@ -593,7 +657,7 @@ def _check_tiled_kernels_match_reference(device="cpu", cases=((32, 69 * 32 - 5),
                 padded = torch.cat([payload.new_zeros(at), payload, slack])
                 p = padded.to(device)[at:at + payload.numel()]
                 out = prev.clone().to(device)
-                kernels.decode_blocks(out, kernels.Payloads(p, 1, 0, layout.n_blocks, 24, layout.groups,
+                kernels.decode_blocks(out, kernels.Payloads(p, 1, 0, layout.n_blocks, HEADER.size, layout.groups,
                                                             layout.regions), block_size)
                 assert torch.equal(out.cpu(), bits), (block_size, step)
 
@@ -611,8 +675,8 @@ def _check_scan_tiles(device="cpu", n_tiles=1001, max_chunk=16, block_size=8192)
     n_spans = -(-n_tiles // kernels.SPAN_TILES)
     e.tile_sums = _tile_fields(nbytes, values, blocks).to(device)
     e.span_starts = torch.full((n_spans,), -1, dtype=torch.int64, device=device)
-    header = torch.zeros(4, dtype=torch.uint8, device=device)
-    kernels.scan_tiles(e, header, 1000, max_chunk=max_chunk)
+    headers = torch.zeros(2 * HEADER.size, dtype=torch.uint8, device=device)
+    kernels.scan_tiles(e, headers, 1000, 2**62, FLAG_FP16, FLAG_RAW, max_chunk=max_chunk)
     spans = torch.arange(n_tiles) // kernels.SPAN_TILES
     span_bytes = torch.zeros(n_spans, dtype=torch.int64).index_add_(0, spans, nbytes)
     span_blocks = torch.zeros(n_spans, dtype=torch.int64).index_add_(0, spans, blocks)
@@ -620,8 +684,10 @@ def _check_scan_tiles(device="cpu", n_tiles=1001, max_chunk=16, block_size=8192)
     assert torch.equal(starts & 0xFFFFFFFF, torch.cumsum(span_bytes, 0) - span_bytes)
     assert torch.equal(starts >> 32, torch.cumsum(span_blocks, 0) - span_blocks)
     total = [int(blocks.sum()), int(values.sum()), int(nbytes.sum())]
-    assert e.totals.cpu().tolist() == total + [1000 + 3 * total[0] + total[2]]
-    assert header.cpu().tolist() == list(total[0].to_bytes(4, "little"))
+    assert e.totals.cpu().tolist() == total + 2 * [1000 + 3 * total[0] + total[2]]
+    for h in range(2):
+        fields = headers[h * HEADER.size:][:HEADER.size].cpu()
+        assert fields[5] == FLAG_FP16 and fields[12:16].tolist() == list(total[0].to_bytes(4, "little"))
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:

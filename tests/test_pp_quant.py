@@ -233,6 +233,28 @@ def test_flag_errors():
     assert args.pp_comm_compress_grads is False and args.pp_comm_bits == 4 and args.pp_comm_tile_size == 64
 
 
+def test_wire_larger_than_bf16_is_a_start_up_error():
+    """Hidden 384 at tile 1024 and 8 bits would send 2.67 bytes per value (each token padded to a whole tile),
+    more than bf16: an error at flag validation naming the tile size that fits, and from the codec itself; the
+    default tile, and 1024 where the hidden size fills it, stay below bf16."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    config = TahQuantConfig(bits=8, tile_size=1024)
+    assert config.bytes_per_value(384) == pytest.approx((2 + 1024 + 1 / 8) / 384)
+    with pytest.raises(ValueError, match=r"would send 2\.67 bytes per value of hidden size 384.*"
+                                         r"use --pp-comm-tile-size 512 or less"):
+        TahQuantCodec(config, hidden_size=384)
+    base = ("--num-layers 4 --hidden-size 384 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+            "--lr 1e-3 --train-iters 1 --mock-data --transformer-impl local --pp-comm-compression tahquant "
+            "--pipeline-model-parallel-size 2 --pp-comm-bits 8")
+    with pytest.raises(ValueError, match="--pp-comm-tile-size 1024, --pp-comm-bits 8"):
+        validate_args(parse_args((base + " --pp-comm-tile-size 1024").split()), world_size=2, rank=0)
+    validate_args(parse_args(base.split()), world_size=2, rank=0)
+    codec = TahQuantCodec(config, hidden_size=2048)
+    assert codec.wire_nbytes(2048 * 64) < 2 * 2048 * 64
+    assert TahQuantConfig().bytes_per_value(384) < 0.6
+
+
 def test_install_and_remove_swap_only_the_schedules_communicator():
     from types import SimpleNamespace
 

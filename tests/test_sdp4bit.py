@@ -328,6 +328,31 @@ def test_weight_diff_codec_on_cuda_follows_cpu():
         assert all(torch.equal(b.view(torch.int16), want_buffers[0].view(torch.int16)) for b in buffers), run
 
 
+def test_cut_payload_is_a_clear_error():
+    """A weight-difference payload or keyframe cut short (or of another group size) is a ValueError naming both
+    lengths it could have, not an IndexError or values read from the wrong bytes; so is a gradient row."""
+    from compression.sdp4bit import WeightDiffCodec, decode_sum, encode_rows
+
+    codec = WeightDiffCodec(Sdp4bitConfig(group_size=64, weight_bits=4), 2, 0)
+    x = torch.randn(1000).bfloat16()
+    keyframe = codec.encode(x)
+    difference = codec.encode((x.float() + 1e-2).bfloat16())
+    receiver = WeightDiffCodec(Sdp4bitConfig(group_size=64, weight_bits=4), 2, 1)
+    out = torch.zeros_like(x)
+    receiver.decode(0, keyframe, out)
+    for payload in (keyframe, difference):
+        for cut in (1, 4, 8, payload.numel() // 2):
+            with pytest.raises(ValueError, match=f"from rank 0 has {payload.numel() - cut} bytes.*expected 2000 "
+                                                 f"\\(keyframe\\) or 576"):
+                receiver.decode(0, payload[:-cut], out)
+    with pytest.raises(ValueError, match="--sdp4bit-group-size 128"):
+        WeightDiffCodec(Sdp4bitConfig(group_size=128), 2, 1).decode(0, difference, out)
+    config = HadamardQuantConfig(bits=8, block_size=128)
+    wire = encode_rows(torch.randn(2, 300), config)
+    with pytest.raises(ValueError, match="has 383 bytes, a row needs 396"):
+        decode_sum(wire[:, :-13], 0, 300, config)
+
+
 # --- flags -------------------------------------------------------------------------------------
 
 

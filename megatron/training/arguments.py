@@ -1552,7 +1552,9 @@ def _validate_compression(args) -> None:
     DeltaConfig(block_size=args.delta_block_size)
     Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
     HadamardQuantConfig(block_size=args.grad_reduce_block_size)
-    TahQuantConfig.from_args(args)
+    tahquant = TahQuantConfig.from_args(args)
+    if args.pp_comm_compression == "tahquant" and args.hidden_size:
+        tahquant.check_hidden_size(args.hidden_size)
     _check(not args.tp_comm_cuda_graphs or args.tp_comm_compression == "taco",
            "--tp-comm-cuda-graphs replays TACO's compressed TP collectives: add --tp-comm-compression taco")
     min_bytes = str(args.tp_comm_compression_min_bytes)
