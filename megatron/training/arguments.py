@@ -610,6 +610,11 @@ class CompressionArgs:
     tp_comm_cuda_graphs: bool = arg(
         False, "Replay each compressed TP collective of a fixed shape as a CUDA graph (after 2 eager calls), "
         "cutting its host cost; a replayed collective completes before the next GEMM (no comm/compute overlap).")
+    tp_comm_emulate: int = arg(
+        1, "With --tensor-model-parallel-size 1 and --tp-comm-compression taco: give every TP collective the numerics "
+        "of a TP=N run (the N partial sums and shards coded and combined as the compressed collectives do, with "
+        "--sequence-parallel the SP ones), in one process: the convergence of compressed TP=N on one GPU "
+        "(docs/tp-emulation.md). 1: off.")
     taco_block_size: int = arg(256, "TACO block size (power of two, 32..1024).")
     taco_format: str = arg("int8", "TACO element format: int8 (default, best error and convergence in our "
                            "runs) or the paper's e4m3, or e5m2.", choices=["e4m3", "e5m2", "int8"])
@@ -918,8 +923,9 @@ def _validate_parallel(args) -> None:
            f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}: change the sizes or the process count")
     args.data_parallel_size = args.world_size // model_parallel
-    _check(not args.sequence_parallel or tp > 1,
-           "--sequence-parallel needs --tensor-model-parallel-size > 1: drop --sequence-parallel or raise TP")
+    _check(not args.sequence_parallel or tp > 1 or args.tp_comm_emulate > 1,
+           "--sequence-parallel needs --tensor-model-parallel-size > 1 (or --tp-comm-emulate N): drop "
+           "--sequence-parallel or raise TP")
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
@@ -1535,6 +1541,7 @@ def _validate_compression(args) -> None:
     Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
     HadamardQuantConfig(block_size=args.grad_reduce_block_size)
     TahQuantConfig.from_args(args)
+    _validate_tp_emulation(args)
     _check(not args.tp_comm_cuda_graphs or args.tp_comm_compression == "taco",
            "--tp-comm-cuda-graphs replays TACO's compressed TP collectives: add --tp-comm-compression taco")
     min_bytes = str(args.tp_comm_compression_min_bytes)
@@ -1552,6 +1559,31 @@ def _validate_compression(args) -> None:
            f"measuring and the trial (--param-gather-trial-iters {trial}) take, got {interval}")
     _check(args.ciera_cache_budget_mb is None or args.ciera_cache_budget_mb > 0,
            f"--ciera-cache-budget-mb must be positive (or omitted for unlimited), got {args.ciera_cache_budget_mb}")
+
+
+def _validate_tp_emulation(args) -> None:
+    n = args.tp_comm_emulate
+    _check(n >= 1, f"--tp-comm-emulate must be >= 1 (1: off), got {n}")
+    if n == 1:
+        return
+    _check(args.tensor_model_parallel_size == 1,
+           f"--tp-comm-emulate {n} emulates TP={n} in a TP=1 run: set --tensor-model-parallel-size 1, got "
+           f"{args.tensor_model_parallel_size}")
+    _check(args.tp_comm_compression == "taco",
+           f"--tp-comm-emulate {n} emulates compressed TP collectives: add --tp-comm-compression taco")
+    _check(str(args.tp_comm_compression_min_bytes).isdigit(),
+           "--tp-comm-emulate needs --tp-comm-compression-min-bytes as a number of bytes ('auto' times a real TP "
+           "group): give e.g. --tp-comm-compression-min-bytes 0")
+    _check(args.num_experts is None and not args.multi_latent_attention and not args.mtp_num_layers,
+           "--tp-comm-emulate emulates dense GPT layers only: drop --num-experts, --multi-latent-attention and "
+           "--mtp-num-layers, or run real TP")
+    for flag, value in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", args.num_query_groups),
+                        ("--ffn-hidden-size", args.ffn_hidden_size)):
+        _check(value is None or value % n == 0, f"{flag} {value} is not divisible by --tp-comm-emulate {n}")
+    _check(not args.sequence_parallel or args.seq_length % n == 0,
+           f"--sequence-parallel with --tp-comm-emulate {n} shards the sequence: --seq-length {args.seq_length} "
+           f"must be divisible by {n}")
 
 
 def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = None) -> argparse.Namespace:
@@ -1717,6 +1749,6 @@ def set_padded_vocab_size(args, vocab_size: int) -> int:
                f"--padded-vocab-size {args.padded_vocab_size} is smaller than the tokenizer's {vocab_size} tokens: "
                f"raise it, or drop it to pad by --make-vocab-size-divisible-by")
         return args.padded_vocab_size
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size * getattr(args, "tp_comm_emulate", 1)
     args.padded_vocab_size = -(-vocab_size // multiple) * multiple
     return args.padded_vocab_size
