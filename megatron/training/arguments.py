@@ -450,9 +450,13 @@ class DataArgs:
     per_split_data_args_path: Optional[str] = arg(None, "A JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} "
                                                   "holding the per-split prefixes, each a list or a string.")
     mock_data: bool = arg(False, "Synthetic data (MockGPTDataset).")
-    builtin_corpus: Optional[str] = arg(None, "Real text shipped with Python, byte-tokenized.", choices=["python-stdlib"])
+    builtin_corpus: Optional[str] = arg(
+        None, "Real text on every machine, tokenized with the run's tokenizer: python-stdlib (the standard library's "
+        "sources, divided by --split) or python-site-packages (also every installed package's, deduplicated, "
+        "1%% of the files held out for validation and 1%% for test).", choices=["python-stdlib", "python-site-packages"])
     builtin_corpus_max_bytes: int = arg(4 << 20, "Source bytes of --builtin-corpus: the first files up to this size "
-                                        "(the stdlib holds ~12 MB; more text, fewer epochs in long runs).")
+                                        "(the stdlib holds ~12 MB, with the site-packages ~150 MB; more text, fewer "
+                                        "epochs in long runs).")
     data_cache_path: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "megatron-compressed-comm"), "Dataset cache.")
     tokenizer_type: str = arg("ByteTokenizer", "Tokenizer (TikTokenizer: an error naming the alternatives).",
                               choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
@@ -1482,6 +1486,8 @@ def _validate_data(args) -> None:
                             f"drop all but one")
     _check(whole or split or args.mock_data or args.builtin_corpus is not None,
            "no training data: give --data-path PREFIX, --mock-data or --builtin-corpus python-stdlib")
+    _check(args.builtin_corpus != "python-site-packages" or args.split == DEFAULT_SPLIT,
+           "--builtin-corpus python-site-packages holds out validation and test files itself: drop --split")
     _check(args.builtin_corpus_max_bytes > 0,
            f"--builtin-corpus-max-bytes must be positive, got {args.builtin_corpus_max_bytes}")
     if args.dataloader_type is None:
