@@ -159,8 +159,23 @@ def test_collectives_world_4():
 EMULATION_CODECS = [TacoConfig(block_size=64, format="int8"),
                     TacoConfig(block_size=64, format="e4m3", transform="ash", scaling="single"),
                     TacoConfig(block_size=32, format="e5m2", transform="none", scaling="single"),
-                    TacoConfig(block_size=64, format="e4m3", transform="none", scaling="dual")]
+                    TacoConfig(block_size=64, format="e4m3", transform="none", scaling="dual"),
+                    "tahquant"]
 EMULATION_CASES = [((8, 125), torch.bfloat16), ((12, 343), torch.float32)]
+TAHQUANT_CASES = [((8, 2, 48), torch.bfloat16), ((4, 3, 48), torch.float32)]  # whole tokens per rank's row
+
+
+def _emulation_codec(config):
+    """A TACO codec, or TahQuant's 4-bit code (hidden size 48) as ``--tp-comm-compression tahquant`` builds it."""
+    if config == "tahquant":
+        from compression.pp_quant import TahQuantCodec, TahQuantConfig
+
+        return TahQuantCodec(TahQuantConfig(tile_size=16, high_bit_fraction=0.25), 48)
+    return TacoCodec(config)
+
+
+def _emulation_cases(config):
+    return TAHQUANT_CASES if config == "tahquant" else EMULATION_CASES
 
 
 def _real_collectives():
@@ -170,8 +185,8 @@ def _real_collectives():
     groups = {4: None, 2: [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]}
     results = {}
     for c, config in enumerate(EMULATION_CODECS):
-        codec = TacoCodec(config)
-        for i, (shape, dtype) in enumerate(EMULATION_CASES):
+        codec = _emulation_codec(config)
+        for i, (shape, dtype) in enumerate(_emulation_cases(config)):
             x = _local_input(shape, dtype, rank, 20 + i)
             for world, group in groups.items():
                 for algorithm in ("one-shot", "two-shot"):
@@ -190,11 +205,12 @@ def _sqnr_db(got: torch.Tensor, exact: torch.Tensor) -> float:
 def test_emulated_collectives_are_the_real_ones_bit_for_bit():
     """``emulated_*`` of the N ranks' inputs equal, to the bit, what each rank of a real gloo group of N
     returns (N = 2 and 4, one-shot and two-shot all-reduce, reduce-scatter, all-gather, every format and
-    scaling, odd sizes), hence the same per-collective SQNR."""
+    scaling, odd sizes, and TahQuant's code through the generic decode-and-sum path), hence the same
+    per-collective SQNR."""
     real = run_on_ranks(_real_collectives, 4)
     for c, config in enumerate(EMULATION_CODECS):
-        codec = TacoCodec(config)
-        for i, (shape, dtype) in enumerate(EMULATION_CASES):
+        codec = _emulation_codec(config)
+        for i, (shape, dtype) in enumerate(_emulation_cases(config)):
             inputs = [_local_input(shape, dtype, rank, 20 + i) for rank in range(4)]
             for world in (2, 4):
                 for first in range(0, 4, world):  # the group's ranks: first .. first + world - 1
@@ -207,7 +223,7 @@ def test_emulated_collectives_are_the_real_ones_bit_for_bit():
                             got = real[r][c, i, world, "all_reduce", algorithm]
                             assert _bits(emulated) == got, (config, shape, world, algorithm, r)
                         sqnr = _sqnr_db(emulated, exact)
-                        assert 15 < sqnr < 60, (config, shape, world, algorithm, sqnr)
+                        assert 10 < sqnr < 60, (config, shape, world, algorithm, sqnr)
                     emulated = emulated_reduce_scatter(parts, codec)
                     for local, r in enumerate(ranks):
                         assert _bits(emulated.chunk(world)[local]) == real[r][c, i, world, "reduce_scatter"], \

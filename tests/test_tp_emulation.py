@@ -81,6 +81,7 @@ def test_vocabulary_padded_for_the_emulated_degree():
     (2, "--sequence-parallel --taco-format e4m3 --taco-scaling single"),
     (4, "--taco-format e4m3 --taco-all-reduce two-shot"),
     (4, "--sequence-parallel --position-embedding-type rope --taco-format int8 --taco-transform none"),
+    (2, "--tp-comm-compression tahquant"),  # TahQuant's 4-bit code on the TP path
 ])
 def test_emulated_tp_matches_real_tp(tmp_path, tp, extra):
     """Real TP=N (gloo) and one process with --tp-comm-emulate N: the first iteration's loss is the same up to

@@ -167,12 +167,21 @@ _COMPRESSED_CLASS = {
 
 
 def build_taco_codec(args) -> TensorCodec:
+    """The TP codec ``--tp-comm-compression`` names: TACO, or TahQuant's pipeline code on the TP path (the TACO
+    paper's comparison; its settings are TahQuant's flags, --pp-comm-bits etc.)."""
+    if args.tp_comm_compression == "tahquant":
+        from compression.pp_quant import TahQuantCodec, TahQuantConfig
+
+        return TahQuantCodec(TahQuantConfig.from_args(args), args.hidden_size)
     return TacoCodec(TacoConfig.from_args(args))
 
 
 def _check_args(args) -> None:
-    if args.tp_comm_compression != "taco":
-        raise ValueError(f"--tp-comm-compression must be 'none' or 'taco', got {args.tp_comm_compression!r}")
+    if args.tp_comm_compression not in ("taco", "tahquant"):
+        raise ValueError(f"--tp-comm-compression must be 'none', 'taco' or 'tahquant', got {args.tp_comm_compression!r}")
+    if args.tp_comm_compression == "tahquant" and not str(args.tp_comm_compression_min_bytes).isdigit():
+        raise ValueError("--tp-comm-compression tahquant codes whole tokens, which the 'auto' probe's messages are "
+                         "not: give --tp-comm-compression-min-bytes as a number of bytes, e.g. 0")
     if getattr(args, "transformer_impl", "local") != "local":
         raise ValueError(
             "--tp-comm-compression taco needs --transformer-impl local (Transformer Engine runs its TP "

@@ -603,7 +603,9 @@ class LoggingArgs:
 
 @dataclass(kw_only=True)
 class CompressionArgs:
-    tp_comm_compression: str = arg("none", "TP collective compression.", choices=["none", "taco"])
+    tp_comm_compression: str = arg("none", "TP collective compression: taco, or tahquant (TahQuant's low-bit "
+                                   "pipeline code, set by --pp-comm-bits/-tile-size/-high-bit-fraction, on the TP "
+                                   "path: the TACO paper's comparison).", choices=["none", "taco", "tahquant"])
     tp_comm_compression_min_bytes: str = arg(
         "auto", "TP tensors smaller than this many bytes stay uncompressed; 'auto' measures, per collective, the "
         "size from which compression is faster on this TP group at start-up (never, if it never is).")
@@ -1575,8 +1577,8 @@ def _validate_tp_emulation(args) -> None:
     _check(args.tensor_model_parallel_size == 1,
            f"--tp-comm-emulate {n} emulates TP={n} in a TP=1 run: set --tensor-model-parallel-size 1, got "
            f"{args.tensor_model_parallel_size}")
-    _check(args.tp_comm_compression == "taco",
-           f"--tp-comm-emulate {n} emulates compressed TP collectives: add --tp-comm-compression taco")
+    _check(args.tp_comm_compression != "none",
+           f"--tp-comm-emulate {n} emulates compressed TP collectives: add --tp-comm-compression taco (or tahquant)")
     _check(str(args.tp_comm_compression_min_bytes).isdigit(),
            "--tp-comm-emulate needs --tp-comm-compression-min-bytes as a number of bytes ('auto' times a real TP "
            "group): give e.g. --tp-comm-compression-min-bytes 0")
