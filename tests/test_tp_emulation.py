@@ -19,6 +19,9 @@ import torch
 
 from dist_utils import launch_training
 
+# Measured max relative loss difference over 20 iterations, emulated vs real / real vs real at lr x (1 + 1e-7):
+# TP=2 INT8 3.3e-5 / 2.2e-5, TP=2 SP E4M3 single 3.8e-4 / 4.1e-4, TP=4 E4M3 two-shot 3.4e-4 / 2.1e-4, TP=4 SP
+# rope INT8 no transform 4.2e-5 / 1.4e-4, TP=2 TahQuant 4.0e-4 / 1.7e-4.
 ROUNDING_FACTOR = 4
 FIRST_LOSS_RTOL = 1e-6
 ITERS = 20
