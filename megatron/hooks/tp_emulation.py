@@ -249,9 +249,9 @@ def apply_tp_emulation(model_chunks: list, args, codec: TensorCodec = None) -> N
     """Swap every column-, row-parallel linear and vocabulary embedding of a TP=1 model for its emulated
     class (``args.tp_comm_emulate`` ranks, ``args.sequence_parallel`` collectives). Call where
     ``apply_tp_compression`` is called."""
-    from megatron.hooks.tp import _check_args, build_taco_codec
+    from megatron.hooks.tp import build_tp_codec, check_tp_compression_args
 
-    _check_args(args)
+    check_tp_compression_args(args)
     size = args.tp_comm_emulate
     if args.tensor_model_parallel_size != 1:
         raise ValueError(f"--tp-comm-emulate {size} runs on --tensor-model-parallel-size 1, got "
@@ -260,7 +260,7 @@ def apply_tp_emulation(model_chunks: list, args, codec: TensorCodec = None) -> N
     if not min_bytes.isdigit():
         raise ValueError(f"--tp-comm-emulate needs --tp-comm-compression-min-bytes as a number of bytes ('auto' "
                          f"times a real TP group), got {min_bytes!r}: give e.g. 0")
-    emulation = TpEmulation(codec if codec is not None else build_taco_codec(args), size, int(min_bytes),
+    emulation = TpEmulation(codec if codec is not None else build_tp_codec(args), size, int(min_bytes),
                             args.taco_all_reduce, bool(args.sequence_parallel))
     swapped = Counter()
     for chunk in model_chunks:
