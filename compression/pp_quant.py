@@ -155,14 +155,15 @@ class TahQuantCodec(TensorCodec):
                 k * hp, -(-tokens // 8))
 
     def _tokens(self, numel: int, rows: int) -> int:
-        if rows != 1:
-            raise ValueError(f"TahQuant encodes whole pipeline messages (rows=1), got rows={rows}")
-        if numel % self.hidden_size:
-            raise ValueError(f"TahQuant: {numel} values are not whole tokens of hidden size {self.hidden_size}")
-        return numel // self.hidden_size
+        """Tokens per row. Rows (the compressed TP collectives' per-rank chunks, ``--tp-comm-compression
+        tahquant``) must be whole tokens: TahQuant does not pad."""
+        if numel % (self.hidden_size * rows):
+            raise ValueError(f"TahQuant: {numel} values are not {rows} row(s) of whole tokens of hidden size "
+                             f"{self.hidden_size}")
+        return numel // self.hidden_size // rows
 
     def wire_nbytes(self, numel: int, rows: int = 1) -> int:
-        return sum(self._sections(self._tokens(numel, rows)))
+        return rows * sum(self._sections(self._tokens(numel, rows)))
 
     def _rotate(self, tiles: torch.Tensor) -> torch.Tensor:
         """Normalized Walsh-Hadamard of each tile [..., G]; its own inverse."""
@@ -193,6 +194,8 @@ class TahQuantCodec(TensorCodec):
         if x.dtype not in _INPUT_DTYPES:
             raise ValueError(f"TahQuant encodes float32/bfloat16/float16 tensors, got {x.dtype}")
         tokens = self._tokens(x.numel(), rows)
+        if rows > 1:  # each row its own message, its wire bytes [r * w, (r + 1) * w)
+            return torch.cat([self.encode(row) for row in x.reshape(rows, -1)])
         if use_triton(x, self.triton):
             return self._encode_kernels(x.contiguous(), tokens)
         return self._encode_reference(x, tokens)
@@ -228,10 +231,14 @@ class TahQuantCodec(TensorCodec):
     def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, rows: int = 1) -> torch.Tensor:
         tokens = self._tokens(numel, rows)
         sections = self._sections(tokens)
+        if rows > 1 and wire.dtype == torch.uint8 and wire.numel() == rows * sum(sections):
+            return torch.cat([self.decode(row, numel // rows, dtype) for row in wire.reshape(rows, -1)])
         if wire.dtype != torch.uint8 or wire.numel() != sum(sections):
             raise ValueError(f"TahQuant wire for {tokens} tokens of hidden size {self.hidden_size} must be "
                              f"{sum(sections)} uint8 bytes, got {wire.numel()} of {wire.dtype}")
         wire = wire.reshape(-1)
+        if wire.storage_offset() % 2:  # a slice of a larger buffer (a collective's rows): bf16 scales need alignment
+            wire = wire.clone()
         token_map = wire[sum(sections[:3]):]
         if use_triton(wire, self.triton):
             c = self.config

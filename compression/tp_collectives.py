@@ -261,3 +261,70 @@ def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None
     slowest = slowest.cpu()
     return {op: crossover(sizes, slowest[:, j, 0].tolist(), slowest[:, j, 1].tolist(), margin)
             for j, op in enumerate(OPS)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Emulation: a group's collectives computed in one process
+# ----------------------------------------------------------------------------------------------
+# What each collective above returns when rank j of a group of ``len(parts)`` ranks contributes
+# ``parts[j]``, computed in one process by the same codec calls in the same order: every rank's encode,
+# each row owner's middle step (its own row exact, the others decoded) and the final decode. The
+# results are bit-identical to the real collective's on every rank (``tests/test_tp_collectives.py``),
+# so a TP=1 run can study the numerics of a TP=N run (``megatron/hooks/tp_emulation.py``).
+# Telemetry records what one rank of the real group would hand to its collectives.
+
+
+def _rank_wires(parts, codec, rows: int) -> torch.Tensor:
+    """Every rank's ``encode(part, rows)``, stacked: [world, rows, row wire bytes]."""
+    wires = torch.stack([codec.encode(part, rows=rows) for part in parts])
+    return wires.view(len(parts), rows, -1)
+
+
+def emulated_all_reduce(parts, codec, comm_class="tp", algorithm="auto") -> torch.Tensor:
+    """``compressed_all_reduce`` of a group whose rank j holds ``parts[j]`` (equal shapes): the tensor every
+    rank returns."""
+    world, x = len(parts), parts[0]
+    if world == 1 or x.numel() == 0:
+        return x
+    n, itemsize = x.numel(), x.element_size()
+    if one_shot(world, algorithm):
+        wires = torch.cat([codec.encode(part) for part in parts])
+        TELEMETRY.record(comm_class, n * itemsize, wires.numel() // world)
+        return _decode_sum(codec, wires, world, n, x.dtype).view(x.shape)
+    row_len = -(-n // world)
+    row_wire = codec.wire_nbytes(row_len)
+    wires = _rank_wires(parts, codec, world)
+    TELEMETRY.record(comm_class, (n + row_len) * itemsize, (world + 1) * row_wire)
+    # rank r receives row r of every rank (chunk j from rank j), reduces and re-encodes it
+    reduced = [_reduce_encode(codec, parts[r], wires[:, r].reshape(-1), r, world) for r in range(world)]
+    return codec.decode(torch.cat(reduced), n, x.dtype, rows=world).view(x.shape)
+
+
+def emulated_reduce_scatter(parts, codec, comm_class="tp") -> torch.Tensor:
+    """``compressed_reduce_scatter`` of a group whose rank j holds ``parts[j]``: every rank's result
+    concatenated along dim 0 in rank order (the shape of one part)."""
+    world, x = len(parts), parts[0]
+    if x.dim() == 0 or x.shape[0] % world:
+        raise ValueError(f"emulated_reduce_scatter needs dim 0 divisible by the group size {world}, "
+                         f"got shape {tuple(x.shape)}")
+    if world == 1 or x.numel() == 0:
+        return x
+    wires = _rank_wires(parts, codec, world)
+    TELEMETRY.record(comm_class, x.numel() * x.element_size(), wires[0].numel())
+    shard_shape = (x.shape[0] // world, *x.shape[1:])
+    return torch.cat([_reduce_decode(codec, parts[r], wires[:, r].reshape(-1), r, world).view(shard_shape)
+                      for r in range(world)])
+
+
+def emulated_all_gather(shards, codec, comm_class="tp") -> torch.Tensor:
+    """``compressed_all_gather`` of a group whose rank j holds ``shards[j]`` (equal shapes): the tensor
+    every rank returns, the shards' decoded values concatenated along dim 0."""
+    world, x = len(shards), shards[0]
+    if world == 1:
+        return x
+    if x.numel() == 0:
+        return x.new_empty((world * x.shape[0], *x.shape[1:]))
+    wires = torch.cat([codec.encode(shard) for shard in shards])
+    TELEMETRY.record(comm_class, x.numel() * x.element_size(), wires.numel() // world)
+    out_shape = (world * x.shape[0], *x.shape[1:]) if x.dim() else (world,)
+    return codec.decode(wires, world * x.numel(), x.dtype, rows=world).view(out_shape)

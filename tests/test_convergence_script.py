@@ -7,6 +7,8 @@ import os
 import shutil
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -52,3 +54,56 @@ def test_committed_metrics_give_the_committed_summary(tmp_path):
     assert recomputed["iteration"] == committed["iteration"] == 2000
     assert recomputed["runs"] == committed["runs"] and recomputed["results"] == committed["results"]
     assert sorted(os.listdir(tmp_path)) == sorted(os.listdir(SEEDS_2K))  # nothing left unarchived
+
+
+def test_paper_presets_print_one_emulated_tp8_command_per_run(capsys):
+    """gpu-125m-tp8: the paper's rows, each compressed one at TP=8 numerics on one process, the baseline
+    plain and once more with a second seed (the noise band)."""
+    convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--out-dir", "OUT", "--print"])
+    commands = capsys.readouterr().out.strip().splitlines()
+    names = [c.split("--metrics-file OUT/")[1].removesuffix(".jsonl") for c in commands]
+    assert names == ["baseline", "taco", "int8", "naive_fp8", "ds_only", "e5m2", "tahquant", "baseline_seed2"]
+    for name, command in zip(names, commands):
+        assert "--nproc-per-node=1" in command and "--builtin-corpus python-site-packages" in command
+        assert "--train-iters 3000" in command and "--config configs/gpt_125m.yaml" in command
+        compressed = name not in ("baseline", "baseline_seed2")
+        assert ("--tp-comm-emulate 8" in command) == compressed == ("--tp-comm-compression " in command)
+    assert commands[-1].endswith("--seed 1 --seed 2 --metrics-file OUT/baseline_seed2.jsonl")
+    assert "--taco-format e4m3 --taco-transform none --taco-scaling single" in commands[3]  # naive FP8
+    assert "--tp-comm-compression tahquant" in commands[6]
+
+
+def _fake_run(out_dir, name, valid_end, test_end, until=20):
+    records = [{"iteration": i, "loss": 3.0 - i / 100} for i in range(1, until + 1)]
+    records += [{"iteration": i, "eval_loss": valid_end + (until - i) / 100} for i in (10, until)]
+    with gzip.open(out_dir / f"{name}.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    (out_dir / f"{name}.log").write_text(
+        f" validation loss at iteration {until} on validation set | lm loss value: {valid_end:.6E} | \n"
+        f" validation loss at iteration {until} on test set | lm loss value: {test_end:.6E} | \n")
+
+
+def test_paper_table_reports_degradation_and_the_noise_band(tmp_path):
+    """--reuse over the runs' metrics and logs (as the device calls leave them): Table 1's columns, the noise band
+    from the second baseline seed, and the validation-loss plot."""
+    losses = {"baseline": (2.0, 2.1), "taco": (2.01, 2.11), "int8": (2.002, 2.1), "naive_fp8": (2.5, 2.6),
+              "ds_only": (2.06, 2.16), "e5m2": (2.2, 2.3), "tahquant": (2.05, 2.15), "baseline_seed2": (2.004, 2.1)}
+    for name, (valid, test) in losses.items():
+        _fake_run(tmp_path, name, valid, test)
+    convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--reuse", "--out-dir", str(tmp_path)])
+    table = (tmp_path / "table1.md").read_text()
+    assert "| taco | 2.0100 | 2.1100 | +0.50% | +0.48% |" in table
+    assert "| naive_fp8 | 2.5000 | 2.6000 | +25.00% | +23.81% |" in table
+    assert "| baseline_seed2 | 2.0040 | 2.1000 | +0.20% | +0.00% |" in table
+    assert "differs by 0.20%" in table
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["table1"]["e5m2"]["valid_degradation_pct"] == pytest.approx(10.0)
+    assert (tmp_path / "valid_loss.png").stat().st_size > 0 and (tmp_path / "loss_curves.png").stat().st_size > 0
+
+
+def test_train_only_needs_no_baseline(capsys):
+    convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--variants", "tahquant", "--train-only",
+                      "--out-dir", "OUT", "--print"])
+    assert capsys.readouterr().out.count("pretrain_gpt.py") == 1
+    with pytest.raises(SystemExit):
+        convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--variants", "tahquant", "--out-dir", "OUT"])

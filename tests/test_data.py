@@ -149,6 +149,48 @@ def test_builtin_corpus_max_bytes_takes_the_first_files(tmp_path):
     assert 0 < len(small_documents) < len(default_documents)
     assert small_documents == default_documents[:len(small_documents)]
 
+def test_site_packages_corpus_is_deduplicated_held_out_by_file_and_cached(tmp_path, caplog):
+    """--builtin-corpus python-site-packages on a small max-bytes: stdlib and installed packages' files, each
+    content once, every file whole in one split, the same bits on a rebuild, reused from the cache, size and
+    hash logged; then the driver's datasets read the three splits."""
+    tokenizer, max_bytes = ByteTokenizer(), 3 << 20
+    files = data.site_packages_source_files(max_bytes)
+    roots = data.python_source_roots()
+    assert len(roots) >= 2 and len({root for root in roots for _, path, _ in files if path.startswith(root)}) >= 2
+    assert [rel for rel, _, _ in files] == sorted(rel for rel, _, _ in files)
+    assert len({sha for _, _, sha in files}) == len(files)  # deduplicated by content
+    total = sum(os.path.getsize(path) for _, path, _ in files)
+    assert max_bytes - (256 << 10) < total <= max_bytes
+    splits = data.held_out_splits(files)
+    assert sorted(sum(splits.values(), [])) == sorted(path for _, path, _ in files)
+    assert 0 < len(splits["valid"]) < len(files) // 20 and 0 < len(splits["test"]) < len(files) // 20
+    # a file's split follows its content alone: a larger corpus keeps the small one's held-out files
+    larger = data.held_out_splits(data.site_packages_source_files(2 * max_bytes))
+    assert set(splits["valid"]) <= set(larger["valid"]) or len(splits["valid"]) == 1
+
+    with caplog.at_level("INFO", logger="megatron.training.data"):
+        manifests = [data.ensure_site_packages_corpus(
+            make_args(tmp_path / name, builtin_corpus="python-site-packages", builtin_corpus_max_bytes=max_bytes),
+            tokenizer) for name in ("a", "b")]
+    assert f"{manifests[0]['bytes']} bytes, sha256 {manifests[0]['sha256']}" in caplog.text
+    first, second = manifests
+    assert (first["files"], first["bytes"], first["sha256"]) == (len(files), total, second["sha256"])
+    for split in ("train", "valid", "test"):
+        a, b = first["splits"][split]["prefix"], second["splits"][split]["prefix"]
+        assert open(a + ".bin", "rb").read() == open(b + ".bin", "rb").read()
+        assert len(read_documents(a)) == first["splits"][split]["documents"] > 0
+    modified = os.stat(first["splits"]["train"]["prefix"] + ".bin").st_mtime_ns
+    args = make_args(tmp_path / "a", builtin_corpus="python-site-packages", builtin_corpus_max_bytes=max_bytes)
+    assert data.ensure_site_packages_corpus(args, tokenizer) == first
+    assert os.stat(first["splits"]["train"]["prefix"] + ".bin").st_mtime_ns == modified  # reused, not rebuilt
+    valid_text = b"".join(open(path, "rb").read() for path in splits["valid"])
+    valid_tokens = [t for doc in read_documents(first["splits"]["valid"]["prefix"]) for t in doc if t != tokenizer.eod]
+    assert bytes(valid_tokens) == valid_text.decode("utf-8", errors="replace").replace("\n\n\n", "").encode()
+    train, valid, test = data.build_datasets(args, tokenizer)
+    assert args.data_path is None and args.valid_data_path == [first["splits"]["valid"]["prefix"]]
+    assert len(train) >= 48 and len(valid) >= 8 and len(test) >= 8
+
+
 def _iterators_on_rank(cache_dir):
     from megatron.core import parallel_state
     from megatron.hooks import cpu

@@ -166,13 +166,22 @@ _COMPRESSED_CLASS = {
 }
 
 
-def build_taco_codec(args) -> TensorCodec:
+def build_tp_codec(args) -> TensorCodec:
+    """The TP codec ``--tp-comm-compression`` names: TACO, or TahQuant's pipeline code on the TP path (the TACO
+    paper's comparison; its settings are TahQuant's flags, --pp-comm-bits etc.)."""
+    if args.tp_comm_compression == "tahquant":
+        from compression.pp_quant import TahQuantCodec, TahQuantConfig
+
+        return TahQuantCodec(TahQuantConfig.from_args(args), args.hidden_size)
     return TacoCodec(TacoConfig.from_args(args))
 
 
-def _check_args(args) -> None:
-    if args.tp_comm_compression != "taco":
-        raise ValueError(f"--tp-comm-compression must be 'none' or 'taco', got {args.tp_comm_compression!r}")
+def check_tp_compression_args(args) -> None:
+    if args.tp_comm_compression not in ("taco", "tahquant"):
+        raise ValueError(f"--tp-comm-compression must be 'none', 'taco' or 'tahquant', got {args.tp_comm_compression!r}")
+    if args.tp_comm_compression == "tahquant" and not str(args.tp_comm_compression_min_bytes).isdigit():
+        raise ValueError("--tp-comm-compression tahquant codes whole tokens, which the 'auto' probe's messages are "
+                         "not: give --tp-comm-compression-min-bytes as a number of bytes, e.g. 0")
     if getattr(args, "transformer_impl", "local") != "local":
         raise ValueError(
             "--tp-comm-compression taco needs --transformer-impl local (Transformer Engine runs its TP "
@@ -247,8 +256,8 @@ def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) ->
     """Route the TP collectives of every local tensor-parallel layer in ``model_chunks`` through
     ``codec`` (default: TACO built from ``args``). Call after building (and Float16Module wrapping)
     the model chunks and before DDP wrapping."""
-    _check_args(args)
-    codec = codec if codec is not None else build_taco_codec(args)
+    check_tp_compression_args(args)
+    codec = codec if codec is not None else build_tp_codec(args)
     swapped, kept = Counter(), Counter()
     thresholds = {}  # per TP group, measured once
     graphs = {}  # per TP group: its collectives' CUDA graphs (--tp-comm-cuda-graphs)

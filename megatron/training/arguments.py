@@ -454,9 +454,13 @@ class DataArgs:
     per_split_data_args_path: Optional[str] = arg(None, "A JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} "
                                                   "holding the per-split prefixes, each a list or a string.")
     mock_data: bool = arg(False, "Synthetic data (MockGPTDataset).")
-    builtin_corpus: Optional[str] = arg(None, "Real text shipped with Python, byte-tokenized.", choices=["python-stdlib"])
+    builtin_corpus: Optional[str] = arg(
+        None, "Real text on every machine, tokenized with the run's tokenizer: python-stdlib (the standard library's "
+        "sources, divided by --split) or python-site-packages (also every installed package's, deduplicated, "
+        "1%% of the files held out for validation and 1%% for test).", choices=["python-stdlib", "python-site-packages"])
     builtin_corpus_max_bytes: int = arg(4 << 20, "Source bytes of --builtin-corpus: the first files up to this size "
-                                        "(the stdlib holds ~12 MB; more text, fewer epochs in long runs).")
+                                        "(the stdlib holds ~12 MB, with the site-packages ~150 MB; more text, fewer "
+                                        "epochs in long runs).")
     data_cache_path: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "megatron-compressed-comm"), "Dataset cache.")
     tokenizer_type: str = arg("ByteTokenizer", "Tokenizer (TikTokenizer: an error naming the alternatives).",
                               choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
@@ -603,7 +607,9 @@ class LoggingArgs:
 
 @dataclass(kw_only=True)
 class CompressionArgs:
-    tp_comm_compression: str = arg("none", "TP collective compression.", choices=["none", "taco"])
+    tp_comm_compression: str = arg("none", "TP collective compression: taco, or tahquant (TahQuant's low-bit "
+                                   "pipeline code, set by --pp-comm-bits/-tile-size/-high-bit-fraction, on the TP "
+                                   "path: the TACO paper's comparison).", choices=["none", "taco", "tahquant"])
     tp_comm_compression_min_bytes: str = arg(
         "auto", "TP tensors smaller than this many bytes stay uncompressed; 'auto' measures, per collective, the "
         "size from which compression is faster on this TP group at start-up (never, if it never is).")
@@ -614,6 +620,11 @@ class CompressionArgs:
     tp_comm_cuda_graphs: bool = arg(
         False, "Replay each compressed TP collective of a fixed shape as a CUDA graph (after 2 eager calls), "
         "cutting its host cost; a replayed collective completes before the next GEMM (no comm/compute overlap).")
+    tp_comm_emulate: int = arg(
+        1, "With --tensor-model-parallel-size 1 and --tp-comm-compression taco: give every TP collective the numerics "
+        "of a TP=N run (the N partial sums and shards coded and combined as the compressed collectives do, with "
+        "--sequence-parallel the SP ones), in one process: the convergence of compressed TP=N on one GPU "
+        "(docs/tp-emulation.md). 1: off.")
     taco_block_size: int = arg(256, "TACO block size (power of two, 32..1024).")
     taco_format: str = arg("int8", "TACO element format: int8 (default, best error and convergence in our "
                            "runs) or the paper's e4m3, or e5m2.", choices=["e4m3", "e5m2", "int8"])
@@ -921,8 +932,9 @@ def _validate_parallel(args) -> None:
            f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}: change the sizes or the process count")
     args.data_parallel_size = args.world_size // model_parallel
-    _check(not args.sequence_parallel or tp > 1,
-           "--sequence-parallel needs --tensor-model-parallel-size > 1: drop --sequence-parallel or raise TP")
+    _check(not args.sequence_parallel or tp > 1 or args.tp_comm_emulate > 1,
+           "--sequence-parallel needs --tensor-model-parallel-size > 1 (or --tp-comm-emulate N): drop "
+           "--sequence-parallel or raise TP")
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
@@ -1494,6 +1506,8 @@ def _validate_data(args) -> None:
                             f"drop all but one")
     _check(whole or split or args.mock_data or args.builtin_corpus is not None,
            "no training data: give --data-path PREFIX, --mock-data or --builtin-corpus python-stdlib")
+    _check(args.builtin_corpus != "python-site-packages" or args.split == DEFAULT_SPLIT,
+           "--builtin-corpus python-site-packages holds out validation and test files itself: drop --split")
     _check(args.builtin_corpus_max_bytes > 0,
            f"--builtin-corpus-max-bytes must be positive, got {args.builtin_corpus_max_bytes}")
     if args.dataloader_type is None:
@@ -1555,6 +1569,7 @@ def _validate_compression(args) -> None:
     tahquant = TahQuantConfig.from_args(args)
     if args.pp_comm_compression == "tahquant" and args.hidden_size:
         tahquant.check_hidden_size(args.hidden_size)
+    _validate_tp_emulation(args)
     _check(not args.tp_comm_cuda_graphs or args.tp_comm_compression == "taco",
            "--tp-comm-cuda-graphs replays TACO's compressed TP collectives: add --tp-comm-compression taco")
     min_bytes = str(args.tp_comm_compression_min_bytes)
@@ -1572,6 +1587,31 @@ def _validate_compression(args) -> None:
            f"measuring and the trial (--param-gather-trial-iters {trial}) take, got {interval}")
     _check(args.ciera_cache_budget_mb is None or args.ciera_cache_budget_mb > 0,
            f"--ciera-cache-budget-mb must be positive (or omitted for unlimited), got {args.ciera_cache_budget_mb}")
+
+
+def _validate_tp_emulation(args) -> None:
+    n = args.tp_comm_emulate
+    _check(n >= 1, f"--tp-comm-emulate must be >= 1 (1: off), got {n}")
+    if n == 1:
+        return
+    _check(args.tensor_model_parallel_size == 1,
+           f"--tp-comm-emulate {n} emulates TP={n} in a TP=1 run: set --tensor-model-parallel-size 1, got "
+           f"{args.tensor_model_parallel_size}")
+    _check(args.tp_comm_compression != "none",
+           f"--tp-comm-emulate {n} emulates compressed TP collectives: add --tp-comm-compression taco (or tahquant)")
+    _check(str(args.tp_comm_compression_min_bytes).isdigit(),
+           "--tp-comm-emulate needs --tp-comm-compression-min-bytes as a number of bytes ('auto' times a real TP "
+           "group): give e.g. --tp-comm-compression-min-bytes 0")
+    _check(args.num_experts is None and not args.multi_latent_attention and not args.mtp_num_layers,
+           "--tp-comm-emulate emulates dense GPT layers only: drop --num-experts, --multi-latent-attention and "
+           "--mtp-num-layers, or run real TP")
+    for flag, value in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", args.num_query_groups),
+                        ("--ffn-hidden-size", args.ffn_hidden_size)):
+        _check(value is None or value % n == 0, f"{flag} {value} is not divisible by --tp-comm-emulate {n}")
+    _check(not args.sequence_parallel or args.seq_length % n == 0,
+           f"--sequence-parallel with --tp-comm-emulate {n} shards the sequence: --seq-length {args.seq_length} "
+           f"must be divisible by {n}")
 
 
 def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = None) -> argparse.Namespace:
@@ -1737,6 +1777,6 @@ def set_padded_vocab_size(args, vocab_size: int) -> int:
                f"--padded-vocab-size {args.padded_vocab_size} is smaller than the tokenizer's {vocab_size} tokens: "
                f"raise it, or drop it to pad by --make-vocab-size-divisible-by")
         return args.padded_vocab_size
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size * getattr(args, "tp_comm_emulate", 1)
     args.padded_vocab_size = -(-vocab_size // multiple) * multiple
     return args.padded_vocab_size

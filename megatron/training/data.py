@@ -17,11 +17,21 @@ file (PEP 8 puts two blank lines between them) is one document, which gives enou
 at 4 MiB) for every split of the default ``--split 969,30,1``. It is tokenized with the run's
 tokenizer, written once to ``--data-cache-path`` (keyed by Python version, size and tokenizer) and
 reused.
+
+``--builtin-corpus python-site-packages``: the ``.py`` sources of the standard library and of every
+installed site-/dist-packages folder on ``sys.path`` (~150 MB with this project's dependencies: enough for
+a few hundred million byte tokens without many repeats, on every machine, offline). Files are ordered by
+path relative to their root, deduplicated by content (SHA-256: vendored copies appear once) and cut at
+``--builtin-corpus-max-bytes``; each file goes whole to one split by its content hash (1% validation, 1%
+test), so validation and test text is held out by file. The three splits are written as three indexed
+datasets (``--split`` does not apply), cached under a key that includes the hash of the file list and contents
+(the corpus follows what is installed), and the size and hash are logged on every use.
 """
 
 import hashlib
 import itertools
 import json
+import logging
 import os
 import sys
 import sysconfig
@@ -40,7 +50,9 @@ from megatron.core.datasets.indexed_dataset import (
 )
 from megatron.core.datasets.utils import get_blend_from_list
 
-BUILTIN_CORPORA = ("python-stdlib",)
+BUILTIN_CORPORA = ("python-stdlib", "python-site-packages")
+HELD_OUT_PER_MILLE = 10  # python-site-packages: of the files, per mille for validation, and as many for test
+logger = logging.getLogger(__name__)
 DEFAULT_DATA_CACHE_PATH = "~/.cache/megatron-compressed-comm"
 # Folders of the stdlib tree that are not the stdlib's own code (or are mostly test fixtures).
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
@@ -109,6 +121,94 @@ def stdlib_documents(paths: list[str]):
     for path in paths:
         with open(path, "rb") as f:
             yield from f.read().decode("utf-8", errors="replace").split("\n\n\n")
+
+
+def python_source_roots() -> list[str]:
+    """The stdlib, then each site-/dist-packages folder on ``sys.path`` (real paths, each once, sorted)."""
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    packages = {os.path.realpath(p) for p in sys.path if p.rstrip(os.sep).endswith(("site-packages", "dist-packages"))}
+    return [stdlib] + sorted(p for p in packages if os.path.isdir(p) and p != stdlib)
+
+
+def site_packages_source_files(max_bytes: int) -> list[tuple[str, str, str]]:
+    """(relative path, path, content SHA-256) of the ``.py`` files of ``python_source_roots()``, in relative-path
+    order (root order on ties), each content once, up to ``max_bytes`` in total."""
+    roots = python_source_roots()
+    found = []
+    for index, root in enumerate(roots):
+        skipped = _SKIPPED_DIRS if index == 0 else {"__pycache__"}  # the stdlib's own code; packages whole
+        for folder, subfolders, files in os.walk(root):
+            subfolders[:] = [d for d in subfolders if d not in skipped]
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    found.append((os.path.relpath(path, root).replace(os.sep, "/"), index, path))
+    chosen, seen, total = [], set(), 0
+    for relative_path, _, path in sorted(found):
+        with open(path, "rb") as f:
+            content = f.read()
+        digest = hashlib.sha256(content).hexdigest()
+        if digest in seen or not content:
+            continue
+        if total + len(content) > max_bytes:
+            break
+        seen.add(digest)
+        chosen.append((relative_path, path, digest))
+        total += len(content)
+    return chosen
+
+
+def held_out_splits(files: list[tuple[str, str, str]]) -> dict:
+    """{"train" | "valid" | "test": the paths of ``files`` (``site_packages_source_files``' tuples) in it}. A file's
+    slot, its content hash mod 1000, puts it in validation below HELD_OUT_PER_MILLE, in test below twice that,
+    else in train: the split of a file does not depend on the others, on their order or on the max bytes
+    (a corpus too small to have a file in a held-out split lends it the train file of the lowest slot)."""
+    ranked = sorted(files, key=lambda f: (int(f[2][:8], 16) % 1000, f[2]))
+    slots = [int(sha[:8], 16) % 1000 for _, _, sha in ranked]
+    n_valid = max(1, sum(slot < HELD_OUT_PER_MILLE for slot in slots))
+    n_test = max(1, sum(HELD_OUT_PER_MILLE <= slot < 2 * HELD_OUT_PER_MILLE for slot in slots))
+    split_of = {f[2]: ("valid" if i < n_valid else "test" if i < n_valid + n_test else "train")
+                for i, f in enumerate(ranked)}
+    return {name: [path for _, path, sha in files if split_of[sha] == name] for name in ("train", "valid", "test")}
+
+
+def ensure_site_packages_corpus(args, tokenizer) -> dict:
+    """Build the python-site-packages corpus on rank 0 if it is not cached (others wait); its manifest (files,
+    bytes, SHA-256, and per split the prefix, files, bytes and documents), logged by rank 0."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    manifest = [None]
+    if rank == 0:
+        files = site_packages_source_files(args.builtin_corpus_max_bytes)
+        corpus_hash = hashlib.sha256("".join(f"{rel}\0{sha}\n" for rel, _, sha in files).encode()).hexdigest()
+        name = (f"{args.builtin_corpus}-{args.builtin_corpus_max_bytes}b-{corpus_hash[:16]}"
+                f"-tok{_tokenizer_key(tokenizer)}")
+        base = os.path.join(data_cache_path(args), "corpora", name)
+        manifest_path = base + ".json"
+        if not os.path.isfile(manifest_path):
+            os.makedirs(os.path.dirname(base), exist_ok=True)
+            splits = {}
+            for split, paths in held_out_splits(files).items():
+                documents = (tokenizer.tokenize(text) for text in stdlib_documents(paths))
+                count = write_documents(f"{base}_{split}", documents, tokenizer.vocab_size, eod=tokenizer.eod)
+                splits[split] = dict(prefix=f"{base}_{split}", files=len(paths), documents=count,
+                                     bytes=sum(os.path.getsize(path) for path in paths))
+            summary = dict(corpus=args.builtin_corpus, files=len(files), bytes=sum(s["bytes"] for s in splits.values()),
+                           sha256=corpus_hash, roots=python_source_roots(), splits=splits)
+            with open(manifest_path + f".tmp{os.getpid()}", "w") as f:
+                json.dump(summary, f, indent=1)
+            os.replace(manifest_path + f".tmp{os.getpid()}", manifest_path)
+        with open(manifest_path) as f:
+            manifest[0] = json.load(f)
+        logger.info("--builtin-corpus %s: %d files, %d bytes, sha256 %s; train/valid/test files %s", args.builtin_corpus,
+                    manifest[0]["files"], manifest[0]["bytes"], manifest[0]["sha256"],
+                    [manifest[0]["splits"][s]["files"] for s in ("train", "valid", "test")])
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(manifest, src=0)
+    for split in manifest[0]["splits"].values():
+        if not os.path.isfile(get_idx_path(split["prefix"])):
+            raise ValueError(f"built-in corpus {split['prefix']}.idx not found: --data-cache-path must be shared by "
+                             f"all nodes")
+    return manifest[0]
 
 
 def ensure_builtin_corpus(args, tokenizer) -> str:
@@ -215,7 +315,12 @@ def build_datasets(args, tokenizer) -> list:
     if getattr(args, "mock_data", False):
         dataset_class = MockGPTDataset
     else:
-        if getattr(args, "builtin_corpus", None):
+        if getattr(args, "builtin_corpus", None) == "python-site-packages":
+            splits = ensure_site_packages_corpus(args, tokenizer)["splits"]
+            args.data_path = None
+            for name in ("train", "valid", "test"):
+                setattr(args, f"{name}_data_path", [splits[name]["prefix"]])
+        elif getattr(args, "builtin_corpus", None):
             args.data_path = [ensure_builtin_corpus(args, tokenizer)]
         blend, blend_per_split = blends(args)
         if blend is None and blend_per_split[0] is None:

@@ -57,7 +57,9 @@ def core_transformer_config(args):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel, context_parallel_size=args.context_parallel_size,
+        # --tp-comm-emulate: the whole sequence in one TP=1 model; --sequence-parallel picks the emulated collectives
+        sequence_parallel=args.sequence_parallel and args.tp_comm_emulate == 1,
+        context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
@@ -353,7 +355,11 @@ def setup_model_and_optimizer(args):
     # (Megatron-LM's setup: a barrier before each level-1 timer)
     config.timers = Timers(args.timing_log_level, args.timing_log_option)
     chunks = build_model_chunks(args, config)
-    if args.tp_comm_compression != "none":
+    if args.tp_comm_emulate > 1:
+        from megatron.hooks.tp_emulation import apply_tp_emulation
+
+        apply_tp_emulation(chunks, args)
+    elif args.tp_comm_compression != "none":
         from megatron.hooks.tp import apply_tp_compression
 
         apply_tp_compression(chunks, args)
