@@ -428,9 +428,9 @@ def test_fully_reshardable_optimizer_state_resumes_at_other_tp_and_pp(tmp_path):
     it repeats iterations 3-4 bit for bit; at TP=1 and at PP=2 (with --no-load-rng, whose states are per rank) it
     follows them within the TP=1-vs-TP=2 rounding of test_parallel_training.py (measured: 1e-7)."""
     ckpt = tmp_path / "ckpt"
-    flags = GPT + f" --use-distributed-optimizer --dist-ckpt-optim-fully-reshardable --save {ckpt}"
-    saved = launch_training(tmp_path, "tp2", "pretrain_gpt.py", 2, flags + " --tensor-model-parallel-size 2 "
-                            "--save-interval 2")
+    flags = GPT + " --use-distributed-optimizer --dist-ckpt-optim-fully-reshardable"
+    saved = launch_training(tmp_path, "tp2", "pretrain_gpt.py", 2, flags + f" --tensor-model-parallel-size 2 "
+                            f"--save {ckpt} --save-interval 2")
     resume = f" --load {ckpt} --ckpt-step 2"
     same = launch_training(tmp_path, "tp2_resumed", "pretrain_gpt.py", 2,
                            flags + " --tensor-model-parallel-size 2" + resume)
@@ -486,3 +486,74 @@ def test_exit_signal_handler_saves_and_stops(tmp_path):
         assert run.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-3000:]
     last = [json.loads(line) for line in metrics.read_text().splitlines()][-1]["iteration"]
     assert 2 <= last < 2000 and (ckpt / TRACKER_FILENAME).read_text().strip() == str(last)
+
+
+def _fake_checkpoints(root, *iterations) -> None:
+    """Checkpoint directories that checkpoint_to_load accepts (a torch_dist metadata.json), the tracker at the last."""
+    import json
+
+    from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
+
+    for iteration in iterations:
+        os.makedirs(checkpoint_dir(str(root), iteration))
+        with open(os.path.join(checkpoint_dir(str(root), iteration), "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                       "common_backend_version": 1}, f)
+    (root / TRACKER_FILENAME).write_text(str(iterations[-1]))
+
+
+def test_load_without_a_checkpoint_warns(tmp_path, caplog):
+    """A --load directory that does not exist, or holds no tracker, starts from a random initialization with a
+    warning naming it and --exit-on-missing-checkpoint (which makes it an error)."""
+    from megatron.training.checkpointing import load_checkpoint
+
+    missing, empty = tmp_path / "typo", tmp_path / "empty"
+    empty.mkdir()
+    with caplog.at_level("WARNING", logger="megatron.training.checkpointing"):
+        assert load_checkpoint(_args(str(missing)), None, None, None) == 0
+        assert load_checkpoint(_args(str(empty)), None, None, None) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2
+    assert f"--load {missing} holds no checkpoint (the directory {missing} does not exist)" in warnings[0]
+    assert f"{empty}/latest_checkpointed_iteration.txt does not exist" in warnings[1]
+    assert all("--exit-on-missing-checkpoint" in w and "random initialization" in w for w in warnings)
+    with pytest.raises(ValueError, match="--exit-on-missing-checkpoint: no checkpoint under --load"):
+        load_checkpoint(_args(str(missing), exit_on_missing_checkpoint=True), None, None, None)
+
+
+def test_saves_never_move_the_tracker_back(tmp_path):
+    """--save holding iteration 10 with a run that would start before it (a --load that holds nothing, no --load, a
+    --ckpt-step of an older iteration) is an error at start-up naming the flags; resuming from it is not. Publishing
+    an older iteration is refused too, leaving the tracker and the newer checkpoint as they were (the user's case:
+    --save-retain-interval 4 deleted iteration 10 and the tracker moved back to 2)."""
+    from megatron.training.checkpointing import (TRACKER_FILENAME, _publish, check_save_keeps_newer_checkpoints,
+                                                 checkpoint_dir)
+
+    save = tmp_path / "ckpt"
+    _fake_checkpoints(save, 2, 10)
+    cases = {
+        "missing load": dict(load=str(tmp_path / "typo"), save_retain_interval=4),
+        "no load": dict(load=None),
+        "older step": dict(load=str(save), ckpt_step=2),
+    }
+    for name, overrides in cases.items():
+        with pytest.raises(ValueError) as error:
+            check_save_keeps_newer_checkpoints(_args(str(save), **overrides))
+        message = str(error.value)
+        assert f"--save {save}: {save}/{TRACKER_FILENAME} names iteration 10" in message, name
+        assert "would move the tracker back" in message and f"Resume from it with --load {save}" in message, name
+    assert "starts at iteration 0 (a fresh start: --load" in str(
+        pytest.raises(ValueError, check_save_keeps_newer_checkpoints, _args(str(save), load=str(tmp_path / "typo"))).value)
+    assert "--save-retain-interval would delete iteration 10" in str(pytest.raises(
+        ValueError, check_save_keeps_newer_checkpoints, _args(str(save), load=None, save_retain_interval=4)).value)
+    assert f"iteration 2 (--load {save} --ckpt-step 2)" in str(pytest.raises(
+        ValueError, check_save_keeps_newer_checkpoints, _args(str(save), ckpt_step=2)).value)
+    check_save_keeps_newer_checkpoints(_args(str(save)))  # resumes from 10
+    check_save_keeps_newer_checkpoints(_args(str(tmp_path / "new"), load=str(save), ckpt_step=2))  # a new --save
+
+    staged = checkpoint_dir(str(save), 4) + ".tmp"
+    os.makedirs(staged)
+    with pytest.raises(ValueError, match="names iteration 10, newer than the iteration 4 being saved"):
+        _publish(str(save), staged, checkpoint_dir(str(save), 4), 4, retain_interval=4)
+    assert (save / TRACKER_FILENAME).read_text() == "10"
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004.tmp", "iter_0000010", TRACKER_FILENAME]

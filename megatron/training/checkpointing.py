@@ -147,6 +147,70 @@ def read_tracker(root: str) -> int | None:
     return int(text)
 
 
+def _check_not_behind_tracker(root: str, iteration: int) -> int | None:
+    """The tracker's iteration under ``root``; an error if it is newer than ``iteration``: publishing ``iteration``
+    would move the tracker back (and --save-retain-interval would delete the newer checkpoint)."""
+    latest = read_tracker(root)
+    if latest is not None and latest > iteration:
+        raise ValueError(f"{root}/{TRACKER_FILENAME} names iteration {latest}, newer than the iteration {iteration} "
+                         f"being saved: publishing it would move the tracker back (and --save-retain-interval would "
+                         f"delete iteration {latest}); resume from it with --load {root}, or give --save a new "
+                         f"directory")
+    return latest
+
+
+def _start_described(args) -> tuple[int, str]:
+    """The iteration a run starts from (the one ``load_checkpoint`` will return) and how it got there, for errors."""
+    found = checkpoint_to_load(args) if args.load or _option(args, "pretrained_checkpoint") else None
+    if found is None:
+        where = f"--load {args.load} holds no checkpoint" if args.load else "no --load"
+        return 0, f"a fresh start: {where}"
+    ckpt_dir, finetune = found
+    if finetune:
+        return 0, f"fine-tuning from {ckpt_dir}, counted from iteration 0"
+    iteration = int(re.fullmatch(r"iter_(\d+)", os.path.basename(ckpt_dir)).group(1))
+    step = _option(args, "ckpt_step")
+    return iteration, f"--load {args.load}" + (f" --ckpt-step {step}" if step is not None else "")
+
+
+def check_save_keeps_newer_checkpoints(args) -> None:
+    """At start-up (every rank): a run whose saves would publish iterations older than the checkpoints that --save
+    (or its non-persistent directory) already holds is an error naming the flags, before any work is done: publishing
+    never moves a tracker back nor deletes a newer checkpoint (``_check_not_behind_tracker`` guards each save too)."""
+    if not args.save:
+        return
+    roots = [args.save]
+    if _option(args, "non_persistent_save_interval"):
+        roots.append(non_persistent_root(args, args.save))
+    for root in roots:
+        latest = read_tracker(root)
+        if latest is None:
+            continue
+        start, how = _start_described(args)
+        if latest <= start:
+            continue
+        deletes = (f" and --save-retain-interval would delete iteration {latest}"
+                   if _option(args, "save_retain_interval") else "")
+        raise ValueError(f"--save {args.save}: {root}/{TRACKER_FILENAME} names iteration {latest}, and this run "
+                         f"starts at iteration {start} ({how}): its saves would move the tracker back{deletes}. "
+                         f"Resume from it with --load {args.save} (without --ckpt-step), or give --save a new "
+                         f"directory")
+
+
+def _warn_nothing_to_load(args) -> None:
+    """Megatron-LM warns too: a --load that holds no checkpoint (a typo, a wrong mount) starts from a random
+    initialization; --exit-on-missing-checkpoint makes it an error (``checkpoint_to_load``)."""
+    if (dist.get_rank() if dist.is_initialized() else 0) != 0:
+        return
+    for flag, root in (("--load", args.load), ("--pretrained-checkpoint", _option(args, "pretrained_checkpoint"))):
+        if not root:
+            continue
+        what = (f"{root}/{TRACKER_FILENAME} does not exist" if os.path.isdir(root)
+                else f"the directory {root} does not exist")
+        logger.warning(f"{flag} {root} holds no checkpoint ({what}): training starts from a random initialization "
+                       f"at iteration 0; pass --exit-on-missing-checkpoint to make this an error")
+
+
 def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far=0, context=None, non_persistent=False):
     """Save the training state of ``iteration`` to ``args.save`` (``non_persistent``: to ``non_persistent_root``, the
@@ -156,6 +220,7 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
     background, and its finalization publishes the checkpoint; else None."""
     _check_format(args)
     root = non_persistent_root(args, args.save) if non_persistent else args.save
+    _check_not_behind_tracker(root, iteration)  # every rank, before any writes: none waits on a failed rank 0
     final_dir = checkpoint_dir(root, iteration)
     staging_dir = final_dir + ".tmp"
     if dist.get_rank() == 0:
@@ -219,6 +284,7 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
     _check_format(args)
     found = checkpoint_to_load(args)
     if found is None:
+        _warn_nothing_to_load(args)
         return 0
     ckpt_dir, finetune = found
     logger.info(f"loading {ckpt_dir}" + (" (fine-tuning: weights only, from iteration 0)" if finetune else ""))
@@ -478,7 +544,7 @@ def _publish(root: str, staging_dir: str, final_dir: str, iteration: int, retain
     """Rank 0: move the finished checkpoint into place, then point the tracker at it. ``retain_interval``
     (--save-retain-interval): then delete the checkpoint the tracker named before, unless its iteration is a multiple
     of it or it is a symbolic link, as Megatron-LM does: only once the new one is published."""
-    previous = read_tracker(root) if retain_interval else None
+    previous = _check_not_behind_tracker(root, iteration)
     if os.path.exists(final_dir):  # re-saving an iteration (e.g. after resuming from it)
         shutil.rmtree(final_dir)
     os.replace(staging_dir, final_dir)
@@ -486,7 +552,7 @@ def _publish(root: str, staging_dir: str, final_dir: str, iteration: int, retain
     with open(tracker + ".tmp", "w") as f:
         f.write(str(iteration))
     os.replace(tracker + ".tmp", tracker)
-    if previous is not None and previous != iteration and previous % retain_interval:
+    if retain_interval and previous is not None and previous != iteration and previous % retain_interval:
         stale = checkpoint_dir(root, previous)
         if os.path.isdir(stale) and not os.path.islink(stale):
             shutil.rmtree(stale)
