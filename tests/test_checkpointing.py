@@ -557,3 +557,96 @@ def test_saves_never_move_the_tracker_back(tmp_path):
         _publish(str(save), staged, checkpoint_dir(str(save), 4), 4, retain_interval=4)
     assert (save / TRACKER_FILENAME).read_text() == "10"
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004.tmp", "iter_0000010", TRACKER_FILENAME]
+
+
+def _corruption_world(root: str) -> dict:
+    """Saves iterations 1 and 2 of the tiny GPT (TP=1 x DP=2), then damages iteration 2's files on rank 0 and loads
+    it each time on both ranks: 16 flipped bytes in a shard, the shard cut short, then cut short with its
+    checksums.json gone. Returns each load's error, what was published, and the cost of the checksums."""
+    import json
+    import time
+
+    from megatron.core import parallel_state
+    from megatron.hooks import cpu
+    from megatron.training import checkpointing
+    from megatron.training.checkpointing import (CHECKSUMS_FILENAME, checkpoint_dir, load_checkpoint,
+                                                 save_checkpoint)
+
+    cpu.apply()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    rank = torch.distributed.get_rank()
+    args = _args(root)
+    parts = _build(1, seed=1234)
+    out = {}
+    for iteration in (1, 2):
+        _train(parts, [iteration - 1], args)
+        start = time.perf_counter()
+        save_checkpoint(args, iteration, *parts)
+        out[f"save_{iteration}_s"] = time.perf_counter() - start
+    out["saved"] = _state(parts, args, 2)
+    newest = checkpoint_dir(root, 2)
+    start = time.perf_counter()
+    checkpointing._checksum_files(newest)
+    out["checksum_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    checkpointing.verify_checksums(newest)
+    out["verify_s"] = time.perf_counter() - start
+    with open(os.path.join(newest, CHECKSUMS_FILENAME)) as f:
+        out["manifest"] = json.load(f)
+    out["bytes"] = sum(entry["bytes"] for entry in out["manifest"]["files"].values())
+    out["loaded"] = _state(*_fresh_load(1, root))
+
+    shard = sorted(name for name in os.listdir(newest) if name.endswith(".distcp"))[-1]
+    path = os.path.join(newest, shard)
+    with open(path, "rb") as f:
+        original = f.read()
+
+    def damaged_load(damage):
+        if rank == 0:
+            damage()
+        torch.distributed.barrier()
+        try:
+            _fresh_load(1, root)
+            return None
+        except ValueError as error:
+            return str(error)
+
+    def flip():
+        middle = len(original) // 2
+        with open(path, "wb") as f:
+            f.write(original[:middle] + bytes(b ^ 0xFF for b in original[middle:middle + 16]) + original[middle + 16:])
+
+    def truncate():
+        with open(path, "wb") as f:
+            f.write(original[:len(original) - 100])
+
+    out["shard"] = path
+    out["flipped"] = damaged_load(flip)
+    out["truncated"] = damaged_load(truncate)
+    out["truncated_unverified"] = damaged_load(lambda: os.remove(os.path.join(newest, CHECKSUMS_FILENAME)))
+    out["fallback"] = _state(*_fresh_load(1, root, ckpt_step=1))
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_corrupt_or_truncated_checkpoint_is_an_error_naming_the_file(tmp_path):
+    """A published checkpoint holds checksums.json (every file's size and sha256); a load verifies it on every rank
+    and names the damaged file and the --ckpt-step fallback: 16 flipped bytes in a .distcp shard (which loaded
+    silently into a loss of 1345), the shard cut short (a bare EOFError without checksums, now also named)."""
+    results = run_on_ranks(_corruption_world, 2, str(tmp_path))
+    for rank, r in enumerate(results):
+        assert r["loaded"] == r["saved"], rank  # checksums change nothing of an intact resume
+        files = r["manifest"]["files"]
+        assert r["manifest"]["algorithm"] == "sha256" and os.path.basename(r["shard"]) in files
+        assert {"common.pt", "metadata.json", ".metadata"} <= set(files)
+        assert f"{r['shard']} differs from what was saved" in r["flipped"], rank
+        assert "fall back to an earlier checkpoint with --ckpt-step N (there: 1)" in r["flipped"]
+        assert f"{r['shard']} holds {files[os.path.basename(r['shard'])]['bytes'] - 100} bytes" in r["truncated"]
+        assert "truncated" in r["truncated"] and "--ckpt-step N (there: 1)" in r["truncated"]
+        assert "reading checkpoint" in r["truncated_unverified"] and "iter_0000002" in r["truncated_unverified"]
+        assert "--ckpt-step N (there: 1)" in r["truncated_unverified"]
+        assert r["fallback"]["iteration"] == 1
+    r = results[0]
+    print(f"tiny checkpoint: {r['bytes']} bytes in {len(r['manifest']['files'])} files; saves "
+          f"{r['save_1_s']:.3f} s / {r['save_2_s']:.3f} s, of which hashing {r['checksum_s']:.4f} s; "
+          f"verifying at load {r['verify_s']:.4f} s")

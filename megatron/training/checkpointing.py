@@ -9,7 +9,11 @@ Saving is fully parallel (each DP-replicated tensor written by one replica, Mega
 saves reuse the first save's plan (``context`` keeps it).
 Crash safety: every rank writes into ``iter_0000100.tmp``; after a barrier rank 0 renames it to
 ``iter_0000100`` and only then rewrites the tracker (atomically). A crash at any point mid-save leaves
-the tracker pointing at the previous complete checkpoint. With ``--async-save`` the shards are written by a
+the tracker pointing at the previous complete checkpoint. Publishing never moves the tracker back: a run that would
+save iterations older than --save's tracker is an error at start-up (``check_save_keeps_newer_checkpoints``), and
+each publish checks again. Before the rename every file's size and sha256 go into ``iter_0000100/checksums.json``
+(each rank hashes the shards it wrote); a load verifies them on every rank first, and a damaged or truncated file
+is an error naming it and the --ckpt-step fallback. With ``--async-save`` the shards are written by a
 background process (forked per save, holding a copy of the state; or ``--use-persistent-ckpt-worker``'s, on GPU,
 from host copies), and the rename and tracker are the save's finalization, which the training loop runs once every
 rank's writer has finished (``megatron.core.dist_checkpointing``'s ``AsyncCallsQueue``); the run waits for
@@ -53,8 +57,11 @@ functions in ``megatron.hooks.optimizer_state`` work around it.
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -62,6 +69,7 @@ import shutil
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
@@ -86,6 +94,9 @@ logger = logging.getLogger(__name__)
 
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+# In each checkpoint directory: every file's size and sha256, written when it is published, verified at load.
+CHECKSUMS_FILENAME = "checksums.json"
+CHECKSUM_CHUNK_BYTES = 4 << 20
 SAVE_BACKEND = "torch_dist"  # megatron-core save strategy, at its default version (0.19 takes no version)
 # Differ per rank; kept out of the saved args so the common state is identical on every rank.
 RANK_LOCAL_ARGS = ("rank", "local_rank")
@@ -253,8 +264,10 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
 
     retain_interval = None if non_persistent else _option(args, "save_retain_interval")
 
-    def publish():
+    def publish():  # collective: every rank hashes its share of the files
+        checksums = _checksum_files(staging_dir)
         if dist.get_rank() == 0:
+            _write_checksums(staging_dir, checksums)
             _publish(root, staging_dir, final_dir, iteration, retain_interval)
 
     if async_save:  # finalized once every rank's writer is done, after megatron-core's metadata
@@ -288,7 +301,9 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
         return 0
     ckpt_dir, finetune = found
     logger.info(f"loading {ckpt_dir}" + (" (fine-tuning: weights only, from iteration 0)" if finetune else ""))
-    common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    verify_checksums(ckpt_dir)
+    with _named_read_errors(ckpt_dir):
+        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
     saved_args = common.get("args", {})
     for flag, state in (("no_save_optim", "optimizer and LR-scheduler state"), ("no_save_rng", "RNG states")):
         if saved_args.get(flag):
@@ -300,8 +315,9 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
 
     request = _sharded_state_dict(model_chunks, optimizer, with_optimizer=load_optim,
                                   with_rng=load_rng, is_loading=True, fully_reshardable=fully_reshardable)
-    state = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_load_strategy(args, ckpt_dir),
-                                    strict=_option(args, "dist_ckpt_strictness"))
+    with _named_read_errors(ckpt_dir):
+        state = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_load_strategy(args, ckpt_dir),
+                                        strict=_option(args, "dist_ckpt_strictness"))
 
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         chunk.load_state_dict(state[key], strict=True)
@@ -358,6 +374,102 @@ def checkpoint_to_load(args) -> tuple[str, bool] | None:
         raise ValueError(f"--exit-on-missing-checkpoint: no checkpoint under {where} (no {TRACKER_FILENAME}): fix the "
                          f"path, or drop the flag to start from a random initialization")
     return None
+
+
+def _files_of_rank(names: list[str], rank: int, world_size: int) -> list[str]:
+    """This rank's share of a checkpoint's files to hash: the shards megatron-core's writer names after a rank
+    (``__R_k.distcp``) go to that rank, which has just written them, the rest round-robin."""
+    mine = []
+    for index, name in enumerate(sorted(names)):
+        writer = re.match(r"__(\d+)_", name)
+        owner = int(writer.group(1)) if writer and int(writer.group(1)) < world_size else index % world_size
+        if owner == rank:
+            mine.append(name)
+    return mine
+
+
+def _file_checksum(path: str) -> dict:
+    digest, size = hashlib.sha256(), 0
+    buffer = memoryview(bytearray(CHECKSUM_CHUNK_BYTES))
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(buffer):
+            digest.update(buffer[:count])
+            size += count
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _checkpoint_files(ckpt_dir: str) -> list[str]:
+    return [os.path.relpath(os.path.join(folder, name), ckpt_dir)
+            for folder, _, names in os.walk(ckpt_dir) for name in names if name != CHECKSUMS_FILENAME]
+
+
+def _checksum_files(ckpt_dir: str) -> dict:
+    """{file: {"bytes", "sha256"}} of every file in ``ckpt_dir``, each hashed by one rank (collective)."""
+    mine = {name: _file_checksum(os.path.join(ckpt_dir, name))
+            for name in _files_of_rank(_checkpoint_files(ckpt_dir), dist.get_rank(), dist.get_world_size())}
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    return {name: entry for share in shares for name, entry in sorted(share.items())}
+
+
+def _write_checksums(ckpt_dir: str, checksums: dict) -> None:
+    with open(os.path.join(ckpt_dir, CHECKSUMS_FILENAME), "w") as f:
+        json.dump({"algorithm": "sha256", "files": dict(sorted(checksums.items()))}, f, indent=1)
+
+
+def _fallback_hint(ckpt_dir: str) -> str:
+    root, name = os.path.split(os.path.normpath(ckpt_dir))
+    others = sorted(int(n[len("iter_"):]) for n in os.listdir(root)
+                    if re.fullmatch(r"iter_\d{7}", n) and n != name)
+    if not others:
+        return "no other checkpoint is there to fall back to"
+    return f"fall back to an earlier checkpoint with --ckpt-step N (there: {', '.join(map(str, others))})"
+
+
+def verify_checksums(ckpt_dir: str) -> None:
+    """Every file of ``ckpt_dir``'s checksums.json (written when it was published) has its size and sha256, each
+    file read by one rank; else an error on every rank naming the files (a truncated one as such) and the
+    --ckpt-step fallback. A checkpoint without checksums.json (Megatron-LM's, or older) loads unverified."""
+    path = os.path.join(ckpt_dir, CHECKSUMS_FILENAME)
+    if not os.path.isfile(path):
+        if dist.get_rank() == 0:
+            logger.info(f"{ckpt_dir} has no {CHECKSUMS_FILENAME}: its files are not verified")
+        return
+    with open(path) as f:
+        expected = json.load(f)["files"]
+    problems = []
+    for name in _files_of_rank(list(expected), dist.get_rank(), dist.get_world_size()):
+        file_path, want = os.path.join(ckpt_dir, name), expected[name]
+        if not os.path.isfile(file_path):
+            problems.append(f"{file_path} is missing")
+            continue
+        got = _file_checksum(file_path)
+        if got["bytes"] != want["bytes"]:
+            problems.append(f"{file_path} holds {got['bytes']} bytes, {want['bytes']} were saved (truncated or "
+                            f"overwritten)")
+        elif got["sha256"] != want["sha256"]:
+            problems.append(f"{file_path} differs from what was saved (sha256 {got['sha256']}, saved "
+                            f"{want['sha256']}): corrupted on disk")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    problems = sorted(p for share in everyone for p in share)
+    if problems:
+        raise ValueError(f"checkpoint {ckpt_dir} fails its checksums ({CHECKSUMS_FILENAME}): " + "; ".join(problems)
+                         + f". Restore the files, or {_fallback_hint(ckpt_dir)}")
+
+
+@contextlib.contextmanager
+def _named_read_errors(ckpt_dir: str):
+    """A checkpoint without checksums.json whose file is cut short fails inside torch (a bare EOFError, an unpickling
+    error, or torch.distributed.checkpoint's exception with every rank's traceback): name the checkpoint, the first
+    cause and the fallback."""
+    try:
+        yield
+    except (EOFError, pickle.UnpicklingError, CheckpointException) as error:
+        cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
+        text = str(cause).splitlines()[0] if str(cause) else ""
+        raise ValueError(f"reading checkpoint {ckpt_dir} failed ({type(cause).__name__}: {text}): a file of it is "
+                         f"damaged, or the load does not fit it; {_fallback_hint(ckpt_dir)}") from error
 
 
 def _check_is_torch_dist(ckpt_dir: str) -> None:
