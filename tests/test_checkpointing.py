@@ -650,3 +650,19 @@ def test_corrupt_or_truncated_checkpoint_is_an_error_naming_the_file(tmp_path):
     print(f"tiny checkpoint: {r['bytes']} bytes in {len(r['manifest']['files'])} files; saves "
           f"{r['save_1_s']:.3f} s / {r['save_2_s']:.3f} s, of which hashing {r['checksum_s']:.4f} s; "
           f"verifying at load {r['verify_s']:.4f} s")
+
+
+def test_unwritable_save_is_an_error_at_start_up(tmp_path):
+    """--save checked when the run starts, not at its first save after the work is done: a path that cannot be made
+    (under a file) and, where permissions hold (not as root), a read-only directory; a new directory is made."""
+    from megatron.training.checkpointing import check_save_writable
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=rf"--save {tmp_path}/file/ckpt is not writable \(.*Not a directory"):
+        check_save_writable(_args(str(tmp_path / "file" / "ckpt")))
+    check_save_writable(_args(str(tmp_path / "new" / "ckpt"), non_persistent_save_interval=1))
+    assert sorted(os.listdir(tmp_path / "new" / "ckpt")) == ["non_persistent"]
+    if os.geteuid() != 0:
+        (tmp_path / "read_only").mkdir(mode=0o500)
+        with pytest.raises(ValueError, match=rf"--save {tmp_path}/read_only is not writable"):
+            check_save_writable(_args(str(tmp_path / "read_only")))

@@ -65,6 +65,7 @@ import pickle
 import random
 import re
 import shutil
+import tempfile
 
 import numpy as np
 import torch
@@ -206,6 +207,24 @@ def check_save_keeps_newer_checkpoints(args) -> None:
                          f"starts at iteration {start} ({how}): its saves would move the tracker back{deletes}. "
                          f"Resume from it with --load {args.save} (without --ckpt-step), or give --save a new "
                          f"directory")
+
+
+def check_save_writable(args) -> None:
+    """At start-up (every rank): --save (and the directory of --non-persistent-save-interval's checkpoints) exists
+    or can be made, and takes a file; otherwise the first save would fail after the work it should keep."""
+    if not args.save:
+        return
+    roots = [("--save", args.save)]
+    if _option(args, "non_persistent_save_interval"):
+        roots.append(("--non-persistent-global-ckpt-dir", non_persistent_root(args, args.save)))
+    for flag, root in roots:
+        try:
+            os.makedirs(root, exist_ok=True)
+            with tempfile.TemporaryFile(dir=root):
+                pass
+        except OSError as error:
+            raise ValueError(f"{flag} {root} is not writable ({error}): fix its permissions or path, or give "
+                             f"another directory") from error
 
 
 def _warn_nothing_to_load(args) -> None:

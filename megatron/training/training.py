@@ -501,7 +501,8 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     """Parse, initialize, build, (resume,) train, save. Returns the last iteration.
     ``args_defaults`` override flag defaults (CLI and --config still win); ``model_type`` 'moe'
     requires --num-experts."""
-    from megatron.training.checkpointing import check_save_keeps_newer_checkpoints, load_args_from_checkpoint
+    from megatron.training.checkpointing import (check_save_keeps_newer_checkpoints, check_save_writable,
+                                                 load_args_from_checkpoint)
     from megatron.training.data import build_train_valid_test_data_iterators
     from megatron.training.progress import log_job_start
     from megatron.training.tokenizer import build_tokenizer
@@ -514,7 +515,8 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     if model_type == "moe" and args.num_experts is None:
         raise ValueError("pretrain_moe.py trains a mixture of experts: add --num-experts N")
     initialize_megatron(args)
-    check_save_keeps_newer_checkpoints(args)  # before the work that a failed first save would lose
+    check_save_writable(args)  # before the work that a failed first save would lose
+    check_save_keeps_newer_checkpoints(args)
     log_job_start(args)
     tokenizer = build_tokenizer(args)
     set_padded_vocab_size(args, tokenizer.vocab_size)
