@@ -666,3 +666,97 @@ def test_unwritable_save_is_an_error_at_start_up(tmp_path):
         (tmp_path / "read_only").mkdir(mode=0o500)
         with pytest.raises(ValueError, match=rf"--save {tmp_path}/read_only is not writable"):
             check_save_writable(_args(str(tmp_path / "read_only")))
+
+
+def _process_table() -> dict:
+    """pid -> (parent pid, state, command line) of every process."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(name)] = (int(fields[1]), fields[0], cmdline)
+    return table
+
+
+def _descendants(pid: int) -> dict:
+    table, found, frontier = _process_table(), {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _, cmdline) in table.items():
+            if ppid == parent and child not in found:
+                found[child] = cmdline
+                frontier.append(child)
+    return found
+
+
+def _alive(pids) -> list[int]:
+    table = _process_table()
+    return [pid for pid in pids if pid in table and table[pid][1] != "Z"]  # a zombie has ended
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc (Linux)")
+def test_kill_9_of_torchrun_leaves_no_process_behind(tmp_path):
+    """torchrun with 2 CPU workers saving every iteration; once a checkpoint is published (each worker then runs
+    megatron-core's writer Manager and Python's resource tracker), kill -9 of the launcher alone. Its workers used to
+    go on training and saving, reparented; killed, they left Manager and tracker behind forever. Now every process
+    of the run ends within a minute, and the published checkpoint is whole (checksums.json holds)."""
+    import hashlib
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dist_utils import ROOT, _free_port
+    from megatron.training.checkpointing import CHECKSUMS_FILENAME, TRACKER_FILENAME, checkpoint_dir
+
+    ckpt = tmp_path / "ckpt"
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+             "--train-iters 2000 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
+             f"--transformer-impl local --log-interval 1000 --save {ckpt} --save-interval 1 "
+             f"--data-cache-path {tmp_path / 'cache'}")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *flags.split()]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    run_processes = {}
+    with open(tmp_path / "log.txt", "w") as log:
+        launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while not (ckpt / TRACKER_FILENAME).exists() or not any(
+                    "resource_tracker" in cmdline for cmdline in _descendants(launcher.pid).values()):
+                assert launcher.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+                time.sleep(0.2)
+            run_processes = _descendants(launcher.pid)
+            os.kill(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=60)
+            deadline = time.time() + 60
+            while _alive(run_processes) and time.time() < deadline:
+                time.sleep(0.5)
+            left = {pid: run_processes[pid] for pid in _alive(run_processes)}
+        finally:  # never leave the run behind, whatever failed
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+            for pid in _alive(run_processes):
+                os.kill(pid, signal.SIGKILL)
+    workers = [cmdline for cmdline in run_processes.values() if "pretrain_gpt.py" in cmdline]
+    helpers = [cmdline for cmdline in run_processes.values() if "multiprocessing" in cmdline]
+    assert len(workers) == 2 and len(helpers) >= 2, run_processes  # each worker: a Manager and a resource tracker
+    assert not left, f"still running a minute after kill -9 of torchrun: {left}"
+
+    published = checkpoint_dir(str(ckpt), int((ckpt / TRACKER_FILENAME).read_text()))
+    with open(os.path.join(published, CHECKSUMS_FILENAME)) as f:
+        saved = json.load(f)["files"]
+    for name, entry in saved.items():
+        with open(os.path.join(published, name), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == entry["sha256"], name

@@ -164,9 +164,10 @@ def initialize_megatron(args) -> None:
 
     check_installation()
     install_cpu_support()
-    from megatron.hooks import compat
+    from megatron.hooks import checkpoint_writer, compat
 
     compat.apply()
+    checkpoint_writer.apply()
     allow_torch_norm_options(args)
     set_deterministic_mode(args)
     set_matmul_and_experimental_flags(args)

@@ -26,6 +26,7 @@ from megatron.training import metrics
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
 from megatron.training.batch_schedule import batch_size_at
 from megatron.training.initialize import initialize_megatron, records_memory_history
+from megatron.training.lifetime import exit_with_launcher
 from megatron.training.model import setup_model_and_optimizer
 from megatron.training.profiling import IterationProfiler
 
@@ -507,6 +508,7 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     from megatron.training.progress import log_job_start
     from megatron.training.tokenizer import build_tokenizer
 
+    exit_with_launcher()  # a kill -9 of torchrun ends its workers too
     start_time = time.time()  # --exit-duration-in-mins counts start-up too (a job's time limit does)
     args = parse_args(argv, extra_args_provider, defaults=args_defaults)
     if args.use_checkpoint_args:
