@@ -687,19 +687,22 @@ def _process_table() -> dict:
 
 
 def _descendants(pid: int) -> dict:
+    """pid -> (parent pid, command line) of every process below ``pid``."""
     table, found, frontier = _process_table(), {}, [pid]
     while frontier:
         parent = frontier.pop()
         for child, (ppid, _, cmdline) in table.items():
             if ppid == parent and child not in found:
-                found[child] = cmdline
+                found[child] = ppid, cmdline
                 frontier.append(child)
     return found
 
 
-def _alive(pids) -> list[int]:
-    table = _process_table()
-    return [pid for pid in pids if pid in table and table[pid][1] != "Z"]  # a zombie has ended
+def _left_behind(run_processes: dict, ckpt) -> dict:
+    """Of a run's processes (and those forked after ``run_processes`` was taken: the workers' forks share their
+    command line, which names ``ckpt``), the ones still running (a zombie has ended)."""
+    return {pid: cmdline for pid, (_, state, cmdline) in _process_table().items()
+            if state != "Z" and (pid in run_processes or f"--save {ckpt} " in cmdline)}
 
 
 @pytest.mark.slow
@@ -708,7 +711,8 @@ def test_kill_9_of_torchrun_leaves_no_process_behind(tmp_path):
     """torchrun with 2 CPU workers saving every iteration; once a checkpoint is published (each worker then runs
     megatron-core's writer Manager and Python's resource tracker), kill -9 of the launcher alone. Its workers used to
     go on training and saving, reparented; killed, they left Manager and tracker behind forever. Now every process
-    of the run ends within a minute, and the published checkpoint is whole (checksums.json holds)."""
+    of the run ends within a minute (also a writer forked for a save in flight, which held the tracker), and the
+    published checkpoint is whole (checksums.json holds)."""
     import hashlib
     import json
     import signal
@@ -732,26 +736,27 @@ def test_kill_9_of_torchrun_leaves_no_process_behind(tmp_path):
         launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.time() + 300
-            while not (ckpt / TRACKER_FILENAME).exists() or not any(
-                    "resource_tracker" in cmdline for cmdline in _descendants(launcher.pid).values()):
+            while not (ckpt / TRACKER_FILENAME).exists() or sum(
+                    "resource_tracker" in cmdline for _, cmdline in _descendants(launcher.pid).values()) < 2:
                 assert launcher.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
                 time.sleep(0.2)
             run_processes = _descendants(launcher.pid)
             os.kill(launcher.pid, signal.SIGKILL)
             launcher.wait(timeout=60)
             deadline = time.time() + 60
-            while _alive(run_processes) and time.time() < deadline:
+            while _left_behind(run_processes, ckpt) and time.time() < deadline:
                 time.sleep(0.5)
-            left = {pid: run_processes[pid] for pid in _alive(run_processes)}
+            left = _left_behind(run_processes, ckpt)
         finally:  # never leave the run behind, whatever failed
             if launcher.poll() is None:
                 launcher.kill()
                 launcher.wait()
-            for pid in _alive(run_processes):
+            for pid in _left_behind(run_processes, ckpt):
                 os.kill(pid, signal.SIGKILL)
-    workers = [cmdline for cmdline in run_processes.values() if "pretrain_gpt.py" in cmdline]
-    helpers = [cmdline for cmdline in run_processes.values() if "multiprocessing" in cmdline]
-    assert len(workers) == 2 and len(helpers) >= 2, run_processes  # each worker: a Manager and a resource tracker
+    workers = [pid for pid, (ppid, _) in run_processes.items() if ppid == launcher.pid]
+    for helper in ("spawn_main", "resource_tracker"):  # each worker's: the writer's Manager and its tracker
+        assert sum(helper in cmdline for _, cmdline in run_processes.values()) == 2, (helper, run_processes)
+    assert len(workers) == 2, run_processes
     assert not left, f"still running a minute after kill -9 of torchrun: {left}"
 
     published = checkpoint_dir(str(ckpt), int((ckpt / TRACKER_FILENAME).read_text()))

@@ -14,6 +14,8 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from megatron.training.lifetime import fork_children_die_with_parent
+
 SUPPORTED_MCORE = ("0.16.1", "0.20")  # >= first, < second
 
 
@@ -167,7 +169,8 @@ def initialize_megatron(args) -> None:
     from megatron.hooks import checkpoint_writer, compat
 
     compat.apply()
-    checkpoint_writer.apply()
+    checkpoint_writer.apply()  # the writer's helper processes, spawned or forked, end with this one
+    fork_children_die_with_parent()
     allow_torch_norm_options(args)
     set_deterministic_mode(args)
     set_matmul_and_experimental_flags(args)
