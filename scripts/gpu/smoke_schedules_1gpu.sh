@@ -22,6 +22,7 @@ run() {  # name, flags...
     > $RES/$name.log 2>&1
   echo "$name rc=$?"; grep -E "iteration +(4|12|19)/|checkpoint of iteration|loading|Error" $RES/$name.log | cut -c1-220
 }
+rm -rf /tmp/ck_ramp  # a rerun starts afresh: saving from iteration 0 into an earlier run's checkpoints is an error
 run ramp --global-batch-size 16 --rampup-batch-size 4 4 48 --save /tmp/ck_ramp --save-interval 100 \
   --non-persistent-save-interval 5 --non-persistent-ckpt-type global --exit-interval 12
 ls /tmp/ck_ramp /tmp/ck_ramp/non_persistent | tee $RES/ckpt_dirs.txt
