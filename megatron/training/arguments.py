@@ -514,7 +514,7 @@ class CheckpointArgs:
                                                "from this directory's checkpoint; later runs resume from --load.")
     ckpt_step: Optional[int] = arg(None, "Load this iteration instead of the tracker file's latest.")
     exit_on_missing_checkpoint: bool = arg(False, "Stop with an error when --load holds no checkpoint, instead of "
-                                           "training from a random initialization.")
+                                           "training from a random initialization (with a warning naming it).")
     use_checkpoint_args: bool = arg(False, "Take the model's shape and tokenizer flags from the --load (or "
                                     "--pretrained-checkpoint) checkpoint's saved arguments: those given on the "
                                     "command line that Megatron-LM keeps win, the rest are overridden.")
