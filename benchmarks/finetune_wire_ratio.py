@@ -16,6 +16,7 @@ measured the same way (its iterations after warm-up).
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 
@@ -73,6 +74,7 @@ def main():
     # from scratch: the baseline run saves the checkpoint; each codec's run measures its own ratio
     pretrain = ["--train-iters", str(args.pretrain_iters), "--lr", str(args.pretrain_lr),
                 "--min-lr", str(args.pretrain_lr / 10), "--lr-warmup-iters", "10", "--lr-decay-style", "cosine"]
+    shutil.rmtree(ckpt, ignore_errors=True)  # a rerun's from-scratch save may not go over an earlier run's iterations
     base = run(args, "pretrain_baseline", pretrain + ["--save", ckpt])
     results["pretrain"]["final_loss"] = base[-1]["loss"]
     for codec, flags in CODECS.items():

@@ -292,6 +292,24 @@ ERRORS = [
     ("--ddp-num-buckets 4 --ddp-bucket-size 1000", 1, "both size the DP buckets: give one"),
     ("--outer-dp-sharding-strategy optim", 1, "Megatron FSDP is not implemented"),
     ("--megatron-fsdp-max-pool-double-buffer", 1, "Megatron FSDP is not implemented"),
+    # sizes, counts and rates out of range: errors naming the flag at parse time, not a SIGFPE, a ZeroDivisionError,
+    # the warm-up's message or a failure once the model is built
+    ("--seq-length 0", 1, "--seq-length must be at least 1, got 0"),
+    ("--micro-batch-size 0", 1, "--micro-batch-size must be at least 1, got 0"),
+    ("--num-layers 0", 1, "--num-layers must be at least 1, got 0"),
+    ("--train-iters 0", 1, "--train-iters must be at least 1, got 0"),
+    ("--lr -1", 1, "--lr must be at least 0, got -1.0"),
+    ("--lr nan", 1, "--lr must be at least 0, got nan"),
+    ("--hidden-size -64", 1, "--hidden-size must be at least 1, got -64"),
+    ("--global-batch-size 0", 1, "--global-batch-size must be at least 1, got 0"),
+    ("--tensor-model-parallel-size 0", 1, "--tensor-model-parallel-size must be at least 1, got 0"),
+    ("--hidden-dropout 1.5", 1, "--hidden-dropout must be between 0 and 1, got 1.5"),
+    ("--adam-beta2 1", 1, "--adam-beta2 must be in [0, 1), got 1.0"),
+    ("--weight-decay -0.1", 1, "--weight-decay must be at least 0, got -0.1"),
+    ("--log-interval 0", 1, "--log-interval must be at least 1, got 0"),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+     "--microbatch-group-size-per-virtual-pipeline-stage 0", 2,
+     "--microbatch-group-size-per-virtual-pipeline-stage must be at least 1, got 0"),
 ]
 
 
@@ -567,6 +585,10 @@ def test_yaml_true_turned_off_on_the_command_line(tmp_path):
     ("sequence-parallel: 3\n", "'sequence-parallel' must be true or false"),
     ("taco-format: e3m4\n", "'taco-format' must be one of"),
     ("num-layers: four\n", "'num-layers' expects int"),
+    ("num-layers: 2.7\n", "'num-layers' expects int, got 2.7"),  # int(2.7) would build 2 layers
+    ("num-layers: 4.0\n", "'num-layers' expects int, got 4.0"),
+    ("num-layers: true\n", "'num-layers' expects int, got True"),
+    ("lr: false\n", "'lr' expects float, got False"),
     ("- a\n- b\n", "expected a flat mapping"),
 ])
 def test_yaml_config_errors(tmp_path, text, message):
@@ -575,6 +597,18 @@ def test_yaml_config_errors(tmp_path, text, message):
     with pytest.raises(ValueError) as error:
         parse_args(f"--config {config}".split())
     assert message in str(error.value) and str(config) in str(error.value)
+
+
+def test_yaml_numbers_and_their_ranges(tmp_path):
+    """A YAML int is a float flag's value, an int flag's string of digits is converted; a range error from --config
+    names the flag as the command line's does."""
+    config = tmp_path / "c.yaml"
+    config.write_text("lr: 1\nnum-layers: '3'\nhidden-dropout: 0\n")
+    args = parse_args(["--config", str(config)])
+    assert (args.lr, args.num_layers, args.hidden_dropout) == (1.0, 3, 0.0)
+    config.write_text("seq-length: 0\n")
+    with pytest.raises(ValueError, match=r"--seq-length must be at least 1, got 0"):
+        parse_args(["--config", str(config)])
 
 
 @pytest.mark.parametrize("config", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),

@@ -428,9 +428,9 @@ def test_fully_reshardable_optimizer_state_resumes_at_other_tp_and_pp(tmp_path):
     it repeats iterations 3-4 bit for bit; at TP=1 and at PP=2 (with --no-load-rng, whose states are per rank) it
     follows them within the TP=1-vs-TP=2 rounding of test_parallel_training.py (measured: 1e-7)."""
     ckpt = tmp_path / "ckpt"
-    flags = GPT + f" --use-distributed-optimizer --dist-ckpt-optim-fully-reshardable --save {ckpt}"
-    saved = launch_training(tmp_path, "tp2", "pretrain_gpt.py", 2, flags + " --tensor-model-parallel-size 2 "
-                            "--save-interval 2")
+    flags = GPT + " --use-distributed-optimizer --dist-ckpt-optim-fully-reshardable"
+    saved = launch_training(tmp_path, "tp2", "pretrain_gpt.py", 2, flags + f" --tensor-model-parallel-size 2 "
+                            f"--save {ckpt} --save-interval 2")
     resume = f" --load {ckpt} --ckpt-step 2"
     same = launch_training(tmp_path, "tp2_resumed", "pretrain_gpt.py", 2,
                            flags + " --tensor-model-parallel-size 2" + resume)
@@ -486,3 +486,282 @@ def test_exit_signal_handler_saves_and_stops(tmp_path):
         assert run.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-3000:]
     last = [json.loads(line) for line in metrics.read_text().splitlines()][-1]["iteration"]
     assert 2 <= last < 2000 and (ckpt / TRACKER_FILENAME).read_text().strip() == str(last)
+
+
+def _fake_checkpoints(root, *iterations) -> None:
+    """Checkpoint directories that checkpoint_to_load accepts (a torch_dist metadata.json), the tracker at the last."""
+    import json
+
+    from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
+
+    for iteration in iterations:
+        os.makedirs(checkpoint_dir(str(root), iteration))
+        with open(os.path.join(checkpoint_dir(str(root), iteration), "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                       "common_backend_version": 1}, f)
+    (root / TRACKER_FILENAME).write_text(str(iterations[-1]))
+
+
+def test_load_without_a_checkpoint_warns(tmp_path, caplog):
+    """A --load directory that does not exist, or holds no tracker, starts from a random initialization with a
+    warning naming it and --exit-on-missing-checkpoint (which makes it an error)."""
+    from megatron.training.checkpointing import load_checkpoint
+
+    missing, empty = tmp_path / "typo", tmp_path / "empty"
+    empty.mkdir()
+    with caplog.at_level("WARNING", logger="megatron.training.checkpointing"):
+        assert load_checkpoint(_args(str(missing)), None, None, None) == 0
+        assert load_checkpoint(_args(str(empty)), None, None, None) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2
+    assert f"--load {missing} holds no checkpoint (the directory {missing} does not exist)" in warnings[0]
+    assert f"{empty}/latest_checkpointed_iteration.txt does not exist" in warnings[1]
+    assert all("--exit-on-missing-checkpoint" in w and "random initialization" in w for w in warnings)
+    with pytest.raises(ValueError, match="--exit-on-missing-checkpoint: no checkpoint under --load"):
+        load_checkpoint(_args(str(missing), exit_on_missing_checkpoint=True), None, None, None)
+
+
+def test_saves_never_move_the_tracker_back(tmp_path):
+    """--save holding iteration 10 with a run that would start before it (a --load that holds nothing, no --load, a
+    --ckpt-step of an older iteration) is an error at start-up naming the flags; resuming from it is not. Publishing
+    an older iteration is refused too, leaving the tracker and the newer checkpoint as they were (the user's case:
+    --save-retain-interval 4 deleted iteration 10 and the tracker moved back to 2)."""
+    from megatron.training.checkpointing import (TRACKER_FILENAME, _publish, check_save_keeps_newer_checkpoints,
+                                                 checkpoint_dir)
+
+    save = tmp_path / "ckpt"
+    _fake_checkpoints(save, 2, 10)
+    cases = {
+        "missing load": dict(load=str(tmp_path / "typo"), save_retain_interval=4),
+        "no load": dict(load=None),
+        "older step": dict(load=str(save), ckpt_step=2),
+    }
+    for name, overrides in cases.items():
+        with pytest.raises(ValueError) as error:
+            check_save_keeps_newer_checkpoints(_args(str(save), **overrides))
+        message = str(error.value)
+        assert f"--save {save}: {save}/{TRACKER_FILENAME} names iteration 10" in message, name
+        assert "would move the tracker back" in message and f"Resume from it with --load {save}" in message, name
+    assert "starts at iteration 0 (a fresh start: --load" in str(
+        pytest.raises(ValueError, check_save_keeps_newer_checkpoints, _args(str(save), load=str(tmp_path / "typo"))).value)
+    assert "--save-retain-interval would delete iteration 10" in str(pytest.raises(
+        ValueError, check_save_keeps_newer_checkpoints, _args(str(save), load=None, save_retain_interval=4)).value)
+    assert f"iteration 2 (--load {save} --ckpt-step 2)" in str(pytest.raises(
+        ValueError, check_save_keeps_newer_checkpoints, _args(str(save), ckpt_step=2)).value)
+    check_save_keeps_newer_checkpoints(_args(str(save)))  # resumes from 10
+    check_save_keeps_newer_checkpoints(_args(str(tmp_path / "new"), load=str(save), ckpt_step=2))  # a new --save
+
+    staged = checkpoint_dir(str(save), 4) + ".tmp"
+    os.makedirs(staged)
+    with pytest.raises(ValueError, match="names iteration 10, newer than the iteration 4 being saved"):
+        _publish(str(save), staged, checkpoint_dir(str(save), 4), 4, retain_interval=4)
+    assert (save / TRACKER_FILENAME).read_text() == "10"
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004.tmp", "iter_0000010", TRACKER_FILENAME]
+
+
+def _corruption_world(root: str) -> dict:
+    """Saves iterations 1 and 2 of the tiny GPT (TP=1 x DP=2), then damages iteration 2's files on rank 0 and loads
+    it each time on both ranks: 16 flipped bytes in a shard, the shard cut short, then cut short with its
+    checksums.json gone. Returns each load's error, what was published, and the cost of the checksums."""
+    import json
+    import time
+
+    from megatron.core import parallel_state
+    from megatron.hooks import cpu
+    from megatron.training import checkpointing
+    from megatron.training.checkpointing import (CHECKSUMS_FILENAME, checkpoint_dir, load_checkpoint,
+                                                 save_checkpoint)
+
+    cpu.apply()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    rank = torch.distributed.get_rank()
+    args = _args(root)
+    parts = _build(1, seed=1234)
+    out = {}
+    for iteration in (1, 2):
+        _train(parts, [iteration - 1], args)
+        start = time.perf_counter()
+        save_checkpoint(args, iteration, *parts)
+        out[f"save_{iteration}_s"] = time.perf_counter() - start
+    out["saved"] = _state(parts, args, 2)
+    newest = checkpoint_dir(root, 2)
+    start = time.perf_counter()
+    checkpointing._checksum_files(newest)
+    out["checksum_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    checkpointing.verify_checksums(newest)
+    out["verify_s"] = time.perf_counter() - start
+    with open(os.path.join(newest, CHECKSUMS_FILENAME)) as f:
+        out["manifest"] = json.load(f)
+    out["bytes"] = sum(entry["bytes"] for entry in out["manifest"]["files"].values())
+    out["loaded"] = _state(*_fresh_load(1, root))
+
+    shard = sorted(name for name in os.listdir(newest) if name.endswith(".distcp"))[-1]
+    path = os.path.join(newest, shard)
+    with open(path, "rb") as f:
+        original = f.read()
+
+    def damaged_load(damage):
+        if rank == 0:
+            damage()
+        torch.distributed.barrier()
+        try:
+            _fresh_load(1, root)
+            return None
+        except ValueError as error:
+            return str(error)
+
+    def flip():
+        middle = len(original) // 2
+        with open(path, "wb") as f:
+            f.write(original[:middle] + bytes(b ^ 0xFF for b in original[middle:middle + 16]) + original[middle + 16:])
+
+    def truncate():
+        with open(path, "wb") as f:
+            f.write(original[:len(original) - 100])
+
+    out["shard"] = path
+    out["flipped"] = damaged_load(flip)
+    out["truncated"] = damaged_load(truncate)
+    out["truncated_unverified"] = damaged_load(lambda: os.remove(os.path.join(newest, CHECKSUMS_FILENAME)))
+    out["fallback"] = _state(*_fresh_load(1, root, ckpt_step=1))
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_corrupt_or_truncated_checkpoint_is_an_error_naming_the_file(tmp_path):
+    """A published checkpoint holds checksums.json (every file's size and sha256); a load verifies it on every rank
+    and names the damaged file and the --ckpt-step fallback: 16 flipped bytes in a .distcp shard (which loaded
+    silently into a loss of 1345), the shard cut short (a bare EOFError without checksums, now also named)."""
+    results = run_on_ranks(_corruption_world, 2, str(tmp_path))
+    for rank, r in enumerate(results):
+        assert r["loaded"] == r["saved"], rank  # checksums change nothing of an intact resume
+        files = r["manifest"]["files"]
+        assert r["manifest"]["algorithm"] == "sha256" and os.path.basename(r["shard"]) in files
+        assert {"common.pt", "metadata.json", ".metadata"} <= set(files)
+        assert f"{r['shard']} differs from what was saved" in r["flipped"], rank
+        assert "fall back to an earlier checkpoint with --ckpt-step N (there: 1)" in r["flipped"]
+        assert f"{r['shard']} holds {files[os.path.basename(r['shard'])]['bytes'] - 100} bytes" in r["truncated"]
+        assert "truncated" in r["truncated"] and "--ckpt-step N (there: 1)" in r["truncated"]
+        assert "reading checkpoint" in r["truncated_unverified"] and "iter_0000002" in r["truncated_unverified"]
+        assert "--ckpt-step N (there: 1)" in r["truncated_unverified"]
+        assert r["fallback"]["iteration"] == 1
+    r = results[0]
+    print(f"tiny checkpoint: {r['bytes']} bytes in {len(r['manifest']['files'])} files; saves "
+          f"{r['save_1_s']:.3f} s / {r['save_2_s']:.3f} s, of which hashing {r['checksum_s']:.4f} s; "
+          f"verifying at load {r['verify_s']:.4f} s")
+
+
+def test_unwritable_save_is_an_error_at_start_up(tmp_path):
+    """--save checked when the run starts, not at its first save after the work is done: a path that cannot be made
+    (under a file) and, where permissions hold (not as root), a read-only directory; a new directory is made."""
+    from megatron.training.checkpointing import check_save_writable
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=rf"--save {tmp_path}/file/ckpt is not writable \(.*Not a directory"):
+        check_save_writable(_args(str(tmp_path / "file" / "ckpt")))
+    check_save_writable(_args(str(tmp_path / "new" / "ckpt"), non_persistent_save_interval=1))
+    assert sorted(os.listdir(tmp_path / "new" / "ckpt")) == ["non_persistent"]
+    if os.geteuid() != 0:
+        (tmp_path / "read_only").mkdir(mode=0o500)
+        with pytest.raises(ValueError, match=rf"--save {tmp_path}/read_only is not writable"):
+            check_save_writable(_args(str(tmp_path / "read_only")))
+
+
+def _process_table() -> dict:
+    """pid -> (parent pid, state, command line) of every process."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(name)] = (int(fields[1]), fields[0], cmdline)
+    return table
+
+
+def _descendants(pid: int) -> dict:
+    """pid -> (parent pid, command line) of every process below ``pid``."""
+    table, found, frontier = _process_table(), {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _, cmdline) in table.items():
+            if ppid == parent and child not in found:
+                found[child] = ppid, cmdline
+                frontier.append(child)
+    return found
+
+
+def _left_behind(run_processes: dict, ckpt) -> dict:
+    """Of a run's processes (and those forked after ``run_processes`` was taken: the workers' forks share their
+    command line, which names ``ckpt``), the ones still running (a zombie has ended)."""
+    return {pid: cmdline for pid, (_, state, cmdline) in _process_table().items()
+            if state != "Z" and (pid in run_processes or f"--save {ckpt} " in cmdline)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc (Linux)")
+def test_kill_9_of_torchrun_leaves_no_process_behind(tmp_path):
+    """torchrun with 2 CPU workers saving every iteration; once a checkpoint is published (each worker then runs
+    megatron-core's writer Manager and Python's resource tracker), kill -9 of the launcher alone. Its workers used to
+    go on training and saving, reparented; killed, they left Manager and tracker behind forever. Now every process
+    of the run ends within a minute (also a writer forked for a save in flight, which held the tracker), and the
+    published checkpoint is whole (checksums.json holds)."""
+    import hashlib
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dist_utils import ROOT, _free_port
+    from megatron.training.checkpointing import CHECKSUMS_FILENAME, TRACKER_FILENAME, checkpoint_dir
+
+    ckpt = tmp_path / "ckpt"
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+             "--train-iters 2000 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
+             f"--transformer-impl local --log-interval 1000 --save {ckpt} --save-interval 1 "
+             f"--data-cache-path {tmp_path / 'cache'}")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *flags.split()]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    run_processes = {}
+    with open(tmp_path / "log.txt", "w") as log:
+        launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while not (ckpt / TRACKER_FILENAME).exists() or sum(
+                    "resource_tracker" in cmdline for _, cmdline in _descendants(launcher.pid).values()) < 2:
+                assert launcher.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+                time.sleep(0.2)
+            run_processes = _descendants(launcher.pid)
+            os.kill(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=60)
+            deadline = time.time() + 60
+            while _left_behind(run_processes, ckpt) and time.time() < deadline:
+                time.sleep(0.5)
+            left = _left_behind(run_processes, ckpt)
+        finally:  # never leave the run behind, whatever failed
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+            for pid in _left_behind(run_processes, ckpt):
+                os.kill(pid, signal.SIGKILL)
+    workers = [pid for pid, (ppid, _) in run_processes.items() if ppid == launcher.pid]
+    for helper in ("spawn_main", "resource_tracker"):  # each worker's: the writer's Manager and its tracker
+        assert sum(helper in cmdline for _, cmdline in run_processes.values()) == 2, (helper, run_processes)
+    assert len(workers) == 2, run_processes
+    assert not left, f"still running a minute after kill -9 of torchrun: {left}"
+
+    published = checkpoint_dir(str(ckpt), int((ckpt / TRACKER_FILENAME).read_text()))
+    with open(os.path.join(published, CHECKSUMS_FILENAME)) as f:
+        saved = json.load(f)["files"]
+    for name, entry in saved.items():
+        with open(os.path.join(published, name), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == entry["sha256"], name

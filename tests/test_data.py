@@ -242,3 +242,40 @@ def test_iterators_on_two_dp_ranks(tmp_path):
         assert result["eval_shapes"] == {(2, 32)}
         mock = result["mock"]
         assert mock["tokens"].shape == (2, 32) and int(mock["tokens"].max()) < 257
+
+
+def test_damaged_dataset_files_are_errors_naming_them_before_training(tmp_path):
+    """The .idx records the bytes its .bin must hold: a .bin cut short (which failed only when training read its
+    last document, naming no file), a missing .bin and a truncated .idx are errors naming the path when the datasets
+    are built, before the first iteration."""
+    tokenizer = ByteTokenizer()
+    prefix = str(tmp_path / "corpus")
+    documents = [tokenizer.tokenize(f"document {i} " * (i + 1)) for i in range(40)]
+    data.write_documents(prefix, documents, tokenizer.vocab_size, eod=tokenizer.eod)
+    args = make_args(tmp_path, builtin_corpus=None, data_path=[prefix], split="100,0,0")
+    assert len(data.open_indexed_dataset(prefix, "--data-path")) == 40
+    bin_path, idx_path = prefix + ".bin", prefix + ".idx"
+    whole_bin, whole_idx = open(bin_path, "rb").read(), open(idx_path, "rb").read()
+
+    with open(bin_path, "wb") as f:
+        f.write(whole_bin[:-3])
+    with pytest.raises(ValueError) as error:
+        data.build_datasets(args, tokenizer)
+    assert f"--data-path {prefix}: {bin_path} holds {len(whole_bin) - 3} bytes, its index {idx_path} records " \
+           f"{len(whole_bin)}: the .bin is truncated" in str(error.value)
+    with open(bin_path, "wb") as f:
+        f.write(whole_bin + b"\0\0")
+    with pytest.raises(ValueError, match="the .bin is longer than its index"):
+        data.build_datasets(args, tokenizer)
+    os.remove(bin_path)
+    with pytest.raises(ValueError, match=f"--data-path {prefix}: {bin_path} does not exist"):
+        data.build_datasets(args, tokenizer)
+    with open(bin_path, "wb") as f:
+        f.write(whole_bin)
+    with open(idx_path, "wb") as f:
+        f.write(whole_idx[:len(whole_idx) // 2])
+    with pytest.raises(ValueError, match=f"--data-path {prefix}: {idx_path} does not read as a Megatron index"):
+        data.build_datasets(args, tokenizer)
+    args = make_args(tmp_path, builtin_corpus=None, train_data_path=[prefix], split=None)
+    with pytest.raises(ValueError, match=f"--train-data-path {prefix}: {idx_path} does not read"):
+        data.build_datasets(args, tokenizer)

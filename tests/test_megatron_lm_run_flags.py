@@ -300,6 +300,17 @@ def test_tensorboard_interval_and_log_line(tmp_path):
     assert "validation lm loss PPL: 7.389056E+00" in line
 
 
+def test_perplexity_of_a_nan_loss_is_nan():
+    """--no-check-for-nan-in-loss-and-grad lets a NaN loss through: its perplexity is NaN, not exp(20) (min(20, nan)
+    is 20); a large loss is still capped at exp(20) and infinity too."""
+    from megatron.training import metrics
+
+    assert math.isnan(metrics.perplexity(math.nan))
+    assert metrics.perplexity(25.0) == metrics.perplexity(math.inf) == math.exp(20)
+    assert metrics.perplexity(2.0) == math.exp(2.0)
+    assert "lm loss value: NAN | lm loss PPL: NAN" in metrics.final_evaluation_line(4, "validation", math.nan)
+
+
 def _single_rank_checks():
     """The weight-decay schedule and its parameter groups, the bf16 params norm, and the loss and gradient checks on
     one rank."""

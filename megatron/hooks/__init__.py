@@ -7,5 +7,6 @@
   differences) and gradient reduce-scatter (SDP4Bit Hadamard int8/int4) by bucket-group class swap.
 - ``pp``: TahQuant-compressed pipeline-parallel sends by a ``P2PCommunicator`` subclass.
 - ``optimizer_state``: checkpointing workarounds for torch Adam inside the distributed optimizer.
+- ``checkpoint_writer``: the checkpoint writer's helper processes end with their worker.
 - ``version``: the installed megatron-core version, for the few behaviours that differ by release.
 """

@@ -522,7 +522,7 @@ class CheckpointArgs:
                                                "from this directory's checkpoint; later runs resume from --load.")
     ckpt_step: Optional[int] = arg(None, "Load this iteration instead of the tracker file's latest.")
     exit_on_missing_checkpoint: bool = arg(False, "Stop with an error when --load holds no checkpoint, instead of "
-                                           "training from a random initialization.")
+                                           "training from a random initialization (with a warning naming it).")
     use_checkpoint_args: bool = arg(False, "Take the model's shape and tokenizer flags from the --load (or "
                                     "--pretrained-checkpoint) checkpoint's saved arguments: those given on the "
                                     "command line that Megatron-LM keeps win, the rest are overridden.")
@@ -834,6 +834,10 @@ def _yaml_value(action, key, value, path):
     if value is None:
         return None
     convert = action.type or str
+    exact = {int: (int,), float: (int, float)}.get(convert)  # YAML's own numbers: 2.7 is no int (int() would cut it)
+    values = value if isinstance(value, list) else [value]
+    if exact and any(isinstance(v, bool) or not isinstance(v, exact + (str,)) for v in values):
+        raise ValueError(f"--config {path}: '{key}' expects {convert.__name__}, got {value!r}")
     try:
         if action.nargs == "+":
             return [convert(v) for v in (value if isinstance(value, list) else [value])]
@@ -911,7 +915,73 @@ def parse_args(argv=None, extra_args_provider=None, defaults=None) -> argparse.N
     if known.config is not None:
         from_config = load_yaml_defaults(parser, known.config)
         parser.set_defaults(**_without_replaced(from_config, lambda dest: getattr(known, dest) not in (None, False)))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_ranges(args)
+    return args
+
+
+def _at_least(low):
+    return lambda value: value >= low, f"at least {low}"
+
+
+def _above(low):
+    return lambda value: value > low, f"above {low}"
+
+
+def _between(low, high):
+    return lambda value: low <= value <= high, f"between {low} and {high}"
+
+
+def _fraction_below_one():
+    return lambda value: 0 <= value < 1, "in [0, 1)"
+
+
+# The sizes, counts and rates whose range no combination with other flags decides (those are checked in
+# validate_args's sections), checked as soon as the flags are parsed: a zero size otherwise ends in a division by zero
+# (or a SIGFPE) deep in megatron-core, a negative rate only after the model is built. NaN fails every check.
+RANGES = {
+    **{name: _at_least(1) for name in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+        "expert_model_parallel_size", "expert_tensor_parallel_size", "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank", "microbatch_group_size_per_vp_stage", "ddp_bucket_size",
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "num_query_groups",
+        "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size", "vocab_size",
+        "rotary_base", "rotary_seq_len_interpolation_factor", "recompute_num_layers", "q_lora_rank", "kv_lora_rank",
+        "qk_head_dim", "v_head_dim", "mtp_num_layers", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+        "moe_router_num_groups", "moe_router_group_topk", "micro_batch_size", "global_batch_size", "train_iters",
+        "train_samples", "lr_decay_iters", "lr_decay_samples", "hysteresis", "loss_scale_window", "save_interval",
+        "log_interval", "eval_interval")},
+    **{name: _at_least(0) for name in (
+        "qk_pos_emb_head_dim", "lr_warmup_iters", "lr_warmup_samples", "eval_iters", "num_workers", "seed",
+        "ckpt_step", "params_checksum_interval", "lr", "min_lr", "lr_warmup_init", "decoupled_lr",
+        "decoupled_min_lr", "weight_decay", "start_weight_decay", "end_weight_decay", "clip_grad", "adam_eps",
+        "init_method_std", "norm_epsilon", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
+        "mtp_loss_scaling_factor")},
+    **{name: _above(0) for name in (
+        "loss_scale", "initial_loss_scale", "min_loss_scale", "moe_expert_capacity_factor", "rope_scaling_factor")},
+    **{name: _between(0, 1) for name in (
+        "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "sgd_momentum")},
+    "rotary_percent": (lambda value: 0 < value <= 1, "in (0, 1]"),
+    "adam_beta1": _fraction_below_one(),
+    "adam_beta2": _fraction_below_one(),
+}
+
+
+def _flag_name(parser_dest: str) -> str:
+    for section in SECTIONS:
+        for f in dataclasses.fields(section):
+            if f.name == parser_dest and f.metadata["flag"] and f.type is not bool:
+                return "--" + f.metadata["flag"]
+    return "--" + parser_dest.replace("_", "-")
+
+
+def check_ranges(args) -> None:
+    """Every size, count and rate of ``RANGES`` within its range, or a ValueError naming the flag (on the command
+    line or in --config)."""
+    for name, (within, text) in RANGES.items():
+        value = getattr(args, name, None)
+        if value is not None and not within(value):
+            raise ValueError(f"{_flag_name(name)} must be {text}, got {value}")
 
 
 def _check(condition: bool, message: str) -> None:

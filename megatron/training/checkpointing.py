@@ -9,7 +9,11 @@ Saving is fully parallel (each DP-replicated tensor written by one replica, Mega
 saves reuse the first save's plan (``context`` keeps it).
 Crash safety: every rank writes into ``iter_0000100.tmp``; after a barrier rank 0 renames it to
 ``iter_0000100`` and only then rewrites the tracker (atomically). A crash at any point mid-save leaves
-the tracker pointing at the previous complete checkpoint. With ``--async-save`` the shards are written by a
+the tracker pointing at the previous complete checkpoint. Publishing never moves the tracker back: a run that would
+save iterations older than --save's tracker is an error at start-up (``check_save_keeps_newer_checkpoints``), and
+each publish checks again. Before the rename every file's size and sha256 go into ``iter_0000100/checksums.json``
+(each rank hashes the shards it wrote); a load verifies them on every rank first, and a damaged or truncated file
+is an error naming it and the --ckpt-step fallback. With ``--async-save`` the shards are written by a
 background process (forked per save, holding a copy of the state; or ``--use-persistent-ckpt-worker``'s, on GPU,
 from host copies), and the rename and tracker are the save's finalization, which the training loop runs once every
 rank's writer has finished (``megatron.core.dist_checkpointing``'s ``AsyncCallsQueue``); the run waits for
@@ -53,15 +57,20 @@ functions in ``megatron.hooks.optimizer_state`` work around it.
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
+import tempfile
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
@@ -86,6 +95,9 @@ logger = logging.getLogger(__name__)
 
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+# In each checkpoint directory: every file's size and sha256, written when it is published, verified at load.
+CHECKSUMS_FILENAME = "checksums.json"
+CHECKSUM_CHUNK_BYTES = 4 << 20
 SAVE_BACKEND = "torch_dist"  # megatron-core save strategy, at its default version (0.19 takes no version)
 # Differ per rank; kept out of the saved args so the common state is identical on every rank.
 RANK_LOCAL_ARGS = ("rank", "local_rank")
@@ -147,6 +159,88 @@ def read_tracker(root: str) -> int | None:
     return int(text)
 
 
+def _check_not_behind_tracker(root: str, iteration: int) -> int | None:
+    """The tracker's iteration under ``root``; an error if it is newer than ``iteration``: publishing ``iteration``
+    would move the tracker back (and --save-retain-interval would delete the newer checkpoint)."""
+    latest = read_tracker(root)
+    if latest is not None and latest > iteration:
+        raise ValueError(f"{root}/{TRACKER_FILENAME} names iteration {latest}, newer than the iteration {iteration} "
+                         f"being saved: publishing it would move the tracker back (and --save-retain-interval would "
+                         f"delete iteration {latest}); resume from it with --load {root}, or give --save a new "
+                         f"directory")
+    return latest
+
+
+def _start_described(args) -> tuple[int, str]:
+    """The iteration a run starts from (the one ``load_checkpoint`` will return) and how it got there, for errors."""
+    found = checkpoint_to_load(args) if args.load or _option(args, "pretrained_checkpoint") else None
+    if found is None:
+        where = f"--load {args.load} holds no checkpoint" if args.load else "no --load"
+        return 0, f"a fresh start: {where}"
+    ckpt_dir, finetune = found
+    if finetune:
+        return 0, f"fine-tuning from {ckpt_dir}, counted from iteration 0"
+    iteration = int(re.fullmatch(r"iter_(\d+)", os.path.basename(ckpt_dir)).group(1))
+    step = _option(args, "ckpt_step")
+    return iteration, f"--load {args.load}" + (f" --ckpt-step {step}" if step is not None else "")
+
+
+def check_save_keeps_newer_checkpoints(args) -> None:
+    """At start-up (every rank): a run whose saves would publish iterations older than the checkpoints that --save
+    (or its non-persistent directory) already holds is an error naming the flags, before any work is done: publishing
+    never moves a tracker back nor deletes a newer checkpoint (``_check_not_behind_tracker`` guards each save too)."""
+    if not args.save:
+        return
+    roots = [args.save]
+    if _option(args, "non_persistent_save_interval"):
+        roots.append(non_persistent_root(args, args.save))
+    for root in roots:
+        latest = read_tracker(root)
+        if latest is None:
+            continue
+        start, how = _start_described(args)
+        if latest <= start:
+            continue
+        deletes = (f" and --save-retain-interval would delete iteration {latest}"
+                   if _option(args, "save_retain_interval") else "")
+        raise ValueError(f"--save {args.save}: {root}/{TRACKER_FILENAME} names iteration {latest}, and this run "
+                         f"starts at iteration {start} ({how}): its saves would move the tracker back{deletes}. "
+                         f"Resume from it with --load {args.save} (without --ckpt-step), or give --save a new "
+                         f"directory")
+
+
+def check_save_writable(args) -> None:
+    """At start-up (every rank): --save (and the directory of --non-persistent-save-interval's checkpoints) exists
+    or can be made, and takes a file; otherwise the first save would fail after the work it should keep."""
+    if not args.save:
+        return
+    roots = [("--save", args.save)]
+    if _option(args, "non_persistent_save_interval"):
+        roots.append(("--non-persistent-global-ckpt-dir", non_persistent_root(args, args.save)))
+    for flag, root in roots:
+        try:
+            os.makedirs(root, exist_ok=True)
+            with tempfile.TemporaryFile(dir=root):
+                pass
+        except OSError as error:
+            raise ValueError(f"{flag} {root} is not writable ({error}): fix its permissions or path, or give "
+                             f"another directory") from error
+
+
+def _warn_nothing_to_load(args) -> None:
+    """Megatron-LM warns too: a --load that holds no checkpoint (a typo, a wrong mount) starts from a random
+    initialization; --exit-on-missing-checkpoint makes it an error (``checkpoint_to_load``)."""
+    if (dist.get_rank() if dist.is_initialized() else 0) != 0:
+        return
+    for flag, root in (("--load", args.load), ("--pretrained-checkpoint", _option(args, "pretrained_checkpoint"))):
+        if not root:
+            continue
+        what = (f"{root}/{TRACKER_FILENAME} does not exist" if os.path.isdir(root)
+                else f"the directory {root} does not exist")
+        logger.warning(f"{flag} {root} holds no checkpoint ({what}): training starts from a random initialization "
+                       f"at iteration 0; pass --exit-on-missing-checkpoint to make this an error")
+
+
 def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far=0, context=None, non_persistent=False):
     """Save the training state of ``iteration`` to ``args.save`` (``non_persistent``: to ``non_persistent_root``, the
@@ -156,6 +250,7 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
     background, and its finalization publishes the checkpoint; else None."""
     _check_format(args)
     root = non_persistent_root(args, args.save) if non_persistent else args.save
+    _check_not_behind_tracker(root, iteration)  # every rank, before any writes: none waits on a failed rank 0
     final_dir = checkpoint_dir(root, iteration)
     staging_dir = final_dir + ".tmp"
     if dist.get_rank() == 0:
@@ -188,8 +283,10 @@ def save_checkpoint(args, iteration, model_chunks, optimizer, opt_param_schedule
 
     retain_interval = None if non_persistent else _option(args, "save_retain_interval")
 
-    def publish():
+    def publish():  # collective: every rank hashes its share of the files
+        checksums = _checksum_files(staging_dir)
         if dist.get_rank() == 0:
+            _write_checksums(staging_dir, checksums)
             _publish(root, staging_dir, final_dir, iteration, retain_interval)
 
     if async_save:  # finalized once every rank's writer is done, after megatron-core's metadata
@@ -219,10 +316,13 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
     _check_format(args)
     found = checkpoint_to_load(args)
     if found is None:
+        _warn_nothing_to_load(args)
         return 0
     ckpt_dir, finetune = found
     logger.info(f"loading {ckpt_dir}" + (" (fine-tuning: weights only, from iteration 0)" if finetune else ""))
-    common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    verify_checksums(ckpt_dir)
+    with _named_read_errors(ckpt_dir):
+        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
     saved_args = common.get("args", {})
     for flag, state in (("no_save_optim", "optimizer and LR-scheduler state"), ("no_save_rng", "RNG states")):
         if saved_args.get(flag):
@@ -234,8 +334,9 @@ def load_checkpoint(args, model_chunks, optimizer, opt_param_scheduler) -> int:
 
     request = _sharded_state_dict(model_chunks, optimizer, with_optimizer=load_optim,
                                   with_rng=load_rng, is_loading=True, fully_reshardable=fully_reshardable)
-    state = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_load_strategy(args, ckpt_dir),
-                                    strict=_option(args, "dist_ckpt_strictness"))
+    with _named_read_errors(ckpt_dir):
+        state = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_load_strategy(args, ckpt_dir),
+                                        strict=_option(args, "dist_ckpt_strictness"))
 
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         chunk.load_state_dict(state[key], strict=True)
@@ -292,6 +393,102 @@ def checkpoint_to_load(args) -> tuple[str, bool] | None:
         raise ValueError(f"--exit-on-missing-checkpoint: no checkpoint under {where} (no {TRACKER_FILENAME}): fix the "
                          f"path, or drop the flag to start from a random initialization")
     return None
+
+
+def _files_of_rank(names: list[str], rank: int, world_size: int) -> list[str]:
+    """This rank's share of a checkpoint's files to hash: the shards megatron-core's writer names after a rank
+    (``__R_k.distcp``) go to that rank, which has just written them, the rest round-robin."""
+    mine = []
+    for index, name in enumerate(sorted(names)):
+        writer = re.match(r"__(\d+)_", name)
+        owner = int(writer.group(1)) if writer and int(writer.group(1)) < world_size else index % world_size
+        if owner == rank:
+            mine.append(name)
+    return mine
+
+
+def _file_checksum(path: str) -> dict:
+    digest, size = hashlib.sha256(), 0
+    buffer = memoryview(bytearray(CHECKSUM_CHUNK_BYTES))
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(buffer):
+            digest.update(buffer[:count])
+            size += count
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _checkpoint_files(ckpt_dir: str) -> list[str]:
+    return [os.path.relpath(os.path.join(folder, name), ckpt_dir)
+            for folder, _, names in os.walk(ckpt_dir) for name in names if name != CHECKSUMS_FILENAME]
+
+
+def _checksum_files(ckpt_dir: str) -> dict:
+    """{file: {"bytes", "sha256"}} of every file in ``ckpt_dir``, each hashed by one rank (collective)."""
+    mine = {name: _file_checksum(os.path.join(ckpt_dir, name))
+            for name in _files_of_rank(_checkpoint_files(ckpt_dir), dist.get_rank(), dist.get_world_size())}
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    return {name: entry for share in shares for name, entry in sorted(share.items())}
+
+
+def _write_checksums(ckpt_dir: str, checksums: dict) -> None:
+    with open(os.path.join(ckpt_dir, CHECKSUMS_FILENAME), "w") as f:
+        json.dump({"algorithm": "sha256", "files": dict(sorted(checksums.items()))}, f, indent=1)
+
+
+def _fallback_hint(ckpt_dir: str) -> str:
+    root, name = os.path.split(os.path.normpath(ckpt_dir))
+    others = sorted(int(n[len("iter_"):]) for n in os.listdir(root)
+                    if re.fullmatch(r"iter_\d{7}", n) and n != name)
+    if not others:
+        return "no other checkpoint is there to fall back to"
+    return f"fall back to an earlier checkpoint with --ckpt-step N (there: {', '.join(map(str, others))})"
+
+
+def verify_checksums(ckpt_dir: str) -> None:
+    """Every file of ``ckpt_dir``'s checksums.json (written when it was published) has its size and sha256, each
+    file read by one rank; else an error on every rank naming the files (a truncated one as such) and the
+    --ckpt-step fallback. A checkpoint without checksums.json (Megatron-LM's, or older) loads unverified."""
+    path = os.path.join(ckpt_dir, CHECKSUMS_FILENAME)
+    if not os.path.isfile(path):
+        if dist.get_rank() == 0:
+            logger.info(f"{ckpt_dir} has no {CHECKSUMS_FILENAME}: its files are not verified")
+        return
+    with open(path) as f:
+        expected = json.load(f)["files"]
+    problems = []
+    for name in _files_of_rank(list(expected), dist.get_rank(), dist.get_world_size()):
+        file_path, want = os.path.join(ckpt_dir, name), expected[name]
+        if not os.path.isfile(file_path):
+            problems.append(f"{file_path} is missing")
+            continue
+        got = _file_checksum(file_path)
+        if got["bytes"] != want["bytes"]:
+            problems.append(f"{file_path} holds {got['bytes']} bytes, {want['bytes']} were saved (truncated or "
+                            f"overwritten)")
+        elif got["sha256"] != want["sha256"]:
+            problems.append(f"{file_path} differs from what was saved (sha256 {got['sha256']}, saved "
+                            f"{want['sha256']}): corrupted on disk")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    problems = sorted(p for share in everyone for p in share)
+    if problems:
+        raise ValueError(f"checkpoint {ckpt_dir} fails its checksums ({CHECKSUMS_FILENAME}): " + "; ".join(problems)
+                         + f". Restore the files, or {_fallback_hint(ckpt_dir)}")
+
+
+@contextlib.contextmanager
+def _named_read_errors(ckpt_dir: str):
+    """A checkpoint without checksums.json whose file is cut short fails inside torch (a bare EOFError, an unpickling
+    error, or torch.distributed.checkpoint's exception with every rank's traceback): name the checkpoint, the first
+    cause and the fallback."""
+    try:
+        yield
+    except (EOFError, pickle.UnpicklingError, CheckpointException) as error:
+        cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
+        text = str(cause).splitlines()[0] if str(cause) else ""
+        raise ValueError(f"reading checkpoint {ckpt_dir} failed ({type(cause).__name__}: {text}): a file of it is "
+                         f"damaged, or the load does not fit it; {_fallback_hint(ckpt_dir)}") from error
 
 
 def _check_is_torch_dist(ckpt_dir: str) -> None:
@@ -478,7 +675,7 @@ def _publish(root: str, staging_dir: str, final_dir: str, iteration: int, retain
     """Rank 0: move the finished checkpoint into place, then point the tracker at it. ``retain_interval``
     (--save-retain-interval): then delete the checkpoint the tracker named before, unless its iteration is a multiple
     of it or it is a symbolic link, as Megatron-LM does: only once the new one is published."""
-    previous = read_tracker(root) if retain_interval else None
+    previous = _check_not_behind_tracker(root, iteration)
     if os.path.exists(final_dir):  # re-saving an iteration (e.g. after resuming from it)
         shutil.rmtree(final_dir)
     os.replace(staging_dir, final_dir)
@@ -486,7 +683,7 @@ def _publish(root: str, staging_dir: str, final_dir: str, iteration: int, retain
     with open(tracker + ".tmp", "w") as f:
         f.write(str(iteration))
     os.replace(tracker + ".tmp", tracker)
-    if previous is not None and previous != iteration and previous % retain_interval:
+    if retain_interval and previous is not None and previous != iteration and previous % retain_interval:
         stale = checkpoint_dir(root, previous)
         if os.path.isdir(stale) and not os.path.islink(stale):
             shutil.rmtree(stale)

@@ -264,16 +264,41 @@ def _dataset_config(args, tokenizer, blend, blend_per_split=None) -> GPTDatasetC
     )
 
 
+def open_indexed_dataset(prefix: str, flag: str) -> IndexedDataset:
+    """``prefix``'s indexed dataset, its files checked: both exist, the ``.idx`` reads, and the ``.bin`` holds the
+    bytes the ``.idx`` records (its last document's offset plus length). A truncated ``.bin`` otherwise fails only when
+    training reaches its last document, with an error that names no file."""
+    idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise ValueError(f"{flag} {prefix}: {path} does not exist: fix the path (a prefix, without .bin/.idx)")
+    try:
+        dataset = IndexedDataset(prefix)
+    except (ValueError, OSError, AssertionError) as error:
+        raise ValueError(f"{flag} {prefix}: {idx_path} does not read as a Megatron index ({error}): rebuild it "
+                         f"(it is truncated or not an indexed dataset's)") from error
+    index = dataset.index
+    expected = (int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+                if len(index.sequence_lengths) else 0)
+    found = os.path.getsize(bin_path)
+    if found != expected:
+        raise ValueError(f"{flag} {prefix}: {bin_path} holds {found} bytes, its index {idx_path} records {expected}: "
+                         f"the .bin is {'truncated' if found < expected else 'longer than its index'} or does not "
+                         f"belong to this .idx; rebuild or restore it")
+    return dataset
+
+
 def check_splits_have_documents(config: GPTDatasetConfig, sizes: list[int]) -> None:
-    """megatron-core loops forever on a split with no documents: fail first, naming the fix."""
+    """Each dataset's files are whole (``open_indexed_dataset``), and no split is without documents (megatron-core
+    loops forever on one): fail first, naming the path and the fix."""
     if config.blend_per_split:
         for name, size, blend in zip(("train", "valid", "test"), sizes, config.blend_per_split):
             for prefix in (blend[0] if blend and size > 0 else ()):
-                if len(IndexedDataset(prefix).sequence_lengths) == 0:
+                if len(open_indexed_dataset(prefix, f"--{name}-data-path").sequence_lengths) == 0:
                     raise ValueError(f"--{name}-data-path {prefix} has no documents: give it a dataset with documents")
         return
     for prefix in config.blend[0]:
-        num_documents = len(IndexedDataset(prefix).sequence_lengths)
+        num_documents = len(open_indexed_dataset(prefix, "--data-path").sequence_lengths)
         for name, size, bounds in zip(("train", "valid", "test"), sizes, config.split_matrix):
             if bounds is None or size == 0:  # a split weighted 0 is not built
                 continue

@@ -14,6 +14,8 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from megatron.training.lifetime import fork_children_die_with_parent
+
 SUPPORTED_MCORE = ("0.16.1", "0.20")  # >= first, < second
 
 
@@ -164,10 +166,12 @@ def initialize_megatron(args) -> None:
 
     check_installation()
     install_cpu_support()
-    from megatron.hooks import compat, fused_ops
+    from megatron.hooks import checkpoint_writer, compat, fused_ops
 
     compat.apply()
     fused_ops.apply()
+    checkpoint_writer.apply()  # the writer's helper processes, spawned or forked, end with this one
+    fork_children_die_with_parent()
     allow_torch_norm_options(args)
     set_deterministic_mode(args)
     set_matmul_and_experimental_flags(args)

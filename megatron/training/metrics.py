@@ -302,7 +302,10 @@ def log_line(record: dict, args) -> str:
 
 
 def perplexity(loss: float) -> float:
-    """Megatron-LM's perplexity of a mean loss, capped at exp(20)."""
+    """Megatron-LM's perplexity of a mean loss, capped at exp(20); a NaN loss (--no-check-for-nan-in-loss-and-grad)
+    stays NaN (``min(20, nan)`` is 20)."""
+    if math.isnan(loss):
+        return math.nan
     return math.exp(min(20, loss))
 
 

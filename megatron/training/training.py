@@ -26,6 +26,7 @@ from megatron.training import metrics
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
 from megatron.training.batch_schedule import batch_size_at
 from megatron.training.initialize import initialize_megatron, records_memory_history
+from megatron.training.lifetime import exit_with_launcher
 from megatron.training.model import setup_model_and_optimizer
 from megatron.training.profiling import IterationProfiler
 
@@ -501,11 +502,13 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     """Parse, initialize, build, (resume,) train, save. Returns the last iteration.
     ``args_defaults`` override flag defaults (CLI and --config still win); ``model_type`` 'moe'
     requires --num-experts."""
-    from megatron.training.checkpointing import load_args_from_checkpoint
+    from megatron.training.checkpointing import (check_save_keeps_newer_checkpoints, check_save_writable,
+                                                 load_args_from_checkpoint)
     from megatron.training.data import build_train_valid_test_data_iterators
     from megatron.training.progress import log_job_start
     from megatron.training.tokenizer import build_tokenizer
 
+    exit_with_launcher()  # a kill -9 of torchrun ends its workers too
     start_time = time.time()  # --exit-duration-in-mins counts start-up too (a job's time limit does)
     args = parse_args(argv, extra_args_provider, defaults=args_defaults)
     if args.use_checkpoint_args:
@@ -514,6 +517,8 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     if model_type == "moe" and args.num_experts is None:
         raise ValueError("pretrain_moe.py trains a mixture of experts: add --num-experts N")
     initialize_megatron(args)
+    check_save_writable(args)  # before the work that a failed first save would lose
+    check_save_keeps_newer_checkpoints(args)
     log_job_start(args)
     tokenizer = build_tokenizer(args)
     set_padded_vocab_size(args, tokenizer.vocab_size)
