@@ -59,7 +59,8 @@ def _args(method, verify_interval=0, **overrides):
         param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
         ciera_exponent_coder="raw", param_gather_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
         grad_reduce_compression="none", param_gather_trial_iters=0, param_gather_reselect_interval=0,
-        delta_capacity_factor=0.0, delta_cuda_graphs=False,
+        delta_capacity_factor=0.0, delta_cuda_graphs=False, param_gather_integrity_check=True,
+        param_gather_integrity_max_mismatches=3, param_gather_keyframe_interval=0,
     )
     method, cast = _base(method), method.endswith(CAST)
     vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), delta_fused_cast=cast, **overrides)
