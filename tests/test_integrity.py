@@ -326,9 +326,14 @@ def _corrupted_training():
     """tests/test_param_gather_hook.py's training of a small GPT (9 bucket groups) uncompressed, then with delta
     (size exchange; slots; --overlap-param-gather) with a wire bit of two of rank 1's payloads flipped on rank 0 (the
     first delta decodes from the 5th and the 15th on): per-step loss bits and parameter hash as uncompressed."""
+    from megatron.core import parallel_state
+    from megatron.hooks import cpu
+
     from compression.telemetry import TELEMETRY
     from test_param_gather_hook import _train
 
+    cpu.apply()
+    parallel_state.initialize_model_parallel()
     reference = _train("none", overlap=False, verify_interval=0)
     runs = {}
     for method, overlap in (("delta", False), ("delta-slots", False), ("delta", True)):
@@ -346,6 +351,13 @@ def _corrupted_training():
         runs[method, overlap] = (result["loss_bits"] == reference["loss_bits"],
                                  result["param_hash"] == reference["param_hash"], len(corrupted),
                                  TELEMETRY.extra_counters()["dp_param_gather/integrity_mismatches"])
+    # every parameter rewritten after step 5 (as a checkpoint load does) without resetting the codecs: the next
+    # gather's decodes differ on every rank; re-gathered, training goes on as uncompressed (verify: every 2 gathers)
+    rewritten = _train("none", overlap=False, rewrite_at=5, verify_interval=0)
+    result = _train("delta", overlap=False, rewrite_at=5, reset=False, verify_interval=2)
+    runs["rewrite without reset"] = (result["loss_bits"] == rewritten["loss_bits"],
+                                     result["param_hash"] == rewritten["param_hash"], 0,
+                                     TELEMETRY.extra_counters()["dp_param_gather/integrity_mismatches"])
     return runs
 
 
@@ -354,4 +366,7 @@ def test_corrupted_training_keeps_uncompressed_bits():
     for rank, runs in enumerate(run_on_ranks(_corrupted_training, 2)):
         for run, (same_losses, same_params, corrupted, counted) in runs.items():
             assert same_losses and same_params, (rank, run)
-            assert corrupted == (2 if rank == 0 else 0) and counted == corrupted, (rank, run, corrupted, counted)
+            if run == "rewrite without reset":  # every bucket group's gather, once, on both ranks
+                assert counted > 0, (rank, counted)
+            else:
+                assert corrupted == (2 if rank == 0 else 0) and counted == corrupted, (rank, run, corrupted, counted)
