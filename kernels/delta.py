@@ -124,14 +124,14 @@ def stream_nbytes(counts, codes, n_esc, exc_widths):
 # the change each receiver decoded: over the shard's values, with ``o`` the ordered value (``to_ordered``) before and
 # after and ``p`` the value's position in the coded shard,
 #
-#     H = sum_p ((o_new[p]^2 - o_old[p]^2) mod 2^32) * (((p * HASH_MULTIPLIER) mod 2^32) | 1)   mod 2^64
+#     H = sum_p ((o_new[p]^2 - o_old[p]^2) mod 2^32) * (((2 p + 1) * HASH_MULTIPLIER) mod 2^32)   mod 2^64
 #
 # Unchanged values add 0, so encoder and decoder sum over the blocks they touch anyway, in any order (atomic adds).
 # The square makes a value that ends wrong change the hash whichever side went wrong: a receiver that applies the
 # right delta to a different old value (a sender copy that drifted) gets o_new'^2 - o_old'^2 != o_new^2 - o_old^2
 # (any one such value, the odd weight keeps it nonzero mod 2^64); a keyframe's is its values' against zeros.
 
-HASH_MULTIPLIER = 0x9E3779B1  # odd: the golden-ratio multiplicative hash of the position
+HASH_MULTIPLIER = 0x9E3779B1  # odd: the weights, the golden-ratio multiplicative hash of 2p + 1, are odd and distinct
 HASH_TILE = 32  # blocks per partial sum of a decode's hashes (one atomic address per 32 blocks)
 
 
@@ -139,7 +139,7 @@ def hash_terms(old_ordered: torch.Tensor, new_ordered: torch.Tensor, positions: 
     """Each value's term of H (int64, wrapping as the kernels' uint64): ordered values (int), positions (int64)."""
     d = new_ordered.to(torch.int64) - old_ordered.to(torch.int64)
     squares = (d * (2 * old_ordered.to(torch.int64) + d)) & 0xFFFFFFFF
-    return squares * (((positions * HASH_MULTIPLIER) & 0xFFFFFFFF) | 1)
+    return squares * (((2 * positions + 1) * HASH_MULTIPLIER) & 0xFFFFFFFF)
 
 
 def change_hash_reference(old: torch.Tensor, new: torch.Tensor, first: int = 0) -> torch.Tensor:
@@ -337,6 +337,7 @@ if triton is not None:
     _TILE_BLOCKS_AT = tl.constexpr(2 * TILE_FIELD)  # bit of a tile's changed blocks in its sums
     _TILE_MASK = tl.constexpr((1 << TILE_FIELD) - 1)
     _HASH_MULTIPLIER = tl.constexpr(HASH_MULTIPLIER)
+    _HASH_WEIGHT_STEP = tl.constexpr(2 * HASH_MULTIPLIER % 2**32)
     _HASH_TILE = tl.constexpr(HASH_TILE)
 
     @triton.jit
@@ -352,9 +353,10 @@ if triton is not None:
     @triton.jit
     def _hash_terms(old_ordered, d, pos):
         """``hash_terms`` of values whose ordered value moves by ``d`` from ``old_ordered`` (int32), at positions
-        ``pos`` (int64): a 32-bit multiply for the squares' difference and a widening one by the weight."""
+        ``pos`` (uint32, i.e. mod 2**32): 32-bit multiply-adds for the squares' difference and the weight, and a
+        widening one by the weight."""
         squares = d.to(tl.uint32, bitcast=True) * (2 * old_ordered + d).to(tl.uint32, bitcast=True)
-        weight = (pos.to(tl.uint32) * _HASH_MULTIPLIER) | 1
+        weight = pos * _HASH_WEIGHT_STEP + _HASH_MULTIPLIER  # (2 pos + 1) * HASH_MULTIPLIER
         return (squares.to(tl.uint64) * weight.to(tl.uint64)).to(tl.int64, bitcast=True)
 
     @triton.jit
@@ -483,6 +485,11 @@ if triton is not None:
         old = tl.load(prev_ptr + idx, mask=inside, other=0)
         old_ordered = _ordered(old.to(tl.int32))
         d = _ordered(new16.to(tl.int32)) - old_ordered
+        if HASH:  # the integrity hash of the block's change, summed per tile as the sizes below: here, so that the old
+            # values need no registers past this point (an unchanged block's hash is 0: no atomic)
+            pos = (b * BLOCK).to(tl.uint32) + i.to(tl.uint32)
+            block_hash = tl.sum(tl.sum(_hash_terms(old_ordered, d, pos), axis=1), axis=0)
+            tl.atomic_add(tile_hashes_ptr + b // TILE, block_hash, mask=block_hash != 0, sem="relaxed")
         z = (d << 1) ^ (d >> 31)
         changed = z != 0
         v = z - 1
@@ -541,9 +548,6 @@ if triton is not None:
         changed_block = count > 0
         tl.atomic_add(tile_sums_ptr + b // TILE, _tile_fields(nbytes, count.to(tl.int64), changed_block.to(tl.int64)),
                       mask=changed_block, sem="relaxed")
-        if HASH:  # the integrity hash of the block's change (0 for an unchanged block), summed per tile as above
-            block_hash = tl.sum(tl.sum(_hash_terms(old_ordered, d, b * BLOCK + i), axis=1), axis=0)
-            tl.atomic_add(tile_hashes_ptr + b // TILE, block_hash, mask=changed_block, sem="relaxed")
 
     @triton.jit
     def _tile_fields(nbytes, values, blocks):
@@ -822,7 +826,8 @@ if triton is not None:
             old_ordered = _ordered(old.to(tl.int32))
             new = _from_ordered(old_ordered + d)
             if HASH:
-                block_hash = tl.sum(tl.sum(_hash_terms(old_ordered, d, b * BLOCK + r[:, None] * 8 + j), axis=1), axis=0)
+                pos = (b * BLOCK).to(tl.uint32) + (r[:, None] * 8 + j).to(tl.uint32)
+                block_hash = tl.sum(tl.sum(_hash_terms(old_ordered, d, pos), axis=1), axis=0)
                 tl.atomic_add(hashes_ptr + row * hashes_stride + b // _HASH_TILE, block_hash, sem="relaxed")
             tl.debug_barrier()  # every thread has read out before it is overwritten
             tl.store(out_ptr + idx, new, mask=inside)
