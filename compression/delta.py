@@ -401,7 +401,8 @@ class DeltaCodec(ShardCodec):
         return self._encode_delta(bits, fp16_flag)
 
     def _keyframe(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
-        self._whole_hash = kernels.change_hash_reference(None, bits) if self.integrity else None
+        b = self.config.block_size
+        self._whole_hash = kernels.change_hash_reference(None, bits, b) if self.integrity else None
         payload = self._header(FLAG_KEYFRAME | fp16_flag, bits.numel(), 0, bits.device)
         payload = torch.cat([payload, bits.view(torch.uint8)])
         self._record(payload.numel(), bits.numel(), -(-bits.numel() // self.config.block_size), bits.numel(), True)
@@ -410,7 +411,7 @@ class DeltaCodec(ShardCodec):
     def _encode_delta(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
         """The PyTorch reference (also for empty shards on CUDA)."""
         b = self.config.block_size
-        self._whole_hash = kernels.change_hash_reference(self._prev, bits) if self.integrity else None
+        self._whole_hash = kernels.change_hash_reference(self._prev, bits, b) if self.integrity else None
         a = analyze_blocks_reference(self._prev, bits, b)
         changed = torch.nonzero(a.codes).squeeze(1)
         record_bytes = a.bitmap_nbytes[changed] + stream_nbytes(a.counts[changed], a.codes[changed], a.n_esc[changed],
@@ -500,7 +501,8 @@ class DeltaCodec(ShardCodec):
         numel = bits.numel() if table is None else table[1].numel() * self.config.block_size
         if flags & FLAG_KEYFRAME:
             bits.view(torch.uint8).copy_(payload[HEADER.size : HEADER.size + 2 * numel])
-            return kernels.change_hash_reference(None, bits) if self.integrity else None
+            return kernels.change_hash_reference(None, bits, self.config.block_size) if self.integrity \
+                else None
         b = self.config.block_size
         layout = _Layout.of(numel, b)
         if use_triton(bits, self.triton):  # sections read as 32-bit words from any payload offset

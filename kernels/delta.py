@@ -121,33 +121,50 @@ def stream_nbytes(counts, codes, n_esc, exc_widths):
 # --- integrity hash --------------------------------------------------------------------------
 #
 # A gather's integrity check (compression/delta.py) compares the hash of the change a sender coded with the hash of
-# the change each receiver decoded: over the shard's values, with ``o`` the ordered value (``to_ordered``) before and
-# after and ``p`` the value's position in the coded shard,
+# the change each receiver decoded. With ``o`` a value's ordered value (``to_ordered``) before and after, value i
+# (= 8 r + j: row r, lane j) of block b of B values adds the square's change, weighted in 32 bits, to its block's sum
 #
-#     H = sum_p ((o_new[p]^2 - o_old[p]^2) mod 2^32) * (((2 p + 1) * HASH_MULTIPLIER) mod 2^32)   mod 2^64
+#     S_b = sum_i ((o_new^2 - o_old^2) * (2 j + 1) K_LANE * (2 r + 1) K_ROW)   mod 2^32
+#     H   = sum_b S_b * ((2 b + 1) K_BLOCK mod 2^64)                          mod 2^64
 #
-# Unchanged values add 0, so encoder and decoder sum over the blocks they touch anyway, in any order (atomic adds).
-# The square makes a value that ends wrong change the hash whichever side went wrong: a receiver that applies the
-# right delta to a different old value (a sender copy that drifted) gets o_new'^2 - o_old'^2 != o_new^2 - o_old^2
-# (any one such value, the odd weight keeps it nonzero mod 2^64); a keyframe's is its values' against zeros.
+# (odd weights: K_* are odd). Unchanged values add 0, so encoder and decoder sum over the blocks they touch anyway, in
+# any order (atomic adds); per value it costs the kernels three 32-bit multiply-adds. The square makes a value that
+# ends wrong change the hash whichever side went wrong: a receiver that applies the right delta to an old value other
+# than the sender's (a sender copy that drifted) gets o_new'^2 - o_old'^2 != o_new^2 - o_old^2; one wrong value always
+# changes H, several in one block escape with odds of about 2**-32, in several blocks about 2**-64. A keyframe's hash
+# is its values' against zeros.
 
-HASH_MULTIPLIER = 0x9E3779B1  # odd: the weights, the golden-ratio multiplicative hash of 2p + 1, are odd and distinct
+HASH_LANE, HASH_ROW = 0x9E3779B1, 0x85EBCA77  # odd 32-bit multipliers (golden ratio, murmur3)
+HASH_BLOCK = 0x9E3779B97F4A7C15  # odd 64-bit
 HASH_TILE = 32  # blocks per partial sum of a decode's hashes (one atomic address per 32 blocks)
+_MASK32 = 0xFFFFFFFF
 
 
-def hash_terms(old_ordered: torch.Tensor, new_ordered: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Each value's term of H (int64, wrapping as the kernels' uint64): ordered values (int), positions (int64)."""
-    d = new_ordered.to(torch.int64) - old_ordered.to(torch.int64)
-    squares = (d * (2 * old_ordered.to(torch.int64) + d)) & 0xFFFFFFFF
-    return squares * (((2 * positions + 1) * HASH_MULTIPLIER) & 0xFFFFFFFF)
+def _as_int64(x: int) -> int:
+    """A 64-bit pattern as a signed int64 (torch's wrapping arithmetic gives the same bits as uint64's)."""
+    return x - 2**64 if x >= 2**63 else x
 
 
-def change_hash_reference(old: torch.Tensor, new: torch.Tensor, first: int = 0) -> torch.Tensor:
-    """H (int64 [1]) of the change from ``old`` to ``new`` (int16 patterns, values at positions ``first`` on); ``old``
-    None: a keyframe's, against zeros."""
-    positions = torch.arange(first, first + new.numel(), device=new.device)
+def hash_of_changes(old_ordered, new_ordered, positions: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
+    """H (int64 [1]) of values at ``positions`` (int64) of a shard of ``numel`` values moving from ``old_ordered`` to
+    ``new_ordered`` (ordered values, any int dtype)."""
+    old, new = old_ordered.to(torch.int64), new_ordered.to(torch.int64)
+    squares = (new * new - old * old) & _MASK32
+    i, b = positions % block_size, positions // block_size
+    weight = ((2 * (i % 8) + 1) * HASH_LANE & _MASK32) * ((2 * (i // 8) + 1) * HASH_ROW & _MASK32) & _MASK32
+    n_blocks = -(-numel // block_size)
+    sums = torch.zeros(n_blocks, dtype=torch.int64, device=positions.device)
+    sums.index_add_(0, b, (squares * weight) & _MASK32)  # (products wrap: their low 32 bits are exact)
+    block_weight = (2 * torch.arange(n_blocks, device=positions.device) + 1) * _as_int64(HASH_BLOCK)
+    return ((sums & _MASK32) * block_weight).sum().reshape(1)
+
+
+def change_hash_reference(old: torch.Tensor, new: torch.Tensor, block_size: int) -> torch.Tensor:
+    """H (int64 [1]) of the change from ``old`` to ``new`` (int16 patterns of a whole shard); ``old`` None: a
+    keyframe's, against zeros."""
+    positions = torch.arange(new.numel(), device=new.device)
     old_ordered = torch.zeros_like(positions) if old is None else to_ordered(old)
-    return hash_terms(old_ordered, to_ordered(new), positions).sum().reshape(1)
+    return hash_of_changes(old_ordered, to_ordered(new), positions, new.numel(), block_size)
 
 
 # --- plain-PyTorch reference -------------------------------------------------------------------
@@ -290,7 +307,7 @@ def _read_bits(padded, bitpos, width):
 
 def unpack_records_reference(out, changed_blocks, codes, exc_widths, record_offsets, values, block_size) -> torch.Tensor:
     """Apply the deltas of the changed blocks' records (at ``record_offsets`` of ``values``) to ``out`` (int16 view
-    holding the previous values); returns the hash of the change (``change_hash_reference``, int64 [1])."""
+    holding the previous values); returns the hash of the change (``hash_of_changes``, int64 [1])."""
     i = torch.arange(block_size, device=out.device)
     padded = torch.cat([values, values.new_zeros(block_size // 8 + 3)]).to(torch.int64)
     changed, bitmap_nbytes = _read_bitmaps(padded, record_offsets, codes[changed_blocks], block_size)
@@ -308,7 +325,7 @@ def unpack_records_reference(out, changed_blocks, codes, exc_widths, record_offs
     old_ordered = to_ordered(out[flat_idx])
     new_ordered = old_ordered + d[keep].to(torch.int32)
     out[flat_idx] = from_ordered(new_ordered)
-    return hash_terms(old_ordered, new_ordered, flat_idx).sum().reshape(1)
+    return hash_of_changes(old_ordered, new_ordered, flat_idx, out.numel(), block_size)
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
@@ -336,8 +353,9 @@ if triton is not None:
     _TILE_FIELD = tl.constexpr(TILE_FIELD)
     _TILE_BLOCKS_AT = tl.constexpr(2 * TILE_FIELD)  # bit of a tile's changed blocks in its sums
     _TILE_MASK = tl.constexpr((1 << TILE_FIELD) - 1)
-    _HASH_MULTIPLIER = tl.constexpr(HASH_MULTIPLIER)
-    _HASH_WEIGHT_STEP = tl.constexpr(2 * HASH_MULTIPLIER % 2**32)
+    _HASH_LANE = tl.constexpr(HASH_LANE)
+    _HASH_ROW = tl.constexpr(HASH_ROW)
+    _HASH_BLOCK = tl.constexpr(HASH_BLOCK)
     _HASH_TILE = tl.constexpr(HASH_TILE)
 
     @triton.jit
@@ -351,13 +369,15 @@ if triton is not None:
         return (o ^ (((o >> 15) - 1) | 0x8000)).to(tl.int16)
 
     @triton.jit
-    def _hash_terms(old_ordered, d, pos):
-        """``hash_terms`` of values whose ordered value moves by ``d`` from ``old_ordered`` (int32), at positions
-        ``pos`` (uint32, i.e. mod 2**32): 32-bit multiply-adds for the squares' difference and the weight, and a
-        widening one by the weight."""
+    def _block_hash(old_ordered, d, b, r, j):
+        """The block's term of H (int64; module section "integrity hash") from its values [rows, 8] moving by ``d``
+        from ``old_ordered`` (int32), row index ``r`` [rows], lane ``j`` [1, 8] (constants per register), block ``b``:
+        per value a multiply-add for the square's change and one by the lane's weight, per row one by its weight."""
         squares = d.to(tl.uint32, bitcast=True) * (2 * old_ordered + d).to(tl.uint32, bitcast=True)
-        weight = pos * _HASH_WEIGHT_STEP + _HASH_MULTIPLIER  # (2 pos + 1) * HASH_MULTIPLIER
-        return (squares.to(tl.uint64) * weight.to(tl.uint64)).to(tl.int64, bitcast=True)
+        lanes = tl.sum(squares * ((2 * j.to(tl.uint32) + 1) * _HASH_LANE), axis=1)
+        block_sum = tl.sum(lanes * ((2 * r.to(tl.uint32) + 1) * _HASH_ROW), axis=0)
+        weight = (2 * b.to(tl.uint64) + 1) * _HASH_BLOCK
+        return (block_sum.to(tl.uint64) * weight).to(tl.int64, bitcast=True)
 
     @triton.jit
     def _bit_lengths(x):
@@ -487,8 +507,7 @@ if triton is not None:
         d = _ordered(new16.to(tl.int32)) - old_ordered
         if HASH:  # the integrity hash of the block's change, summed per tile as the sizes below: here, so that the old
             # values need no registers past this point (an unchanged block's hash is 0: no atomic)
-            pos = (b * BLOCK).to(tl.uint32) + i.to(tl.uint32)
-            block_hash = tl.sum(tl.sum(_hash_terms(old_ordered, d, pos), axis=1), axis=0)
+            block_hash = _block_hash(old_ordered, d, b, r, j)
             tl.atomic_add(tile_hashes_ptr + b // TILE, block_hash, mask=block_hash != 0, sem="relaxed")
         z = (d << 1) ^ (d >> 31)
         changed = z != 0
@@ -826,8 +845,7 @@ if triton is not None:
             old_ordered = _ordered(old.to(tl.int32))
             new = _from_ordered(old_ordered + d)
             if HASH:
-                pos = (b * BLOCK).to(tl.uint32) + (r[:, None] * 8 + j).to(tl.uint32)
-                block_hash = tl.sum(tl.sum(_hash_terms(old_ordered, d, pos), axis=1), axis=0)
+                block_hash = _block_hash(old_ordered, d, b, r, j)
                 tl.atomic_add(hashes_ptr + row * hashes_stride + b // _HASH_TILE, block_hash, sem="relaxed")
             tl.debug_barrier()  # every thread has read out before it is overwritten
             tl.store(out_ptr + idx, new, mask=inside)

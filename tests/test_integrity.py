@@ -54,7 +54,7 @@ def _check_hashes_match_reference(triton: bool = True) -> None:
         outs = [torch.zeros(n, dtype=dtype) for _ in decoders]
         prev = None
         for step, bits in enumerate(_steps(n, g)):
-            want = kernels.change_hash_reference(prev, bits)
+            want = kernels.change_hash_reference(prev, bits, block_size)
             payload, sent = _encode(encoder, bits.clone().view(dtype))
             assert torch.equal(sent, want), (block_size, step, sent, want)
             for decoder, out in zip(decoders, outs):
@@ -82,7 +82,7 @@ def _check_cast_hashes(triton: bool) -> None:
         start = codec.begin_encode(CastShard(target, master))
         # (the Triton interpreter rounds by truncation: the buffer's new values are what the encode wrote)
         assert not torch.equal(target.view(torch.int16), old), step
-        assert torch.equal(start.hash, kernels.change_hash_reference(old, target.view(torch.int16))), step
+        assert torch.equal(start.hash, kernels.change_hash_reference(old, target.view(torch.int16), 256)), step
 
 
 def _check_gathered_hashes(triton: bool) -> None:
@@ -206,7 +206,7 @@ def _check_hashes_match_reference_cuda() -> None:
             start = encoder.begin_encode(bits.clone().view(torch.bfloat16))
             payload = torch.empty(int(start.nbytes) + 64, dtype=torch.uint8, device="cuda")[:int(start.nbytes)]
             encoder.finish_encode(start, payload)
-            want = kernels.change_hash_reference(prev, bits)
+            want = kernels.change_hash_reference(prev, bits, block_size)
             assert torch.equal(start.hash, want), (block_size, step)
             decoder.decode(0, payload, out)
             assert torch.equal(out.view(torch.int16), bits) and torch.equal(decoder.decoded_hashes[0:1], want)
