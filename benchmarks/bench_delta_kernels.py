@@ -182,13 +182,16 @@ def print_integrity_cost(off: dict, on: dict) -> None:
     device = codec_device_us(on) / codec_device_us(off)
     wall = (on["encode_ms"] + on["decode_ms"]) / (off["encode_ms"] + off["decode_ms"])
     on["integrity_cost"] = dict(device_ratio=device, wall_ratio=wall)
-    print(f"integrity check cost at lr {on['lr']:g}, B = {on['block_size']}: codec device time {codec_device_us(off):.1f}"
-          f" -> {codec_device_us(on):.1f} us (ratio {device:.4f}, goal <= 1.03); encode + decode wall clock "
-          f"{off['encode_ms'] + off['decode_ms']:.3f} -> {on['encode_ms'] + on['decode_ms']:.3f} ms (ratio {wall:.4f}); "
-          f"encode kernel {off['encode_ops_us'].get('_encode_kernel', 0):.1f} -> "
-          f"{on['encode_ops_us'].get('_encode_kernel', 0):.1f} us, decode kernel "
-          f"{off['decode_ops_us'].get('_decode_kernel', 0):.1f} -> {on['decode_ops_us'].get('_decode_kernel', 0):.1f} us",
-          flush=True)
+    def kernel_us(row, half, kernel):
+        return row[f"{half}_ops_us"].get(kernel, 0.0)
+
+    print(f"integrity check cost at lr {on['lr']:g}, B = {on['block_size']}: codec device time "
+          f"{codec_device_us(off):.1f} -> {codec_device_us(on):.1f} us (ratio {device:.4f}, goal <= 1.03); "
+          f"encode + decode wall clock {off['encode_ms'] + off['decode_ms']:.3f} -> "
+          f"{on['encode_ms'] + on['decode_ms']:.3f} ms (ratio {wall:.4f}); encode kernel "
+          f"{kernel_us(off, 'encode', '_encode_kernel'):.1f} -> {kernel_us(on, 'encode', '_encode_kernel'):.1f} us, "
+          f"decode kernel {kernel_us(off, 'decode', '_decode_kernel'):.1f} -> "
+          f"{kernel_us(on, 'decode', '_decode_kernel'):.1f} us", flush=True)
 
 
 if __name__ == "__main__":

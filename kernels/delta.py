@@ -305,7 +305,8 @@ def _read_bits(padded, bitpos, width):
     return (word >> (bitpos & 7)) & _escape_code(width)
 
 
-def unpack_records_reference(out, changed_blocks, codes, exc_widths, record_offsets, values, block_size) -> torch.Tensor:
+def unpack_records_reference(out, changed_blocks, codes, exc_widths, record_offsets, values,
+                             block_size) -> torch.Tensor:
     """Apply the deltas of the changed blocks' records (at ``record_offsets`` of ``values``) to ``out`` (int16 view
     holding the previous values); returns the hash of the change (``hash_of_changes``, int64 [1])."""
     i = torch.arange(block_size, device=out.device)
@@ -472,7 +473,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["shard_rank"])
     def _encode_kernel(prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr,
                        counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, tile_sums_ptr,
-                       tile_hashes_ptr, BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr, TILE: tl.constexpr, SEGMENTED: tl.constexpr,
+                       tile_hashes_ptr, BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr, TILE: tl.constexpr,
+                       SEGMENTED: tl.constexpr,
                        ALIGNED: tl.constexpr,
                        CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr,
                        FIELD: tl.constexpr, WIDE_SCAN: tl.constexpr, FLAG_BYTES: tl.constexpr,

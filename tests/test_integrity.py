@@ -358,6 +358,13 @@ def _corrupted_training():
     runs["rewrite without reset"] = (result["loss_bits"] == rewritten["loss_bits"],
                                      result["param_hash"] == rewritten["param_hash"], 0,
                                      TELEMETRY.extra_counters()["dp_param_gather/integrity_mismatches"])
+    # --param-gather-keyframe-interval 4: every 4th gather of each bucket group uncompressed, the rest delta
+    plain_delta = _train("delta", overlap=False, verify_interval=0)
+    keyframes = _train("delta", overlap=False, verify_interval=2, param_gather_keyframe_interval=4)
+    runs["keyframes"] = (keyframes["loss_bits"] == reference["loss_bits"],
+                         keyframes["param_hash"] == reference["param_hash"],
+                         keyframes["steps_sent_ratio"] > plain_delta["steps_sent_ratio"],
+                         keyframes["num_compressed"] == keyframes["num_groups"])
     return runs
 
 
@@ -368,5 +375,7 @@ def test_corrupted_training_keeps_uncompressed_bits():
             assert same_losses and same_params, (rank, run)
             if run == "rewrite without reset":  # every bucket group's gather, once, on both ranks
                 assert counted > 0, (rank, counted)
+            elif run == "keyframes":  # more bytes than delta alone, every bucket still compressed
+                assert corrupted and counted, (rank, corrupted, counted)
             else:
                 assert corrupted == (2 if rank == 0 else 0) and counted == corrupted, (rank, run, corrupted, counted)
