@@ -379,3 +379,24 @@ def test_corrupted_training_keeps_uncompressed_bits():
                 assert corrupted and counted, (rank, corrupted, counted)
             else:
                 assert corrupted == (2 if rank == 0 else 0) and counted == corrupted, (rank, run, corrupted, counted)
+
+
+# --- flags ---------------------------------------------------------------------------------------------------------
+
+def test_integrity_flags():
+    """On by default, off with --no-param-gather-integrity-check; bad values are errors naming the flag."""
+    from test_arguments import make
+
+    delta = "--use-distributed-optimizer --param-gather-compression delta"
+    args = make(delta)
+    assert args.param_gather_integrity_check and args.param_gather_integrity_max_mismatches == 3
+    assert args.param_gather_keyframe_interval == 0
+    args = make(f"{delta} --no-param-gather-integrity-check --param-gather-keyframe-interval 100 "
+                f"--param-gather-integrity-max-mismatches 1")
+    assert not args.param_gather_integrity_check and args.param_gather_keyframe_interval == 100
+    with pytest.raises(ValueError, match="--param-gather-integrity-max-mismatches must be >= 1 .*, got 0"):
+        make(f"{delta} --param-gather-integrity-max-mismatches 0")
+    with pytest.raises(ValueError, match="--param-gather-keyframe-interval must be >= 0 .*, got -2"):
+        make(f"{delta} --param-gather-keyframe-interval -2")
+    with pytest.raises(ValueError, match="--param-gather-keyframe-interval sends .* add --param-gather-compression"):
+        make("--param-gather-keyframe-interval 10")
