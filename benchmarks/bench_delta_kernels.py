@@ -8,11 +8,15 @@ clock with a device sync on both sides (the codec's own host syncs included); GB
 (2 per value) per second; ``*_device_GBps`` count only the device's time in the call's kernels and
 copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps``
 sweeps the warps per block program of the codec kernels, ``--max-registers`` their register caps (with each warps
-setting), ``--gather`` the tiles of the record gather and its copy width and warps.
+setting), ``--gather`` the tiles of the record gather and its copy width and warps. ``--integrity on|off|compare``:
+with the integrity hash (``--param-gather-integrity-check``, docs/integrity.md; the default), without, or both (each
+configuration twice, off then on, then the ratio of their codec times: the encode's and decode's device time, and
+wall clock).
 ``*_host_us``: the host's time in each half of a gather's codec work (begin_encode, finish_encode, decode)
 with the device held busy, i.e. what every compressed bucket costs the host whatever its size.
 
     python benchmarks/bench_delta_kernels.py --out results/kernels/delta.json
+    python benchmarks/bench_delta_kernels.py --integrity compare --out results/kernels/delta_integrity.json
 """
 
 import argparse
@@ -32,9 +36,9 @@ from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
 from compression.timing import call_seconds, device_throughput, queued_call_seconds  # noqa: E402
 
 
-def measure(previous, new, block_size: int, repeats: int) -> dict:
+def measure(previous, new, block_size: int, repeats: int, integrity: bool = True) -> dict:
     nbytes = 2 * new.numel()
-    sender, receiver = DeltaCodec(DeltaConfig(block_size), 2, 0), DeltaCodec(DeltaConfig(block_size), 2, 1)
+    sender, receiver = (DeltaCodec(DeltaConfig(block_size), 2, rank, integrity=integrity) for rank in (0, 1))
     sender.encode(previous)  # keyframe: sender state = previous
     state = sender._prev.clone()
     out = torch.empty_like(new)
@@ -56,6 +60,11 @@ def measure(previous, new, block_size: int, repeats: int) -> dict:
                        setup=lambda: out.copy_(previous))
     if not torch.equal(out.view(torch.int16), new.view(torch.int16)):
         raise AssertionError("decode is not bit-exact")
+    if integrity:
+        reset_sender()
+        sent = sender.begin_encode(new).hash  # of the payload just decoded
+        if not torch.equal(receiver.decoded_hashes[0:1], sent):
+            raise AssertionError("the decoded integrity hash differs from the encoded one")
     blocks = call_seconds(lambda: kernels.encode_blocks(sender._prev, new.view(torch.int16), block_size), cuda,
                           repeats, setup=reset_sender)
     copy = call_seconds(lambda: out.copy_(new), cuda, repeats)
@@ -108,6 +117,8 @@ def main():
                    "blocks per program, a multiple of the wire format's group, kernels.delta.group_blocks; CHUNK "
                    "stream words per block and pass)")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--integrity", default="on", choices=["on", "off", "compare"],
+                   help="the integrity hash in the kernels: on (the default in training), off, or compare (both)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = []
@@ -118,9 +129,11 @@ def main():
     # every warps setting with every register cap (the built-in ones first), then the gather's launches
     configs = ([(warps, cap, None) for warps in [None] + [int(w) for w in args.warps.split(",") if w]
                 for cap in [None] + [dict(encode=e, decode=d) for e, d in caps]] + [(None, None, g) for g in gathers])
+    integrity = {"on": [True], "off": [False], "compare": [False, True]}[args.integrity]
+    configs = [(*config, check) for config in configs for check in integrity]
     for lr in (float(x) for x in args.lrs.split(",")):
         previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
-        for warps, cap, gather in configs:
+        for warps, cap, gather, check in configs:
             kernels._num_warps = default_warps if warps is None else (lambda block_size, w=warps: w)
             kernels.MAX_REGISTERS.update({key: cap[key[0]] for key in default_caps} if cap else default_caps)
             kernels._tile_blocks = default_tile if gather is None else (lambda block_size, t=gather[0]: t)
@@ -128,8 +141,8 @@ def main():
             row = dict(lr=lr, warps=warps or default_warps(args.block_size),
                        max_registers={k: kernels._max_registers(k, args.block_size) for k in ("encode", "decode")},
                        gather=list(gather or (default_tile(args.block_size), *default_gather(args.block_size))),
-                       block_size=args.block_size, numel=args.numel,
-                       **measure(previous, new, args.block_size, args.repeats))
+                       block_size=args.block_size, numel=args.numel, integrity=check,
+                       **measure(previous, new, args.block_size, args.repeats, check))
             rows.append(row)
             print(f"lr {lr:g} warps {row['warps']} registers {row['max_registers']} gather {row['gather']}: "
                   f"encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
@@ -137,7 +150,10 @@ def main():
                   f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x; "
                   f"device time only: encode {row['encode_device_GBps']:.0f}, decode {row['decode_device_GBps']:.0f}, "
                   f"copy {row['copy_device_GBps']:.0f} GB/s; host us: begin_encode {row['begin_encode_host_us']:.0f}, "
-                  f"finish_encode {row['finish_encode_host_us']:.0f}, decode {row['decode_host_us']:.0f}", flush=True)
+                  f"finish_encode {row['finish_encode_host_us']:.0f}, decode {row['decode_host_us']:.0f}; "
+                  f"integrity {'on' if check else 'off'}", flush=True)
+            if args.integrity == "compare" and check:
+                print_integrity_cost(rows[-2], row)
         kernels._num_warps, kernels._tile_blocks, kernels._gather_launch = default_warps, default_tile, default_gather
         kernels.MAX_REGISTERS.update(default_caps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -154,6 +170,28 @@ def main():
               f"{r['encode_GBps'] / r['copy_GBps']:.0%} | {r['decode_GBps'] / r['copy_GBps']:.0%} | "
               f"{device[0]:.1%}, {device[1]:.1%} | {r['encode_ops_us'].get('_gather_kernel', 0):.1f} | "
               f"{r['decode_ops_us'].get('_decode_kernel', 0):.1f} |")
+
+
+def codec_device_us(row: dict) -> float:
+    """A gather's codec time on the device: every kernel and copy of its encode and decode."""
+    return sum(row["encode_ops_us"].values()) + sum(row["decode_ops_us"].values())
+
+
+def print_integrity_cost(off: dict, on: dict) -> None:
+    """The integrity check's cost: codec time with it over codec time without (device time, and wall clock)."""
+    device = codec_device_us(on) / codec_device_us(off)
+    wall = (on["encode_ms"] + on["decode_ms"]) / (off["encode_ms"] + off["decode_ms"])
+    on["integrity_cost"] = dict(device_ratio=device, wall_ratio=wall)
+    def kernel_us(row, half, kernel):
+        return row[f"{half}_ops_us"].get(kernel, 0.0)
+
+    print(f"integrity check cost at lr {on['lr']:g}, B = {on['block_size']}: codec device time "
+          f"{codec_device_us(off):.1f} -> {codec_device_us(on):.1f} us (ratio {device:.4f}, goal <= 1.03); "
+          f"encode + decode wall clock {off['encode_ms'] + off['decode_ms']:.3f} -> "
+          f"{on['encode_ms'] + on['decode_ms']:.3f} ms (ratio {wall:.4f}); encode kernel "
+          f"{kernel_us(off, 'encode', '_encode_kernel'):.1f} -> {kernel_us(on, 'encode', '_encode_kernel'):.1f} us, "
+          f"decode kernel {kernel_us(off, 'decode', '_decode_kernel'):.1f} -> "
+          f"{kernel_us(on, 'decode', '_decode_kernel'):.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from compression.ciera import CieraCodec, CieraConfig  # noqa: E402
-from compression.shard_gather import GatherFusions, ShardGather, prepare_gathers  # noqa: E402
+from compression.shard_gather import GatherFusions, IntegrityCheck, ShardGather, prepare_gathers  # noqa: E402
 from compression.telemetry import COMM_CLASSES, TELEMETRY  # noqa: E402
 
 BETAS, WEIGHT_DECAY = (0.9, 0.95), 0.1
@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--ciera-change-detect", default="compare", choices=["compare", "hash"])
     p.add_argument("--ciera-exponent-coder", default="raw", choices=["raw", "ans"])
     p.add_argument("--delta-block-size", type=int, default=256)
+    p.add_argument("--integrity", default="on", choices=["on", "off"],
+                   help="delta's integrity check (--param-gather-integrity-check, on in training by default)")
     p.add_argument("--delta-capacity-factor", type=float, default=1.25, help="slot capacity of delta-slots")
     p.add_argument("--sdp4bit-group-size", type=int, default=128)
     p.add_argument("--sdp4bit-weight-bits", type=int, default=4, choices=[4, 8])
@@ -97,7 +99,7 @@ def build_codec(name, args, world, rank):
         return CieraCodec(config, world, rank)
     from compression.delta import DeltaCodec, DeltaConfig  # written by another helper: import lazily
 
-    return DeltaCodec(DeltaConfig(args.delta_block_size), world, rank)
+    return DeltaCodec(DeltaConfig(args.delta_block_size), world, rank, integrity=args.integrity == "on")
 
 
 class Trajectory:
@@ -193,7 +195,8 @@ def _gather_for(name, codec, args):
         return WeightDiffGather(codec, None)
     slots = name.startswith("delta-slots")
     return ShardGather(codec, None, capacity_factor=args.delta_capacity_factor if slots else 0.0,
-                       cuda_graphs=name == "delta-slots-graphs")
+                       cuda_graphs=name == "delta-slots-graphs",
+                       integrity=IntegrityCheck() if args.integrity == "on" else None)
 
 
 def run_codec(name, args, world, rank, device):

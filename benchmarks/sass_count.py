@@ -114,20 +114,30 @@ TACO_DECODE_SIGNATURE = _sig(
     dict(src_u8="*u8", src_f32="*fp32", out_ptr="*bf16", x_ptr="*bf16", inv_sqrt_b="fp32"))
 TACO_SHAPE = dict(B=B, LOG_B=8, R=taco.PROGRAM_VALUES // B, FORMAT=taco._FORMAT_ID["int8"], HADAMARD=True, EVEN=True,
                   SKIP=False)
+DELTA_ENCODE_SIGNATURE = _sig(
+    "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr counts_ptr n_esc_ptr "
+    "exc_widths_ptr nbytes_ptr records_ptr tile_sums_ptr tile_hashes_ptr",
+    dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", counts_ptr="*i32", n_esc_ptr="*i32",
+         exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", tile_sums_ptr="*i64", tile_hashes_ptr="*i64",
+         **_TABLE))
+DELTA_DECODE_SIGNATURE = _sig(
+    "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at "
+    "groups_at regions_at src_base skip_rank n_blocks sizes_ptr sizes_stride capacity hashes_ptr hashes_stride",
+    dict(out_ptr="*i16", payload_ptr="*u8", sizes_ptr="*i64", capacity="i64", hashes_ptr="*i64", **_TABLE))
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
-    "delta encode": (delta._encode_kernel, _sig(
-        "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr counts_ptr n_esc_ptr "
-        "exc_widths_ptr nbytes_ptr records_ptr tile_sums_ptr",
-        dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", counts_ptr="*i32", n_esc_ptr="*i32",
-             exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", tile_sums_ptr="*i64", **_TABLE)),
-        dict(delta._launch_shape("encode", B), **_PLAIN), delta._num_warps(B), B,
-        delta._max_registers("encode", B)),
-    "delta decode": (delta._decode_kernel, _sig(
-        "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at "
-        "groups_at regions_at src_base skip_rank n_blocks sizes_ptr sizes_stride capacity",
-        dict(out_ptr="*i16", payload_ptr="*u8", sizes_ptr="*i64", capacity="i64", **_TABLE)),
-        dict(delta._launch_shape("decode", B), WORDS=True, SLOT=False, **_PLAIN), delta._num_warps(B), B,
-        delta._max_registers("decode", B)),
+    # with the integrity hash, as they launch by default (--param-gather-integrity-check), then without
+    "delta encode": (delta._encode_kernel, DELTA_ENCODE_SIGNATURE,
+                     dict(delta._launch_shape("encode", B), HASH=True, **_PLAIN), delta._num_warps(B), B,
+                     delta._max_registers("encode", B)),
+    "delta decode": (delta._decode_kernel, DELTA_DECODE_SIGNATURE,
+                     dict(delta._launch_shape("decode", B), WORDS=True, SLOT=False, HASH=True, **_PLAIN),
+                     delta._num_warps(B), B, delta._max_registers("decode", B)),
+    "delta encode, no integrity hash": (delta._encode_kernel, DELTA_ENCODE_SIGNATURE,
+                                        dict(delta._launch_shape("encode", B), HASH=False, **_PLAIN),
+                                        delta._num_warps(B), B, delta._max_registers("encode", B)),
+    "delta decode, no integrity hash": (delta._decode_kernel, DELTA_DECODE_SIGNATURE,
+                                        dict(delta._launch_shape("decode", B), WORDS=True, SLOT=False, HASH=False,
+                                             **_PLAIN), delta._num_warps(B), B, delta._max_registers("decode", B)),
     # TACO INT8 encode and decode at their launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual
     "TACO encode, INT8": (taco._taco_encode_kernel, TACO_ENCODE_SIGNATURE,
                           dict(TACO_SHAPE, GAIN=taco._gain(B, "ash"), SOURCES=0, RESCALE=taco._rescales("ash", "dual"),

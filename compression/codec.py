@@ -12,7 +12,7 @@ values. Payload sizes vary. After ``reset()`` the next payload is a keyframe tha
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -89,6 +89,9 @@ class EncodeStart:
     """uint8, on the payload's device: the payload's first ``min(header_nbytes, size)`` bytes."""
     state: Any
     """Whatever ``finish_encode`` needs."""
+    hash: Optional[torch.Tensor] = None
+    """int64 [1] on the payload's device: the integrity hash of what the encode coded (the codec's ``integrity``),
+    which the decoder's must equal; None: the codec has no integrity check."""
 
 
 @dataclass

@@ -21,6 +21,12 @@ shards: random bits, NaN patterns): the payload never exceeds raw + 32 bytes (``
 keyframe it is sent with the sender state kept (the next payload is a delta again). A decoder checks the
 magic, version, block size, numel and dtype, and that the payload has ``nbytes`` bytes (a ``WireFormatError``).
 ``codes``/``exc_widths``/bitmaps/value streams are the per-block fields of ``kernels/delta.py``.
+
+Integrity (``integrity``, on by default): every encode also yields a 64-bit hash of the change it coded
+(``kernels.delta.change_hash_reference``; a keyframe's of its values), computed by the encode kernel; the payload does
+not hold it: ``ShardGather`` sends it beside the payload (docs/integrity.md). Every decode leaves the hash of the change
+it applied in ``decoded_hashes[src]``, computed by the decode kernel; a payload decoded as its sender coded it gives
+the sender's hash.
 A code's bit 7 says whether the block's bitmap is flat (B / 8 bytes) or sparse (row flags, then the non-empty rows'
 bytes). A block's count of changed values is the popcount of its bitmap. Blocks form groups of
 G = ``kernels.delta.group_blocks(block_size)`` (32 at B <= 512): a group's entry is where its region starts (from the
@@ -163,14 +169,19 @@ class DeltaCodec(ShardCodec):
     stat_names = ("blocks_total", "blocks_changed", "values_changed")  # telemetry counters
     header_nbytes = HEADER.size
 
-    def __init__(self, config: DeltaConfig, world_size: int, rank: int, *, triton=None, cast: bool = False):
+    def __init__(self, config: DeltaConfig, world_size: int, rank: int, *, triton=None, cast: bool = False,
+                 integrity: bool = True):
         self.config = config
+        self.integrity = integrity  # hash each encode's and decode's change (module docstring)
+        self.decoded_hashes = None  # int64 [world_size] with integrity: each source's hash of the last decodes
+        self._hash_tiles = None  # the decode kernel's partial sums of them (kernels.decode_blocks)
         self.read_slack_bytes = kernels.read_slack_bytes(config.block_size)  # room after a payload its decode reads
         self.world_size = world_size
         self.rank = rank
         self.triton = triton  # None: Triton on CUDA, the PyTorch reference elsewhere
         self.last_stats: dict = {}
         self._prev = None  # int16 copy of what this rank encoded last
+        self._whole_hash = None  # the integrity hash of the last encode made whole (keyframe, reference)
         # reused by every encode of the Triton path (one encode in flight: begin_encode, then finish_encode)
         self._header_cache = None  # (key, device header) of _delta_header
         self._blocks = None  # kernels.EncodedBlocks of the last encode (its per-block fields are reused)
@@ -206,7 +217,7 @@ class DeltaCodec(ShardCodec):
         if any((c.config, c.world_size, c.rank, c.triton) != (first.config, first.world_size, first.rank, first.triton)
                for c in codecs):
             raise ValueError("DeltaCodec.fused needs codecs of one configuration, group and rank")
-        fused = cls(first.config, first.world_size, first.rank, triton=first.triton)
+        fused = cls(first.config, first.world_size, first.rank, triton=first.triton, integrity=first.integrity)
         b = first.config.block_size
         if all(c._prev is None for c in codecs):  # CastShard codecs: the buffers every rank holds are the state
             fused._casting, fused._synced = True, (segments.padded_numel(b), str(segments.device))
@@ -271,8 +282,8 @@ class DeltaCodec(ShardCodec):
         if self._keyframe_due(numel, shard.device) or not use_triton(shard, self.triton) or not numel:
             bits = _as_bits(shard.padded(b) if segmented else shard, "shard")
             payload = self._encode_whole(bits, fp16_flag)
-            return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
-        self._blocks = kernels.empty_blocks(numel, b, shard.device, reuse=self._blocks)
+            return EncodeStart(payload.numel(), payload[:HEADER.size], payload, self._whole_hash)
+        self._blocks = kernels.empty_blocks(numel, b, shard.device, reuse=self._blocks, hash=self.integrity)
         if segmented:
             table = shard.segments.block_table(b)
             e = kernels.encode_blocks(self._prev, _as_bits(table[0], "shard"), b, out=self._blocks, table=table,
@@ -315,7 +326,7 @@ class DeltaCodec(ShardCodec):
             payload = self._encode_delta(bits(), fp16_flag)
             self._prev = None
         else:
-            self._blocks = kernels.empty_blocks(numel, b, target.device, reuse=self._blocks)
+            self._blocks = kernels.empty_blocks(numel, b, target.device, reuse=self._blocks, hash=self.integrity)
             if segmented:
                 table = target.segments.block_table(b)
                 sources = target.segments.source_table(shard.source, b)
@@ -325,7 +336,7 @@ class DeltaCodec(ShardCodec):
                 e = kernels.encode_blocks(_as_bits(target, "shard"), shard.source, b, out=self._blocks,
                                           cast_to=target.dtype)
             return self._start_coded(e, fp16_flag, numel, target.device, bits)
-        return EncodeStart(payload.numel(), payload[:HEADER.size], payload)
+        return EncodeStart(payload.numel(), payload[:HEADER.size], payload, self._whole_hash)
 
     def _start_coded(self, e: kernels.EncodedBlocks, fp16_flag: int, numel: int, device, new_bits) -> EncodeStart:
         """``begin_encode`` after the encode kernel: the payload's size and header on the device (one launch: the
@@ -337,7 +348,7 @@ class DeltaCodec(ShardCodec):
                            raw_nbytes(HEADER.size, numel), fp16_flag, FLAG_RAW)
         self._totals = HostValues(e.totals) if self._totals is None else self._totals.update(e.totals)
         return EncodeStart(e.totals[3:4], headers[:HEADER.size],
-                           _CodedBlocks(e, self._totals, fp16_flag, numel, headers, new_bits))
+                           _CodedBlocks(e, self._totals, fp16_flag, numel, headers, new_bits), e.hash)
 
     def finish_encode(self, start: EncodeStart, out: torch.Tensor) -> None:
         if not isinstance(start.state, _CodedBlocks):
@@ -407,6 +418,8 @@ class DeltaCodec(ShardCodec):
         return self._encode_delta(bits, fp16_flag)
 
     def _keyframe(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
+        self._whole_hash = (kernels.change_hash_reference(None, bits, self.config.block_size) if self.integrity
+                            else None)
         payload = self._raw(FLAG_KEYFRAME | fp16_flag, bits, 0)
         self._record(payload.numel(), bits.numel(), -(-bits.numel() // self.config.block_size), bits.numel(), True)
         return payload
@@ -419,6 +432,7 @@ class DeltaCodec(ShardCodec):
     def _encode_delta(self, bits: torch.Tensor, fp16_flag: int) -> torch.Tensor:
         """The PyTorch reference (also for empty shards on CUDA)."""
         b = self.config.block_size
+        self._whole_hash = kernels.change_hash_reference(self._prev, bits, b) if self.integrity else None
         a = analyze_blocks_reference(self._prev, bits, b)
         changed = torch.nonzero(a.codes).squeeze(1)
         record_bytes = a.bitmap_nbytes[changed] + stream_nbytes(a.counts[changed], a.codes[changed], a.n_esc[changed],
@@ -480,27 +494,50 @@ class DeltaCodec(ShardCodec):
         flags = self._check_header(payload, out, numel, header, src_rank)
         if segmented and (flags & (FLAG_KEYFRAME | FLAG_RAW) or not use_triton(out, self.triton)):
             padded = out.padded(b)  # the reference (and a keyframe) decode a padded copy
-            self._decode_bits(_as_bits(padded, "output buffer"), payload, flags)
+            decoded_hash = self._decode_bits(_as_bits(padded, "output buffer"), payload, flags)
             out.write_padded(padded, b)
         elif segmented:
             table = out.segments.block_table(b)
-            self._decode_bits(_as_bits(table[0], "output buffer"), payload, flags, table, out.rank)
+            decoded_hash = self._decode_bits(_as_bits(table[0], "output buffer"), payload, flags, table, out.rank)
         else:
-            self._decode_bits(_as_bits(out, "output buffer"), payload, flags)
+            decoded_hash = self._decode_bits(_as_bits(out, "output buffer"), payload, flags)
+        if self.integrity:
+            self._decoded(payload.device)[src_rank:src_rank + 1].copy_(decoded_hash)
 
-    def _decode_bits(self, bits, payload, flags, table=None, rank=0) -> None:
-        """Decode into the int16 ``bits`` (with ``table``: rank ``rank``'s slices of the segments based there)."""
+    def _decoded(self, device, zero: bool = False) -> torch.Tensor:
+        """``decoded_hashes`` on ``device`` (made once; ``zero``: zeroed first)."""
+        if self.decoded_hashes is None or self.decoded_hashes.device != device:
+            self.decoded_hashes = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        elif zero:
+            self.decoded_hashes.zero_()
+        return self.decoded_hashes
+
+    def _decode_hash_tiles(self, rows: int, numel: int, device):
+        """The zeroed partial sums of ``rows`` payloads' decoded hashes (None without integrity)."""
+        if not self.integrity:
+            return None
+        shape = (rows, kernels.decode_hash_tiles(_Layout.of(numel, self.config.block_size).n_blocks))
+        if self._hash_tiles is None or tuple(self._hash_tiles.shape) != shape or self._hash_tiles.device != device:
+            self._hash_tiles = torch.empty(shape, dtype=torch.int64, device=device)
+        return self._hash_tiles.zero_()
+
+    def _decode_bits(self, bits, payload, flags, table=None, rank=0):
+        """Decode into the int16 ``bits`` (with ``table``: rank ``rank``'s slices of the segments based there); returns
+        the hash of the change applied (int64 [1]; None without integrity)."""
         numel = bits.numel() if table is None else table[1].numel() * self.config.block_size
         if flags & (FLAG_KEYFRAME | FLAG_RAW):
+            # a keyframe's hash is of its values; a raw payload's, like a delta's, of the change it makes
+            old = bits.clone() if self.integrity and not flags & FLAG_KEYFRAME else None
             bits.view(torch.uint8).copy_(payload[HEADER.size : HEADER.size + 2 * numel])
-            return
+            return kernels.change_hash_reference(old, bits, self.config.block_size) if self.integrity else None
         b = self.config.block_size
         layout = _Layout.of(numel, b)
         if use_triton(bits, self.triton):  # sections read as 32-bit words from any payload offset
             if _bytes_after(payload) < self.read_slack_bytes:
                 payload = torch.cat([payload, payload.new_zeros(self.read_slack_bytes)])[:payload.numel()]
-            kernels.decode_blocks(bits, self._payloads(payload, 1, 0, numel), b, table, rank)
-            return
+            hashes = self._decode_hash_tiles(1, numel, bits.device)
+            kernels.decode_blocks(bits, self._payloads(payload, 1, 0, numel), b, table, rank, hashes=hashes)
+            return None if hashes is None else hashes.sum(1)
         codes = payload[HEADER.size : HEADER.size + layout.n_blocks]
         changed = torch.nonzero(codes).squeeze(1)
         starts = _from_little_endian(payload[layout.groups : layout.regions], 4)
@@ -508,13 +545,17 @@ class DeltaCodec(ShardCodec):
         per_group = _group_changed(codes, kernels.group_blocks(b))
         offset_at, exc_width_at, records_at = _region_places(per_group, changed, starts)
         offsets = _from_little_endian(regions[torch.stack([offset_at, offset_at + 1], 1).view(-1)], 2)
-        unpack_records_reference(bits, changed, codes, regions[exc_width_at], records_at + offsets, regions, b)
+        decoded_hash = unpack_records_reference(bits, changed, codes, regions[exc_width_at], records_at + offsets,
+                                                regions, b)
+        return decoded_hash if self.integrity else None
 
     def decode_gathered(self, target, gathered, stride, sizes, headers, skip) -> None:
         """On the Triton path every source's payload in one launch of each decode kernel (one source, keyframes and
         the reference: one by one)."""
         b = self.config.block_size
         segments, numel = self._segments_of(target)
+        if self.integrity:
+            self._decoded(gathered.device, zero=True)
         sources = [src for src in range(len(sizes)) if src != skip]
         keyframe = any(self._check_header(gathered[src * stride:src * stride + sizes[src]], target, numel,
                                           headers[src], src) & (FLAG_KEYFRAME | FLAG_RAW) for src in sources)
@@ -523,19 +564,27 @@ class DeltaCodec(ShardCodec):
             return super().decode_gathered(target, gathered, stride, sizes, headers, skip)
         table = segments.block_table(b)
         payloads = self._payloads(gathered, len(sizes), stride, numel)
-        kernels.decode_blocks(_as_bits(table[0], "output buffer"), payloads, b, table, 0, skip)
+        hashes = self._decode_hash_tiles(len(sizes), numel, gathered.device)
+        kernels.decode_blocks(_as_bits(table[0], "output buffer"), payloads, b, table, 0, skip, hashes=hashes)
+        if hashes is not None:
+            torch.sum(hashes, 1, out=self.decoded_hashes)
 
     def decode_slots(self, target, gathered, stride, sizes, capacity, skip) -> None:
         """On the Triton path every source's slot in one launch, skipping the payloads larger than ``capacity`` on
         the device (no header checks: slots follow a gather whose headers were checked, and carry no keyframes)."""
+        if self.integrity:
+            self._decoded(gathered.device, zero=True)
         if not use_triton(gathered, self.triton) or _bytes_after(gathered[(len(sizes) - 1) * stride:][:capacity]) < \
                 self.read_slack_bytes:
             return super().decode_slots(target, gathered, stride, sizes, capacity, skip)
         segments, numel = self._segments_of(target)
         b = self.config.block_size
         table = segments.block_table(b)
+        hashes = self._decode_hash_tiles(len(sizes), numel, gathered.device)
         kernels.decode_blocks(_as_bits(table[0], "output buffer"), self._payloads(gathered, len(sizes), stride, numel),
-                              b, table, 0, skip, slots=(sizes, capacity))
+                              b, table, 0, skip, slots=(sizes, capacity), hashes=hashes)
+        if hashes is not None:
+            torch.sum(hashes, 1, out=self.decoded_hashes)
 
     def _segments_of(self, target) -> tuple:
         """``target`` (``Segments``, or a bucket buffer: its slices through a one-segment block table) and the

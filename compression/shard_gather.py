@@ -30,6 +30,15 @@ times eagerly, and replayed from then on (on a side stream, so that it overlaps 
 host then launches one graph instead of ~0.6 ms of Python and kernel launches. Its encode then starts at the
 transfer rather than with the other buckets' in ``prepare_gathers``.
 
+Integrity check (``integrity``, an ``IntegrityCheck``; codecs with an ``integrity`` hash: delta): each rank's size
+message is its payload size, the 64-bit hash of what its encode coded, then the payload's header; a slot is the
+payload's size, that hash, then the payload. After the decodes each receiver compares the hash of what it decoded
+from each source with that source's, and the group agrees on the count of mismatches (an all-reduce, read at the
+gather's one sync, or at a sync of its own after the size exchange); a gather with any is followed by the bucket's
+uncompressed gather, as after a slot overflow, so every replica ends with the sent values; it is counted
+(``integrity_mismatches``: mismatching payloads, on the ranks that decoded them), logged, and the
+``max_mismatches``-th such gather stops with an error (docs/integrity.md).
+
 Telemetry (class ``comm_class``): raw = this rank's shard bytes; sent = its padded payload plus the
 size message (or its slot, plus the raw shard after an overflow), i.e. what it hands to the collectives. A
 codec may declare extra integer stats with ``stat_names`` (a tuple) and fill ``last_stats`` (dict name -> int)
@@ -40,6 +49,7 @@ gathers count ``slot_gathers`` and ``slot_overflows``, captured ones ``graph_cap
 import logging
 import math
 from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -50,8 +60,9 @@ from compression.telemetry import TELEMETRY
 
 logger = logging.getLogger(__name__)
 SIZE_BYTES = 8
+HASH_BYTES = 8  # the integrity hash of an encode (int64, 0 for a codec without one), after the size
 ALIGN = 16  # payloads start 16-byte aligned in the gathered buffer: the decoders' vector loads stay aligned
-SLOT_PREFIX = 16  # a slot: the payload's size (int64), 8 zero bytes, then the payload (16-byte aligned)
+SLOT_PREFIX = 16  # a slot: the payload's size (int64), its integrity hash (int64), then the payload (16-byte aligned)
 SLOT_COUNTERS = ("slot_gathers", "slot_overflows")
 SLOT_ROUND = 4096  # slot capacities are multiples of it
 SLOT_SHRINK = 1.25  # a slot is resized down only once it exceeds the payloads' size x factor by this much
@@ -73,6 +84,31 @@ def check_capacity_factor(factor: float) -> None:
     if factor and not factor >= 1.0:
         raise ValueError(f"--delta-capacity-factor must be 0 (exchange payload sizes first) or >= 1.0 (slots of "
                          f"that many times the last payloads), got {factor}")
+
+
+@dataclass
+class IntegrityCheck:
+    """What the gathers of one run do on an integrity mismatch (``ShardGather``'s docstring), shared by all of them:
+    each gather with one is re-gathered uncompressed, and the ``max_mismatches``-th stops the run. ``iteration``
+    names the training iteration in the logs."""
+
+    max_mismatches: int = 3
+    iteration: Callable[[], Any] = lambda: None
+    mismatches: int = 0  # gathers with a mismatch so far (every rank of a group counts the same ones)
+
+    def __post_init__(self):
+        if self.max_mismatches < 1:
+            raise ValueError(f"--param-gather-integrity-max-mismatches must be >= 1, got {self.max_mismatches}")
+
+    def failed(self, what: str) -> None:
+        """A gather had a mismatch (``what``: which, already re-gathered): stop at the ``max_mismatches``-th."""
+        self.mismatches += 1
+        if self.mismatches >= self.max_mismatches:
+            raise RuntimeError(
+                f"{what}: {self.mismatches} parameter gathers decoded values other than their senders' "
+                f"(--param-gather-integrity-max-mismatches {self.max_mismatches}); the parameters were re-gathered "
+                f"uncompressed each time, but this many point at failing hardware (memory, link) or a codec bug: "
+                f"check the devices, or train with --param-gather-compression none")
 
 
 class PendingGather:
@@ -99,7 +135,11 @@ class _Slots:
         self.send = torch.zeros(width, dtype=torch.uint8, device=device)
         self.recv = torch.zeros(width * world_size + read_slack, dtype=torch.uint8, device=device)
         self.rows = self.recv[:width * world_size]
-        self.sizes = self.rows.view(world_size, width)[:, :SIZE_BYTES].view(torch.int64)[:, 0]
+        prefixes = self.rows.view(world_size, width)[:, :SLOT_PREFIX].view(torch.int64)
+        self.sizes, self.hashes = prefixes[:, 0], prefixes[:, 1]
+        # what the gather's sync reads: the sizes, then the group's count of integrity mismatches
+        self.status = torch.zeros(world_size + 1, dtype=torch.int64, device=device)
+        self.mismatched = None  # bool [world_size]: the sources whose decoded hash differed (integrity only)
         self.landed = None
 
 
@@ -131,8 +171,12 @@ def _round_up(n: int, multiple: int) -> int:
 
 class ShardGather:
     def __init__(self, codec: ShardCodec, group=None, comm_class: str = "dp_param_gather",
-                 capacity_factor: float = 0.0, cuda_graphs: bool = False):
+                 capacity_factor: float = 0.0, cuda_graphs: bool = False, integrity: IntegrityCheck = None,
+                 name: str = "bucket"):
         check_capacity_factor(capacity_factor)
+        # the integrity check, where the codec hashes (docstring); ``name`` says which bucket(s) in its logs
+        self.integrity = integrity if getattr(codec, "integrity", False) else None
+        self.name = name
         if cuda_graphs and not capacity_factor:
             raise ValueError("--delta-cuda-graphs captures sync-free gathers: add --delta-capacity-factor (e.g. 1.25)")
         self.codec = codec
@@ -156,7 +200,7 @@ class ShardGather:
         self._slots = None  # the _Slots of the current capacity
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._message_nbytes = SIZE_BYTES + _round_up(codec.header_nbytes, SIZE_BYTES)
+        self._message_nbytes = SIZE_BYTES + HASH_BYTES + _round_up(codec.header_nbytes, SIZE_BYTES)
         self._stat_names = tuple(getattr(codec, "stat_names", ()))
         self._message = None  # the size exchange's send buffer (of prepare_gathers calls led by this gather)
         self.cast_from = None  # fp32 values of the next encode, rounded into the own slice by the codec (CastShard)
@@ -167,6 +211,8 @@ class ShardGather:
                 TELEMETRY.declare_counter(f"{comm_class}/{name}")
         if cuda_graphs:  # each costs a synchronization and the capture (~1-2 ms): a new slot capacity means a new one
             TELEMETRY.declare_counter(f"{comm_class}/graph_captures")
+        if self.integrity is not None:
+            TELEMETRY.declare_counter(f"{comm_class}/integrity_mismatches")
 
     def _own_slice(self, buffer, rank: int):
         return shard_of(buffer, rank, self.world_size)
@@ -212,19 +258,32 @@ class ShardGather:
         return shard if source is None else CastShard(shard, source)
 
     def _write_message(self, start, message: torch.Tensor) -> None:
-        """This rank's size message for one encode: its payload size, then its header."""
+        """This rank's size message for one encode: its payload size, its integrity hash, then its header."""
         if isinstance(start.nbytes, int):
             message[:SIZE_BYTES].view(torch.int64).fill_(start.nbytes)
         else:
             message[:SIZE_BYTES].view(torch.int64).copy_(start.nbytes.reshape(1))
-        message[SIZE_BYTES:SIZE_BYTES + start.header.numel()] = start.header
+        self._write_hash(start, message[SIZE_BYTES:SIZE_BYTES + HASH_BYTES])
+        at = SIZE_BYTES + HASH_BYTES
+        message[at:at + start.header.numel()] = start.header
+
+    def _write_hash(self, start, field: torch.Tensor) -> None:
+        """The encode's integrity hash into the 8-byte ``field`` (0 without the check)."""
+        if self.integrity is not None and start.hash is not None:
+            field.view(torch.int64).copy_(start.hash)
+        else:
+            field.zero_()
 
     def _read_messages(self, rows) -> tuple:
-        """Every rank's payload size and first ``codec.header_nbytes`` bytes from the gathered messages
-        (a numpy array of one row per rank)."""
-        sizes = [int.from_bytes(row[:SIZE_BYTES].tobytes(), "little", signed=True) for row in rows]
-        n = self.codec.header_nbytes
-        return sizes, [row[SIZE_BYTES:SIZE_BYTES + min(n, size)].tobytes() for row, size in zip(rows, sizes)]
+        """Every rank's payload size, integrity hash and first ``codec.header_nbytes`` bytes from the gathered
+        messages (a numpy array of one row per rank)."""
+        def field(row, at):
+            return int.from_bytes(row[at:at + SIZE_BYTES].tobytes(), "little", signed=True)
+
+        sizes = [field(row, 0) for row in rows]
+        hashes = [field(row, SIZE_BYTES) for row in rows]
+        n, at = self.codec.header_nbytes, SIZE_BYTES + HASH_BYTES
+        return sizes, [row[at:at + min(n, size)].tobytes() for row, size in zip(rows, sizes)], hashes
 
     def _record(self, shard: torch.Tensor, sent_bytes: int) -> None:
         TELEMETRY.record(self.comm_class, shard.numel() * shard.element_size(), sent_bytes)
@@ -257,6 +316,12 @@ class ShardGather:
 
         def finish():  # a lossless codec's own slice already holds what it sent
             self.codec.decode_gathered(buffer, recv, width, sizes, headers, self.rank if self.codec.lossless else -1)
+            if self.integrity is not None:
+                sent = torch.tensor(prepared.hashes, dtype=torch.int64).to(buffer.device, non_blocking=True)
+                mismatched, count = self._mismatches(sent)
+                count = int(count.item())  # the check's sync
+                if count:
+                    self._integrity_failed(buffer, mismatched, count)
 
         if async_op:
             return PendingGather(work, finish)
@@ -275,10 +340,10 @@ class ShardGather:
         def finish():
             self._decode_slots(buffer, slots, capacity)
             if slots.landed is None:
-                slots.landed = HostValues(slots.sizes)
+                slots.landed = HostValues(slots.status)
             else:
-                slots.landed.update(slots.sizes)
-            self._slots_landed(buffer, prepared.start, slots.landed.get(), capacity, slots.width)
+                slots.landed.update(slots.status)
+            self._slots_landed(buffer, prepared.start, slots, slots.landed.get(), capacity)
 
         if async_op:
             return PendingGather(work, finish)
@@ -315,7 +380,7 @@ class ShardGather:
         def finish():
             torch.cuda.current_stream().wait_event(done)
             done.synchronize()
-            self._slots_landed(buffer, graph.start, graph.slots.landed.get(synced=True), capacity, graph.slots.width,
+            self._slots_landed(buffer, graph.start, graph.slots, graph.slots.landed.get(synced=True), capacity,
                                synced=True)
 
         if async_op:
@@ -331,7 +396,7 @@ class ShardGather:
                              f"{dist.get_backend(self.group)}: drop the flag")
         slots = self._slots_of(capacity, buffer.device)
         if slots.landed is None:  # pinned memory is made outside the capture
-            slots.landed = HostValues(slots.sizes)
+            slots.landed = HostValues(slots.status)
         if self._graph_stream is None or self._graph_stream.device != buffer.device:
             self._graph_stream = torch.cuda.Stream(buffer.device)
         graph, stream = torch.cuda.CUDAGraph(), self._graph_stream
@@ -341,7 +406,7 @@ class ShardGather:
             start = self.codec.begin_encode(x)
             self._send_slot(start, slots, capacity, async_op=False)
             self._decode_slots(buffer, slots, capacity)
-            slots.landed.update(slots.sizes)
+            slots.landed.update(slots.status)
         if self._retired is not None:  # the new graph holds the pool now
             self._retired.reset()
             self._retired = None
@@ -358,31 +423,77 @@ class ShardGather:
         return self._slots
 
     def _send_slot(self, start: EncodeStart, slots: "_Slots", capacity: int, async_op: bool):
-        """This rank's payload and size into its slot, then the all-gather of every rank's."""
+        """This rank's payload, size and integrity hash into its slot, then the all-gather of every rank's."""
         self.codec.finish_encode_into_slot(start, slots.send[SLOT_PREFIX:SLOT_PREFIX + capacity],
                                            slots.send[:SIZE_BYTES].view(torch.int64))
+        self._write_hash(start, slots.send[SIZE_BYTES:SIZE_BYTES + HASH_BYTES])
         return dist.all_gather_into_tensor(slots.rows, slots.send, group=self.group, async_op=async_op)
 
     def _decode_slots(self, buffer, slots: "_Slots", capacity: int) -> None:
+        """Decode the slots that fit; ``slots.status``: the sizes, then the group's count of integrity mismatches
+        (device work only: a captured gather replays it)."""
         self.codec.decode_slots(buffer, slots.recv[SLOT_PREFIX:], slots.width, slots.sizes, capacity,
                                 self.rank if self.codec.lossless else -1)
+        slots.status[:self.world_size].copy_(slots.sizes)
+        if self.integrity is not None:
+            slots.mismatched, count = self._mismatches(slots.hashes, slots.sizes <= capacity)
+            slots.status[self.world_size:].copy_(count)
 
-    def _slots_landed(self, buffer, start: EncodeStart, sizes: list, capacity: int, width: int,
+    def _mismatches(self, sent: torch.Tensor, decoded: torch.Tensor = None) -> tuple:
+        """After the decodes: the sources (bool [world size], on the device) whose decoded integrity hash differs from
+        their ``sent`` one (``decoded``: the sources decoded, else all but this rank), and the group's count of such
+        payloads (int64 [1], all-reduced)."""
+        mismatched = self.codec.decoded_hashes != sent
+        if decoded is not None:
+            mismatched &= decoded
+        mismatched[self.rank] = False  # its own slice was not decoded
+        count = mismatched.sum().reshape(1)
+        dist.all_reduce(count, group=self.group)
+        return mismatched, count
+
+    def _integrity_failed(self, buffer, mismatched: torch.Tensor, count: int) -> None:
+        """A gather whose decodes differed from what was sent somewhere in the group (``count`` payloads): gathered
+        uncompressed (its bytes counted as sent), counted, logged; the policy may stop the run."""
+        sources = mismatched.nonzero().view(-1).tolist()
+        TELEMETRY.add_counter(f"{self.comm_class}/integrity_mismatches", len(sources))
+        iteration = self.integrity.iteration()
+        what = (f"{self.comm_class} {self.name}" + (f" at iteration {iteration}" if iteration is not None else "")
+                + f" (gather {self.integrity.mismatches + 1} with a mismatch)")
+        if sources:
+            logger.warning("%s: rank %d decoded payload(s) of rank(s) %s to values other than their senders' "
+                           "(integrity hash mismatch): gathering the bucket uncompressed", what, self.rank, sources)
+        elif self.rank == 0:
+            logger.warning("%s: %d payload(s) decoded elsewhere in the group to values other than their senders' "
+                           "(integrity hash mismatch): gathering the bucket uncompressed", what, count)
+        TELEMETRY.record(self.comm_class, 0, self._gather_uncompressed(buffer))
+        self.integrity.failed(what)
+
+    def _gather_uncompressed(self, buffer) -> int:
+        """Every rank's own slice of ``buffer`` (which holds its new values) all-gathered as is; the bytes sent."""
+        sent = 0
+        for part in (buffer.buffers if isinstance(buffer, Segments) else (buffer,)):
+            own = shard_of(part, self.rank, self.world_size)
+            dist.all_gather_into_tensor(part, own.clone(), group=self.group)
+            sent += own.numel() * own.element_size()
+        return sent
+
+    def _slots_landed(self, buffer, start: EncodeStart, slots: "_Slots", status: list, capacity: int,
                       synced: bool = False) -> None:
-        """The end of a sync-free gather, its sizes on the host: payloads that did not fit are sent again, every
-        rank's shard uncompressed; telemetry; the next capacity."""
+        """The end of a sync-free gather, its ``slots.status`` on the host: payloads that did not fit are sent again,
+        every rank's shard uncompressed, and so are those whose decodes mismatched (integrity); telemetry; the next
+        capacity."""
         shard = self._own_slice(buffer, self.rank)
         self.codec.encode_stats(start, synced)
-        sent = width
+        sent = slots.width
+        sizes, mismatches = status[:self.world_size], status[self.world_size]
         outgrown = [rank for rank, size in enumerate(sizes) if size > capacity]
-        if outgrown:
+        if mismatches:
+            self._integrity_failed(buffer, slots.mismatched, mismatches)
+        elif outgrown:
             if self.rank == 0:
                 logger.info("%s: payloads of ranks %s (%d bytes) outgrew their %d-byte slots: gathered uncompressed",
                             self.comm_class, outgrown, max(sizes), capacity)
-            for part in (buffer.buffers if isinstance(buffer, Segments) else (buffer,)):
-                own = shard_of(part, self.rank, self.world_size)
-                dist.all_gather_into_tensor(part, own.clone(), group=self.group)
-                sent += own.numel() * own.element_size()
+            sent += self._gather_uncompressed(buffer)
         self._record(shard, sent)
         TELEMETRY.add_counter(f"{self.comm_class}/slot_gathers", 1)
         TELEMETRY.add_counter(f"{self.comm_class}/slot_overflows", int(bool(outgrown)))
@@ -413,6 +524,7 @@ class PreparedGather:
     start: EncodeStart
     sizes: list  # payload bytes of each rank
     headers: list  # the first ``codec.header_nbytes`` bytes of each rank's payload
+    hashes: list = None  # each rank's integrity hash (int64; 0 where none was sent)
     fused: "_FusedTransfer" = None  # set for a bucket coded with others (``start`` etc. are the fused encode's)
     capacity: int = None  # set for a sync-free gather (slots of that many bytes; ``sizes`` and ``headers`` None)
     encode_input: object = None  # of a sync-free gather whose encode is left to its transfer (``start`` None)
@@ -490,7 +602,8 @@ class GatherFusions:
         segments = Segments(buffers, lead.world_size)
         codec = type(lead.codec).fused([g.codec for g in gathers], segments)
         entry = self._fused[key] = (ShardGather(codec, lead.group, lead.comm_class, lead.capacity_factor,
-                                                lead.cuda_graphs), segments)
+                                                lead.cuda_graphs, lead.integrity,
+                                                "+".join(g.name for g in gathers)), segments)
         if lead.rank == 0:
             logger.info("%s: %d buckets coded as one (%d values per rank)", lead.comm_class, len(gathers),
                         sum(segments.numels))
@@ -520,7 +633,7 @@ def prepare_gathers(gathers: list, buffers: list, fusions: GatherFusions = None,
         else:
             shared = _FusedTransfer(gather, buffer, ready)
             for i in members:
-                result[i] = PreparedGather(ready.start, ready.sizes, ready.headers, fused=shared)
+                result[i] = PreparedGather(ready.start, ready.sizes, ready.headers, ready.hashes, fused=shared)
     return result
 
 

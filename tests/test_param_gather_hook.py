@@ -59,7 +59,8 @@ def _args(method, verify_interval=0, **overrides):
         param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
         ciera_exponent_coder="raw", param_gather_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
         grad_reduce_compression="none", param_gather_trial_iters=0, param_gather_reselect_interval=0,
-        delta_capacity_factor=0.0, delta_cuda_graphs=False,
+        delta_capacity_factor=0.0, delta_cuda_graphs=False, param_gather_integrity_check=True,
+        param_gather_integrity_max_mismatches=3, param_gather_keyframe_interval=0,
     )
     method, cast = _base(method), method.endswith(CAST)
     vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), delta_fused_cast=cast, **overrides)
@@ -140,9 +141,10 @@ def _buffers_hash(ddp):
     return digest.hexdigest()
 
 
-def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
+def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3, **flags):
     """Per-step loss bits, the final parameter hash and the hook's counters. ``rewrite_at``: after
-    that step rewrite every parameter (as a checkpoint load does) and, if ``reset``, reset the codecs."""
+    that step rewrite every parameter (as a checkpoint load does) and, if ``reset``, reset the codecs. ``flags``:
+    other flags' values (``_args``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.hooks.param_gather import apply_dp_compression, reset_param_gather_state
 
@@ -154,7 +156,7 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3):
     TELEMETRY.reset()
     ddp, optimizer = _build(overlap)
     if method != "none":
-        apply_dp_compression([ddp], _args(method, verify_interval))
+        apply_dp_compression([ddp], _args(method, verify_interval, **flags))
     if method.endswith(CAST):
         from megatron.hooks.fused_cast import apply_delta_fused_cast
 
@@ -314,9 +316,11 @@ def _dense_world():
     cpu.apply()
     parallel_state.initialize_model_parallel()
     _check_refusals()
-    # Without the reset a rewrite breaks the codecs' "previous values" invariant; verify() must see it.
+    # Without the reset a rewrite breaks the codecs' "previous values" invariant; verify() must see it (the integrity
+    # check, on by default, re-gathers such a gather: tests/test_integrity.py)
     _expect_error(RuntimeError, "differs from the uncompressed all-gather",
-                  lambda: _train("delta", False, rewrite_at=5, reset=False, verify_interval=1))
+                  lambda: _train("delta", False, rewrite_at=5, reset=False, verify_interval=1,
+                                 param_gather_integrity_check=False))
     runs = [(method, overlap, None) for method in ("ciera", "delta") for overlap in (False, True)]
     runs += [("delta", False, 5), ("ciera", True, 5), ("ciera-benefit", True, None), ("delta-benefit", True, None)]
     runs += [("delta-capped", False, None), ("delta-capped", True, None)]

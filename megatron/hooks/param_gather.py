@@ -31,6 +31,13 @@ Invariants:
 - ``--param-gather-verify-interval N``: every N-th gather of a bucket group is checked bit for bit
   against an uncompressed all-gather (a RuntimeError on any difference); for the lossy sdp4bit, which
   has no uncompressed result to match, every rank must hold the same bits instead (a checksum).
+- ``--param-gather-integrity-check`` (on by default; delta): every delta gather also carries a 64-bit hash of each
+  sender's change, computed by the encode kernel, which each receiver compares with its decode's (computed by the
+  decode kernel); a bucket whose decode differs anywhere in the group is gathered again uncompressed (bit-exact),
+  counted (``<comm class>/integrity_mismatches``) and logged with its bucket and iteration, and the
+  ``--param-gather-integrity-max-mismatches``-th such gather stops the run (compression/shard_gather.py,
+  docs/integrity.md). ``--param-gather-keyframe-interval N``: every N-th gather of a bucket group goes uncompressed
+  (as a trial's plain gather: the codecs observe it), so a receiver's slice that went wrong unseen is rewritten.
 - Gradient reduce-scatter (``--grad-reduce-compression``): like the stock method, scale each bucket by
   its ``gradient_scaling_factor`` in place, then leave the SUM (AVG with ``average_in_collective``) of
   this rank's shard in its slice of ``grad_data``; the first-batch early return, the overlap (a
@@ -77,7 +84,7 @@ from compression.selection import (
 from compression.sdp4bit import (
     HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather, quantized_reduce_scatter,
 )
-from compression.shard_gather import GRAPH_WARMUP, GatherFusions, ShardGather, prepare_gathers
+from compression.shard_gather import GRAPH_WARMUP, GatherFusions, IntegrityCheck, ShardGather, prepare_gathers
 from compression.telemetry import TELEMETRY
 from megatron.hooks.trial import TRIAL_SKIP_ITERATIONS, CompressionTrial
 
@@ -326,7 +333,9 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         pending = [bucket for bucket in self.buckets if getattr(bucket, "cast_pending", False)]
         if self.selection is not None:
             self.selection.before_gather(self)
-        if not self.plain:
+        interval = self.args.param_gather_keyframe_interval
+        keyframe = interval > 0 and (self.num_gathers + 1) % interval == 0
+        if not self.plain and not keyframe:
             for gather, bucket in zip(self.shard_gathers, self.buckets):
                 if bucket in pending and isinstance(gather, ShardGather):  # (delta: the only codec fused_cast has)
                     gather.cast_from = bucket.cast_masters.current()
@@ -413,7 +422,8 @@ class CompressedBucketGroup(_ParamAndGradBucketGroup):
         if compress != plain:
             return False
         self.prepared.fusions.drop(self.shard_gathers[index])
-        self.shard_gathers[index] = (build_gather(self.args, group, self.comm_class, self.fused_cast) if compress
+        self.shard_gathers[index] = (build_gather(self.args, group, self.comm_class, self.fused_cast, self.integrity,
+                                                  _bucket_name(self.buckets[index])) if compress
                                      else _PlainGather(group, self.comm_class))
         return True
 
@@ -536,6 +546,12 @@ def _check_args(args) -> None:
         raise ValueError(
             f"--param-gather-verify-interval must be >= 0 (0 = off), got {args.param_gather_verify_interval}"
         )
+    if args.param_gather_keyframe_interval < 0:
+        raise ValueError(f"--param-gather-keyframe-interval must be >= 0 (0 = off), got "
+                         f"{args.param_gather_keyframe_interval}")
+    if args.param_gather_integrity_max_mismatches < 1:
+        raise ValueError(f"--param-gather-integrity-max-mismatches must be >= 1, got "
+                         f"{args.param_gather_integrity_max_mismatches}")
     if args.delta_cuda_graphs and not torch.cuda.is_available():
         raise ValueError("--delta-cuda-graphs replays CUDA graphs and needs GPUs: drop the flag on CPU")
     if args.param_gather_selection not in ("all", "benefit"):
@@ -557,9 +573,11 @@ def ciera_config(args) -> CieraConfig:
                        exponent_coder=args.ciera_exponent_coder)
 
 
-def build_gather(args, group, comm_class: str, cast: bool = False):
+def build_gather(args, group, comm_class: str, cast: bool = False, integrity: IntegrityCheck = None,
+                 name: str = "bucket"):
     """The compressed gather of one bucket over ``group``, from ``--param-gather-compression`` and its
-    options; its bytes are counted as ``comm_class``. ``cast``: a delta codec of ``--delta-fused-cast``."""
+    options; its bytes are counted as ``comm_class``. ``cast``: a delta codec of ``--delta-fused-cast``.
+    ``integrity``: the run's integrity check (delta; None: off); ``name``: the bucket, as logs name it."""
     world_size, rank = group.size(), group.rank()
     method = args.param_gather_compression
     if method == "sdp4bit":
@@ -567,8 +585,24 @@ def build_gather(args, group, comm_class: str, cast: bool = False):
         return WeightDiffGather(WeightDiffCodec(config, world_size, rank), group, comm_class)
     if method == "ciera":
         return ShardGather(CieraCodec(ciera_config(args), world_size, rank), group, comm_class)
-    return ShardGather(DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank, cast=cast), group,
-                       comm_class, capacity_factor=args.delta_capacity_factor, cuda_graphs=args.delta_cuda_graphs)
+    codec = DeltaCodec(DeltaConfig(block_size=args.delta_block_size), world_size, rank, cast=cast,
+                       integrity=integrity is not None)
+    return ShardGather(codec, group, comm_class, capacity_factor=args.delta_capacity_factor,
+                       cuda_graphs=args.delta_cuda_graphs, integrity=integrity, name=name)
+
+
+def integrity_check(args):
+    """The run's ``IntegrityCheck`` (``--param-gather-integrity-check``), or None; its logs name the training
+    iteration that megatron-core's rerun state machine holds (the driver sets it)."""
+    if not args.param_gather_integrity_check:
+        return None
+
+    def iteration():
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        return getattr(get_rerun_state_machine(), "current_iteration", None)
+
+    return IntegrityCheck(args.param_gather_integrity_max_mismatches, iteration)
 
 
 def _check_supported(ddp: DistributedDataParallel, args) -> None:
@@ -608,7 +642,7 @@ def _check_param_gather_supported(ddp: DistributedDataParallel) -> None:
             raise RuntimeError("apply_dp_compression() must run while no parameter all-gather is in flight")
 
 
-def _install(bucket_group: _ParamAndGradBucketGroup, args, selection, comm_class: str) -> None:
+def _install(bucket_group: _ParamAndGradBucketGroup, args, selection, comm_class: str, integrity) -> None:
     group = bucket_group.intra_distributed_optimizer_instance_group
     num_buckets = len(bucket_group.buckets)
     bucket_group.__class__ = CompressedBucketGroup
@@ -619,6 +653,7 @@ def _install(bucket_group: _ParamAndGradBucketGroup, args, selection, comm_class
     bucket_group.benefit = selection  # for good: re-selections restart it
     bucket_group.plain = False
     bucket_group.fused_cast = False  # set by megatron/hooks/fused_cast.py
+    bucket_group.integrity = integrity  # the run's IntegrityCheck (None: off)
     method = args.grad_reduce_compression
     bucket_group.grad_quant = (
         None if method == "none" else HadamardQuantConfig.from_flags(method, args.grad_reduce_block_size)
@@ -629,7 +664,12 @@ def _install(bucket_group: _ParamAndGradBucketGroup, args, selection, comm_class
         bucket_group.shard_gathers = [_PlainGather(group, comm_class) for _ in range(num_buckets)]
     else:
         # A fresh codec starts with a keyframe, so the first gather after install needs no state.
-        bucket_group.shard_gathers = [build_gather(args, group, comm_class) for _ in range(num_buckets)]
+        bucket_group.shard_gathers = [build_gather(args, group, comm_class, integrity=integrity,
+                                                   name=_bucket_name(bucket)) for bucket in bucket_group.buckets]
+
+
+def _bucket_name(bucket) -> str:
+    return f"bucket {bucket.bucket_id}"
 
 
 def apply_dp_compression(ddp_chunks: list, args) -> None:
@@ -649,8 +689,9 @@ def apply_dp_compression(ddp_chunks: list, args) -> None:
     }
     benefit = args.param_gather_compression in SELECTABLE_METHODS and args.param_gather_selection == "benefit"
     selection = _BenefitSelection(list(classes), args) if benefit else None
+    integrity = integrity_check(args)
     for bucket_group, comm_class in classes.items():
-        _install(bucket_group, args, selection, comm_class)
+        _install(bucket_group, args, selection, comm_class, integrity)
     for ddp in ddp_chunks:
         chunk_groups = [bg for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups if bg in classes]
         prepared = _PreparedGathers(chunk_groups)

@@ -639,6 +639,18 @@ class CompressionArgs:
     param_gather_verify_interval: int = arg(0, "Gathers between checks (0 = off): lossless codecs bit-compare with an "
                                             "uncompressed gather, sdp4bit checks that all replicas agree.",
                                             aliases=("ciera-verify-interval",))
+    param_gather_integrity_check: bool = arg(
+        True, "With --param-gather-compression delta: send a 64-bit hash of each rank's coded change with its payload "
+        "(computed by the encode kernel) and compare it with each receiver's decode (computed by the decode kernel); "
+        "a bucket whose decode differs is gathered again uncompressed, counted (integrity_mismatches in the metrics' "
+        "comm_counters) and logged (--no-param-gather-integrity-check: off).",
+        flag="no-param-gather-integrity-check")
+    param_gather_integrity_max_mismatches: int = arg(
+        3, "With --param-gather-integrity-check: stop with an error at this many gathers whose decodes differed from "
+        "what was sent (each was re-gathered uncompressed; >= 1).")
+    param_gather_keyframe_interval: int = arg(
+        0, "With --param-gather-compression ciera or delta: every this many gathers of a bucket group go "
+        "uncompressed (a keyframe: every replica's copy of the other ranks' shards is rewritten); 0: off.")
     ciera_block_size: int = arg(512, "CIERA block size (power of two, 64..65536).")
     ciera_change_detect: str = arg("compare", "CIERA change detection.", choices=["hash", "compare"])
     ciera_exponent_coder: str = arg("raw", "CIERA exponent coder.", choices=["raw", "ans"])
@@ -1612,6 +1624,14 @@ def _validate_compression(args) -> None:
            "--delta-capacity-factor")
     _check(not args.delta_cuda_graphs or args.delta_capacity_factor,
            "--delta-cuda-graphs captures sync-free delta gathers: add --delta-capacity-factor (e.g. 1.25)")
+    _check(args.param_gather_integrity_max_mismatches >= 1,
+           f"--param-gather-integrity-max-mismatches must be >= 1 (the gathers with a mismatch that stop the run), "
+           f"got {args.param_gather_integrity_max_mismatches}")
+    _check(args.param_gather_keyframe_interval >= 0,
+           f"--param-gather-keyframe-interval must be >= 0 (0 = off), got {args.param_gather_keyframe_interval}")
+    _check(not args.param_gather_keyframe_interval or args.param_gather_compression in ("ciera", "delta"),
+           "--param-gather-keyframe-interval sends every N-th gather of the lossless codecs uncompressed: add "
+           "--param-gather-compression delta (or ciera) or drop --param-gather-keyframe-interval")
     _check(not args.delta_capacity_factor or args.delta_capacity_factor >= 1.0,
            f"--delta-capacity-factor must be 0 (exchange payload sizes first) or >= 1.0, got "
            f"{args.delta_capacity_factor}")
