@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from compression.codec import CastShard
-from compression.delta import HEADER, DeltaCodec, DeltaConfig, _Layout
+from compression.delta import FLAG_KEYFRAME, FLAG_RAW, HEADER, DeltaCodec, DeltaConfig, _Layout
+from compression.wire import WireFormatError
 from dist_utils import run_on_ranks
 from kernels import delta as kernels
 from test_delta import SPECIAL, heavy_tail, nudge, patterns, random_bits
@@ -114,8 +115,8 @@ def _check_gathered_hashes(triton: bool) -> None:
 
 def first_record(payload: torch.Tensor):
     """The byte offset of the first changed block's record in a delta payload (None: a keyframe or no change)."""
-    _, _, flags, _, block_size, n_changed, numel = HEADER.unpack(bytes(payload[:HEADER.size].tolist()))
-    if flags & 1 or not n_changed:
+    _, _, flags, _, block_size, n_changed, numel, _ = HEADER.unpack(bytes(payload[:HEADER.size].tolist()))
+    if flags & (FLAG_KEYFRAME | FLAG_RAW) or not n_changed:
         return None
     layout = _Layout.of(numel, block_size)
     codes = payload[HEADER.size:HEADER.size + layout.n_blocks]
@@ -158,6 +159,9 @@ def _check_corruptions(triton: bool = True) -> None:
         payload, sent = _encode(encoder, shard.clone().view(torch.bfloat16))
         trials = {"wire": payload.clone(), "cut": payload[:payload.numel() - 5].clone()}
         assert flip_wire_bit(trials["wire"])
+        with pytest.raises(WireFormatError, match="bytes"):  # a cut payload fails the header's length check
+            decoder.decode(0, trials.pop("cut"), out.clone())
+        detected["cut"] += 1
         for kind, corrupted in trials.items():
             received = out.clone()
             decoder.decode(0, corrupted, received)
