@@ -29,8 +29,9 @@ def single_process(tmp_path_factory):
 
 @pytest.mark.slow
 def test_mtp_tp2_pp2_follows_the_single_process_run_and_resumes(single_process, tmp_path):
-    tp2_pp2 = MTP + f" --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --save {tmp_path / 'ckpt'}"
-    parallel = launch_training(tmp_path, "tp2_pp2", "pretrain_gpt.py", 4, tp2_pp2 + " --save-interval 2")
+    tp2_pp2 = MTP + " --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
+    parallel = launch_training(tmp_path, "tp2_pp2", "pretrain_gpt.py", 4,
+                               tp2_pp2 + f" --save {tmp_path / 'ckpt'} --save-interval 2")
     assert [len(r["mtp_loss"]) for r in single_process] == [2] * 4
     assert_same_trajectory(single_process, parallel, KEYS)
     assert parallel[-1]["loss"] < parallel[0]["loss"]
