@@ -64,6 +64,11 @@ class TpEmulation:
         nbytes = x.numel() * x.element_size()
         TELEMETRY.record("tp", nbytes, nbytes)
 
+    def _check_sequence(self, length: int) -> None:
+        if length % self.size:
+            raise ValueError(f"--tp-comm-emulate {self.size} with --sequence-parallel needs the sequence ({length}) "
+                             f"divisible by {self.size}")
+
     def all_reduce(self, parts: torch.Tensor) -> torch.Tensor:
         """parts: [N, ...] (rank j's contribution at j) -> the sum every rank gets."""
         if self._compresses(parts[0]):
@@ -73,9 +78,7 @@ class TpEmulation:
 
     def reduce_scatter(self, parts: torch.Tensor) -> torch.Tensor:
         """parts: [N, s, ...] -> the N ranks' [s / N, ...] sums, concatenated: [s, ...]."""
-        if parts.shape[1] % self.size:
-            raise ValueError(f"--tp-comm-emulate {self.size} with --sequence-parallel needs the sequence "
-                             f"({parts.shape[1]}) divisible by {self.size}")
+        self._check_sequence(parts.shape[1])
         if self._compresses(parts[0]):
             return emulated_reduce_scatter(list(parts), self.codec)
         self._stock(parts[0])
@@ -83,9 +86,7 @@ class TpEmulation:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x: [s, ...] whole -> what the all-gather of its N sequence shards returns."""
-        if x.shape[0] % self.size:
-            raise ValueError(f"--tp-comm-emulate {self.size} with --sequence-parallel needs the sequence "
-                             f"({x.shape[0]}) divisible by {self.size}")
+        self._check_sequence(x.shape[0])
         shards = x.chunk(self.size)
         if self._compresses(shards[0]):
             return emulated_all_gather([s.contiguous() for s in shards], self.codec)
