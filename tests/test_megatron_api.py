@@ -54,6 +54,12 @@ SIGNATURES = [
     ("megatron.core.transformer.dot_product_attention", "DotProductAttention.__init__",
      ["self", "config", "layer_number", "attn_mask_type", "attention_type", "attention_dropout", "softmax_scale",
       "cp_comm_type", "pg_collection"]),
+    # megatron/hooks/attention.py: SDPAttention.forward takes what the attention module passes its core attention.
+    ("megatron.core.transformer.dot_product_attention", "DotProductAttention.forward",
+     ["self", "query", "key", "value", "attention_mask", "attn_mask_type", "attention_bias", "packed_seq_params"]),
+    # megatron/hooks/fused_ops.py: the stand-ins keep apex's kernels' contracts.
+    ("megatron.core.utils", "local_multi_tensor_l2_norm", ["chunk_size", "noop_flag", "tensor_lists", "per_tensor"]),
+    ("megatron.core.utils", "local_multi_tensor_scale", ["chunk_size", "noop_flag", "tensor_lists", "scale"]),
     # megatron/training/checkpointing.py passes only the backend (0.19 dropped the version argument).
     ("megatron.core.dist_checkpointing.serialization", "get_default_save_sharded_strategy", ["backend"]),
 ]
@@ -136,6 +142,17 @@ MEMBERS = [
     else ("megatron.core.tokenizers.megatron_tokenizer", "TOKENIZER_LIBRARIES", "null"),
 ]
 
+# megatron/hooks/fused_ops.py replaces these fallbacks and the gradient-accumulation extension, by module attribute.
+SOURCE_CONTAINS += [
+    ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "l2_norm_impl"),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32", "multi_tensor_scale_impl"),
+    ("megatron.core.optimizer.optimizer", "_multi_tensor_copy_this_to_that", "multi_tensor_scale_impl"),
+    ("megatron.core.tensor_parallel.layers", "LinearWithGradAccumulationAndAsyncCommunication.backward",
+     "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16("),
+    ("megatron.core.tensor_parallel.layers", "LinearWithGradAccumulationAndAsyncCommunication.backward",
+     "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32("),
+]
+
 # (module, class, attributes its __init__ must set on self)
 INSTANCE_ATTRIBUTES = [
     ("megatron.core.tensor_parallel.layers", "ColumnParallelLinear",
@@ -152,7 +169,8 @@ INSTANCE_ATTRIBUTES = [
       "intra_distributed_optimizer_instance_rank"]),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", ["param_dtype", "buckets"]),
     ("megatron.core.transformer.dot_product_attention", "DotProductAttention",
-     ["hidden_size_per_partition", "hidden_size_per_attention_head", "num_attention_heads_per_partition"]),
+     ["hidden_size_per_partition", "hidden_size_per_attention_head", "num_attention_heads_per_partition",
+      "layer_number", "attn_mask_type", "softmax_scale", "attention_dropout"]),
     ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator",
      ["pp_group", "config", "next_rank", "prev_rank"]),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucket", ["param_data", "bucket_id"]),
