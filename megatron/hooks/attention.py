@@ -73,7 +73,7 @@ class _SDPAForward:
     def _init_sdpa(self, layer_number: int) -> None:
         coeff = self.layer_number if self.config.apply_query_key_layer_scaling else 1
         self.sdpa_scale = self.softmax_scale * coeff  # the scale megatron-core's scores end up with (module doc)
-        self.sdpa_kernels = SDPA_KERNELS[self.config.attention_backend]
+        self.sdpa_kernels = SDPA_KERNELS.get(self.config.attention_backend)  # other values: SDPA chooses
         self.sdpa_window = (self.config.window_size if is_layer_window_attention(
             self.config.window_size, self.config.window_attn_skip_freq, layer_number) else None)
         self._window_mask, self._window_mask_key = None, None
