@@ -64,7 +64,7 @@ def _parse(flags: str, world_size: int = 1):
     ("--tp-comm-emulate 2 --tp-comm-compression none", 1, "--tp-comm-compression taco"),
     ("--tp-comm-emulate 2 --tp-comm-compression-min-bytes auto", 1, "--tp-comm-compression-min-bytes"),
     ("--tp-comm-emulate 3", 1, "--num-attention-heads 4 is not divisible by --tp-comm-emulate 3"),
-    ("--tp-comm-emulate 0", 1, "--tp-comm-emulate must be >= 1"),
+    ("--tp-comm-emulate 0", 1, "--tp-comm-emulate must be at least 1, got 0"),
 ])
 def test_clear_errors(flags, world_size, message):
     with pytest.raises(ValueError, match=message):

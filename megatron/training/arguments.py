@@ -962,13 +962,13 @@ RANGES = {
         "qk_head_dim", "v_head_dim", "mtp_num_layers", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
         "moe_router_num_groups", "moe_router_group_topk", "micro_batch_size", "global_batch_size", "train_iters",
         "train_samples", "lr_decay_iters", "lr_decay_samples", "hysteresis", "loss_scale_window", "save_interval",
-        "log_interval", "eval_interval")},
+        "log_interval", "eval_interval", "tp_comm_emulate", "param_gather_integrity_max_mismatches")},
     **{name: _at_least(0) for name in (
         "qk_pos_emb_head_dim", "lr_warmup_iters", "lr_warmup_samples", "eval_iters", "num_workers", "seed",
         "ckpt_step", "params_checksum_interval", "lr", "min_lr", "lr_warmup_init", "decoupled_lr",
         "decoupled_min_lr", "weight_decay", "start_weight_decay", "end_weight_decay", "clip_grad", "adam_eps",
         "init_method_std", "norm_epsilon", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
-        "mtp_loss_scaling_factor")},
+        "mtp_loss_scaling_factor", "param_gather_keyframe_interval")},
     **{name: _above(0) for name in (
         "loss_scale", "initial_loss_scale", "min_loss_scale", "moe_expert_capacity_factor", "rope_scaling_factor")},
     **{name: _between(0, 1) for name in (
@@ -1624,11 +1624,6 @@ def _validate_compression(args) -> None:
            "--delta-capacity-factor")
     _check(not args.delta_cuda_graphs or args.delta_capacity_factor,
            "--delta-cuda-graphs captures sync-free delta gathers: add --delta-capacity-factor (e.g. 1.25)")
-    _check(args.param_gather_integrity_max_mismatches >= 1,
-           f"--param-gather-integrity-max-mismatches must be >= 1 (the gathers with a mismatch that stop the run), "
-           f"got {args.param_gather_integrity_max_mismatches}")
-    _check(args.param_gather_keyframe_interval >= 0,
-           f"--param-gather-keyframe-interval must be >= 0 (0 = off), got {args.param_gather_keyframe_interval}")
     _check(not args.param_gather_keyframe_interval or args.param_gather_compression in ("ciera", "delta"),
            "--param-gather-keyframe-interval sends every N-th gather of the lossless codecs uncompressed: add "
            "--param-gather-compression delta (or ciera) or drop --param-gather-keyframe-interval")
@@ -1681,7 +1676,6 @@ def _validate_compression(args) -> None:
 
 def _validate_tp_emulation(args) -> None:
     n = args.tp_comm_emulate
-    _check(n >= 1, f"--tp-comm-emulate must be >= 1 (1: off), got {n}")
     if n == 1:
         return
     _check(args.tensor_model_parallel_size == 1,

@@ -185,16 +185,22 @@ def _start_described(args) -> tuple[int, str]:
     return iteration, f"--load {args.load}" + (f" --ckpt-step {step}" if step is not None else "")
 
 
+def _save_roots(args) -> list[tuple[str, str]]:
+    """(flag, directory) of every checkpoint root a run saves into: --save, and with --non-persistent-save-interval
+    its checkpoints' directory."""
+    if not args.save:
+        return []
+    roots = [("--save", args.save)]
+    if _option(args, "non_persistent_save_interval"):
+        roots.append(("--non-persistent-global-ckpt-dir", non_persistent_root(args, args.save)))
+    return roots
+
+
 def check_save_keeps_newer_checkpoints(args) -> None:
     """At start-up (every rank): a run whose saves would publish iterations older than the checkpoints that --save
     (or its non-persistent directory) already holds is an error naming the flags, before any work is done: publishing
     never moves a tracker back nor deletes a newer checkpoint (``_check_not_behind_tracker`` guards each save too)."""
-    if not args.save:
-        return
-    roots = [args.save]
-    if _option(args, "non_persistent_save_interval"):
-        roots.append(non_persistent_root(args, args.save))
-    for root in roots:
+    for _, root in _save_roots(args):
         latest = read_tracker(root)
         if latest is None:
             continue
@@ -212,12 +218,7 @@ def check_save_keeps_newer_checkpoints(args) -> None:
 def check_save_writable(args) -> None:
     """At start-up (every rank): --save (and the directory of --non-persistent-save-interval's checkpoints) exists
     or can be made, and takes a file; otherwise the first save would fail after the work it should keep."""
-    if not args.save:
-        return
-    roots = [("--save", args.save)]
-    if _option(args, "non_persistent_save_interval"):
-        roots.append(("--non-persistent-global-ckpt-dir", non_persistent_root(args, args.save)))
-    for flag, root in roots:
+    for flag, root in _save_roots(args):
         try:
             os.makedirs(root, exist_ok=True)
             with tempfile.TemporaryFile(dir=root):
