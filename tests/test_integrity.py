@@ -398,7 +398,7 @@ def test_integrity_flags():
     args = make(f"{delta} --no-param-gather-integrity-check --param-gather-keyframe-interval 100 "
                 f"--param-gather-integrity-max-mismatches 1")
     assert not args.param_gather_integrity_check and args.param_gather_keyframe_interval == 100
-    with pytest.raises(ValueError, match="--param-gather-integrity-max-mismatches must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="--param-gather-integrity-max-mismatches must be >= 1, got 0"):
         make(f"{delta} --param-gather-integrity-max-mismatches 0")
     with pytest.raises(ValueError, match="--param-gather-keyframe-interval must be at least 0, got -2"):
         make(f"{delta} --param-gather-keyframe-interval -2")

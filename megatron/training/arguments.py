@@ -962,7 +962,7 @@ RANGES = {
         "qk_head_dim", "v_head_dim", "mtp_num_layers", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
         "moe_router_num_groups", "moe_router_group_topk", "micro_batch_size", "global_batch_size", "train_iters",
         "train_samples", "lr_decay_iters", "lr_decay_samples", "hysteresis", "loss_scale_window", "save_interval",
-        "log_interval", "eval_interval", "tp_comm_emulate", "param_gather_integrity_max_mismatches")},
+        "log_interval", "eval_interval", "tp_comm_emulate")},
     **{name: _at_least(0) for name in (
         "qk_pos_emb_head_dim", "lr_warmup_iters", "lr_warmup_samples", "eval_iters", "num_workers", "seed",
         "ckpt_step", "params_checksum_interval", "lr", "min_lr", "lr_warmup_init", "decoupled_lr",
@@ -1643,12 +1643,14 @@ def _validate_compression(args) -> None:
     from compression.pp_quant import TahQuantConfig
     from compression.selection import SELECTION_WINDOW_ITERATIONS
     from compression.sdp4bit import HadamardQuantConfig, Sdp4bitConfig
+    from compression.shard_gather import IntegrityCheck
     from compression.taco import TacoConfig
 
     TacoConfig.from_args(args)
     CieraConfig(block_size=args.ciera_block_size, change_detect=args.ciera_change_detect,
                 exponent_coder=args.ciera_exponent_coder)
     DeltaConfig(block_size=args.delta_block_size)
+    IntegrityCheck(max_mismatches=args.param_gather_integrity_max_mismatches)
     Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
     HadamardQuantConfig(block_size=args.grad_reduce_block_size)
     tahquant = TahQuantConfig.from_args(args)
