@@ -100,9 +100,11 @@ FAMILIES = {
                              "--tokenizer-type", "ByteTokenizer", "--seq-length", "1024", "--max-position-embeddings",
                              "1024", "--micro-batch-size", batch, "--global-batch-size", batch, "--train-iters", "3000",
                              "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "100", "--eval-interval", "250",
-                             "--eval-iters", "10", "--log-interval", "50", "--seed", "1"])
-           for name, config, batch in (("gpu-125m-tp8", "configs/gpt_125m.yaml", "8"),
-                                       ("gpu-350m-tp8", "configs/gpt_350m.yaml", "4"))},
+                             "--eval-iters", "10", "--log-interval", "50", "--seed", "1", *shape])
+           # TP=8 splits the heads: GPT-125M's 12 become 16 (2 per rank, as the paper's GPT-350M at TP=8)
+           for name, config, batch, shape in (
+               ("gpu-125m-tp8", "configs/gpt_125m.yaml", "8", ["--num-attention-heads", "16"]),
+               ("gpu-350m-tp8", "configs/gpt_350m.yaml", "4", []))},
     }),
     # DP=2, bf16 parameters (the codecs code 16-bit values), distributed optimizer.
     "sdp4bit": dict(variants=SDP4BIT_VARIANTS, presets={

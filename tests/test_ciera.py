@@ -200,6 +200,8 @@ def _reorder_tile_runs(payload, order=None):
     payload = payload.cpu()
     magic, version, flags, log2_block, dtype_code, log2_tile, n, n_changed, exp_bytes = HEADER.unpack(
         payload[:HEADER_BYTES].numpy().tobytes())
+    if flags & FLAG_RAW:  # the raw fallback: values in order, nothing to reorder
+        return payload
     B, tiles = 1 << log2_block, 1 << log2_tile
     layout = LAYOUTS[(torch.bfloat16, torch.float16)[dtype_code]]
     sec = sections(n, B, layout, tiles)
