@@ -2,9 +2,16 @@
 
 Each rank counts the bytes it hands to collectives as input; the training driver sums the counters
 over all ranks once per iteration. Counting is host-side integer arithmetic: no device sync.
+
+``SQNR`` measures a codec's error where the exact result is at hand (an emulated TP group computes every
+rank's part in one process): per collective site, the signal-to-quantization-noise ratio of a sample of
+its calls, summed on the device and read (one sync) when the driver logs it.
 """
 
-from collections import defaultdict
+import math
+from collections import Counter, defaultdict
+
+import torch
 
 # dp_expert_param_gather: the parameter all-gather of expert (MoE) buckets, apart from the dense ones,
 # since their weights change differently between steps
@@ -63,3 +70,46 @@ class CommTelemetry:
 
 
 TELEMETRY = CommTelemetry()
+
+
+class SqnrMeter:
+    """Signal and noise power per site, from the first call of each site and every ``every``-th after it."""
+
+    def __init__(self, every: int = 100):
+        self.every = every
+        self._calls = Counter()
+        self._sums = {}  # site -> float64 [2]: sum of exact^2, sum of (coded - exact)^2
+
+    def due(self, site: str) -> bool:
+        """Count a call of ``site``; True when this one is sampled."""
+        self._calls[site] += 1
+        return self._calls[site] % self.every == 1 % self.every
+
+    def add(self, site: str, exact: torch.Tensor, coded: torch.Tensor) -> None:
+        exact = exact.float()
+        powers = torch.stack([exact.square().sum(), (coded.float() - exact).square().sum()]).double()
+        if site in self._sums:
+            self._sums[site] += powers
+        else:
+            self._sums[site] = powers
+
+    def pending(self) -> bool:
+        return bool(self._sums)
+
+    def read_db(self) -> dict:
+        """SQNR in dB per site since the last read (inf where the code was exact), then start over."""
+        sites = sorted(self._sums)
+        if not sites:
+            return {}
+        powers = torch.stack([self._sums[site] for site in sites]).tolist()
+        self._sums.clear()
+        return {site: _db(signal, noise) for site, (signal, noise) in zip(sites, powers)}
+
+
+def _db(signal: float, noise: float) -> float:
+    if noise == 0:
+        return math.inf
+    return -math.inf if signal == 0 else 10 * math.log10(signal / noise)
+
+
+SQNR = SqnrMeter()

@@ -53,6 +53,31 @@ def test_partials_are_the_ranks_gemms():
     torch.testing.assert_close(partials[2], x[:, 8:] @ w[:, 8:].t())
 
 
+def test_sqnr_measured_per_site_on_sampled_calls():
+    """The emulated collectives record the codec's SQNR against the exact sum, per site, on the first call and
+    every 100th after it; reading gives dB and starts over."""
+    import math
+
+    from compression.taco import TacoCodec, TacoConfig
+    from compression.telemetry import SQNR, SqnrMeter
+    from megatron.hooks.tp_emulation import TpEmulation
+
+    torch.manual_seed(0)
+    emulation = TpEmulation(TacoCodec(TacoConfig(block_size=64, format="int8")), 4, 0, site="layers.0.fc2")
+    parts = torch.randn(4, 8, 64)
+    SQNR.read_db()
+    coded = [emulation.all_reduce(parts) for _ in range(101)]
+    exact = parts.sum(0)
+    noise = 2 * (coded[0] - exact).square().sum()  # calls 1 and 101 (the codec is deterministic)
+    want = 10 * math.log10(2 * exact.square().sum() / noise)
+    got = SQNR.read_db()
+    assert list(got) == ["layers.0.fc2.all_reduce"] and got["layers.0.fc2.all_reduce"] == pytest.approx(want)
+    assert 25 < want < 60 and not SQNR.pending()
+    meter = SqnrMeter(every=1)
+    meter.add("exact", exact, exact)
+    assert meter.read_db() == {"exact": math.inf}
+
+
 def _parse(flags: str, world_size: int = 1):
     from megatron.training.arguments import parse_args, validate_args
 
@@ -110,6 +135,9 @@ def test_emulated_tp_matches_real_tp(tmp_path, tp, extra):
           f"{rounding_band:.2e}")
     assert max_rel_diff(emulated) <= ROUNDING_FACTOR * rounding_band + 1e-7
     # the emulated run counts the bytes one rank of the TP=N run hands to its compressed collectives
+    # and logs the codec's SQNR per collective site from the first iteration on
+    sqnr = emulated[0]["tp_sqnr_db"]
+    assert any(".linear_fc2." in site for site in sqnr) and all(5 < db < 80 for db in sqnr.values()), sqnr
     tp_real, tp_emulated = real[-1]["comm"]["tp"], emulated[-1]["comm"]["tp"]
     assert tp_emulated["raw_bytes"] > 3 * tp_emulated["sent_bytes"] > 0
     assert tp_real["raw_bytes"] > 3 * tp_real["sent_bytes"] > 0

@@ -22,8 +22,12 @@ as in the real run) the partials are summed in rank order, as an uncompressed co
 The model itself is built as TP=1 without sequence parallelism (``--sequence-parallel`` only selects the
 SP collectives here); the vocabulary is padded for TP=N. Dropout draws differ from a real TP=N run (one
 generator instead of N); everything else matches it up to fp32 rounding (tests/test_tp_emulation.py).
+
+Every compressed collective's first call and every 100th after it also measure the codec's SQNR against the exact
+result (``compression.telemetry.SQNR``); the metrics file logs it per site as ``tp_sqnr_db``.
 """
 
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -39,7 +43,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 
 from compression.codec import TensorCodec
-from compression.telemetry import TELEMETRY
+from compression.telemetry import SQNR, TELEMETRY
 from compression.tp_collectives import emulated_all_gather, emulated_all_reduce, emulated_reduce_scatter
 
 logger = logging.getLogger(__name__)
@@ -55,6 +59,8 @@ class TpEmulation:
     """Per rank's input, as ``TpComm.min_bytes``: from this many bytes a collective is compressed."""
     all_reduce_algorithm: str = "auto"
     sequence_parallel: bool = False
+    site: str = ""
+    """The module whose collectives these are: their SQNR is logged under ``<site>.<collective>``."""
 
     def _compresses(self, x: torch.Tensor) -> bool:
         return x.is_floating_point() and x.numel() * x.element_size() >= self.min_bytes
@@ -69,10 +75,18 @@ class TpEmulation:
             raise ValueError(f"--tp-comm-emulate {self.size} with --sequence-parallel needs the sequence ({length}) "
                              f"divisible by {self.size}")
 
+    def _measured(self, collective: str, exact, coded: torch.Tensor) -> torch.Tensor:
+        """``coded``, with its SQNR against ``exact()`` recorded on the sampled calls of this site."""
+        site = f"{self.site}.{collective}"
+        if SQNR.due(site):
+            SQNR.add(site, exact(), coded)
+        return coded
+
     def all_reduce(self, parts: torch.Tensor) -> torch.Tensor:
         """parts: [N, ...] (rank j's contribution at j) -> the sum every rank gets."""
         if self._compresses(parts[0]):
-            return emulated_all_reduce(list(parts), self.codec, algorithm=self.all_reduce_algorithm)
+            coded = emulated_all_reduce(list(parts), self.codec, algorithm=self.all_reduce_algorithm)
+            return self._measured("all_reduce", lambda: parts.float().sum(0), coded)
         self._stock(parts[0])
         return _sum_in_rank_order(parts)
 
@@ -80,7 +94,8 @@ class TpEmulation:
         """parts: [N, s, ...] -> the N ranks' [s / N, ...] sums, concatenated: [s, ...]."""
         self._check_sequence(parts.shape[1])
         if self._compresses(parts[0]):
-            return emulated_reduce_scatter(list(parts), self.codec)
+            coded = emulated_reduce_scatter(list(parts), self.codec)
+            return self._measured("reduce_scatter", lambda: parts.float().sum(0), coded)
         self._stock(parts[0])
         return _sum_in_rank_order(parts)
 
@@ -89,7 +104,8 @@ class TpEmulation:
         self._check_sequence(x.shape[0])
         shards = x.chunk(self.size)
         if self._compresses(shards[0]):
-            return emulated_all_gather([s.contiguous() for s in shards], self.codec)
+            coded = emulated_all_gather([s.contiguous() for s in shards], self.codec)
+            return self._measured("all_gather", lambda: x, coded)
         self._stock(shards[0])
         return x
 
@@ -273,7 +289,7 @@ def apply_tp_emulation(model_chunks: list, args, codec: TensorCodec = None) -> N
                 module.word_embeddings.emulated_reduce_scatter = bool(
                     args.sequence_parallel and not module.add_position_embedding and module.num_tokentypes <= 0)
             if type(module) in _EMULATED_CLASS:
-                module.tp_emulation = emulation
+                module.tp_emulation = dataclasses.replace(emulation, site=name)
                 module.__class__ = _EMULATED_CLASS[type(module)]
                 swapped[type(module).__name__] += 1
     if not dist.is_initialized() or dist.get_rank() == 0:

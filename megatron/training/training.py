@@ -21,6 +21,7 @@ from functools import partial
 import torch
 
 from compression.collective_graphs import release_all_graphs
+from compression.telemetry import SQNR
 from compression.timing import default_device
 from megatron.training import metrics
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
@@ -388,6 +389,8 @@ def iteration_record(args, iteration, step, iter_time, optimizer) -> dict:
         record["world_size"] = args.world_size
     if args.log_memory_to_tensorboard:
         record.update(metrics.cuda_memory_stats())
+    if SQNR.pending():  # --tp-comm-emulate: the codec's SQNR per collective site, sampled
+        record["tp_sqnr_db"] = SQNR.read_db()
     return record
 
 
