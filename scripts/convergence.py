@@ -322,6 +322,33 @@ def paper_table(variants, runs, noise_run):
     return lines, results
 
 
+def sqnr_table(variants, curves):
+    """Per variant, the codec's SQNR (dB) per kind of collective site (``tp_sqnr_db`` of --tp-comm-emulate runs;
+    layers pooled), the mean over the second half of training and the worst layer's mean."""
+    per_kind = {}
+    for name in variants:
+        records = [r["tp_sqnr_db"] for r in curves.get(name, []) if "tp_sqnr_db" in r]
+        by_site = {}
+        for sample in records[len(records) // 2:]:
+            for site, db in sample.items():
+                by_site.setdefault(site, []).append(db)
+        kinds = {}
+        for site, values in by_site.items():
+            kind = re.sub(r"^(module\.)+|layers\.\d+\.", "", site)
+            kinds.setdefault(kind, []).append(statistics.fmean(values))
+        if kinds:
+            per_kind[name] = {kind: (statistics.fmean(v), min(v)) for kind, v in kinds.items()}
+    if not per_kind:
+        return [], {}
+    kinds = sorted({kind for k in per_kind.values() for kind in k})
+    lines = ["SQNR of the TP collectives (dB; mean over layers / worst layer; second half of training):", "",
+             "| variant | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for name, values in per_kind.items():
+        cells = [f"{values[k][0]:.1f} / {values[k][1]:.1f}" if k in values else "-" for k in kinds]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines, per_kind
+
+
 def _run_name(variant, seed):
     return variant if seed is None else f"{variant}_seed{seed}"
 
@@ -454,6 +481,8 @@ def main(argv=None, family=None):
         noise_run = noise_run_name(preset)
         table, summary["table1"] = paper_table([v for v in chosen_variants if v != noise_run], summary["runs"],
                                                noise_run)
+        sqnr_lines, summary["sqnr_db"] = sqnr_table(chosen_variants, curves)
+        table += ["", *sqnr_lines] if sqnr_lines else []
         with open(os.path.join(args.out_dir, "table1.md"), "w") as f:
             f.write(f"Preset {args.preset}: end-of-run losses (iteration {until}).\n\n" + "\n".join(table) + "\n")
         with open(os.path.join(args.out_dir, "summary.json"), "w") as f:

@@ -68,13 +68,18 @@ def test_paper_presets_print_one_emulated_tp8_command_per_run(capsys):
         assert "--train-iters 3000" in command and "--config configs/gpt_125m.yaml" in command
         compressed = name not in ("baseline", "baseline_seed2")
         assert ("--tp-comm-emulate 8" in command) == compressed == ("--tp-comm-compression " in command)
-    assert commands[-1].endswith("--seed 1 --seed 2 --metrics-file OUT/baseline_seed2.jsonl")
+    assert all("--num-attention-heads 16" in c for c in commands)  # 2 heads per emulated rank
+    assert commands[-1].endswith("--seed 2 --metrics-file OUT/baseline_seed2.jsonl")
     assert "--taco-format e4m3 --taco-transform none --taco-scaling single" in commands[3]  # naive FP8
     assert "--tp-comm-compression tahquant" in commands[6]
 
 
-def _fake_run(out_dir, name, valid_end, test_end, until=20):
+def _fake_run(out_dir, name, valid_end, test_end, until=20, sqnr=None):
     records = [{"iteration": i, "loss": 3.0 - i / 100} for i in range(1, until + 1)]
+    if sqnr is not None:  # the emulated runs' samples: layers 0 and 1, worse late in training
+        for i, shift in ((1, 5.0), (11, 0.0), (15, 0.0)):
+            records[i - 1]["tp_sqnr_db"] = {f"module.module.decoder.layers.{layer}.mlp.linear_fc2.all_reduce":
+                                            sqnr + shift - layer for layer in (0, 1)}
     records += [{"iteration": i, "eval_loss": valid_end + (until - i) / 100} for i in (10, until)]
     with gzip.open(out_dir / f"{name}.jsonl.gz", "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records))
@@ -89,9 +94,12 @@ def test_paper_table_reports_degradation_and_the_noise_band(tmp_path):
     losses = {"baseline": (2.0, 2.1), "taco": (2.01, 2.11), "int8": (2.002, 2.1), "naive_fp8": (2.5, 2.6),
               "ds_only": (2.06, 2.16), "e5m2": (2.2, 2.3), "tahquant": (2.05, 2.15), "baseline_seed2": (2.004, 2.1)}
     for name, (valid, test) in losses.items():
-        _fake_run(tmp_path, name, valid, test)
+        _fake_run(tmp_path, name, valid, test, sqnr={"taco": 30.0, "naive_fp8": 12.0}.get(name))
     convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--reuse", "--out-dir", str(tmp_path)])
     table = (tmp_path / "table1.md").read_text()
+    # SQNR per kind of site, layers pooled, from the second half of the samples (iterations 11 and 15)
+    assert "| variant | decoder.mlp.linear_fc2.all_reduce |" in table
+    assert "| taco | 29.5 / 29.0 |" in table and "| naive_fp8 | 11.5 / 11.0 |" in table
     assert "| taco | 2.0100 | 2.1100 | +0.50% | +0.48% |" in table
     assert "| naive_fp8 | 2.5000 | 2.6000 | +25.00% | +23.81% |" in table
     assert "| baseline_seed2 | 2.0040 | 2.1000 | +0.20% | +0.00% |" in table
