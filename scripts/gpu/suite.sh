@@ -14,15 +14,19 @@
 #                  times mean nothing): delta at lr 1e-4 and 1e-5 (and with --delta-fused-cast), CIERA and SDP4Bit
 #                  at 1e-4, every gather checked
 #   convergence    1-2 GPUs: GPT-125M TACO ablations at TP=2 (scripts/convergence.py --preset gpu-125m)
+#   tp8            1 GPU: the TACO paper's Table 1 at emulated TP=8 (scripts/convergence.py --preset gpu-125m-tp8),
+#                  the runs VARIANTS (default baseline), JOBS at once: one compressed run takes ~6 min alone; collect
+#                  every run's metrics and logs in one folder, then `--reuse` there on any machine writes table1.md
 #   compute        1 GPU: the compute path (benchmarks/compute_path.py): GPT-1.3B, GPT-350M and a Llama-style model
 #                  with SDPA and the fused ops against megatron-core's unfused local spec, a profile of GPT-1.3B,
 #                  and GPT-125M loss curves on real text
 #   compatibility  1 GPU: every GPU test under the megatron-core wheel folder WHEELS (default .whl)
 #
-# Environment: WHEELS (megatron-core wheel folder, scripts/gpu/setup_device.sh), ITERS (wire-ratio iterations, 150).
+# Environment: WHEELS (megatron-core wheel folder, scripts/gpu/setup_device.sh), ITERS (wire-ratio iterations, 150),
+# VARIANTS, JOBS, PRESET (tp8).
 # Output goes to $RES (/tmp/res), which setup_device.sh archives into $OUT/results.tgz on exit.
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,20p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,26p "$0"; exit 2; }
 source scripts/gpu/setup_device.sh || exit 1
 
 link_env() {  # the NCCL environment of a link class
@@ -114,6 +118,15 @@ convergence() {
     hadamard_ds e5m2 int8 hadamard_int8 --taco-all-reduce two-shot --out-dir $RES/convergence/taco_gpu_125m
 }
 
+tp8() {  # the TACO paper's Table 1 at emulated TP=8 on one GPU: VARIANTS (default baseline) run in this call
+  local preset="--family taco --preset ${PRESET:-gpu-125m-tp8} --train-only"
+  if [ "${JOBS:-1}" -gt 1 ]; then  # concurrent runs must not build the corpus and dataset indexes at once
+    python3 scripts/convergence.py $preset --variants baseline --exit-interval 1 --out-dir $RES/tp8_warm \
+      > $RES/tp8_warm.log 2>&1
+  fi
+  python3 scripts/convergence.py $preset --variants ${VARIANTS:-baseline} --jobs ${JOBS:-1} --out-dir $RES/convergence/tp8
+}
+
 compute() {
   python3 benchmarks/compute_path.py --out $RES/compute_path/gpt_1.3b --models gpt_1.3b --profile gpt_1.3b \
     --variants unfused sdpa_unfused_wgrad sdpa sdpa_eager_elementwise --iters 12
@@ -128,8 +141,8 @@ compatibility() {
 
 for suite in "$@"; do
   case $suite in
-    kernels|collectives|e2e|wire-ratio|convergence|compute|compatibility) echo "== $suite"; $suite;;
-    *) echo "unknown suite '$suite': kernels, collectives, e2e, wire-ratio, convergence, compute or compatibility" >&2
+    kernels|collectives|e2e|wire-ratio|convergence|tp8|compute|compatibility) echo "== $suite"; $suite;;
+    *) echo "unknown suite '$suite': kernels, collectives, e2e, wire-ratio, convergence, tp8, compute or compatibility" >&2
        exit 2;;
   esac
 done
