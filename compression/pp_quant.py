@@ -50,10 +50,10 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.bitpack import pack_bits, unpack_bits
 from compression.codec import TensorCodec, check_block_size
 from kernels import tahquant as tahquant_kernels
 from kernels import use_triton
+from kernels.bitpack import pack_bits, unpack_bits
 from kernels.tahquant import BF16_NAN
 from kernels.taco import fwht_reference
 
