@@ -11,7 +11,7 @@ profiler; ``*_ops_us`` lists them), i.e. without launch gaps and host syncs: the
 ``--tiles`` and ``--warps`` sweep the values per program and warps per program of the fused kernels.
 ``--dry-run`` checks the script on the CPU (plain-PyTorch path, small shard).
 
-    python benchmarks/bench_ciera_kernels.py --out results/kernels/ciera_compare.json
+    python benchmarks/bench_ciera_kernels.py --out ciera_compare.json
 """
 
 import argparse

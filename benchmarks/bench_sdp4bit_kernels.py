@@ -11,7 +11,7 @@ with a device sync on both sides. The fused kernels' payloads and results are co
 reference's run on the CPU (on CUDA torch divides by a Python scalar as a product with its reciprocal, which rounds
 differently). ``--launches`` times the fused kernels again at other program sizes.
 
-    python benchmarks/bench_sdp4bit_kernels.py --out results/kernels/sdp4bit_w4_g8bf16.json
+    python benchmarks/bench_sdp4bit_kernels.py --out sdp4bit_w4_g8bf16.json
 """
 
 import argparse

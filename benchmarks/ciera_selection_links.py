@@ -1,14 +1,14 @@
 """What CIERA's benefit selection (``--param-gather-selection benefit``) decides at each link class, now that it
 charges the receivers' merge (the paper's T_decmp), with that merge measured on this device.
 
-Inputs, each measured: the all-gather time per rank byte of each link class, a line fitted (``fit_comm_model``, as
-the hook's ``profile_comm`` fits its own timings) to the rows of ``results/collectives/nccl_transports_<link>.json`` (two
-H200s, ``all_gather_wire``); the block change rate of the benchmark's simulated AdamW trajectory at each ``--lrs``
-(``BlockChangeMeter`` over ``--steps`` consecutive steps, as the warm-up gathers measure it); and the seconds per byte
-of CIERA's decode of a payload whose blocks all changed, on this device (``measure_merge_seconds_per_byte``, the
-hook's probe, at the hook's probe size). For ``--buckets`` shards of ``--numel`` values at DP = 2 it prints, per link
-and lr, the gain per gather with and without the merge term (both pay the payload sizes' all-gather), and how many
-shards each would select.
+Inputs, each measured: the all-gather time per rank byte of each link class, a line fitted (``fit_comm_model``, as the
+hook's ``profile_comm`` fits its own timings) to the rows of each link class in
+``results/collectives/nccl_transports.json`` (two H200s, ``all_gather_wire``); the block change rate of the benchmark's
+simulated AdamW trajectory at each ``--lrs`` (``BlockChangeMeter`` over ``--steps`` consecutive steps, as the warm-up
+gathers measure it); and the seconds per byte of CIERA's decode of a payload whose blocks all changed, on this device
+(``measure_merge_seconds_per_byte``, the hook's probe, at the hook's probe size). For ``--buckets`` shards of
+``--numel`` values at DP = 2 it prints, per link and lr, the gain per gather with and without the merge term (both pay
+the payload sizes' all-gather), and how many shards each would select.
 
     python benchmarks/ciera_selection_links.py --out ciera_selection_links.json
 """
@@ -40,14 +40,15 @@ def parse_args(argv=None):
     p.add_argument("--lrs", default="1e-4,1e-5")
     p.add_argument("--steps", type=int, default=8, help="warm-up gathers whose block change rate is averaged")
     p.add_argument("--block-size", type=int, default=CieraConfig().block_size)
-    p.add_argument("--links-dir", default=os.path.join(ROOT, "results", "collectives"))
+    p.add_argument("--links", default=os.path.join(ROOT, "results", "collectives", "nccl_transports.json"),
+                   help="benchmarks/nccl_transports.py's output per link class (a JSON object keyed by link)")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU and a small shard: checks the script")
     return p.parse_args(argv)
 
 
-def link_model(path: str):
-    rows = json.load(open(path))["rows"]
+def link_model(measured: dict):
+    rows = measured["rows"]
     return fit_comm_model([r["wire_bytes"] for r in rows], [r["ms"]["all_gather_wire"] * 1e-3 for r in rows])
 
 
@@ -68,11 +69,13 @@ def main(argv=None):
     merge_per_byte = measure_merge_seconds_per_byte(config, numel=min(MERGE_PROBE_NUMEL, numel), device=device)
     print(f"merge: {1e-9 / merge_per_byte:.1f} GB/s of shard bytes on {device} "
           f"({merge_per_byte * 2 * numel * 1e3:.3f} ms per {numel}-value shard)")
+    with open(args.links) as f:
+        links = json.load(f)
     rows = []
     for lr in (float(x) for x in args.lrs.split(",")):
         rate = change_rate(min(numel, 1 << 22), lr, args.steps, args.block_size, device)
         for link in LINKS:
-            comm = link_model(os.path.join(args.links_dir, f"nccl_transports_{link}.json"))
+            comm = link_model(links[link])
             row = dict(lr=lr, link=link, block_change_rate=rate, comm_latency_us=comm.latency_s * 1e6,
                        comm_GBps=1e-9 / comm.seconds_per_byte if comm.seconds_per_byte else None)
             for name, merge in (("without_merge", 0.0), ("with_merge", merge_per_byte * 2 * numel)):

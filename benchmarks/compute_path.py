@@ -93,7 +93,7 @@ def run(model: str, variant: str, iters: int, out: str, profile: bool) -> dict:
 def curves(iters: int, out: str) -> None:
     """Train GPT-125M on real text with each of CURVE_RUNS; print the evaluations and the largest gap between the
     SDPA run's training loss and the baseline's (10-iteration means) beside the same gap between the baseline's two
-    seeds."""
+    seeds; write every run's records to ``curves_gpt125m.jsonl``, each with its run's name."""
     runs = {}
     for name, (variant, seed) in CURVE_RUNS.items():
         metrics = os.path.join(out, f"curve_{name}.jsonl")
@@ -116,6 +116,8 @@ def curves(iters: int, out: str) -> None:
     gap = max(abs(a - b) for a, b in zip(base, sdpa))
     print(f"curves: largest gap of 10-iteration mean losses: sdpa vs unfused {gap:.4f}, "
           f"unfused seed 1234 vs 1235 {noise:.4f}")
+    with open(os.path.join(out, "curves_gpt125m.jsonl"), "w") as f:  # the runs in one file, each record's run first
+        f.writelines(json.dumps({"run": name, **record}) + "\n" for name in CURVE_RUNS for record in runs[name])
 
 
 def device_time_breakdown(trace_path: str) -> dict:

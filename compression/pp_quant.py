@@ -37,8 +37,8 @@ Special values (lossy path): a tile holding NaN or +-Inf, or whose scale overflo
 ~3e38), decodes to all NaN (a NaN scale is stored as 0x7FC0 on every device); an all-zero tile decodes to
 exact zeros; -0.0 decodes to +0.0.
 
-The torch code here is the CPU path and the oracle; on CUDA the kernels of ``kernels/tahquant.py`` write
-the same bytes and decode to the same bits.
+The plain-PyTorch reference (``encode_reference`` / ``decode_reference``) is the CPU path and the oracle; it lives
+beside the kernels in ``kernels/tahquant.py``, which on CUDA write the same bytes and decode to the same bits.
 
 Not implemented from the paper: pivot swapping. With a +-1 Hadamard matrix, max|H x| of a tile
 with one or two dominant values does not depend on where in the tile they sit, so an in-tile swap
@@ -50,14 +50,11 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.bitpack import pack_bits, unpack_bits
 from compression.codec import TensorCodec, check_block_size
 from kernels import tahquant as tahquant_kernels
 from kernels import use_triton
-from kernels.tahquant import BF16_NAN
-from kernels.taco import fwht_reference
+from kernels.tahquant import HIGH_BITS
 
-HIGH_BITS = 8
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -109,25 +106,6 @@ class TahQuantConfig:
                    high_bit_fraction=args.pp_comm_high_bit_fraction)
 
 
-def _qmax(bits: int) -> int:
-    return 2 ** (bits - 1) - 1
-
-
-def _round_up_bf16(s: torch.Tensor) -> torch.Tensor:
-    """The smallest bfloat16 >= s (s >= 0; NaN as ``BF16_NAN``)."""
-    rounded = s.to(torch.bfloat16)
-    below = (rounded.float() < s).to(torch.int16)  # positive bf16: the next value up is bits + 1
-    bits = torch.where(s.isnan(), BF16_NAN, rounded.view(torch.int16) + below)
-    return bits.to(torch.int16).view(torch.bfloat16)
-
-
-def _token_map(high: torch.Tensor) -> torch.Tensor:
-    """The wire's token map of the bool [T] mask of 8-bit tokens (bit t % 8 of byte t // 8)."""
-    token_map = torch.zeros(-(-high.numel() // 8) * 8, dtype=torch.uint8, device=high.device)
-    token_map[:high.numel()] = high.to(torch.uint8)
-    return pack_bits(token_map, 1)
-
-
 class TahQuantCodec(TensorCodec):
     """Stateless codec of messages whose last dimension is ``hidden_size`` (tokens x channels)."""
 
@@ -165,31 +143,6 @@ class TahQuantCodec(TensorCodec):
     def wire_nbytes(self, numel: int, rows: int = 1) -> int:
         return rows * sum(self._sections(self._tokens(numel, rows)))
 
-    def _rotate(self, tiles: torch.Tensor) -> torch.Tensor:
-        """Normalized Walsh-Hadamard of each tile [..., G]; its own inverse."""
-        if not self.config.rotate:
-            return tiles
-        g = self.config.tile_size
-        flat = fwht_reference(tiles.reshape(-1, g)) * (1.0 / math.sqrt(g))
-        return flat.reshape(tiles.shape)
-
-    def _tiles(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
-        """fp32 [T, tiles, G], each token zero-padded to whole tiles."""
-        padded = torch.zeros(tokens, self.padded_hidden, dtype=torch.float32, device=x.device)
-        padded[:, :self.hidden_size] = x.reshape(tokens, self.hidden_size)
-        return padded.view(tokens, self.tiles_per_token, self.config.tile_size)
-
-    def _high_tokens_mask(self, amax: torch.Tensor) -> torch.Tensor:
-        """bool [T]: the K tokens with the largest sum of squared tile maxima (``amax`` [T, tiles])."""
-        tokens = amax.shape[0]
-        high = torch.zeros(tokens, dtype=torch.bool, device=amax.device)
-        # the set, not its order: unsorted saves CUDA's sort of the K scores (21 us of 178 for 16M values)
-        high[amax.square().sum(dim=1).topk(self.high_tokens(tokens), sorted=False).indices] = True
-        return high
-
-    def _qmax(self, high: torch.Tensor) -> torch.Tensor:
-        return torch.where(high, float(_qmax(HIGH_BITS)), float(_qmax(self.config.bits)))
-
     def encode(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
         if x.dtype not in _INPUT_DTYPES:
             raise ValueError(f"TahQuant encodes float32/bfloat16/float16 tensors, got {x.dtype}")
@@ -198,12 +151,14 @@ class TahQuantCodec(TensorCodec):
             return torch.cat([self.encode(row) for row in x.reshape(rows, -1)])
         if use_triton(x, self.triton):
             return self._encode_kernels(x.contiguous(), tokens)
-        return self._encode_reference(x, tokens)
+        c = self.config
+        return tahquant_kernels.encode_reference(x, tokens, self.high_tokens(tokens), self.hidden_size, c.tile_size,
+                                                 c.rotate, c.bits)
 
     def _encode_kernels(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
         c = self.config
         amax = tahquant_kernels.tile_maxima(x, self.hidden_size, c.tile_size, c.rotate)
-        high = self._high_tokens_mask(amax).to(torch.uint8)
+        high = tahquant_kernels.high_tokens_mask(amax, self.high_tokens(tokens)).to(torch.uint8)
         scale_bytes, low_bytes, high_bytes, map_bytes = self._sections(tokens)
         map_at = scale_bytes + low_bytes + high_bytes
         wire = torch.empty(map_at + map_bytes, dtype=torch.uint8, device=x.device)
@@ -211,22 +166,6 @@ class TahQuantCodec(TensorCodec):
         tahquant_kernels.quantize_tiles(x, amax, high, high_rank, wire, self.hidden_size, c.tile_size, c.rotate,
                                         c.bits, low_at=scale_bytes, high_at=scale_bytes + low_bytes)
         return wire
-
-    def _encode_reference(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
-        h = self._rotate(self._tiles(x, tokens))
-        amax = h.abs().amax(dim=2)  # [T, tiles]; NaN propagates
-        k = self.high_tokens(tokens)
-        high = self._high_tokens_mask(amax)
-        qmax = self._qmax(high)[:, None]
-        scales = _round_up_bf16(amax / qmax)
-        q = torch.round(h / scales.float()[..., None])
-        q = torch.where(torch.isfinite(q), q, 0.0)  # zero tiles (0/0), non-finite tiles: decoded via s
-        codes = (q + qmax[..., None]).to(torch.uint8).view(tokens, self.padded_hidden)
-        order = torch.sort(high.to(torch.uint8), stable=True).indices  # low tokens, then high, in token order
-        codes = codes[order]
-        return torch.cat([scales.reshape(-1).view(torch.uint8),
-                          pack_bits(codes[:tokens - k].reshape(-1), self.config.bits),
-                          codes[tokens - k:].reshape(-1), _token_map(high)])
 
     def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, rows: int = 1) -> torch.Tensor:
         tokens = self._tokens(numel, rows)
@@ -248,21 +187,9 @@ class TahQuantCodec(TensorCodec):
             tahquant_kernels.dequantize_tiles(wire, high, high_rank, out, self.hidden_size, c.tile_size, c.rotate,
                                               c.bits, low_at=sections[0], high_at=sections[0] + sections[1])
             return out
-        return self._decode_reference(wire, unpack_bits(token_map, 1)[:tokens].bool(), sections, dtype)
-
-    def _decode_reference(self, wire, high, sections, dtype) -> torch.Tensor:
-        tokens = high.numel()
-        scale_bytes, low_bytes, high_bytes, _ = torch.split(wire, sections)
-        k = self.high_tokens(tokens)
-        order = torch.sort(high.to(torch.uint8), stable=True).indices
-        codes = torch.empty(tokens, self.padded_hidden, dtype=torch.uint8, device=wire.device)
-        codes[order[:tokens - k]] = unpack_bits(low_bytes, self.config.bits).view(tokens - k, self.padded_hidden)
-        codes[order[tokens - k:]] = high_bytes.view(k, self.padded_hidden)
-        qmax = self._qmax(high)[:, None, None]
-        scales = scale_bytes.view(torch.bfloat16).float().view(tokens, self.tiles_per_token, 1)
-        h = (codes.view(tokens, self.tiles_per_token, self.config.tile_size).float() - qmax) * scales
-        x = self._rotate(h).view(tokens, self.padded_hidden)[:, :self.hidden_size]
-        return x.to(dtype).reshape(-1)
+        c = self.config
+        return tahquant_kernels.decode_reference(wire, sections, tokens, self.high_tokens(tokens), dtype,
+                                                 self.hidden_size, c.tile_size, c.rotate, c.bits)
 
     def __repr__(self):
         c = self.config

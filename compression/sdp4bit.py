@@ -29,15 +29,16 @@ Walsh-Hadamard transform H / sqrt(B) (orthonormal and symmetric: its own inverse
 with G = B into one fixed-size row of the wire; an all-to-all hands rank r every rank's row r. Rank r
 dequantizes the W - 1 received rows, sums them in fp32, rotates the sum back once (the rotation is
 linear), adds its own row exactly and writes the (averaged, for AVG) result into its shard.
+
+The plain-PyTorch reference of both (the CPU path and the test oracle) is in ``kernels/sdp4bit.py``, beside the
+fused kernels that write the same bytes on CUDA.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from compression.bitpack import pack_bits, unpack_bits
 from compression.codec import ShardCodec, check_block_size
 from compression.shard_gather import PendingGather
 from compression.telemetry import TELEMETRY
@@ -45,76 +46,11 @@ from compression.transport import all_to_all_rows
 from compression.wire import WireFormatError, check_length
 from kernels import sdp4bit as sdp4bit_kernels
 from kernels import use_triton
-from kernels.taco import fwht_reference
+from kernels.sdp4bit import (SCALE_BYTES, decode_groups, dequantize_sum_rows_reference, encode_groups, groups_nbytes,
+                             reconstruct, rotate_quantize_rows_reference)
 
 WEIGHT_BITS = (4, 8)
 GRAD_METHODS = {"hadamard-int8": 8, "hadamard-int4": 4}  # --grad-reduce-compression -> code bits
-SCALE_BYTES = 4
-
-
-# --- group quantization ------------------------------------------------------------------------
-
-
-def qmax(bits: int) -> int:
-    return 2 ** (bits - 1) - 1
-
-
-def quantize_groups(x: torch.Tensor, group_size: int, bits: int):
-    """(codes int8 [groups, G], scales fp32 [groups]) of a tensor, flattened and zero-padded to whole groups."""
-    flat = x.reshape(-1).float()
-    groups = torch.nn.functional.pad(flat, (0, -flat.numel() % group_size)).view(-1, group_size)
-    # A tensor divisor: torch on CUDA divides by a Python scalar as a product with its reciprocal, which rounds
-    # differently from the CPU and the kernels.
-    scales = groups.abs().amax(dim=1) / groups.new_full((), qmax(bits))
-    # An all-zero (or subnormal-tiny) group quantizes to zeros under any scale; NaN stays NaN.
-    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    codes = torch.round(groups / scales[:, None]).clamp_(-qmax(bits), qmax(bits))
-    return codes.to(torch.int8), scales
-
-
-def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """fp32 [..., groups, G]: each code times its group's scale."""
-    return codes.float() * scales[..., None]
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Signed codes [..., m] (m a multiple of 8) as wire bytes [..., m * bits / 8]: int8 as bytes, int4 as
-    offset-binary nibbles (q + 8) packed by ``compression.bitpack``."""
-    if bits == 8:
-        return codes.view(torch.uint8)
-    return pack_bits((codes + 8).to(torch.uint8), 4)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of ``pack_codes``: int8 codes [..., m]."""
-    if bits == 8:
-        return packed.view(torch.int8)
-    return unpack_bits(packed, 4).to(torch.int8) - 8
-
-
-def groups_nbytes(numel: int, group_size: int, bits: int) -> int:
-    """Wire bytes of ``numel`` values: packed codes of whole groups, then one fp32 scale per group."""
-    n_groups = -(-numel // group_size)
-    return n_groups * group_size * bits // 8 + n_groups * SCALE_BYTES
-
-
-def encode_groups(rows: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
-    """uint8 [R, groups_nbytes(m)]: each row of [R, m] quantized on its own (rows padded to whole groups)."""
-    num_rows = rows.shape[0]
-    codes, scales = quantize_groups(torch.nn.functional.pad(rows, (0, -rows.shape[1] % group_size)),
-                                    group_size, bits)
-    packed = pack_codes(codes.view(num_rows, -1), bits)
-    return torch.cat([packed, scales.view(num_rows, -1).view(torch.uint8)], dim=1)
-
-
-def decode_groups(wire: torch.Tensor, numel: int, group_size: int, bits: int) -> torch.Tensor:
-    """fp32 [R, groups, G] (zero padding included) of the rows of ``encode_groups``' wire [R, nbytes]."""
-    n_groups = -(-numel // group_size)
-    codes_nbytes = n_groups * group_size * bits // 8
-    codes = unpack_codes(wire[:, :codes_nbytes], bits).view(wire.shape[0], n_groups, group_size)
-    # A copy: a row's scales need not start 4-byte aligned in the received buffer.
-    scales = wire[:, codes_nbytes:codes_nbytes + n_groups * SCALE_BYTES].contiguous().view(torch.float32)
-    return dequantize_groups(codes, scales)
 
 
 # --- quantized weight differences (param all-gather) ----------------------------------------------
@@ -131,11 +67,6 @@ class Sdp4bitConfig:
         check_block_size("--sdp4bit-group-size", self.group_size, 16, 4096)
         if self.weight_bits not in WEIGHT_BITS:
             raise ValueError(f"--sdp4bit-weight-bits must be 4 or 8, got {self.weight_bits!r}")
-
-
-def reconstruct(previous: torch.Tensor, difference: torch.Tensor) -> torch.Tensor:
-    """w_hat_t from w_hat_{t-1} (16-bit) and the dequantized difference (fp32, possibly padded)."""
-    return (previous.float() + difference.reshape(-1)[:previous.numel()]).to(previous.dtype)
 
 
 class WeightDiffCodec(ShardCodec):
@@ -282,29 +213,17 @@ class HadamardQuantConfig:
         return cls(bits=GRAD_METHODS[method], block_size=block_size)
 
 
-def rotate_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """Normalized Walsh-Hadamard transform of each row of [M, B] (its own inverse)."""
-    return fwht_reference(blocks) * (1.0 / math.sqrt(blocks.shape[1]))
-
-
 def encode_rows(rows: torch.Tensor, config: HadamardQuantConfig) -> torch.Tensor:
-    """uint8 [W, row_nbytes]: each row of [W, n] rotated block-wise and quantized on its own."""
-    b = config.block_size
-    padded = torch.nn.functional.pad(rows.float(), (0, -rows.shape[1] % b))
-    rotated = rotate_blocks(padded.view(-1, b)).view(rows.shape[0], -1)
-    return encode_groups(rotated, b, config.bits)
+    """uint8 [W, row_nbytes]: each row of [W, n] rotated block-wise and quantized on its own (the reference)."""
+    return rotate_quantize_rows_reference(rows, config.block_size, config.bits)
 
 
 def decode_sum(wire: torch.Tensor, skip_row: int, numel: int, config: HadamardQuantConfig) -> torch.Tensor:
-    """fp32 [numel]: the sum of every wire row but ``skip_row``, dequantized, added in row order (fixed, so that
-    the kernel rounds the same) and rotated back."""
+    """fp32 [numel]: the sum of every wire row but ``skip_row``, dequantized, added in row order and rotated back
+    (the reference), after checking the rows' length."""
     check_length("Hadamard-quantized gradient", f"rows of {numel} values", wire.shape[-1],
                  groups_nbytes(numel, config.block_size, config.bits), "a row needs")
-    total = torch.zeros(-(-numel // config.block_size), config.block_size, device=wire.device)
-    for row in range(wire.shape[0]):
-        if row != skip_row:
-            total += decode_groups(wire[row:row + 1], numel, config.block_size, config.bits)[0]
-    return rotate_blocks(total).view(-1)[:numel]
+    return dequantize_sum_rows_reference(wire, skip_row, numel, config.block_size, config.bits)
 
 
 def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: HadamardQuantConfig, group=None,

@@ -5,7 +5,7 @@ Between two ranks an all-to-all is an all-gather of the chunk the peer needs, an
 all-gather moves it faster than all-to-all's point-to-point sends: of the bf16 all-reduce's time, a
 TACO wire took 0.49-0.54x as an all-gather vs 0.67-0.75x as an all-to-all on sockets, 0.57-0.60x vs
 0.61-0.64x at ~25 GB/s (2x H200, ``benchmarks/nccl_transports.py``,
-``results/collectives/nccl_transports_*.json``; on NVLink the all-to-all was faster from 64 MiB, where ``auto``
+``results/collectives/nccl_transports.json``; on NVLink the all-to-all was faster from 64 MiB, where ``auto``
 compresses nothing).
 """
 

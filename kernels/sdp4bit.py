@@ -1,7 +1,10 @@
-"""SDP4Bit kernels (``compression/sdp4bit.py`` owns the codecs, their wire format and the PyTorch reference).
+"""SDP4Bit kernels and their plain-PyTorch reference (``compression/sdp4bit.py`` owns the codecs and their wire
+format).
 
-One pass over the data each, a program a [ROWS, G] slab of whole groups (G values each, ROWS from ``LAUNCH``, at
-least 1):
+The reference is the CPU path and the test oracle: group quantization (``quantize_groups``, ``encode_groups``,
+``decode_groups``, ``reconstruct``) for the weight differences, and ``rotate_quantize_rows_reference`` /
+``dequantize_sum_rows_reference`` for the gradient rows. The kernels, one pass over the data each, a program a
+[ROWS, G] slab of whole groups (G values each, ROWS from ``LAUNCH``, at least 1):
 
 - ``encode_weight_diff``: the difference of a shard's new 16-bit values and the owner's last reconstruction,
   its group scales and codes into the payload (codes, then fp32 scales), and the new reconstruction written
@@ -31,11 +34,108 @@ try:
 except ImportError:  # CPU-only installs: the reference runs everywhere
     triton = None
 
+from kernels.bitpack import pack_bits, unpack_bits
+from kernels.taco import fwht_reference
 from kernels.tahquant import fwht_norm
 
 # (values per program, warps) of the weight-difference and the gradient kernels: ROWS = values / G groups a program.
 # The fastest of 512-16384 values at 1-16 warps on an H200 (benchmarks/bench_sdp4bit_kernels.py --launches).
 LAUNCH = dict(weights=(1024, 4), gradients=(512, 1))
+SCALE_BYTES = 4
+
+
+# --- PyTorch reference: the CPU path and the kernels' test oracle ---------------------------------
+
+
+def qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def quantize_groups(x: torch.Tensor, group_size: int, bits: int):
+    """(codes int8 [groups, G], scales fp32 [groups]) of a tensor, flattened and zero-padded to whole groups."""
+    flat = x.reshape(-1).float()
+    groups = torch.nn.functional.pad(flat, (0, -flat.numel() % group_size)).view(-1, group_size)
+    # A tensor divisor: torch on CUDA divides by a Python scalar as a product with its reciprocal, which rounds
+    # differently from the CPU and the kernels.
+    scales = groups.abs().amax(dim=1) / groups.new_full((), qmax(bits))
+    # An all-zero (or subnormal-tiny) group quantizes to zeros under any scale; NaN stays NaN.
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    codes = torch.round(groups / scales[:, None]).clamp_(-qmax(bits), qmax(bits))
+    return codes.to(torch.int8), scales
+
+
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., groups, G]: each code times its group's scale."""
+    return codes.float() * scales[..., None]
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed codes [..., m] (m a multiple of 8) as wire bytes [..., m * bits / 8]: int8 as bytes, int4 as
+    offset-binary nibbles (q + 8) packed by ``kernels.bitpack``."""
+    if bits == 8:
+        return codes.view(torch.uint8)
+    return pack_bits((codes + 8).to(torch.uint8), 4)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_codes``: int8 codes [..., m]."""
+    if bits == 8:
+        return packed.view(torch.int8)
+    return unpack_bits(packed, 4).to(torch.int8) - 8
+
+
+def groups_nbytes(numel: int, group_size: int, bits: int) -> int:
+    """Wire bytes of ``numel`` values: packed codes of whole groups, then one fp32 scale per group."""
+    n_groups = -(-numel // group_size)
+    return n_groups * group_size * bits // 8 + n_groups * SCALE_BYTES
+
+
+def encode_groups(rows: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
+    """uint8 [R, groups_nbytes(m)]: each row of [R, m] quantized on its own (rows padded to whole groups)."""
+    num_rows = rows.shape[0]
+    codes, scales = quantize_groups(torch.nn.functional.pad(rows, (0, -rows.shape[1] % group_size)),
+                                    group_size, bits)
+    packed = pack_codes(codes.view(num_rows, -1), bits)
+    return torch.cat([packed, scales.view(num_rows, -1).view(torch.uint8)], dim=1)
+
+
+def decode_groups(wire: torch.Tensor, numel: int, group_size: int, bits: int) -> torch.Tensor:
+    """fp32 [R, groups, G] (zero padding included) of the rows of ``encode_groups``' wire [R, nbytes]."""
+    n_groups = -(-numel // group_size)
+    codes_nbytes = n_groups * group_size * bits // 8
+    codes = unpack_codes(wire[:, :codes_nbytes], bits).view(wire.shape[0], n_groups, group_size)
+    # A copy: a row's scales need not start 4-byte aligned in the received buffer.
+    scales = wire[:, codes_nbytes:codes_nbytes + n_groups * SCALE_BYTES].contiguous().view(torch.float32)
+    return dequantize_groups(codes, scales)
+
+
+def reconstruct(previous: torch.Tensor, difference: torch.Tensor) -> torch.Tensor:
+    """w_hat_t from w_hat_{t-1} (16-bit) and the dequantized difference (fp32, possibly padded)."""
+    return (previous.float() + difference.reshape(-1)[:previous.numel()]).to(previous.dtype)
+
+
+def rotate_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Normalized Walsh-Hadamard transform of each row of [M, B] (its own inverse)."""
+    return fwht_reference(blocks) * (1.0 / math.sqrt(blocks.shape[1]))
+
+
+def rotate_quantize_rows_reference(rows: torch.Tensor, block_size: int, bits: int) -> torch.Tensor:
+    """uint8 [W, row_nbytes]: each row of [W, n] rotated block-wise and quantized on its own."""
+    b = block_size
+    padded = torch.nn.functional.pad(rows.float(), (0, -rows.shape[1] % b))
+    rotated = rotate_blocks(padded.view(-1, b)).view(rows.shape[0], -1)
+    return encode_groups(rotated, b, bits)
+
+
+def dequantize_sum_rows_reference(wire: torch.Tensor, skip_row: int, numel: int, block_size: int,
+                                  bits: int) -> torch.Tensor:
+    """fp32 [numel]: the sum of every wire row but ``skip_row``, dequantized, added in row order (fixed, so that
+    the kernel rounds the same) and rotated back."""
+    total = torch.zeros(-(-numel // block_size), block_size, device=wire.device)
+    for row in range(wire.shape[0]):
+        if row != skip_row:
+            total += decode_groups(wire[row:row + 1], numel, block_size, bits)[0]
+    return rotate_blocks(total).view(-1)[:numel]
 
 
 if triton is not None:
@@ -148,7 +248,7 @@ def _launch(group_size: int, part: str) -> tuple:
 
 
 def _qmax(bits: int) -> float:
-    return float(2 ** (bits - 1) - 1)
+    return float(qmax(bits))
 
 
 def _scales_at(n_groups: int, group_size: int, bits: int) -> int:

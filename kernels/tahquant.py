@@ -1,4 +1,5 @@
-"""TahQuant tile kernels (``compression/pp_quant.py`` owns the codec, its wire format and the reference).
+"""TahQuant tile kernels and their plain-PyTorch reference (``compression/pp_quant.py`` owns the codec and its wire
+format). The reference, ``encode_reference`` / ``decode_reference``, is the CPU path and the test oracle.
 
 The message is T tokens of H channels; each token is zero-padded to whole tiles of G channels, and the
 kernels see the flat list of the T * (Hp / G) tiles (tile f is tile f % tiles of token f // tiles), a
@@ -6,7 +7,7 @@ program a [ROWS, G] slab of them. Encode and decode are one pass over the messag
 needs the 8-bit tokens, a top-K over all tiles' maxima, before it can quantize:
 
 - ``tile_maxima``: rotate each tile (normalized Walsh-Hadamard), max |h| per tile (NaN propagates);
-  the codec ranks the tokens on these with the reference's torch ops (``TahQuantCodec._high_tokens_mask``);
+  the codec ranks the tokens on these with the reference's torch ops (``high_tokens_mask``);
 - ``token_ranks``: one program counting the 8-bit tokens before each token and writing the token map
   (decode: reading it);
 - ``quantize_tiles``: rotate again (recomputing costs a read of the input; storing h would cost a
@@ -31,9 +32,97 @@ try:
 except ImportError:  # CPU-only installs: the reference runs everywhere
     triton = None
 
+from kernels.bitpack import pack_bits, unpack_bits
+from kernels.taco import fwht_reference
+
 TILE_VALUES = 4096  # values per program: ROWS = TILE_VALUES / G tiles
 NUM_WARPS = 8
 BF16_NAN = 0x7FC0  # the one NaN a scale is stored as (float -> bfloat16 conversions differ by device)
+HIGH_BITS = 8  # the bits of the tokens with the largest tile ranges
+
+
+# --- PyTorch reference: the CPU path and the kernels' test oracle ---------------------------------
+
+
+def qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def round_up_bf16(s: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 >= s (s >= 0; NaN as ``BF16_NAN``)."""
+    rounded = s.to(torch.bfloat16)
+    below = (rounded.float() < s).to(torch.int16)  # positive bf16: the next value up is bits + 1
+    bits = torch.where(s.isnan(), BF16_NAN, rounded.view(torch.int16) + below)
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+def pack_token_map(high: torch.Tensor) -> torch.Tensor:
+    """The wire's token map of the bool [T] mask of 8-bit tokens (bit t % 8 of byte t // 8)."""
+    token_map = torch.zeros(-(-high.numel() // 8) * 8, dtype=torch.uint8, device=high.device)
+    token_map[:high.numel()] = high.to(torch.uint8)
+    return pack_bits(token_map, 1)
+
+
+def rotate_tiles(tiles: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """Normalized Walsh-Hadamard of each tile [..., G]; its own inverse (the tiles as they are if not ``rotate``)."""
+    if not rotate:
+        return tiles
+    g = tiles.shape[-1]
+    flat = fwht_reference(tiles.reshape(-1, g)) * (1.0 / math.sqrt(g))
+    return flat.reshape(tiles.shape)
+
+
+def high_tokens_mask(amax: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [T]: the ``k`` tokens with the largest sum of squared tile maxima (``amax`` [T, tiles])."""
+    tokens = amax.shape[0]
+    high = torch.zeros(tokens, dtype=torch.bool, device=amax.device)
+    # the set, not its order: unsorted saves CUDA's sort of the K scores (21 us of 178 for 16M values)
+    high[amax.square().sum(dim=1).topk(k, sorted=False).indices] = True
+    return high
+
+
+def token_qmax(high: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 [T]: each token's Qmax, 8-bit tokens' or the low bits'."""
+    return torch.where(high, float(qmax(HIGH_BITS)), float(qmax(bits)))
+
+
+def encode_reference(x: torch.Tensor, tokens: int, k: int, hidden: int, tile_size: int, rotate: bool,
+                     bits: int) -> torch.Tensor:
+    """uint8 wire of the message ``x`` (``tokens`` x ``hidden`` values), its ``k`` 8-bit tokens chosen here."""
+    tiles = -(-hidden // tile_size)
+    padded = torch.zeros(tokens, tiles * tile_size, dtype=torch.float32, device=x.device)  # whole tiles per token
+    padded[:, :hidden] = x.reshape(tokens, hidden)
+    h = rotate_tiles(padded.view(tokens, tiles, tile_size), rotate)
+    amax = h.abs().amax(dim=2)  # [T, tiles]; NaN propagates
+    high = high_tokens_mask(amax, k)
+    limit = token_qmax(high, bits)[:, None]
+    scales = round_up_bf16(amax / limit)
+    q = torch.round(h / scales.float()[..., None])
+    q = torch.where(torch.isfinite(q), q, 0.0)  # zero tiles (0/0), non-finite tiles: decoded via s
+    codes = (q + limit[..., None]).to(torch.uint8).view(tokens, tiles * tile_size)
+    order = torch.sort(high.to(torch.uint8), stable=True).indices  # low tokens, then high, in token order
+    codes = codes[order]
+    return torch.cat([scales.reshape(-1).view(torch.uint8), pack_bits(codes[:tokens - k].reshape(-1), bits),
+                      codes[tokens - k:].reshape(-1), pack_token_map(high)])
+
+
+def decode_reference(wire: torch.Tensor, sections, tokens: int, k: int, dtype: torch.dtype, hidden: int,
+                     tile_size: int, rotate: bool, bits: int) -> torch.Tensor:
+    """The ``tokens`` x ``hidden`` values (``dtype``, flat) of a wire whose sections (scales, low codes, high codes,
+    token map) have the byte sizes ``sections``."""
+    tiles = -(-hidden // tile_size)
+    padded_hidden = tiles * tile_size
+    scale_bytes, low_bytes, high_bytes, token_map = torch.split(wire, sections)
+    high = unpack_bits(token_map, 1)[:tokens].bool()
+    order = torch.sort(high.to(torch.uint8), stable=True).indices
+    codes = torch.empty(tokens, padded_hidden, dtype=torch.uint8, device=wire.device)
+    codes[order[:tokens - k]] = unpack_bits(low_bytes, bits).view(tokens - k, padded_hidden)
+    codes[order[tokens - k:]] = high_bytes.view(k, padded_hidden)
+    limit = token_qmax(high, bits)[:, None, None]
+    scales = scale_bytes.view(torch.bfloat16).float().view(tokens, tiles, 1)
+    h = (codes.view(tokens, tiles, tile_size).float() - limit) * scales
+    x = rotate_tiles(h, rotate).view(tokens, padded_hidden)[:, :hidden]
+    return x.to(dtype).reshape(-1)
 
 
 if triton is not None:

@@ -1,4 +1,5 @@
-"""scripts/compare_runs.py: on metrics files written by the driver (GPU runs kept in results/) and on edge cases."""
+"""scripts/compare_runs.py: on metrics files written by the driver (GPU runs kept in results/wire_ratio/ and
+tests/fixtures/) and on edge cases."""
 
 import json
 import math
@@ -11,6 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import compare_runs  # noqa: E402
 
 RUNS = os.path.join(ROOT, "results", "wire_ratio")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
 
 def _write(path, records):
@@ -29,7 +31,7 @@ def test_real_runs(capsys):
     assert compare_runs.main(["--bytes", *runs]) == 0
     assert capsys.readouterr().out.count("identical to") == 2
     # ... while without it the fused-cast run parted at iteration 147's grad norm (nondeterministic kernels)
-    fused = os.path.join(RUNS, "gpt125m_dp2_delta_fused_cast_lr1e-4.jsonl")
+    fused = os.path.join(FIXTURES, "gpt125m_dp2_delta_fused_cast_lr1e-4.jsonl")
     assert compare_runs.main([os.path.join(RUNS, "gpt125m_dp2_delta_lr1e-4.jsonl"), fused]) == 1
     out = capsys.readouterr().out
     assert "at 4 of 150 common iterations (iterations 1-150), first at iteration 147: grad_norm" in out

@@ -1,5 +1,5 @@
-"""scripts/convergence.py's metrics files: kept gzipped once the runs finish, and the committed ones still give the
-committed summaries."""
+"""scripts/convergence.py's metrics files: kept gzipped once the runs finish, and the committed ones
+(tests/fixtures/taco_cpu_2k_seeds/) still give the committed summaries (results/convergence/taco_cpu_2k_seeds.md)."""
 
 import gzip
 import json
@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import compare_runs  # noqa: E402
 import convergence  # noqa: E402
 
-SEEDS_2K = os.path.join(ROOT, "results", "convergence", "taco_cpu_2k_seeds")
+SEEDS_2K = os.path.join(ROOT, "tests", "fixtures", "taco_cpu_2k_seeds")
+SUMMARY_2K = os.path.join(ROOT, "results", "convergence", "taco_cpu_2k_seeds.md")
 
 
 def test_archive_is_lossless_and_reproducible(tmp_path):
@@ -53,7 +54,11 @@ def test_committed_metrics_give_the_committed_summary(tmp_path):
         recomputed = json.load(f)
     assert recomputed["iteration"] == committed["iteration"] == 2000
     assert recomputed["runs"] == committed["runs"] and recomputed["results"] == committed["results"]
-    assert sorted(os.listdir(tmp_path)) == sorted(os.listdir(SEEDS_2K))  # nothing left unarchived
+    # the summary that results/ keeps, below its command line (which named the run's own output folder)
+    with open(SUMMARY_2K) as committed_md, open(tmp_path / "summary.md") as recomputed_md:
+        assert recomputed_md.read().splitlines()[1:] == committed_md.read().splitlines()[1:]
+    # nothing left unarchived
+    assert sorted(os.listdir(tmp_path)) == sorted(os.listdir(SEEDS_2K) + ["loss_curves.png", "summary.md"])
 
 
 def test_paper_presets_print_one_emulated_tp8_command_per_run(capsys):

@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
-from compression.bitpack import pack_bits, unpack_bits
 from compression.pp_quant import TahQuantCodec, TahQuantConfig
 from dist_utils import launch_training, run_on_ranks
+from kernels.bitpack import pack_bits, unpack_bits
 
 LOSS_RTOL = 0.01
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

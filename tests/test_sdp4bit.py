@@ -25,9 +25,10 @@ import pytest
 import torch
 from dist_utils import launch_training, run_on_ranks
 
-from compression.sdp4bit import (
-    SCALE_BYTES, HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, decode_groups, decode_sum, encode_groups,
-    encode_rows, groups_nbytes, pack_codes, qmax, quantize_groups, rotate_blocks, unpack_codes,
+from compression.sdp4bit import HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, decode_sum, encode_rows
+from kernels.sdp4bit import (
+    SCALE_BYTES, decode_groups, encode_groups, groups_nbytes, pack_codes, qmax, quantize_groups, rotate_blocks,
+    unpack_codes,
 )
 
 

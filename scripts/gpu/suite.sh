@@ -38,6 +38,17 @@ link_env() {  # the NCCL environment of a link class
 }
 on_2_gpus() { env $(link_env $1) timeout 300 torchrun --standalone --nproc-per-node 2 "${@:2}"; }
 
+merge_json() {  # OUT KEY=PART.json ...: the parts as one JSON object keyed by KEY (link class, mode), parts removed
+  python3 - "$@" <<'PY'
+import json, os, sys
+parts = [arg.split("=", 1) for arg in sys.argv[2:]]
+with open(sys.argv[1], "w") as f:
+    json.dump({key: json.load(open(path)) for key, path in parts}, f, indent=1)
+for _, path in parts:
+    os.remove(path)
+PY
+}
+
 kernels() {
   local out=$RES/kernels; mkdir -p $out
   python3 -m benchmarks.bench_taco_kernels --format int8 --sizes-mib 16,64,256 --reference-max-mib 0 \
@@ -45,11 +56,13 @@ kernels() {
   for mode in compare hash; do
     python3 benchmarks/bench_ciera_kernels.py --change-detect $mode --repeats 8 --out $out/ciera_$mode.json
   done
+  merge_json $out/ciera.json compare=$out/ciera_compare.json hash=$out/ciera_hash.json
   python3 benchmarks/bench_delta_kernels.py --repeats 10 --out $out/delta.json
   python3 benchmarks/bench_delta_fused_cast.py --out $out/delta_fused_cast.json
   python3 benchmarks/bench_sdp4bit_kernels.py --out $out/sdp4bit_w4_g8bf16.json
   python3 benchmarks/bench_sdp4bit_kernels.py --weight-bits 8 --grad-bits 4 --grad-dtype float32 \
     --out $out/sdp4bit_w8_g4fp32.json
+  merge_json $out/sdp4bit.json w4_g8bf16=$out/sdp4bit_w4_g8bf16.json w8_g4fp32=$out/sdp4bit_w8_g4fp32.json
   python3 -m benchmarks.bench_pp_quant --out $out/tahquant.json
 }
 
@@ -61,6 +74,10 @@ collectives() {
     on_2_gpus $link benchmarks/nccl_transports.py --out $out/nccl_transports_$link.json
     on_2_gpus $link benchmarks/bench_param_gather.py --codecs none delta sdp4bit --buckets 8 --fuse-buckets --steps 6 \
       --repeats 3 --out $out/param_gather_$link.json
+  done
+  for name in taco_int8 nccl_transports param_gather; do
+    merge_json $out/$name.json nvlink=$out/${name}_nvlink.json p2p_off=$out/${name}_p2p_off.json \
+      sockets=$out/${name}_sockets.json
   done
   on_2_gpus nvlink benchmarks/bench_param_gather.py --codecs none delta-slots-graphs --buckets 8 --fuse-buckets \
     --steps 20 --repeats 3 --out $out/param_gather_sync_free_nvlink.json

@@ -1,4 +1,4 @@
-"""Little-endian bit packing of small unsigned codes, shared by the low-bit codecs (TahQuant, SDP4Bit).
+"""Little-endian bit packing of small unsigned codes, shared by the low-bit codecs' references (TahQuant, SDP4Bit).
 
 Along the last dimension, code i of ``bits`` bits occupies bits [i * bits, (i + 1) * bits) of the byte
 stream, and bit k of the stream is bit k % 8 of byte k // 8. So 4-bit codes put code 2j in the low and
