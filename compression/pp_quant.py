@@ -100,11 +100,6 @@ class TahQuantConfig:
                              f"{per_value:.2f} bytes per value of hidden size {hidden_size} (each token is padded "
                              f"to whole tiles), more than bf16's 2: {fix}")
 
-    @classmethod
-    def from_args(cls, args) -> "TahQuantConfig":
-        return cls(bits=args.pp_comm_bits, tile_size=args.pp_comm_tile_size,
-                   high_bit_fraction=args.pp_comm_high_bit_fraction)
-
 
 class TahQuantCodec(TensorCodec):
     """Stateless codec of messages whose last dimension is ``hidden_size`` (tokens x channels)."""

@@ -48,12 +48,6 @@ class TacoConfig:
             if value not in allowed:
                 raise ValueError(f"{flag} must be one of {'|'.join(allowed)}, got {value!r}")
 
-    @classmethod
-    def from_args(cls, args) -> "TacoConfig":
-        """From the driver's argparse namespace (``taco_block_size``, ``taco_format``, ...)."""
-        return cls(block_size=args.taco_block_size, format=args.taco_format,
-                   transform=args.taco_transform, scaling=args.taco_scaling)
-
 
 class TacoCodec(TensorCodec):
     """Stateless TACO codec. ``rows`` splits the flattened input into that many equal rows (the last

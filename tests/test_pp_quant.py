@@ -256,26 +256,25 @@ def test_wire_larger_than_bf16_is_a_start_up_error():
 
 
 def test_install_and_remove_swap_only_the_schedules_communicator():
-    from types import SimpleNamespace
-
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.hooks.config import PipelineCommConfig
     from megatron.hooks.pp import CompressedP2PCommunicator, apply_pp_compression, remove_pp_compression
 
     stock = p2p_communication.P2PCommunicator
     assert schedules.P2PCommunicator is stock  # nothing installed by importing the hook
-    args = SimpleNamespace(pp_comm_compression="tahquant", pp_comm_bits=3, pp_comm_tile_size=32,
-                           pp_comm_high_bit_fraction=0.25, pp_comm_compress_grads=False)
+    config = PipelineCommConfig(method="tahquant", compress_grads=False,
+                              tahquant=TahQuantConfig(bits=3, tile_size=32, high_bit_fraction=0.25))
     try:
-        apply_pp_compression(ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32), args)
+        apply_pp_compression(ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32), config)
         assert schedules.P2PCommunicator.func is CompressedP2PCommunicator
         assert schedules.P2PCommunicator.keywords == dict(
             codec_config=TahQuantConfig(bits=3, tile_size=32, high_bit_fraction=0.25), compress_grads=False)
         with pytest.raises(ValueError, match="variable_seq_lengths"):
             apply_pp_compression(ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
-                                                     variable_seq_lengths=True), args)
+                                                     variable_seq_lengths=True), config)
         with pytest.raises(ValueError, match="--pipeline-model-parallel-size > 1"):
-            apply_pp_compression(ModelParallelConfig(pipeline_dtype=torch.float32), args)
+            apply_pp_compression(ModelParallelConfig(pipeline_dtype=torch.float32), config)
     finally:
         remove_pp_compression()
     assert schedules.P2PCommunicator is stock and p2p_communication.P2PCommunicator is stock

@@ -57,14 +57,12 @@ def _taco_codec():
     return TacoCodec(TacoConfig())
 
 
-def _args(**overrides):
-    args = dict(
-        tp_comm_compression="taco", tp_comm_compression_min_bytes=0, transformer_impl="local",
-        tp_comm_overlap=False, taco_block_size=256, taco_format="e4m3", taco_transform="ash", taco_scaling="dual",
-        taco_all_reduce="auto",
-    )
-    args.update(overrides)
-    return argparse.Namespace(**args)
+def _config(**overrides):
+    """The TP hook's config (TACO, every tensor compressed) with ``overrides``."""
+    from compression.taco import TacoConfig
+    from megatron.hooks.config import TpCommConfig
+
+    return TpCommConfig(**{"method": "taco", "min_bytes": "0", "taco": TacoConfig(format="e4m3"), **overrides})
 
 
 def _init_megatron(tp: int) -> None:
@@ -163,8 +161,8 @@ def _function_checks():
     # 'auto' thresholds: measured on the group, identical on every rank, one entry per collective.
     from megatron.hooks.tp import resolve_min_bytes
 
-    auto_args = _args(tp_comm_compression_min_bytes="auto", seq_length=32, micro_batch_size=2, hidden_size=64)
-    report["auto_min_bytes"] = resolve_min_bytes(auto_args, taco, group)
+    auto = _config(min_bytes="auto", largest_message_bytes=32 * 2 * 64 * 4)  # [seq 32, micro batch 2, hidden 64] fp32
+    report["auto_min_bytes"] = resolve_min_bytes(auto, taco, group)
     report["auto_min_bytes_all_ranks"] = [None] * group.size()
     torch.distributed.all_gather_object(report["auto_min_bytes_all_ranks"], report["auto_min_bytes"], group=group)
 
@@ -248,7 +246,7 @@ def _mla_checks():
 
             stock = run(_build_mla(q_lora_rank, sequence_parallel))
             identity_layer = _build_mla(q_lora_rank, sequence_parallel)
-            apply_tp_compression([identity_layer], _args(), codec=IdentityCodec())
+            apply_tp_compression([identity_layer], _config(), codec=IdentityCodec())
             identity = run(identity_layer)
             taco_layer = _build_mla(q_lora_rank, sequence_parallel)
             taco_layer.tp_comm = TpComm(_taco_codec(), group, {op: 0 for op in OPS})
@@ -332,7 +330,7 @@ def _mtp_checks():
 
         stock = run(_build_mtp_layer(sequence_parallel))
         identity_layer = _build_mtp_layer(sequence_parallel)
-        apply_tp_compression([identity_layer], _args(), codec=IdentityCodec())
+        apply_tp_compression([identity_layer], _config(), codec=IdentityCodec())
         identity = run(identity_layer)
         taco_layer = _build_mtp_layer(sequence_parallel)
         taco_layer.tp_comm = TpComm(_taco_codec(), group, {op: 0 for op in OPS})
@@ -458,7 +456,7 @@ def _gpt_checks():
             for codec_name, codec, steps in (("identity", IdentityCodec(), IDENTITY_STEPS),
                                              ("taco", _taco_codec(), TRAIN_STEPS)):
                 model = _build_gpt(tp, sequence_parallel)
-                apply_tp_compression([model], _args(), codec=codec)
+                apply_tp_compression([model], _config(), codec=codec)
                 report["counts", tp, sequence_parallel] = _swapped_counts(model)
                 report[codec_name, tp, sequence_parallel] = _train(model, steps, snapshot_after=IDENTITY_STEPS)
     return report
@@ -513,10 +511,9 @@ _FakeTELinear.__module__ = "megatron.core.extensions.transformer_engine"
     "overrides, modules, message",
     [
         (dict(transformer_impl="transformer_engine"), [], "--transformer-impl local"),
-        (dict(tp_comm_overlap=True), [], "--tp-comm-overlap"),
-        (dict(tp_comm_compression_min_bytes=-1), [], "--tp-comm-compression-min-bytes"),
-        (dict(tp_comm_compression="fp8"), [], "--tp-comm-compression"),
-        (dict(taco_all_reduce="three-shot"), [], "--taco-all-reduce"),
+        (dict(min_bytes="-1"), [], "--tp-comm-compression-min-bytes"),
+        (dict(method="fp8"), [], "--tp-comm-compression"),
+        (dict(all_reduce="three-shot"), [], "--taco-all-reduce"),
         ({}, [_FakeTELinear()], "--transformer-impl local"),
     ],
 )
@@ -524,7 +521,7 @@ def test_clear_errors(overrides, modules, message):
     from megatron.hooks.tp import apply_tp_compression
 
     with pytest.raises(ValueError, match=message):
-        apply_tp_compression([torch.nn.Sequential(*modules)], _args(**overrides), codec=IdentityCodec())
+        apply_tp_compression([torch.nn.Sequential(*modules)], _config(**overrides), codec=IdentityCodec())
 
 
 def test_deferred_embedding_wgrad_is_rejected():
@@ -533,7 +530,7 @@ def test_deferred_embedding_wgrad_is_rejected():
     module = torch.nn.Linear(2, 2)
     module.config = argparse.Namespace(defer_embedding_wgrad_compute=True)
     with pytest.raises(ValueError, match="--defer-embedding-wgrad-compute"):
-        apply_tp_compression([module], _args(), codec=IdentityCodec())
+        apply_tp_compression([module], _config(), codec=IdentityCodec())
 
 
 def test_generalized_tensor_parallelism_is_rejected():
@@ -543,7 +540,7 @@ def test_generalized_tensor_parallelism_is_rejected():
     module = torch.nn.Linear(2, 2)
     module.gtp_remat_size = 2
     with pytest.raises(ValueError, match="generalized tensor parallelism"):
-        apply_tp_compression([module], _args(), codec=IdentityCodec())
+        apply_tp_compression([module], _config(), codec=IdentityCodec())
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,8 +31,8 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from compression.pp_quant import TahQuantCodec, TahQuantConfig
 from compression.telemetry import TELEMETRY
 from compression.timing import default_device
+from megatron.hooks.config import PipelineCommConfig
 
-PP_COMPRESSION_METHODS = ("tahquant",)
 _STOCK_COMMUNICATOR = P2PCommunicator
 
 
@@ -156,20 +156,18 @@ def _check_config(config) -> None:
         raise ValueError("--pp-comm-compression tahquant wraps isend/irecv, not use_ring_exchange_p2p: turn it off")
 
 
-def apply_pp_compression(config, args) -> None:
-    """Make megatron-core's pipelined schedules build ``CompressedP2PCommunicator``s (``config`` is the
+def apply_pp_compression(model_config, config: PipelineCommConfig) -> None:
+    """Make megatron-core's pipelined schedules build ``CompressedP2PCommunicator``s (``model_config`` is the
     model's TransformerConfig, checked here so a bad combination fails before the first step; the
     parallel sizes come from the launcher, so shipped configs cannot be checked in validate_args)."""
-    if args.pp_comm_compression not in PP_COMPRESSION_METHODS:
-        raise ValueError(f"--pp-comm-compression must be one of none|{'|'.join(PP_COMPRESSION_METHODS)}, "
-                         f"got {args.pp_comm_compression!r}")
-    if config.pipeline_model_parallel_size < 2:
-        raise ValueError(f"--pp-comm-compression {args.pp_comm_compression} compresses messages between pipeline "
+    if config.method == "none":
+        raise ValueError("apply_pp_compression() needs --pp-comm-compression tahquant")
+    if model_config.pipeline_model_parallel_size < 2:
+        raise ValueError(f"--pp-comm-compression {config.method} compresses messages between pipeline "
                          f"stages: set --pipeline-model-parallel-size > 1 (PP=2 in scripts/launch_gpt.sh) or drop it")
-    _check_config(config)
+    _check_config(model_config)
     schedules.P2PCommunicator = functools.partial(
-        CompressedP2PCommunicator, codec_config=TahQuantConfig.from_args(args),
-        compress_grads=args.pp_comm_compress_grads)
+        CompressedP2PCommunicator, codec_config=config.tahquant, compress_grads=config.compress_grads)
 
 
 def remove_pp_compression() -> None:

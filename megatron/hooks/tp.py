@@ -41,8 +41,9 @@ from megatron.core.transformer.multi_token_prediction import MultiTokenPredictio
 
 from compression.codec import TensorCodec
 from compression.collective_graphs import CollectiveGraphs
-from compression.taco import TacoCodec, TacoConfig
-from compression.tp_collectives import ALL_REDUCE_ALGORITHMS, OPS, PROBE_BYTES, measure_min_bytes
+from compression.taco import TacoCodec
+from compression.tp_collectives import OPS, PROBE_BYTES, measure_min_bytes
+from megatron.hooks.config import TpCommConfig
 from megatron.hooks.mla import SummedRotaryKeyMLASelfAttention
 from megatron.hooks.tp_functions import (
     TpComm,
@@ -166,35 +167,14 @@ _COMPRESSED_CLASS = {
 }
 
 
-def build_tp_codec(args) -> TensorCodec:
+def build_tp_codec(config: TpCommConfig) -> TensorCodec:
     """The TP codec ``--tp-comm-compression`` names: TACO, or TahQuant's pipeline code on the TP path (the TACO
     paper's comparison; its settings are TahQuant's flags, --pp-comm-bits etc.)."""
-    if args.tp_comm_compression == "tahquant":
-        from compression.pp_quant import TahQuantCodec, TahQuantConfig
+    if config.method == "tahquant":
+        from compression.pp_quant import TahQuantCodec
 
-        return TahQuantCodec(TahQuantConfig.from_args(args), args.hidden_size)
-    return TacoCodec(TacoConfig.from_args(args))
-
-
-def check_tp_compression_args(args) -> None:
-    if args.tp_comm_compression not in ("taco", "tahquant"):
-        raise ValueError(f"--tp-comm-compression must be 'none', 'taco' or 'tahquant', got {args.tp_comm_compression!r}")
-    if args.tp_comm_compression == "tahquant" and not str(args.tp_comm_compression_min_bytes).isdigit():
-        raise ValueError("--tp-comm-compression tahquant codes whole tokens, which the 'auto' probe's messages are "
-                         "not: give --tp-comm-compression-min-bytes as a number of bytes, e.g. 0")
-    if getattr(args, "transformer_impl", "local") != "local":
-        raise ValueError(
-            "--tp-comm-compression taco needs --transformer-impl local (Transformer Engine runs its TP "
-            f"collectives inside TE, where they cannot be hooked), got {args.transformer_impl!r}"
-        )
-    if getattr(args, "tp_comm_overlap", False):
-        raise ValueError("--tp-comm-compression taco cannot be combined with --tp-comm-overlap (TE userbuffers)")
-    if args.taco_all_reduce not in ALL_REDUCE_ALGORITHMS:
-        raise ValueError(f"--taco-all-reduce must be one of {'|'.join(ALL_REDUCE_ALGORITHMS)}, "
-                         f"got {args.taco_all_reduce!r}")
-    min_bytes = str(args.tp_comm_compression_min_bytes)
-    if min_bytes != "auto" and not min_bytes.isdigit():
-        raise ValueError(f"--tp-comm-compression-min-bytes must be 'auto' or an integer >= 0, got {min_bytes!r}")
+        return TahQuantCodec(config.tahquant, config.hidden_size)
+    return TacoCodec(config.taco)
 
 
 def _check_module(name: str, module: torch.nn.Module) -> None:
@@ -224,40 +204,33 @@ def _compressible(module: torch.nn.Module) -> bool:
     )
 
 
-def largest_tp_message_bytes(args) -> int:
-    """Bytes of the largest activation a TP collective carries: [seq, micro batch, hidden] in the
-    params dtype (the same with sequence parallelism, where it is the gathered size)."""
-    itemsize = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
-    return args.seq_length * args.micro_batch_size * args.hidden_size * itemsize
-
-
-def resolve_min_bytes(args, codec: TensorCodec, group) -> dict:
+def resolve_min_bytes(config: TpCommConfig, codec: TensorCodec, group) -> dict:
     """Per-collective compression thresholds for one TP group. With 'auto', time plain vs compressed
     collectives on the group at the probe sizes up to the largest message this model sends (every
     rank of the group gets the same answer); else the flag's value for every collective."""
-    value = str(args.tp_comm_compression_min_bytes)
-    if value != "auto":
-        return {op: int(value) for op in OPS}
-    largest = largest_tp_message_bytes(args)
+    if not config.auto_min_bytes:
+        return {op: int(config.min_bytes) for op in OPS}
+    largest = config.largest_message_bytes
     sizes = [size for size in PROBE_BYTES if size < largest] + [largest]  # the model's own largest message
     # margin: compress only where it wins by 10%, above the run-to-run noise of the probe
-    return measure_min_bytes(codec, group, sizes=sizes, margin=0.1, all_reduce_algorithm=args.taco_all_reduce)
+    return measure_min_bytes(codec, group, sizes=sizes, margin=0.1, all_reduce_algorithm=config.all_reduce)
 
 
-def _collective_graphs(args):
-    if not getattr(args, "tp_comm_cuda_graphs", False):
+def _collective_graphs(config: TpCommConfig):
+    if not config.cuda_graphs:
         return None
     if not torch.cuda.is_available():
         raise ValueError("--tp-comm-cuda-graphs replays CUDA graphs and needs GPUs: drop the flag on CPU")
     return CollectiveGraphs()
 
 
-def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) -> None:
+def apply_tp_compression(model_chunks: list, config: TpCommConfig, codec: TensorCodec = None) -> None:
     """Route the TP collectives of every local tensor-parallel layer in ``model_chunks`` through
-    ``codec`` (default: TACO built from ``args``). Call after building (and Float16Module wrapping)
+    ``codec`` (default: the one ``config`` names). Call after building (and Float16Module wrapping)
     the model chunks and before DDP wrapping."""
-    check_tp_compression_args(args)
-    codec = codec if codec is not None else build_tp_codec(args)
+    if config.method == "none":
+        raise ValueError("apply_tp_compression() needs --tp-comm-compression taco or tahquant")
+    codec = codec if codec is not None else build_tp_codec(config)
     swapped, kept = Counter(), Counter()
     thresholds = {}  # per TP group, measured once
     graphs = {}  # per TP group: its collectives' CUDA graphs (--tp-comm-cuda-graphs)
@@ -271,9 +244,9 @@ def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) ->
             swapped[type(module).__name__] += 1
             group = _tp_group(module)
             if group not in thresholds:
-                thresholds[group] = resolve_min_bytes(args, codec, group)
-                graphs[group] = _collective_graphs(args)
-            module.tp_comm = TpComm(codec, group, thresholds[group], args.taco_all_reduce, graphs[group])
+                thresholds[group] = resolve_min_bytes(config, codec, group)
+                graphs[group] = _collective_graphs(config)
+            module.tp_comm = TpComm(codec, group, thresholds[group], config.all_reduce, graphs[group])
             module.__class__ = _COMPRESSED_CLASS[type(module)]
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(
@@ -285,16 +258,15 @@ def apply_tp_compression(model_chunks: list, args, codec: TensorCodec = None) ->
         )
 
 
-def build_trial(model_chunks: list, args):
+def build_trial(model_chunks: list, config: TpCommConfig):
     """The ``TpCompressionTrial`` for the training loop to drive: with ``--tp-comm-compression-min-bytes
     auto`` and a non-zero ``--tp-comm-compression-trial-iters`` when the start-up probe chose to
     compress anything; else None."""
     modules = [m for chunk in model_chunks for m in chunk.modules() if type(m) in _STOCK_CLASS]
     compresses_any = any(v is not None for m in modules for v in m.tp_comm.min_bytes.values())
-    auto = str(args.tp_comm_compression_min_bytes) == "auto"
-    if not (auto and args.tp_comm_compression_trial_iters and compresses_any and dist.is_initialized()):
+    if not (config.auto_min_bytes and config.trial_iters and compresses_any and dist.is_initialized()):
         return None
-    return TpCompressionTrial(modules, args.tp_comm_compression_trial_iters)
+    return TpCompressionTrial(modules, config.trial_iters)
 
 
 _STOCK_CLASS = {compressed: stock for stock, compressed in _COMPRESSED_CLASS.items()}

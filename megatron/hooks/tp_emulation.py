@@ -45,6 +45,7 @@ from megatron.core.tensor_parallel.layers import (
 from compression.codec import TensorCodec
 from compression.telemetry import SQNR, TELEMETRY
 from compression.tp_collectives import emulated_all_gather, emulated_all_reduce, emulated_reduce_scatter
+from megatron.hooks.config import TpCommConfig
 
 logger = logging.getLogger(__name__)
 
@@ -262,23 +263,17 @@ def _check_module(name: str, module: torch.nn.Module, size: int) -> None:
                          f"is not divisible by {size}: drop --padded-vocab-size or make it divisible")
 
 
-def apply_tp_emulation(model_chunks: list, args, codec: TensorCodec = None) -> None:
+def apply_tp_emulation(model_chunks: list, config: TpCommConfig, codec: TensorCodec = None) -> None:
     """Swap every column-, row-parallel linear and vocabulary embedding of a TP=1 model for its emulated
-    class (``args.tp_comm_emulate`` ranks, ``args.sequence_parallel`` collectives). Call where
+    class (``config.emulate`` ranks, ``config.sequence_parallel`` collectives). Call where
     ``apply_tp_compression`` is called."""
-    from megatron.hooks.tp import build_tp_codec, check_tp_compression_args
+    from megatron.hooks.tp import build_tp_codec
 
-    check_tp_compression_args(args)
-    size = args.tp_comm_emulate
-    if args.tensor_model_parallel_size != 1:
-        raise ValueError(f"--tp-comm-emulate {size} runs on --tensor-model-parallel-size 1, got "
-                         f"{args.tensor_model_parallel_size}")
-    min_bytes = str(args.tp_comm_compression_min_bytes)
-    if not min_bytes.isdigit():
-        raise ValueError(f"--tp-comm-emulate needs --tp-comm-compression-min-bytes as a number of bytes ('auto' "
-                         f"times a real TP group), got {min_bytes!r}: give e.g. 0")
-    emulation = TpEmulation(codec if codec is not None else build_tp_codec(args), size, int(min_bytes),
-                            args.taco_all_reduce, bool(args.sequence_parallel))
+    if config.emulate < 2:
+        raise ValueError(f"apply_tp_emulation() needs --tp-comm-emulate of 2 or more, got {config.emulate}")
+    size = config.emulate
+    emulation = TpEmulation(codec if codec is not None else build_tp_codec(config), size, int(config.min_bytes),
+                            config.all_reduce, config.sequence_parallel)
     swapped = Counter()
     for chunk in model_chunks:
         for name, module in chunk.named_modules():
@@ -287,7 +282,7 @@ def apply_tp_emulation(model_chunks: list, args, codec: TensorCodec = None) -> N
                 # megatron-core's rule for TP=N with SP: reduce-scatter unless position / token-type
                 # embeddings are added to the whole sequence first
                 module.word_embeddings.emulated_reduce_scatter = bool(
-                    args.sequence_parallel and not module.add_position_embedding and module.num_tokentypes <= 0)
+                    config.sequence_parallel and not module.add_position_embedding and module.num_tokentypes <= 0)
             if type(module) in _EMULATED_CLASS:
                 module.tp_emulation = dataclasses.replace(emulation, site=name)
                 module.__class__ = _EMULATED_CLASS[type(module)]

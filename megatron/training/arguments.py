@@ -22,6 +22,7 @@ from typing import Optional, Union
 
 import torch
 
+from megatron.hooks.gather_methods import PARAM_GATHER_METHODS
 from megatron.training.batch_schedule import iterations_in, parse_step_schedule, rampup_steps
 
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's legacy --split
@@ -635,7 +636,7 @@ class CompressionArgs:
         "one-shot (all-gather, decode and sum: same bytes at TP=2, fewer launches, one quantization), or auto "
         "(one-shot at TP=2, else two-shot).", choices=["auto", "one-shot", "two-shot"])
     param_gather_compression: str = arg("none", "DP param all-gather compression (sdp4bit is lossy).",
-                                        choices=["none", "ciera", "delta", "sdp4bit"])
+                                        choices=["none", *PARAM_GATHER_METHODS])
     param_gather_verify_interval: int = arg(0, "Gathers between checks (0 = off): lossless codecs bit-compare with an "
                                             "uncompressed gather, sdp4bit checks that all replicas agree.",
                                             aliases=("ciera-verify-interval",))
@@ -1609,27 +1610,11 @@ def _validate_data(args) -> None:
 
 
 def _validate_compression(args) -> None:
-    if args.tp_comm_compression != "none":
-        _check(args.transformer_impl == "local",
-               "--tp-comm-compression taco needs --transformer-impl local: TACO hooks replace the local-spec linears; "
-               "Transformer Engine does its TP communication inside its own kernels: add --transformer-impl local")
+    """The combinations with other sections' flags; the compression flags themselves are checked by the configs
+    that ``compression_config`` builds (megatron/hooks/config.py), kept as ``args.compression``."""
     _check(args.param_gather_compression == "none" or args.use_distributed_optimizer,
            f"--param-gather-compression {args.param_gather_compression} compresses the distributed optimizer's "
            f"param all-gather: add --use-distributed-optimizer")
-    _check(not args.delta_fused_cast or args.param_gather_compression == "delta",
-           "--delta-fused-cast moves the optimizer's parameter copy into the delta encode: add "
-           "--param-gather-compression delta or drop --delta-fused-cast")
-    _check(not args.delta_capacity_factor or args.param_gather_compression == "delta",
-           "--delta-capacity-factor sizes the slots of delta payloads: add --param-gather-compression delta or drop "
-           "--delta-capacity-factor")
-    _check(not args.delta_cuda_graphs or args.delta_capacity_factor,
-           "--delta-cuda-graphs captures sync-free delta gathers: add --delta-capacity-factor (e.g. 1.25)")
-    _check(not args.param_gather_keyframe_interval or args.param_gather_compression in ("ciera", "delta"),
-           "--param-gather-keyframe-interval sends every N-th gather of the lossless codecs uncompressed: add "
-           "--param-gather-compression delta (or ciera) or drop --param-gather-keyframe-interval")
-    _check(not args.delta_capacity_factor or args.delta_capacity_factor >= 1.0,
-           f"--delta-capacity-factor must be 0 (exchange payload sizes first) or >= 1.0, got "
-           f"{args.delta_capacity_factor}")
     _check(args.grad_reduce_compression == "none" or args.use_distributed_optimizer,
            f"--grad-reduce-compression {args.grad_reduce_compression} compresses the distributed optimizer's "
            f"gradient reduce-scatter: add --use-distributed-optimizer")
@@ -1637,43 +1622,10 @@ def _validate_compression(args) -> None:
            f"--grad-reduce-compression {args.grad_reduce_compression} with --num-distributed-optimizer-instances "
            f"{args.num_distributed_optimizer_instances} is not implemented (the optimizer copies' all-reduce of the "
            f"gradient shards would stay uncompressed): drop one of them")
-    # The codec configs check their own fields (block sizes, choices) with flag-naming errors.
-    from compression.ciera import CieraConfig
-    from compression.delta import DeltaConfig
-    from compression.pp_quant import TahQuantConfig
-    from compression.selection import SELECTION_WINDOW_ITERATIONS
-    from compression.sdp4bit import HadamardQuantConfig, Sdp4bitConfig
-    from compression.shard_gather import IntegrityCheck
-    from compression.taco import TacoConfig
+    from megatron.training.compression_config import compression_config
 
-    TacoConfig.from_args(args)
-    CieraConfig(block_size=args.ciera_block_size, change_detect=args.ciera_change_detect,
-                exponent_coder=args.ciera_exponent_coder)
-    DeltaConfig(block_size=args.delta_block_size)
-    IntegrityCheck(max_mismatches=args.param_gather_integrity_max_mismatches)
-    Sdp4bitConfig(group_size=args.sdp4bit_group_size, weight_bits=args.sdp4bit_weight_bits)
-    HadamardQuantConfig(block_size=args.grad_reduce_block_size)
-    tahquant = TahQuantConfig.from_args(args)
-    if args.pp_comm_compression == "tahquant" and args.hidden_size:
-        tahquant.check_hidden_size(args.hidden_size)
+    args.compression = compression_config(args)
     _validate_tp_emulation(args)
-    _check(not args.tp_comm_cuda_graphs or args.tp_comm_compression == "taco",
-           "--tp-comm-cuda-graphs replays TACO's compressed TP collectives: add --tp-comm-compression taco")
-    min_bytes = str(args.tp_comm_compression_min_bytes)
-    _check(min_bytes == "auto" or min_bytes.isdigit(),
-           f"--tp-comm-compression-min-bytes must be 'auto' or an integer >= 0, got {min_bytes!r}")
-    trial = args.tp_comm_compression_trial_iters
-    _check(trial == 0 or (trial >= 2 and trial % 2 == 0),
-           f"--tp-comm-compression-trial-iters must be 0 (no trial) or an even number >= 2, got {trial}")
-    trial = args.param_gather_trial_iters
-    _check(trial == 0 or (trial >= 2 and trial % 2 == 0),
-           f"--param-gather-trial-iters must be 0 (no trial) or an even number >= 2, got {trial}")
-    interval, window = args.param_gather_reselect_interval, SELECTION_WINDOW_ITERATIONS + trial
-    _check(interval == 0 or interval > window,
-           f"--param-gather-reselect-interval must be 0 (choose once) or more than the {window} iterations that "
-           f"measuring and the trial (--param-gather-trial-iters {trial}) take, got {interval}")
-    _check(args.ciera_cache_budget_mb is None or args.ciera_cache_budget_mb > 0,
-           f"--ciera-cache-budget-mb must be positive (or omitted for unlimited), got {args.ciera_cache_budget_mb}")
 
 
 def _validate_tp_emulation(args) -> None:
@@ -1683,11 +1635,6 @@ def _validate_tp_emulation(args) -> None:
     _check(args.tensor_model_parallel_size == 1,
            f"--tp-comm-emulate {n} emulates TP={n} in a TP=1 run: set --tensor-model-parallel-size 1, got "
            f"{args.tensor_model_parallel_size}")
-    _check(args.tp_comm_compression != "none",
-           f"--tp-comm-emulate {n} emulates compressed TP collectives: add --tp-comm-compression taco (or tahquant)")
-    _check(str(args.tp_comm_compression_min_bytes).isdigit(),
-           "--tp-comm-emulate needs --tp-comm-compression-min-bytes as a number of bytes ('auto' times a real TP "
-           "group): give e.g. --tp-comm-compression-min-bytes 0")
     _check(args.num_experts is None and not args.multi_latent_attention and not args.mtp_num_layers,
            "--tp-comm-emulate emulates dense GPT layers only: drop --num-experts, --multi-latent-attention and "
            "--mtp-num-layers, or run real TP")

@@ -358,15 +358,15 @@ def setup_model_and_optimizer(args):
     if args.tp_comm_emulate > 1:
         from megatron.hooks.tp_emulation import apply_tp_emulation
 
-        apply_tp_emulation(chunks, args)
+        apply_tp_emulation(chunks, args.compression.tp)
     elif args.tp_comm_compression != "none":
         from megatron.hooks.tp import apply_tp_compression
 
-        apply_tp_compression(chunks, args)
+        apply_tp_compression(chunks, args.compression.tp)
     if args.pp_comm_compression != "none":
         from megatron.hooks.pp import apply_pp_compression
 
-        apply_pp_compression(config, args)
+        apply_pp_compression(config, args.compression.pp)
     ddp_chunks = wrap_ddp(args, config, chunks)
     optimizer, scheduler = build_optimizer(args, ddp_chunks, config.timers)
     if args.param_gather_compression != "none" or args.grad_reduce_compression != "none":

@@ -268,7 +268,7 @@ def tp_compression_trial(args, ddp_chunks):
         return None
     from megatron.hooks.tp import build_trial
 
-    return build_trial(ddp_chunks, args)
+    return build_trial(ddp_chunks, args.compression.tp)
 
 
 def param_gather_schedule(args, ddp_chunks, tp_trial):
