@@ -82,7 +82,7 @@ PARAM_GATHER_ABLATION = {
                            "--delta-cuda-graphs"]}
 
 
-GRAPHED_TRIAL_LAG = 4  # iterations a trial of graphed gathers starts later (megatron.hooks.param_gather.trial_skip_iterations)
+GRAPHED_TRIAL_LAG = 4  # iterations a trial of graphed gathers starts later (megatron.hooks.param_gather_selection.trial_skip_iterations)
 
 
 def _graphed_trial(flags) -> bool:

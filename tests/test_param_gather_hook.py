@@ -36,7 +36,7 @@ METHODS = {  # run name -> compression flags
         ciera_cache_budget_mb=0.02,
     ),
     "delta": dict(param_gather_compression="delta"),
-    # as delta, with _PreparedGathers capped at CAPPED_SHARD_BYTES: several size exchanges per step
+    # as delta, with PreparedGathers capped at CAPPED_SHARD_BYTES: several size exchanges per step
     "delta-capped": dict(param_gather_compression="delta"),
     # measured on the real shards; on CPU whether delta pays depends on timings, so only agreement is checked
     "delta-benefit": dict(param_gather_compression="delta", param_gather_selection="benefit"),
@@ -55,16 +55,20 @@ TRIAL_SWITCHES = {3: (False, False), 4: (True, False), 5: (False, False), 7: (Tr
 
 
 def _args(method, verify_interval=0, **overrides):
+    """The ``ParamGatherConfig`` of the run ``method`` with the flags' values ``overrides``."""
+    from megatron.training.compression_config import param_gather_config
+
     args = argparse.Namespace(
         param_gather_verify_interval=verify_interval, ciera_block_size=512, ciera_change_detect="compare",
         ciera_exponent_coder="raw", param_gather_selection="all", ciera_cache_budget_mb=None, delta_block_size=256,
         grad_reduce_compression="none", param_gather_trial_iters=0, param_gather_reselect_interval=0,
         delta_capacity_factor=0.0, delta_cuda_graphs=False, param_gather_integrity_check=True,
-        param_gather_integrity_max_mismatches=3, param_gather_keyframe_interval=0,
+        param_gather_integrity_max_mismatches=3, param_gather_keyframe_interval=0, sdp4bit_group_size=128,
+        sdp4bit_weight_bits=4,
     )
     method, cast = _base(method), method.endswith(CAST)
     vars(args).update(METHODS.get(method, dict(param_gather_compression=method)), delta_fused_cast=cast, **overrides)
-    return args
+    return param_gather_config(args)
 
 
 def _base(method: str) -> str:
@@ -151,7 +155,7 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3, **fl
     from compression.selection import CommModel
     from compression.telemetry import COMM_CLASSES, TELEMETRY
 
-    from megatron.hooks import param_gather
+    from megatron.hooks import param_gather_selection, prepared_gathers
 
     TELEMETRY.reset()
     ddp, optimizer = _build(overlap)
@@ -163,31 +167,32 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3, **fl
         assert apply_delta_fused_cast([ddp], optimizer) == sum(len(g.buckets) for g in _compressed_groups(ddp))
     method, cast = _base(method), method.endswith(CAST)
     exchanges = []  # gathers per size exchange
-    prepare_gathers = param_gather.prepare_gathers
+    prepare_gathers = prepared_gathers.prepare_gathers
 
     def counted(gathers, *rest, **kwargs):
         exchanges.append(len(gathers))
         return prepare_gathers(gathers, *rest, **kwargs)
 
-    param_gather.prepare_gathers = counted
-    cap = param_gather.PREPARE_SHARD_BYTES
+    prepared_gathers.prepare_gathers = counted
+    cap = prepared_gathers.PREPARE_SHARD_BYTES
     if method == "delta-capped":
-        param_gather.PREPARE_SHARD_BYTES = CAPPED_SHARD_BYTES
-    patched = {name: getattr(param_gather, name) for name in ("SELECTION_WARMUP_GATHERS", "select_shards",
+        prepared_gathers.PREPARE_SHARD_BYTES = CAPPED_SHARD_BYTES
+    patched = {name: getattr(param_gather_selection, name) for name in ("SELECTION_WARMUP_GATHERS", "select_shards",
                                                                "profile_comm", "_comm_models")}
     choice = _alternating_choice()
     if method == "delta-reselect":
-        param_gather.SELECTION_WARMUP_GATHERS, param_gather.select_shards = 2, choice
+        param_gather_selection.SELECTION_WARMUP_GATHERS, param_gather_selection.select_shards = 2, choice
     merges = []  # what the benefit selection's candidates would cost each receiver to merge (CIERA's T_decmp)
     if method == "ciera-benefit":  # a link slow enough that the CPU's merge (~13 MB/s) costs less than it saves
-        param_gather.profile_comm, param_gather._comm_models = lambda group: CommModel(1e-4, 1 / 1e6), {}
-        select = param_gather.select_shards
+        param_gather_selection.profile_comm = lambda group: CommModel(1e-4, 1 / 1e6)
+        param_gather_selection._comm_models = {}
+        select = param_gather_selection.select_shards
 
         def recorded(candidates, comm, budget):
             merges.extend(c.merge_seconds for c in candidates)
             return select(candidates, comm, budget)
 
-        param_gather.select_shards = recorded
+        param_gather_selection.select_shards = recorded
     forward_backward = get_forward_backward_func()
     loss_bits = []
     for step in range(STEPS):
@@ -216,10 +221,10 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3, **fl
     raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
     steps_sent_ratio = sent / max(raw, 1)  # a forced gather with no step before it is a keyframe with fused casts
     ddp.start_param_sync(force_sync=True)  # with overlap the last gather is still pending
-    param_gather.prepare_gathers = prepare_gathers
-    param_gather.PREPARE_SHARD_BYTES = cap
+    prepared_gathers.prepare_gathers = prepare_gathers
+    prepared_gathers.PREPARE_SHARD_BYTES = cap
     for name, value in patched.items():
-        setattr(param_gather, name, value)
+        setattr(param_gather_selection, name, value)
     raw, sent = TELEMETRY.counters()[2 * COMM_CLASSES.index("dp_param_gather"):][:2]
     counters = TELEMETRY.extra_counters()
     return dict(
@@ -253,12 +258,12 @@ def _compressed_groups(ddp):
 
 
 def _hook_counts(ddp):
-    from megatron.hooks.param_gather import _PlainGather
+    from megatron.hooks.param_gather import PlainGather
 
     groups = _compressed_groups(ddp)
     return dict(
         num_groups=len(groups), num_gathers=sum(g.num_gathers for g in groups),
-        num_compressed=sum(not isinstance(gather, _PlainGather) for g in groups for gather in g.shard_gathers),
+        num_compressed=sum(not isinstance(gather, PlainGather) for g in groups for gather in g.shard_gathers),
         undecided=sum(g.selection is not None for g in groups),
         selections=groups[0].benefit.rounds if groups and groups[0].benefit else 0,
         fused_buckets=sum(groups[0].prepared.fusions.sets) if groups else 0,
@@ -284,12 +289,13 @@ def _check_refusals():
                   lambda: apply_dp_compression([ddp], _args("ciera")))
     ddp, _ = _build(overlap=False)
     for bad_args, flag in [
-        (_args("zstd"), "--param-gather-compression"),
-        (_args("delta", verify_interval=-1), "--param-gather-verify-interval"),
-        (_args("ciera", ciera_cache_budget_mb=8.0), "--ciera-cache-budget-mb"),
-        (_args("delta", delta_capacity_factor=1.25, delta_cuda_graphs=True), "--delta-cuda-graphs replays CUDA graphs"),
+        (dict(method="zstd"), "--param-gather-compression"),
+        (dict(method="delta", verify_interval=-1), "--param-gather-verify-interval"),
+        (dict(method="ciera", ciera_cache_budget_mb=8.0), "--ciera-cache-budget-mb"),
+        (dict(method="delta", delta_capacity_factor=1.25, delta_cuda_graphs=True),
+         "--delta-cuda-graphs replays CUDA graphs"),
     ]:
-        _expect_error(ValueError, flag, lambda: apply_dp_compression([ddp], bad_args))
+        _expect_error(ValueError, flag, lambda: apply_dp_compression([ddp], _args(**bad_args)))
     apply_dp_compression([ddp], _args("delta"))
     _expect_error(ValueError, "already applied",
                   lambda: apply_dp_compression([ddp], _args("delta")))
@@ -339,10 +345,10 @@ def _check_trial_wiring():
     (and another trial's iterations) after the start; a choice that switches nothing, or compresses nothing,
     gets none; re-selections restart the measuring every interval, not while a choice is measured or tried."""
     from compression import shard_gather
-    from megatron.hooks import param_gather
-    from megatron.hooks.param_gather import (
-        SELECTION_WINDOW_ITERATIONS, apply_dp_compression, build_selection_schedule,
-    )
+    from compression.selection import SELECTION_WINDOW_ITERATIONS
+    from megatron.hooks import param_gather, param_gather_selection
+    from megatron.hooks.param_gather import apply_dp_compression
+    from megatron.hooks.param_gather_selection import build_selection_schedule
 
     ddp, _ = _build(overlap=False)
     apply_dp_compression([ddp], _args("delta", param_gather_trial_iters=4))
@@ -355,9 +361,9 @@ def _check_trial_wiring():
     schedule = build_selection_schedule([ddp], _args("delta-benefit", param_gather_trial_iters=4,
                                                      param_gather_reselect_interval=30), after_iters=12)
     selection, groups = _compressed_groups(ddp)[0].benefit, _compressed_groups(ddp)
-    choose = param_gather.select_shards
+    choose = param_gather_selection.select_shards
     try:
-        param_gather.select_shards = lambda candidates, comm, budget: {c.key for c in candidates}  # everything
+        param_gather_selection.select_shards = lambda candidates, comm, budget: {c.key for c in candidates}  # everything
         schedule.before_iteration(1)
         selection._select()  # as at the 9th gather: every bucket switches to a codec
         schedule.before_iteration(2)
@@ -374,14 +380,14 @@ def _check_trial_wiring():
         selection._select()  # the same choice: nothing switches, no new trial
         schedule.before_iteration(32)
         assert schedule.trial is first_trial and schedule.compressing
-        param_gather.select_shards = lambda candidates, comm, budget: set()  # nothing pays any more
+        param_gather_selection.select_shards = lambda candidates, comm, budget: set()  # nothing pays any more
         schedule.before_iteration(61)
         selection._select()
         schedule.before_iteration(62)
         assert schedule.trial is first_trial and not schedule.active and not schedule.compressing
     finally:
-        param_gather.select_shards = choose
-    assert all(isinstance(gather, param_gather._PlainGather) for g in groups for gather in g.shard_gathers)
+        param_gather_selection.select_shards = choose
+    assert all(isinstance(gather, param_gather.PlainGather) for g in groups for gather in g.shard_gathers)
     schedule = build_selection_schedule([ddp], _args("delta-benefit", param_gather_trial_iters=2,
                                                      param_gather_reselect_interval=20))
     schedule.before_iteration(20)
@@ -393,18 +399,18 @@ def _check_trial_wiring():
     # --delta-cuda-graphs: a trial times replayed gathers, not the new codecs' keyframe, first delta, eager gathers in
     # slots and capture (+1 iteration for overlap); a choice long after the start waits that much, not 2 iterations
     graphs = _args("delta-benefit", param_gather_trial_iters=2, delta_capacity_factor=1.25, delta_cuda_graphs=True)
-    assert param_gather.trial_skip_iterations(graphs) == shard_gather.GRAPH_WARMUP + 4
-    assert param_gather.trial_skip_iterations(_args("delta-benefit", delta_capacity_factor=1.25)) == 2
+    assert param_gather_selection.trial_skip_iterations(graphs) == shard_gather.GRAPH_WARMUP + 4
+    assert param_gather_selection.trial_skip_iterations(_args("delta-benefit", delta_capacity_factor=1.25)) == 2
     schedule = build_selection_schedule([ddp], graphs)
     schedule.before_iteration(100)
     schedule.start = 100 - SELECTION_WINDOW_ITERATIONS  # the run's first choice is long past
     try:
-        param_gather.select_shards = lambda candidates, comm, budget: {c.key for c in candidates}
+        param_gather_selection.select_shards = lambda candidates, comm, budget: {c.key for c in candidates}
         selection._select()  # every bucket switches to a new codec
         schedule.before_iteration(101)
         assert schedule.trial.first == 101 + shard_gather.GRAPH_WARMUP + 4 and schedule.compressing
     finally:
-        param_gather.select_shards = choose
+        param_gather_selection.select_shards = choose
 
 
 def _assert_identical(results_by_rank):

@@ -95,13 +95,12 @@ def test_e2e_between_graph_captures():
 def test_e2e_times_a_graphed_gathers_run_after_its_trial():
     """A variant whose gathers are graphed and chosen with a trial (which times replays, so it starts later): the
     benchmark's default warm-up and length grow by as many iterations as the trial's start moved."""
-    import argparse
-
     from benchmarks.e2e_throughput import GRAPHED_TRIAL_LAG, PARAM_GATHER_ABLATION, _graphed_trial
-    from megatron.hooks.param_gather import trial_skip_iterations
+    from megatron.hooks.config import ParamGatherConfig
+    from megatron.hooks.param_gather_selection import trial_skip_iterations
     from megatron.hooks.trial import TRIAL_SKIP_ITERATIONS
 
-    graphs = argparse.Namespace(param_gather_compression="delta", delta_cuda_graphs=True)
+    graphs = ParamGatherConfig(method="delta", delta_capacity_factor=1.25, delta_cuda_graphs=True)
     assert GRAPHED_TRIAL_LAG == trial_skip_iterations(graphs) - TRIAL_SKIP_ITERATIONS
     assert _graphed_trial(PARAM_GATHER_ABLATION["delta_slots_graphs"])
     assert not _graphed_trial(PARAM_GATHER_ABLATION["delta_all_slots_graphs"])  # no trial: every bucket compressed

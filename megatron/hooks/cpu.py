@@ -30,15 +30,15 @@ class _CudaToCpuMode(TorchFunctionMode):
     ``torch.cuda.*`` names so the optimizer's wrapped-parameter type checks accept CPU tensors."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        options = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
+        if _is_cuda_device(options.get("device")):
+            options["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
-        result = func(*args, **kwargs)
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(result, str):
+        result = func(*args, **options)
+        if func is torch.Tensor.type and len(args) == 1 and not options and isinstance(result, str):
             result = result.replace("torch.", "torch.cuda.", 1)
         return result
 

@@ -112,7 +112,7 @@ def apply_delta_fused_cast(ddp_chunks: list, optimizer) -> int:
     Returns the number of buckets whose copy moved into their gather."""
     groups = [bg for ddp in ddp_chunks for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups
               if isinstance(bg, CompressedBucketGroup) and bg.shard_gathers is not None]
-    if any(bg.args.param_gather_compression != "delta" for bg in groups):
+    if any(bg.config.method != "delta" for bg in groups):
         raise ValueError("--delta-fused-cast needs --param-gather-compression delta")
     buckets = {bucket: (bg.intra_distributed_optimizer_instance_size, bg.intra_distributed_optimizer_instance_rank)
                for bg in groups for bucket in bg.buckets}

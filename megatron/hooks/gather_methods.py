@@ -51,3 +51,24 @@ PARAM_GATHER_METHODS = {
     "delta": GatherMethod(_delta, lossless=True, selectable=True),
     "sdp4bit": GatherMethod(_sdp4bit, lossless=False),
 }
+
+
+def build_gather(config, group, comm_class: str, cast: bool = False, integrity=None, name: str = "bucket"):
+    """The compressed gather of one bucket over ``group`` by ``config.method``."""
+    return PARAM_GATHER_METHODS[config.method].build(config, group, comm_class, cast, integrity, name)
+
+
+def integrity_check(config):
+    """The run's ``IntegrityCheck`` (``--param-gather-integrity-check``), or None; its logs name the training
+    iteration that megatron-core's rerun state machine holds (the driver sets it)."""
+    if not config.integrity_check:
+        return None
+
+    def iteration():
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        return getattr(get_rerun_state_machine(), "current_iteration", None)
+
+    from compression.shard_gather import IntegrityCheck
+
+    return IntegrityCheck(config.integrity_max_mismatches, iteration)

@@ -372,8 +372,8 @@ def setup_model_and_optimizer(args):
     if args.param_gather_compression != "none" or args.grad_reduce_compression != "none":
         from megatron.hooks.param_gather import apply_dp_compression
 
-        apply_dp_compression(ddp_chunks, args)
-    if args.delta_fused_cast:
+        apply_dp_compression(ddp_chunks, args.compression.param_gather, args.compression.grad_reduce)
+    if args.compression.param_gather.delta_fused_cast:
         from megatron.hooks.fused_cast import apply_delta_fused_cast
 
         apply_delta_fused_cast(ddp_chunks, optimizer)

@@ -276,9 +276,9 @@ def param_gather_schedule(args, ddp_chunks, tp_trial):
     the first trial after the TP trial's iterations if there is one; or None."""
     if args.param_gather_compression == "none":
         return None
-    from megatron.hooks.param_gather import build_selection_schedule
+    from megatron.hooks.param_gather_selection import build_selection_schedule
 
-    return build_selection_schedule(ddp_chunks, args, after_iters=tp_trial.iters if tp_trial is not None else 0)
+    return build_selection_schedule(ddp_chunks, args.compression.param_gather, after_iters=tp_trial.iters if tp_trial is not None else 0)
 
 
 @contextlib.contextmanager
