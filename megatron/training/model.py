@@ -345,36 +345,22 @@ def build_optimizer(args, ddp_chunks, timers=None):
     return optimizer, scheduler
 
 
-def setup_model_and_optimizer(args):
-    """Returns (ddp_chunks, optimizer, scheduler, config). Compression hooks are imported only when
-    asked for, so with every compression off the run is stock megatron-core."""
+def setup_model_and_optimizer(args, compression=None):
+    """Returns (ddp_chunks, optimizer, scheduler, config), with ``compression`` (a ``Compression``; default: the one
+    ``args.compression`` configures) installed. Its hooks are imported only when asked for, so with every
+    compression off the run is stock megatron-core."""
     from megatron.core.timers import Timers
 
+    from megatron.hooks.lifecycle import Compression
+
+    compression = compression if compression is not None else Compression(args.compression)
     config = core_transformer_config(args)
     # --timing-log-level's timers, which megatron-core's schedules, grad finalization and optimizer start and stop
     # (Megatron-LM's setup: a barrier before each level-1 timer)
     config.timers = Timers(args.timing_log_level, args.timing_log_option)
     chunks = build_model_chunks(args, config)
-    if args.tp_comm_emulate > 1:
-        from megatron.hooks.tp_emulation import apply_tp_emulation
-
-        apply_tp_emulation(chunks, args.compression.tp)
-    elif args.tp_comm_compression != "none":
-        from megatron.hooks.tp import apply_tp_compression
-
-        apply_tp_compression(chunks, args.compression.tp)
-    if args.pp_comm_compression != "none":
-        from megatron.hooks.pp import apply_pp_compression
-
-        apply_pp_compression(config, args.compression.pp)
+    compression.install_model(chunks, config)  # (TP and PP hooks swap the bare chunks' classes, before DDP)
     ddp_chunks = wrap_ddp(args, config, chunks)
     optimizer, scheduler = build_optimizer(args, ddp_chunks, config.timers)
-    if args.param_gather_compression != "none" or args.grad_reduce_compression != "none":
-        from megatron.hooks.param_gather import apply_dp_compression
-
-        apply_dp_compression(ddp_chunks, args.compression.param_gather, args.compression.grad_reduce)
-    if args.compression.param_gather.delta_fused_cast:
-        from megatron.hooks.fused_cast import apply_delta_fused_cast
-
-        apply_delta_fused_cast(ddp_chunks, optimizer)
+    compression.install_data_parallel(ddp_chunks, optimizer)
     return ddp_chunks, optimizer, scheduler, config

@@ -20,9 +20,9 @@ from functools import partial
 
 import torch
 
-from compression.collective_graphs import release_all_graphs
 from compression.telemetry import SQNR
 from compression.timing import default_device
+from megatron.hooks.lifecycle import Compression
 from megatron.training import metrics
 from megatron.training.arguments import parse_args, set_padded_vocab_size, validate_args
 from megatron.training.batch_schedule import batch_size_at
@@ -262,25 +262,6 @@ def split_per_chunk(iterator, num_chunks: int) -> list:
     return list(itertools.tee(iterator, num_chunks)) if num_chunks > 1 else [iterator]
 
 
-def tp_compression_trial(args, ddp_chunks):
-    """The end-to-end check of ``--tp-comm-compression-min-bytes auto`` (megatron.hooks.tp), or None."""
-    if args.tp_comm_compression == "none":
-        return None
-    from megatron.hooks.tp import build_trial
-
-    return build_trial(ddp_chunks, args.compression.tp)
-
-
-def param_gather_schedule(args, ddp_chunks, tp_trial):
-    """The trials and re-selections of ``--param-gather-selection benefit`` (megatron.hooks.param_gather),
-    the first trial after the TP trial's iterations if there is one; or None."""
-    if args.param_gather_compression == "none":
-        return None
-    from megatron.hooks.param_gather_selection import build_selection_schedule
-
-    return build_selection_schedule(ddp_chunks, args.compression.param_gather, after_iters=tp_trial.iters if tp_trial is not None else 0)
-
-
 @contextlib.contextmanager
 def params_in_sync(args, ddp_chunks):
     """With overlapped param gathers the model params may be stale until the next forward: finish the gather first,
@@ -358,14 +339,11 @@ class Saver:
             self.async_queue.close()
 
 
-def load(args, ddp_chunks, optimizer, scheduler) -> int:
+def load(args, ddp_chunks, optimizer, scheduler, compression) -> int:
     from megatron.training.checkpointing import load_checkpoint
 
     iteration = load_checkpoint(args, ddp_chunks, optimizer, scheduler)
-    if args.param_gather_compression != "none":
-        from megatron.hooks.param_gather import reset_param_gather_state
-
-        reset_param_gather_state(ddp_chunks)  # parameters were rewritten: next gather is a keyframe
+    compression.after_load()  # parameters were rewritten: next gathers are keyframes
     return iteration
 
 
@@ -436,7 +414,7 @@ def exit_requested(args, iteration: int, start_time: float, exit_signal: ExitSig
 
 
 def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_iteration: int,
-          start_time: float, saver: Saver) -> int:
+          start_time: float, saver: Saver, compression) -> int:
     """Train from ``start_iteration`` to --train-iters, or to an exit that --exit-interval, --exit-duration-in-mins
     (counted from ``start_time``, a ``time.time()``) or --exit-signal-handler asks for. Returns the last iteration."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
@@ -444,8 +422,6 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
     train_iters, valid_iters = iterators
     wire_config_hooks(config, ddp_chunks, optimizer, args)
     writer = metrics.MetricsWriter(args)
-    trial = tp_compression_trial(args, ddp_chunks)
-    gather_trial = param_gather_schedule(args, ddp_chunks, trial)
     profiler = IterationProfiler(args)
     exit_signal = ExitSignal(args)
     if args.manual_gc:  # collections at the same iterations on every rank, not whenever one rank's heap says so
@@ -456,9 +432,7 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
     if hash_interval:
         check_weight_hashes(args, ddp_chunks, iteration)
     while iteration < args.train_iters:
-        for t in (trial, gather_trial):
-            if t is not None:
-                t.before_iteration(iteration + 1)
+        compression.before_iteration(iteration + 1)
         profiler.before(iteration + 1)
         get_rerun_state_machine().current_iteration = iteration + 1  # the iteration its NaN errors name
         start = time.perf_counter()
@@ -471,10 +445,7 @@ def train(args, ddp_chunks, optimizer, scheduler, config, iterators, start_itera
         record = iteration_record(args, iteration, step, iter_time, optimizer)
         if args.log_params_norm:
             record["params_norm"] = metrics.params_l2_norm(ddp_chunks, args.bf16)
-        for key, t in (("tp_comm_compressed", trial), ("param_gather_compressed", gather_trial)):
-            if t is not None:
-                record[key] = t.compressing
-                t.after_iteration(iteration, iter_time, default_device())
+        record.update(compression.after_iteration(iteration, iter_time))
         record.update(metrics.reduce_telemetry())
         record.update(moe_metrics(args, step["num_microbatches"]))
         record.update(mtp_metrics(args, step["num_microbatches"]))
@@ -525,9 +496,10 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     log_job_start(args)
     tokenizer = build_tokenizer(args)
     set_padded_vocab_size(args, tokenizer.vocab_size)
-    ddp_chunks, optimizer, scheduler, config = setup_model_and_optimizer(args)
+    compression = Compression(args.compression)
+    ddp_chunks, optimizer, scheduler, config = setup_model_and_optimizer(args, compression)
     loads = args.load is not None or args.pretrained_checkpoint is not None
-    start = load(args, ddp_chunks, optimizer, scheduler) if loads else 0
+    start = load(args, ddp_chunks, optimizer, scheduler, compression) if loads else 0
     saver = Saver(args, start_time)  # after the load: --log-progress counts this job's FLOPs from there
     train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(args, tokenizer)
     chunks = len(ddp_chunks)
@@ -535,7 +507,7 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     iteration = start
     if not args.skip_train:
         iteration = train(args, ddp_chunks, optimizer, scheduler, config,
-                          (split_per_chunk(train_iter, chunks), valid_iters), start, start_time, saver)
+                          (split_per_chunk(train_iter, chunks), valid_iters), start, start_time, saver, compression)
     # an exit before --train-iters saves here too, so the run can resume from where it stopped
     saved_by_interval = args.save_interval and iteration % args.save_interval == 0
     if args.save and iteration > start and not saved_by_interval:
@@ -543,7 +515,7 @@ def pretrain(args_defaults=None, extra_args_provider=None, model_type="gpt", arg
     saver.close()  # every background save published before the run ends
     if args.skip_train or iteration >= args.train_iters:  # not after an exit flag stopped the run
         final_evaluation(args, ddp_chunks, valid_iters, split_per_chunk(test_iter, chunks), iteration)
-    release_all_graphs()  # graphs holding NCCL kernels make destroy_process_group hang
+    compression.close()  # before destroy_process_group, which captured collectives would hang
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return iteration
