@@ -54,7 +54,7 @@ CAPPED_SHARD_BYTES = 16_000  # about three of the test model's bucket shards
 TRIAL_SWITCHES = {3: (False, False), 4: (True, False), 5: (False, False), 7: (True, False), 9: (False, True)}
 
 
-def _args(method, verify_interval=0, **overrides):
+def _config(method, verify_interval=0, **overrides):
     """The ``ParamGatherConfig`` of the run ``method`` with the flags' values ``overrides``."""
     from megatron.training.compression_config import param_gather_config
 
@@ -148,7 +148,7 @@ def _buffers_hash(ddp):
 def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3, **flags):
     """Per-step loss bits, the final parameter hash and the hook's counters. ``rewrite_at``: after
     that step rewrite every parameter (as a checkpoint load does) and, if ``reset``, reset the codecs. ``flags``:
-    other flags' values (``_args``)."""
+    other flags' values (``_config``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.hooks.param_gather import apply_dp_compression, reset_param_gather_state
 
@@ -160,7 +160,7 @@ def _train(method, overlap, rewrite_at=None, reset=True, verify_interval=3, **fl
     TELEMETRY.reset()
     ddp, optimizer = _build(overlap)
     if method != "none":
-        apply_dp_compression([ddp], _args(method, verify_interval, **flags))
+        apply_dp_compression([ddp], _config(method, verify_interval, **flags))
     if method.endswith(CAST):
         from megatron.hooks.fused_cast import apply_delta_fused_cast
 
@@ -283,22 +283,22 @@ def _check_refusals():
     from megatron.hooks.param_gather import apply_dp_compression
 
     fp32_ddp, _ = _build(overlap=False, bf16=False)
-    _expect_error(ValueError, "--bf16", lambda: apply_dp_compression([fp32_ddp], _args("delta")))
+    _expect_error(ValueError, "--bf16", lambda: apply_dp_compression([fp32_ddp], _config("delta")))
     ddp, _ = _build(overlap=False, distributed_optimizer=False)
     _expect_error(ValueError, "--use-distributed-optimizer",
-                  lambda: apply_dp_compression([ddp], _args("ciera")))
+                  lambda: apply_dp_compression([ddp], _config("ciera")))
     ddp, _ = _build(overlap=False)
-    for bad_args, flag in [
+    for bad_flags, flag in [
         (dict(method="zstd"), "--param-gather-compression"),
         (dict(method="delta", verify_interval=-1), "--param-gather-verify-interval"),
         (dict(method="ciera", ciera_cache_budget_mb=8.0), "--ciera-cache-budget-mb"),
         (dict(method="delta", delta_capacity_factor=1.25, delta_cuda_graphs=True),
          "--delta-cuda-graphs replays CUDA graphs"),
     ]:
-        _expect_error(ValueError, flag, lambda: apply_dp_compression([ddp], _args(**bad_args)))
-    apply_dp_compression([ddp], _args("delta"))
+        _expect_error(ValueError, flag, lambda: apply_dp_compression([ddp], _config(**bad_flags)))
+    apply_dp_compression([ddp], _config("delta"))
     _expect_error(ValueError, "already applied",
-                  lambda: apply_dp_compression([ddp], _args("delta")))
+                  lambda: apply_dp_compression([ddp], _config("delta")))
 
 
 def _compare_runs(runs):
@@ -351,14 +351,14 @@ def _check_trial_wiring():
     from megatron.hooks.param_gather_selection import build_selection_schedule
 
     ddp, _ = _build(overlap=False)
-    apply_dp_compression([ddp], _args("delta", param_gather_trial_iters=4))
-    assert build_selection_schedule([ddp], _args("delta", param_gather_trial_iters=4)) is None  # "all": no trial
-    idle = build_selection_schedule([_build(overlap=False)[0]], _args("delta-benefit", param_gather_trial_iters=4))
+    apply_dp_compression([ddp], _config("delta", param_gather_trial_iters=4))
+    assert build_selection_schedule([ddp], _config("delta", param_gather_trial_iters=4)) is None  # "all": no trial
+    idle = build_selection_schedule([_build(overlap=False)[0]], _config("delta-benefit", param_gather_trial_iters=4))
     assert idle is None  # no compression installed on that model
     ddp, _ = _build(overlap=False)
-    apply_dp_compression([ddp], _args("delta-benefit", param_gather_trial_iters=4))
-    assert build_selection_schedule([ddp], _args("delta-benefit", param_gather_trial_iters=0)) is None
-    schedule = build_selection_schedule([ddp], _args("delta-benefit", param_gather_trial_iters=4,
+    apply_dp_compression([ddp], _config("delta-benefit", param_gather_trial_iters=4))
+    assert build_selection_schedule([ddp], _config("delta-benefit", param_gather_trial_iters=0)) is None
+    schedule = build_selection_schedule([ddp], _config("delta-benefit", param_gather_trial_iters=4,
                                                      param_gather_reselect_interval=30), after_iters=12)
     selection, groups = _compressed_groups(ddp)[0].benefit, _compressed_groups(ddp)
     choose = param_gather_selection.select_shards
@@ -388,7 +388,7 @@ def _check_trial_wiring():
     finally:
         param_gather_selection.select_shards = choose
     assert all(isinstance(gather, param_gather.PlainGather) for g in groups for gather in g.shard_gathers)
-    schedule = build_selection_schedule([ddp], _args("delta-benefit", param_gather_trial_iters=2,
+    schedule = build_selection_schedule([ddp], _config("delta-benefit", param_gather_trial_iters=2,
                                                      param_gather_reselect_interval=20))
     schedule.before_iteration(20)
     schedule.before_iteration(21)  # due, but the selection (restarted by nobody) is not measuring: restarts
@@ -398,9 +398,9 @@ def _check_trial_wiring():
     assert schedule.trial is None and SELECTION_WINDOW_ITERATIONS == 10
     # --delta-cuda-graphs: a trial times replayed gathers, not the new codecs' keyframe, first delta, eager gathers in
     # slots and capture (+1 iteration for overlap); a choice long after the start waits that much, not 2 iterations
-    graphs = _args("delta-benefit", param_gather_trial_iters=2, delta_capacity_factor=1.25, delta_cuda_graphs=True)
+    graphs = _config("delta-benefit", param_gather_trial_iters=2, delta_capacity_factor=1.25, delta_cuda_graphs=True)
     assert param_gather_selection.trial_skip_iterations(graphs) == shard_gather.GRAPH_WARMUP + 4
-    assert param_gather_selection.trial_skip_iterations(_args("delta-benefit", delta_capacity_factor=1.25)) == 2
+    assert param_gather_selection.trial_skip_iterations(_config("delta-benefit", delta_capacity_factor=1.25)) == 2
     schedule = build_selection_schedule([ddp], graphs)
     schedule.before_iteration(100)
     schedule.start = 100 - SELECTION_WINDOW_ITERATIONS  # the run's first choice is long past
