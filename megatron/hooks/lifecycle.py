@@ -19,6 +19,7 @@ only when its compression is on: with every compression off, the run is stock me
 """
 
 from compression.collective_graphs import release_all_graphs
+from compression.telemetry import SQNR
 from compression.timing import default_device
 from megatron.hooks.config import CompressionConfig
 
@@ -73,12 +74,15 @@ class Compression:
             trial.before_iteration(iteration)
 
     def after_iteration(self, iteration: int, seconds: float) -> dict:
-        """After ``iteration``, which took ``seconds``: the metrics' flags of what it compressed (one per trial),
-        then the trials' timing (which may switch compression for the next iterations)."""
-        flags = {name: trial.compressing for name, trial in self._trials.items()}
+        """After ``iteration``, which took ``seconds``: the metrics' flags of what it compressed (one per trial)
+        and, under TP emulation, the codec's sampled SQNR per collective site; then the trials' timing (which may
+        switch compression for the next iterations)."""
+        record = {name: trial.compressing for name, trial in self._trials.items()}
+        if SQNR.pending():
+            record["tp_sqnr_db"] = SQNR.read_db()
         for trial in self._trials.values():
             trial.after_iteration(iteration, seconds, default_device())
-        return flags
+        return record
 
     def close(self) -> None:
         """Release what outlives training: captured collectives (graphs holding NCCL kernels make

@@ -20,7 +20,6 @@ from functools import partial
 
 import torch
 
-from compression.telemetry import SQNR
 from compression.timing import default_device
 from megatron.hooks.lifecycle import Compression
 from megatron.training import metrics
@@ -367,8 +366,6 @@ def iteration_record(args, iteration, step, iter_time, optimizer) -> dict:
         record["world_size"] = args.world_size
     if args.log_memory_to_tensorboard:
         record.update(metrics.cuda_memory_stats())
-    if SQNR.pending():  # --tp-comm-emulate: the codec's SQNR per collective site, sampled
-        record["tp_sqnr_db"] = SQNR.read_db()
     return record
 
 
