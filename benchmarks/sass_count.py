@@ -113,7 +113,7 @@ TACO_DECODE_SIGNATURE = _sig(
     "src_u8 src_f32 src_stride skip out_ptr x_ptr x_start numel row_len blocks_per_row n_blocks inv_sqrt_b",
     dict(src_u8="*u8", src_f32="*fp32", out_ptr="*bf16", x_ptr="*bf16", inv_sqrt_b="fp32"))
 TACO_SHAPE = dict(B=B, LOG_B=8, R=taco.PROGRAM_VALUES // B, FORMAT=taco._FORMAT_ID["int8"], HADAMARD=True, EVEN=True,
-                  SKIP=False)
+                  SKIP=False, SKIP_OWN_ROW=False)
 DELTA_ENCODE_SIGNATURE = _sig(
     "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr counts_ptr n_esc_ptr "
     "exc_widths_ptr nbytes_ptr records_ptr tile_sums_ptr tile_hashes_ptr",

@@ -23,7 +23,8 @@ import torch
 
 from compression.codec import TensorCodec, check_block_size
 from kernels.taco import (FORMATS, SCALINGS, TRANSFORMS, taco_decode, taco_decode_sum, taco_encode,
-                          taco_reduce_decode, taco_reduce_encode, wire_nbytes)
+                          taco_reduce_decode, taco_reduce_decode_rows, taco_reduce_encode, taco_reduce_encode_rows,
+                          wire_nbytes)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,28 @@ class TacoCodec(TensorCodec):
         self._check_rows(recv, x.numel(), world)
         c = self.config
         return taco_reduce_decode(x, recv, rank, world, c.block_size, c.format, c.transform)
+
+    @property
+    def rows_independent(self) -> bool:
+        """Whether each row of ``encode(x, rows)`` is coded as that row alone would be (per-block scales): then
+        one call codes every rank of an emulated group (``compression.tp_collectives.emulated_*``)."""
+        return self.config.scaling == "dual"
+
+    def reduce_encode_rows(self, own: torch.Tensor, wires: torch.Tensor) -> torch.Tensor:
+        """``reduce_encode`` of every rank of a group at once: ``own`` [world, row_len] (rank r's row r at r),
+        ``wires`` the ranks' ``encode(x_j, rows=world)`` back to back -> the world row wires back to back."""
+        world, row_len = own.shape
+        self._check_rows(wires, world * row_len * world, world * world)
+        c = self.config
+        return taco_reduce_encode_rows(own, wires, c.block_size, c.format, c.transform, c.scaling)
+
+    def reduce_decode_rows(self, own: torch.Tensor, wires: torch.Tensor) -> torch.Tensor:
+        """``reduce_decode`` of every rank of a group at once (arguments as ``reduce_encode_rows``): the ranks'
+        [row_len] results back to back."""
+        world, row_len = own.shape
+        self._check_rows(wires, world * row_len * world, world * world)
+        c = self.config
+        return taco_reduce_decode_rows(own, wires, c.block_size, c.format, c.transform)
 
     def _check_rows(self, recv: torch.Tensor, numel: int, world: int) -> None:
         expected = self.wire_nbytes(numel, rows=world)

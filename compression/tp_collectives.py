@@ -274,21 +274,40 @@ def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None
 # Telemetry records what one rank of the real group would hand to its collectives.
 
 
+def _batched(codec, numel: int, rows: int) -> bool:
+    """One codec call can code every rank's ``rows`` rows: the codec's rows are coded independently (per-block
+    scales) and each rank's tensor cuts into whole rows, so the ranks' rows lie back to back."""
+    return getattr(codec, "rows_independent", False) and numel % rows == 0
+
+
+def _stacked(parts) -> torch.Tensor:
+    return parts if isinstance(parts, torch.Tensor) else torch.stack(list(parts))
+
+
 def _rank_wires(parts, codec, rows: int) -> torch.Tensor:
     """Every rank's ``encode(part, rows)``, stacked: [world, rows, row wire bytes]."""
-    wires = torch.stack([codec.encode(part, rows=rows) for part in parts])
-    return wires.view(len(parts), rows, -1)
+    world = len(parts)
+    if _batched(codec, parts[0].numel(), rows):
+        return codec.encode(_stacked(parts), rows=world * rows).view(world, rows, -1)
+    return torch.stack([codec.encode(part, rows=rows) for part in parts]).view(world, rows, -1)
+
+
+def _own_rows(parts, world: int) -> torch.Tensor:
+    """[world, row_len]: row r of rank r's part at r (what rank r adds exactly)."""
+    rows = _stacked(parts).reshape(world, world, -1)
+    ranks = torch.arange(world, device=rows.device)
+    return rows[ranks, ranks]
 
 
 def emulated_all_reduce(parts, codec, comm_class="tp", algorithm="auto") -> torch.Tensor:
-    """``compressed_all_reduce`` of a group whose rank j holds ``parts[j]`` (equal shapes): the tensor every
-    rank returns."""
+    """``compressed_all_reduce`` of a group whose rank j holds ``parts[j]`` (a sequence of equal shapes, or
+    one tensor [world, ...]): the tensor every rank returns."""
     world, x = len(parts), parts[0]
     if world == 1 or x.numel() == 0:
         return x
     n, itemsize = x.numel(), x.element_size()
     if one_shot(world, algorithm):
-        wires = torch.cat([codec.encode(part) for part in parts])
+        wires = _rank_wires(parts, codec, 1).view(-1)
         TELEMETRY.record(comm_class, n * itemsize, wires.numel() // world)
         return _decode_sum(codec, wires, world, n, x.dtype).view(x.shape)
     row_len = -(-n // world)
@@ -296,13 +315,17 @@ def emulated_all_reduce(parts, codec, comm_class="tp", algorithm="auto") -> torc
     wires = _rank_wires(parts, codec, world)
     TELEMETRY.record(comm_class, (n + row_len) * itemsize, (world + 1) * row_wire)
     # rank r receives row r of every rank (chunk j from rank j), reduces and re-encodes it
-    reduced = [_reduce_encode(codec, parts[r], wires[:, r].reshape(-1), r, world) for r in range(world)]
-    return codec.decode(torch.cat(reduced), n, x.dtype, rows=world).view(x.shape)
+    if _batched(codec, n, world) and hasattr(codec, "reduce_encode_rows"):
+        reduced = codec.reduce_encode_rows(_own_rows(parts, world), wires)
+    else:
+        reduced = torch.cat([_reduce_encode(codec, parts[r], wires[:, r].reshape(-1), r, world)
+                             for r in range(world)])
+    return codec.decode(reduced, n, x.dtype, rows=world).view(x.shape)
 
 
 def emulated_reduce_scatter(parts, codec, comm_class="tp") -> torch.Tensor:
-    """``compressed_reduce_scatter`` of a group whose rank j holds ``parts[j]``: every rank's result
-    concatenated along dim 0 in rank order (the shape of one part)."""
+    """``compressed_reduce_scatter`` of a group whose rank j holds ``parts[j]`` (as ``emulated_all_reduce``):
+    every rank's result concatenated along dim 0 in rank order (the shape of one part)."""
     world, x = len(parts), parts[0]
     if x.dim() == 0 or x.shape[0] % world:
         raise ValueError(f"emulated_reduce_scatter needs dim 0 divisible by the group size {world}, "
@@ -311,20 +334,22 @@ def emulated_reduce_scatter(parts, codec, comm_class="tp") -> torch.Tensor:
         return x
     wires = _rank_wires(parts, codec, world)
     TELEMETRY.record(comm_class, x.numel() * x.element_size(), wires[0].numel())
+    if _batched(codec, x.numel(), world) and hasattr(codec, "reduce_decode_rows"):
+        return codec.reduce_decode_rows(_own_rows(parts, world), wires).view(x.shape)
     shard_shape = (x.shape[0] // world, *x.shape[1:])
     return torch.cat([_reduce_decode(codec, parts[r], wires[:, r].reshape(-1), r, world).view(shard_shape)
                       for r in range(world)])
 
 
 def emulated_all_gather(shards, codec, comm_class="tp") -> torch.Tensor:
-    """``compressed_all_gather`` of a group whose rank j holds ``shards[j]`` (equal shapes): the tensor
-    every rank returns, the shards' decoded values concatenated along dim 0."""
+    """``compressed_all_gather`` of a group whose rank j holds ``shards[j]`` (as ``emulated_all_reduce``): the
+    tensor every rank returns, the shards' decoded values concatenated along dim 0."""
     world, x = len(shards), shards[0]
     if world == 1:
         return x
     if x.numel() == 0:
         return x.new_empty((world * x.shape[0], *x.shape[1:]))
-    wires = torch.cat([codec.encode(shard) for shard in shards])
+    wires = _rank_wires(shards, codec, 1).view(-1)
     TELEMETRY.record(comm_class, x.numel() * x.element_size(), wires.numel() // world)
     out_shape = (world * x.shape[0], *x.shape[1:]) if x.dim() else (world,)
     return codec.decode(wires, world * x.numel(), x.dtype, rows=world).view(out_shape)

@@ -292,6 +292,25 @@ def taco_reduce_decode_reference(x, recv, rank, world, block_size, fmt, transfor
     return (row.float() + values).to(x.dtype)
 
 
+def taco_reduce_encode_rows_reference(own, wires, block_size, fmt, transform, scaling) -> torch.Tensor:
+    world = own.shape[0]
+    recv = wires.view(world, world, -1)  # [source rank j, row r, row wire]
+    rows = []
+    for r in range(world):
+        h = _rotate(_blocks_reference(own[r], block_size, 1), transform)
+        t = _fold_reference(recv[:, r], r, block_size, fmt, transform)
+        rows.append(_quantize_reference(h + t * _gain(block_size, transform), fmt, transform, scaling))
+    return torch.cat(rows)
+
+
+def taco_reduce_decode_rows_reference(own, wires, block_size, fmt, transform) -> torch.Tensor:
+    world, row_len = own.shape
+    recv = wires.view(world, world, -1)
+    rows = [own[r].float() + _rotate_back(_fold_reference(recv[:, r], r, block_size, fmt, transform),
+                                          transform).reshape(-1)[:row_len] for r in range(world)]
+    return torch.cat(rows).to(own.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Fused Gluon kernels
 # ----------------------------------------------------------------------------------------------
@@ -373,17 +392,18 @@ if gl is not None:
     def _fold(src_u8, src_f32, src_stride, skip, blk, valid, pos, inv_sqrt_b, R: gl.constexpr, B: gl.constexpr,
               FORMAT: gl.constexpr, SOURCES: gl.constexpr, WIRE: gl.constexpr, SKIP: gl.constexpr):
         """_fold_reference for the blocks ``blk`` of the SOURCES wire rows ``src_stride`` records apart (all of them,
-        or all but row ``skip`` if SKIP), in wire order (``pos``: the payload positions). The stride counts
-        records, not bytes, so that every record's byte offset is a known multiple of 8 and its payload loads
-        are 8-byte vectors. A loop, not unrolled: unrolled, the compiler hoisted every row's loads (168
-        registers at 8 rows) or branched around row ``skip``, 20-40% slower at 8 rows (H200)."""
+        or all but row ``skip`` if SKIP: one row for all blocks, or one per block), in wire order (``pos``: the
+        payload positions). The stride counts records, not bytes, so that every record's byte offset is a known
+        multiple of 8 and its payload loads are 8-byte vectors. A loop, not unrolled: unrolled, the compiler
+        hoisted every row's loads (168 registers at 8 rows) or branched around row ``skip``, 20-40% slower at 8
+        rows (H200)."""
         t = gl.zeros([R, B], gl.float32, WIRE)
         n_folded: gl.constexpr = SOURCES - 1 if SKIP else SOURCES
         for i in range(n_folded):
             j = i
             if SKIP:
                 j = i + (i >= skip).to(gl.int32)  # rows 0, 1, ... but ``skip``, in order
-            record = (j * src_stride + blk.to(gl.int64)) * (B + 8)
+            record = (j.to(gl.int64) * src_stride + blk.to(gl.int64)) * (B + 8)
             bits = gl.load(src_u8 + record[:, None] + pos[None, :], mask=valid[:, None], other=0)
             if FORMAT == 0:
                 q = bits.to(gl.float8e4nv, bitcast=True).to(gl.float32)
@@ -415,7 +435,7 @@ if gl is not None:
         x_start, numel, row_len, blocks_per_row, n_blocks, tau, qmax, inv_qmax, inv_sqrt_b, eps,
         B: gl.constexpr, LOG_B: gl.constexpr, R: gl.constexpr, FORMAT: gl.constexpr, HADAMARD: gl.constexpr,
         GAIN: gl.constexpr, SOURCES: gl.constexpr, RESCALE: gl.constexpr, SCALE_MODE: gl.constexpr,
-        EVEN: gl.constexpr, SKIP: gl.constexpr,
+        EVEN: gl.constexpr, SKIP: gl.constexpr, SKIP_OWN_ROW: gl.constexpr,
     ):
         LOAD: gl.constexpr = _layout(R, B, LOG_B)
         ROTATE: gl.constexpr = _layout(R, B, LOG_B - 5)
@@ -426,6 +446,8 @@ if gl is not None:
         valid = blk < n_blocks
         pos = gl.arange(0, B, layout=gl.SliceLayout(0, WIRE))
         if SOURCES > 0:  # the decoded rows of the other ranks, added after the rotation: H(H(t)) = B * t
+            if SKIP_OWN_ROW:  # row r of the output is rank r's: it skips source row r
+                skip = blk // blocks_per_row
             t = _fold(src_u8, src_f32, src_stride, skip, blk, valid, pos, inv_sqrt_b, R, B, FORMAT, SOURCES, WIRE,
                       SKIP)
         offs, mask = _block_offsets(pid, x_start, numel, row_len, blocks_per_row, n_blocks, R, B, EVEN, LOAD)
@@ -473,6 +495,7 @@ if gl is not None:
         inv_sqrt_b,
         B: gl.constexpr, LOG_B: gl.constexpr, R: gl.constexpr, FORMAT: gl.constexpr, HADAMARD: gl.constexpr,
         SOURCES: gl.constexpr, ADD_OWN: gl.constexpr, EVEN: gl.constexpr, SKIP: gl.constexpr,
+        SKIP_OWN_ROW: gl.constexpr,
     ):
         LOAD: gl.constexpr = _layout(R, B, LOG_B)
         ROTATE: gl.constexpr = _layout(R, B, LOG_B - 5)
@@ -480,6 +503,8 @@ if gl is not None:
         pid = gl.program_id(0)
         blk = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, WIRE))
         pos = gl.arange(0, B, layout=gl.SliceLayout(0, WIRE))
+        if SKIP_OWN_ROW:
+            skip = blk // blocks_per_row
         t = _fold(src_u8, src_f32, src_stride, skip, blk, blk < n_blocks, pos, inv_sqrt_b, R, B, FORMAT, SOURCES,
                   WIRE, SKIP)
         values = gl.convert_layout(_from_wire_order(t, R, B), ROTATE)
@@ -516,6 +541,10 @@ def _records(wires: torch.Tensor, block_size: int) -> int:
     return wires.shape[-1] // (block_size + SCALE_BYTES)
 
 
+# ``skip`` of the launchers: a source row (a rank) to leave out of every block's fold, none, or each output row's own
+_NO_SKIP, _OWN_ROW = -1, -2
+
+
 def _encode_triton(flat, x_start, row_len, rows, sources, skip, block_size, fmt, transform, scaling):
     """Wire of ``rows`` rows of ``flat`` from ``x_start``, plus the decoded ``sources`` rows but ``skip``."""
     wire = torch.empty(wire_nbytes(rows * row_len, block_size, rows), dtype=torch.uint8, device=flat.device)
@@ -524,7 +553,7 @@ def _encode_triton(flat, x_start, row_len, rows, sources, skip, block_size, fmt,
     grid, geometry, meta = _launch(x_start, flat.numel(), row_len, rows, block_size, fmt, transform)
     qmax, inv_sqrt_b = QMAX[fmt], _inv_sqrt_b(block_size, transform)
     meta.update(GAIN=_gain(block_size, transform), SOURCES=0 if sources is None else sources.shape[0],
-                RESCALE=_rescales(transform, scaling), SKIP=skip >= 0)
+                RESCALE=_rescales(transform, scaling), SKIP=skip != _NO_SKIP, SKIP_OWN_ROW=skip == _OWN_ROW)
     src = wire if sources is None else sources
     args = (flat, wire, wire.view(torch.float32))
     more = (src, src.view(torch.float32), _records(src, block_size) if sources is not None else 0, skip, *geometry,
@@ -544,7 +573,8 @@ def _decode_triton(sources, skip, out, own, x_start, row_len, rows, block_size, 
     if out.numel() == 0:
         return out
     grid, geometry, meta = _launch(0, out.numel(), row_len, rows, block_size, fmt, transform)
-    meta.update(SOURCES=sources.shape[0], ADD_OWN=own is not None, SKIP=skip >= 0)
+    meta.update(SOURCES=sources.shape[0], ADD_OWN=own is not None, SKIP=skip != _NO_SKIP,
+                SKIP_OWN_ROW=skip == _OWN_ROW)
     own = out if own is None else own
     _taco_decode_kernel[grid](sources, sources.view(torch.float32), _records(sources, block_size), skip, out, own,
                               x_start, *geometry[1:], _inv_sqrt_b(block_size, transform), **meta)
@@ -582,6 +612,19 @@ def taco_reduce_decode_triton(x, recv, rank, world, block_size, fmt, transform) 
     row_len = flat.numel() // world
     out = torch.empty(row_len, dtype=x.dtype, device=x.device)
     return _decode_triton(recv.view(world, -1), rank, out, flat, rank * row_len, row_len, 1, block_size, fmt,
+                          transform)
+
+
+def taco_reduce_encode_rows_triton(own, wires, block_size, fmt, transform, scaling) -> torch.Tensor:
+    world, row_len = own.shape
+    return _encode_triton(own.reshape(-1), 0, row_len, world, wires.view(world, -1), _OWN_ROW, block_size, fmt,
+                          transform, scaling)
+
+
+def taco_reduce_decode_rows_triton(own, wires, block_size, fmt, transform) -> torch.Tensor:
+    world, row_len = own.shape
+    out = torch.empty(world * row_len, dtype=own.dtype, device=own.device)
+    return _decode_triton(wires.view(world, -1), _OWN_ROW, out, own.reshape(-1), 0, row_len, world, block_size, fmt,
                           transform)
 
 
@@ -629,6 +672,24 @@ def taco_reduce_encode(x, recv, rank, world, block_size, fmt, transform, scaling
     in the rotated domain: H(own) + B * fold(recv) (see _fold_reference)."""
     encode = taco_reduce_encode_triton if _use_kernels(x) else taco_reduce_encode_reference
     return encode(x, recv, rank, world, block_size, fmt, transform, scaling)
+
+
+def taco_reduce_encode_rows(own, wires, block_size, fmt, transform, scaling) -> torch.Tensor:
+    """Every rank's all-reduce middle step at once, as one process emulating a group of ``world`` ranks computes
+    them: ``own`` [world, row_len] holds rank r's exact row r at r, ``wires`` the ranks' ``encode(x_j,
+    rows=world)`` back to back. Returns the ``world`` one-row wires back to back, row r that of
+    ``taco_reduce_encode`` on rank r (the same bytes: per-block scaling only, "dual")."""
+    if scaling != "dual":
+        raise ValueError("taco_reduce_encode_rows needs per-block scaling (dual): one scale per row differs")
+    encode = taco_reduce_encode_rows_triton if _use_kernels(own) else taco_reduce_encode_rows_reference
+    return encode(own, wires, block_size, fmt, transform, scaling)
+
+
+def taco_reduce_decode_rows(own, wires, block_size, fmt, transform) -> torch.Tensor:
+    """Every rank's reduce-scatter last step at once (``own``, ``wires`` as in ``taco_reduce_encode_rows``):
+    [world * row_len], row r that of ``taco_reduce_decode`` on rank r."""
+    decode = taco_reduce_decode_rows_triton if _use_kernels(own) else taco_reduce_decode_rows_reference
+    return decode(own, wires, block_size, fmt, transform)
 
 
 def taco_reduce_decode(x, recv, rank, world, block_size, fmt, transform) -> torch.Tensor:

@@ -97,6 +97,7 @@ def _compare_reductions(x, case, args):
     fused = K.taco_reduce_decode_triton(own, recv, rank, world, block_size, fmt, transform)
     if not _decoded_match(reference, fused):
         failures.append(f"reduce_decode {args} world {world}: values differ")
+    failures += _compare_group_steps(others, args, world)
     wires = torch.cat([K.taco_encode_reference(o, *args[:4]) for o in others])  # the one-shot all-reduce
     reference = K.taco_decode_sum_reference(wires, world, n, own.dtype, block_size, fmt, transform)
     fused = K.taco_decode_sum_triton(wires, world, n, own.dtype, block_size, fmt, transform)
@@ -105,25 +106,55 @@ def _compare_reductions(x, case, args):
     return failures
 
 
+def _compare_group_steps(parts, args, world):
+    """Every rank's fused step in one launch (the TP emulation's) against the reference and against the ranks'
+    own launches, bit for bit (per-block scaling only)."""
+    from compression.tp_collectives import _own_rows
+    from kernels import taco as K
+
+    block_size, fmt, transform, scaling, _ = args
+    if scaling != "dual":
+        return []
+    own = _own_rows(parts, world)
+    wires = torch.cat([K.taco_encode_reference(p, block_size, fmt, transform, scaling, world) for p in parts])
+    recv = wires.view(world, world, -1)
+    failures = []
+    reference = K.taco_reduce_encode_rows_reference(own, wires, block_size, fmt, transform, scaling)
+    ranks = torch.cat([K.taco_reduce_encode_triton(parts[r], recv[:, r].reshape(-1), r, world, block_size, fmt,
+                                                   transform, scaling) for r in range(world)])
+    fused = K.taco_reduce_encode_rows_triton(own, wires, block_size, fmt, transform, scaling)
+    if not (_same_bits(reference, fused) and _same_bits(ranks, fused)):
+        failures.append(f"reduce_encode_rows {args} world {world}: wires differ")
+    reference = K.taco_reduce_decode_rows_reference(own, wires, block_size, fmt, transform)
+    ranks = torch.cat([K.taco_reduce_decode_triton(parts[r], recv[:, r].reshape(-1), r, world, block_size, fmt,
+                                                   transform) for r in range(world)])
+    fused = K.taco_reduce_decode_rows_triton(own, wires, block_size, fmt, transform)
+    if not (_decoded_match(reference, fused) and _decoded_match(ranks, fused)):
+        failures.append(f"reduce_decode_rows {args} world {world}: values differ")
+    return failures
+
+
 def _decoded_match(ref, fused):
     nan = ref.isnan()
     return torch.equal(nan, fused.isnan()) and _same_bits(ref[~nan], fused[~nan])
 
 
-COMPILED = [  # (format, block size, encode SOURCES / decode SOURCES, EVEN): plain, uneven, fused steps
-    ("int8", 256, 0, True), ("e4m3", 256, 0, False), ("e5m2", 32, 0, True), ("int8", 1024, 0, False),
-    ("e4m3", 64, 2, True), ("int8", 512, 4, False), ("e5m2", 128, 8, True),
+COMPILED = [  # (format, block size, encode SOURCES / decode SOURCES, EVEN, each row skipping its own source row):
+    # plain, uneven, fused steps, the emulated group's fused steps
+    ("int8", 256, 0, True, False), ("e4m3", 256, 0, False, False), ("e5m2", 32, 0, True, False),
+    ("int8", 1024, 0, False, False), ("e4m3", 64, 2, True, False), ("int8", 512, 4, False, False),
+    ("e5m2", 128, 8, True, False), ("e4m3", 256, 8, True, True), ("int8", 64, 4, False, True),
 ]
 
 
-@pytest.mark.parametrize("fmt,block_size,sources,even", COMPILED)
-def test_kernels_compile_for_sm90_without_spills(fmt, block_size, sources, even):
+@pytest.mark.parametrize("fmt,block_size,sources,even,own_row", COMPILED)
+def test_kernels_compile_for_sm90_without_spills(fmt, block_size, sources, even, own_row):
     pytest.importorskip("triton")
     from benchmarks import sass_count as sc
     from kernels import taco as K
 
     shape = dict(B=block_size, LOG_B=int(math.log2(block_size)), R=K.PROGRAM_VALUES // block_size,
-                 FORMAT=K._FORMAT_ID[fmt], HADAMARD=True, EVEN=even, SKIP=sources > 0)
+                 FORMAT=K._FORMAT_ID[fmt], HADAMARD=True, EVEN=even, SKIP=sources > 0, SKIP_OWN_ROW=own_row)
     builds = [(K._taco_encode_kernel, sc.TACO_ENCODE_SIGNATURE,
                dict(shape, GAIN=float(block_size), SOURCES=sources, RESCALE=sources == 0, SCALE_MODE=K._SINGLE_QUANT
                     if sources == 0 else K._DUAL)),

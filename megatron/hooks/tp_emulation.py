@@ -86,7 +86,7 @@ class TpEmulation:
     def all_reduce(self, parts: torch.Tensor) -> torch.Tensor:
         """parts: [N, ...] (rank j's contribution at j) -> the sum every rank gets."""
         if self._compresses(parts[0]):
-            coded = emulated_all_reduce(list(parts), self.codec, algorithm=self.all_reduce_algorithm)
+            coded = emulated_all_reduce(parts, self.codec, algorithm=self.all_reduce_algorithm)
             return self._measured("all_reduce", lambda: parts.float().sum(0), coded)
         self._stock(parts[0])
         return _sum_in_rank_order(parts)
@@ -95,7 +95,7 @@ class TpEmulation:
         """parts: [N, s, ...] -> the N ranks' [s / N, ...] sums, concatenated: [s, ...]."""
         self._check_sequence(parts.shape[1])
         if self._compresses(parts[0]):
-            coded = emulated_reduce_scatter(list(parts), self.codec)
+            coded = emulated_reduce_scatter(parts, self.codec)
             return self._measured("reduce_scatter", lambda: parts.float().sum(0), coded)
         self._stock(parts[0])
         return _sum_in_rank_order(parts)
@@ -103,9 +103,9 @@ class TpEmulation:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x: [s, ...] whole -> what the all-gather of its N sequence shards returns."""
         self._check_sequence(x.shape[0])
-        shards = x.chunk(self.size)
+        shards = x.reshape(self.size, x.shape[0] // self.size, *x.shape[1:])
         if self._compresses(shards[0]):
-            coded = emulated_all_gather([s.contiguous() for s in shards], self.codec)
+            coded = emulated_all_gather(shards, self.codec)
             return self._measured("all_gather", lambda: x, coded)
         self._stock(shards[0])
         return x

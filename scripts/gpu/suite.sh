@@ -15,7 +15,8 @@
 #                  at 1e-4, every gather checked
 #   convergence    1-2 GPUs: GPT-125M TACO ablations at TP=2 (scripts/convergence.py --preset gpu-125m)
 #   tp8            1 GPU: the TACO paper's Table 1 at emulated TP=8 (scripts/convergence.py --preset gpu-125m-tp8),
-#                  the runs VARIANTS (default baseline), JOBS at once: one compressed run takes ~6 min alone; collect
+#                  the runs VARIANTS (default baseline), JOBS at once: three baselines or two compressed runs fit a
+#                  call (not yet naive_fp8 and tahquant, coded rank by rank: ~0.18 s per iteration alone); collect
 #                  every run's metrics and logs in one folder, then `--reuse` there on any machine writes table1.md
 #   compute        1 GPU: the compute path (benchmarks/compute_path.py): GPT-1.3B, GPT-350M and a Llama-style model
 #                  with SDPA and the fused ops against megatron-core's unfused local spec, a profile of GPT-1.3B,
@@ -26,7 +27,7 @@
 # VARIANTS, JOBS, PRESET (tp8).
 # Output goes to $RES (/tmp/res), which setup_device.sh archives into $OUT/results.tgz on exit.
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,26p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,28p "$0"; exit 2; }
 source scripts/gpu/setup_device.sh || exit 1
 
 link_env() {  # the NCCL environment of a link class
