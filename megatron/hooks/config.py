@@ -24,13 +24,14 @@ GRAD_REDUCE_METHODS = ("none", "hadamard-int8", "hadamard-int4")
 PP_COMM_METHODS = ("none", "tahquant")
 
 
-def _check(condition: bool, message: str) -> None:
+def check(condition: bool, message: str) -> None:
+    """A start-up check: ``message`` names the flag and the fix."""
     if not condition:
         raise ValueError(message)
 
 
 def _check_trial_iters(flag: str, iters: int) -> None:
-    _check(iters == 0 or (iters >= 2 and iters % 2 == 0),
+    check(iters == 0 or (iters >= 2 and iters % 2 == 0),
            f"{flag} must be 0 (no trial) or an even number >= 2, got {iters}")
 
 
@@ -66,27 +67,27 @@ class TpCommConfig:
     """``--transformer-impl``: the compressed layers are the local spec's."""
 
     def __post_init__(self):
-        _check(self.method in TP_COMM_METHODS,
+        check(self.method in TP_COMM_METHODS,
                f"--tp-comm-compression must be one of {'|'.join(TP_COMM_METHODS)}, got {self.method!r}")
-        _check(self.min_bytes == "auto" or self.min_bytes.isdigit(),
+        check(self.min_bytes == "auto" or self.min_bytes.isdigit(),
                f"--tp-comm-compression-min-bytes must be 'auto' or an integer >= 0, got {self.min_bytes!r}")
-        _check(self.all_reduce in ALL_REDUCE_ALGORITHMS,
+        check(self.all_reduce in ALL_REDUCE_ALGORITHMS,
                f"--taco-all-reduce must be one of {'|'.join(ALL_REDUCE_ALGORITHMS)}, got {self.all_reduce!r}")
         _check_trial_iters("--tp-comm-compression-trial-iters", self.trial_iters)
-        _check(not self.cuda_graphs or self.method == "taco",
+        check(not self.cuda_graphs or self.method == "taco",
                "--tp-comm-cuda-graphs replays TACO's compressed TP collectives: add --tp-comm-compression taco")
         if self.method != "none":
-            _check(self.transformer_impl == "local",
+            check(self.transformer_impl == "local",
                    f"--tp-comm-compression {self.method} needs --transformer-impl local: TACO hooks replace the "
                    f"local-spec linears; Transformer Engine does its TP communication inside its own kernels: add "
                    f"--transformer-impl local")
-            _check(self.method != "tahquant" or self.min_bytes.isdigit(),
+            check(self.method != "tahquant" or self.min_bytes.isdigit(),
                    "--tp-comm-compression tahquant codes whole tokens, which the 'auto' probe's messages are not: "
                    "give --tp-comm-compression-min-bytes as a number of bytes, e.g. 0")
         if self.emulate > 1:
-            _check(self.method != "none", f"--tp-comm-emulate {self.emulate} emulates compressed TP collectives: "
+            check(self.method != "none", f"--tp-comm-emulate {self.emulate} emulates compressed TP collectives: "
                                           f"add --tp-comm-compression taco (or tahquant)")
-            _check(self.min_bytes.isdigit(),
+            check(self.min_bytes.isdigit(),
                    "--tp-comm-emulate needs --tp-comm-compression-min-bytes as a number of bytes ('auto' times a real "
                    "TP group): give e.g. --tp-comm-compression-min-bytes 0")
 
@@ -133,39 +134,39 @@ class ParamGatherConfig:
 
     def __post_init__(self):
         methods = ("none", *PARAM_GATHER_METHODS)
-        _check(self.method in methods, f"--param-gather-compression must be one of {methods}, got {self.method!r}")
-        _check(self.selection in ("all", "benefit"),
+        check(self.method in methods, f"--param-gather-compression must be one of {methods}, got {self.method!r}")
+        check(self.selection in ("all", "benefit"),
                f"--param-gather-selection must be 'all' or 'benefit', got {self.selection!r}")
-        _check(self.verify_interval >= 0,
+        check(self.verify_interval >= 0,
                f"--param-gather-verify-interval must be >= 0 (0 = off), got {self.verify_interval}")
         IntegrityCheck(max_mismatches=self.integrity_max_mismatches)  # checks its bound
         _check_trial_iters("--param-gather-trial-iters", self.trial_iters)
         window = SELECTION_WINDOW_ITERATIONS + self.trial_iters
-        _check(self.reselect_interval == 0 or self.reselect_interval > window,
+        check(self.reselect_interval == 0 or self.reselect_interval > window,
                f"--param-gather-reselect-interval must be 0 (choose once) or more than the {window} iterations that "
                f"measuring and the trial (--param-gather-trial-iters {self.trial_iters}) take, got "
                f"{self.reselect_interval}")
         self._check_delta_options()
-        _check(not self.keyframe_interval or self.method in ("ciera", "delta"),
+        check(not self.keyframe_interval or self.method in ("ciera", "delta"),
                "--param-gather-keyframe-interval sends every N-th gather of the lossless codecs uncompressed: add "
                "--param-gather-compression delta (or ciera) or drop --param-gather-keyframe-interval")
         budget = self.ciera_cache_budget_mb
-        _check(budget is None or budget > 0,
+        check(budget is None or budget > 0,
                f"--ciera-cache-budget-mb must be positive (or omitted for unlimited), got {budget}")
-        _check(budget is None or self.method != "ciera" or self.selection == "benefit",
+        check(budget is None or self.method != "ciera" or self.selection == "benefit",
                "--ciera-cache-budget-mb applies only with --param-gather-selection benefit: add that or drop the "
                "budget")
 
     def _check_delta_options(self) -> None:
-        _check(not self.delta_fused_cast or self.method == "delta",
+        check(not self.delta_fused_cast or self.method == "delta",
                "--delta-fused-cast moves the optimizer's parameter copy into the delta encode: add "
                "--param-gather-compression delta or drop --delta-fused-cast")
-        _check(not self.delta_capacity_factor or self.method == "delta",
+        check(not self.delta_capacity_factor or self.method == "delta",
                "--delta-capacity-factor sizes the slots of delta payloads: add --param-gather-compression delta or "
                "drop --delta-capacity-factor")
-        _check(not self.delta_cuda_graphs or self.delta_capacity_factor,
+        check(not self.delta_cuda_graphs or self.delta_capacity_factor,
                "--delta-cuda-graphs captures sync-free delta gathers: add --delta-capacity-factor (e.g. 1.25)")
-        _check(not self.delta_capacity_factor or self.delta_capacity_factor >= 1.0,
+        check(not self.delta_capacity_factor or self.delta_capacity_factor >= 1.0,
                f"--delta-capacity-factor must be 0 (exchange payload sizes first) or >= 1.0, got "
                f"{self.delta_capacity_factor}")
 
@@ -185,7 +186,7 @@ class GradReduceConfig:
     """``--grad-reduce-block-size``: the Hadamard block."""
 
     def __post_init__(self):
-        _check(self.method in GRAD_REDUCE_METHODS,
+        check(self.method in GRAD_REDUCE_METHODS,
                f"--grad-reduce-compression must be one of {GRAD_REDUCE_METHODS}, got {self.method!r}")
         HadamardQuantConfig(block_size=self.block_size)  # checks the block size
 
@@ -208,7 +209,7 @@ class PipelineCommConfig:
     """``--hidden-size``: a wire larger than bf16's at this width is refused at start-up."""
 
     def __post_init__(self):
-        _check(self.method in PP_COMM_METHODS,
+        check(self.method in PP_COMM_METHODS,
                f"--pp-comm-compression must be one of {'|'.join(PP_COMM_METHODS)}, got {self.method!r}")
         if self.method == "tahquant" and self.hidden_size:
             self.tahquant.check_hidden_size(self.hidden_size)

@@ -177,22 +177,22 @@ def build_tp_codec(config: TpCommConfig) -> TensorCodec:
     return TacoCodec(config.taco)
 
 
-def _check_module(name: str, module: torch.nn.Module) -> None:
+def _check_module(name: str, module: torch.nn.Module, method: str) -> None:
     if type(module).__module__.startswith(("transformer_engine", "megatron.core.extensions.transformer_engine")):
         raise ValueError(
-            f"--tp-comm-compression taco needs --transformer-impl local, but {name} is a Transformer Engine "
+            f"--tp-comm-compression {method} needs --transformer-impl local, but {name} is a Transformer Engine "
             f"layer ({type(module).__name__})"
         )
     if getattr(module, "gtp_remat_size", 1) > 1:
         # megatron-core >= 0.19: generalized TP shards the weight and gathers it inside the linear.
         raise ValueError(
-            f"--tp-comm-compression taco does not support generalized tensor parallelism ({name} has "
+            f"--tp-comm-compression {method} does not support generalized tensor parallelism ({name} has "
             f"gtp_remat_size {module.gtp_remat_size}): train without GTP"
         )
     config = getattr(module, "config", None)
     if config is not None and getattr(config, "defer_embedding_wgrad_compute", False):
         raise ValueError(
-            "--tp-comm-compression taco does not support --defer-embedding-wgrad-compute; drop that flag"
+            f"--tp-comm-compression {method} does not support --defer-embedding-wgrad-compute; drop that flag"
         )
 
 
@@ -236,7 +236,7 @@ def apply_tp_compression(model_chunks: list, config: TpCommConfig, codec: Tensor
     graphs = {}  # per TP group: its collectives' CUDA graphs (--tp-comm-cuda-graphs)
     for chunk in model_chunks:
         for name, module in chunk.named_modules():
-            _check_module(name, module)
+            _check_module(name, module, config.method)
             if not _compressible(module):
                 if type(module) in _COMPRESSED_CLASS:
                     kept[type(module).__name__] += 1

@@ -22,6 +22,7 @@ from typing import Optional, Union
 
 import torch
 
+from megatron.hooks.config import check
 from megatron.hooks.gather_methods import PARAM_GATHER_METHODS
 from megatron.training.batch_schedule import iterations_in, parse_step_schedule, rampup_steps
 
@@ -997,11 +998,6 @@ def check_ranges(args) -> None:
             raise ValueError(f"{_flag_name(name)} must be {text}, got {value}")
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
 def transformer_engine_installed() -> bool:
     import importlib.util
 
@@ -1011,26 +1007,26 @@ def transformer_engine_installed() -> bool:
 def _validate_parallel(args) -> None:
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     model_parallel = tp * pp * cp
-    _check(args.world_size % model_parallel == 0,
+    check(args.world_size % model_parallel == 0,
            f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}: change the sizes or the process count")
     args.data_parallel_size = args.world_size // model_parallel
-    _check(not args.sequence_parallel or tp > 1 or args.tp_comm_emulate > 1,
+    check(not args.sequence_parallel or tp > 1 or args.tp_comm_emulate > 1,
            "--sequence-parallel needs --tensor-model-parallel-size > 1 (or --tp-comm-emulate N): drop "
            "--sequence-parallel or raise TP")
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
     if ep > 1:
-        _check(args.num_experts is not None, "--expert-model-parallel-size > 1 needs --num-experts")
+        check(args.num_experts is not None, "--expert-model-parallel-size > 1 needs --num-experts")
     expert_parallel = ep * etp * pp * cp
-    _check(args.world_size % expert_parallel == 0,
+    check(args.world_size % expert_parallel == 0,
            f"world size {args.world_size} is not divisible by --expert-model-parallel-size {ep} x "
            f"--expert-tensor-parallel-size {etp} x PP {pp} x CP {cp}: change the expert-parallel sizes")
     _validate_optimizer_instances(args, args.world_size // (ep * etp * pp))
-    _check(args.ddp_num_buckets is None or args.ddp_num_buckets >= 1,
+    check(args.ddp_num_buckets is None or args.ddp_num_buckets >= 1,
            f"--ddp-num-buckets must be at least 1, got {args.ddp_num_buckets}")
-    _check(args.ddp_num_buckets is None or args.ddp_bucket_size is None,
+    check(args.ddp_num_buckets is None or args.ddp_bucket_size is None,
            "--ddp-num-buckets and --ddp-bucket-size both size the DP buckets: give one")
     _validate_virtual_pipeline(args)
 
@@ -1038,14 +1034,14 @@ def _validate_parallel(args) -> None:
 def _validate_optimizer_instances(args, expert_data_parallel_size: int) -> None:
     copies = args.num_distributed_optimizer_instances
     flag = f"--num-distributed-optimizer-instances {copies}"
-    _check(copies >= 1, f"{flag} must be at least 1")
+    check(copies >= 1, f"{flag} must be at least 1")
     if copies == 1:
         return
-    _check(args.use_distributed_optimizer, f"{flag} makes copies of the distributed optimizer: add "
+    check(args.use_distributed_optimizer, f"{flag} makes copies of the distributed optimizer: add "
                                            f"--use-distributed-optimizer")
     dp_cp = args.data_parallel_size * args.context_parallel_size
-    _check(dp_cp % copies == 0, f"{flag} does not divide the data-parallel size {dp_cp} (x CP) into equal copies")
-    _check(expert_data_parallel_size % copies == 0, f"{flag} does not divide the expert data-parallel size "
+    check(dp_cp % copies == 0, f"{flag} does not divide the data-parallel size {dp_cp} (x CP) into equal copies")
+    check(expert_data_parallel_size % copies == 0, f"{flag} does not divide the expert data-parallel size "
                                                     f"{expert_data_parallel_size} into equal copies")
 
 
@@ -1063,17 +1059,17 @@ def _validate_pipeline_layout(args) -> None:
         ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers is not None),
         ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
         ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split)) if given]
-    _check(not others, f"{flag} places every layer itself: drop {', '.join(others)}")
+    check(not others, f"{flag} places every layer itself: drop {', '.join(others)}")
     try:
         layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, pp)
         standalone_mtp = layout.validate_layer_layout(num_layers=args.num_layers, mtp_num_layers=args.mtp_num_layers)
     except (AssertionError, ValueError, KeyError) as error:
         raise ValueError(f"{flag} with --num-layers {args.num_layers}, --mtp-num-layers {args.mtp_num_layers} and "
                          f"PP {pp} (stages are PP x virtual stages): {error}") from None
-    _check(not standalone_mtp, f"{flag} puts the multi-token prediction layers (m) on another stage than the loss "
+    check(not standalone_mtp, f"{flag} puts the multi-token prediction layers (m) on another stage than the loss "
                                f"(L): megatron-core's standalone MTP stage is not wired up here; place them with L")
     vp = layout.virtual_pipeline_model_parallel_size
-    _check(vp == 1 or pp > 1, f"{flag} has {vp} stages for PP 1: the interleaved schedule needs "
+    check(vp == 1 or pp > 1, f"{flag} has {vp} stages for PP 1: the interleaved schedule needs "
                               f"--pipeline-model-parallel-size > 1 (or one stage)")
     args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
     if vp == 1:
@@ -1086,19 +1082,19 @@ def _validate_virtual_pipeline(args) -> None:
         return
     pp = args.pipeline_model_parallel_size
     per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
-    _check(per_stage is None or per_rank is None,
+    check(per_stage is None or per_rank is None,
            "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank")
     uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
     split_layers, layers_text = _layers_to_split(args)
     vp = per_rank
     if per_stage is not None:
-        _check(not uneven, "with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give the "
+        check(not uneven, "with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give the "
                            "virtual stages as --num-virtual-stages-per-pipeline-rank (Megatron-LM's rule)")
-        _check(split_layers % (pp * per_stage) == 0,
+        check(split_layers % (pp * per_stage) == 0,
                f"{layers_text} is not divisible by PP {pp} x --num-layers-per-virtual-pipeline-stage {per_stage}")
         vp = split_layers // pp // per_stage
     if vp is not None and vp > 1:
-        _check(pp > 1, "the interleaved schedule needs --pipeline-model-parallel-size > 1: drop the virtual-stage flag")
+        check(pp > 1, "the interleaved schedule needs --pipeline-model-parallel-size > 1: drop the virtual-stage flag")
         args.virtual_pipeline_model_parallel_size = vp
     else:
         args.virtual_pipeline_model_parallel_size = None
@@ -1107,7 +1103,7 @@ def _validate_virtual_pipeline(args) -> None:
         _validate_uneven_pipeline_split(args)
         return
     vp = args.virtual_pipeline_model_parallel_size or 1
-    _check(split_layers % (pp * vp) == 0,
+    check(split_layers % (pp * vp) == 0,
            f"{layers_text} is not divisible by PP {pp} x virtual stages {vp}: change --num-layers or the pipeline "
            f"sizes")
 
@@ -1126,9 +1122,9 @@ def _validate_uneven_pipeline_split(args) -> None:
     """--decoder-first/last-pipeline-num-layers: those stages get that many layers, the middle stages the rest
     evenly; with virtual stages every stage's layers split evenly over them (megatron-core's rules)."""
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
-    _check(pp > 1, "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers split the layers over "
+    check(pp > 1, "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers split the layers over "
                    "pipeline stages: add --pipeline-model-parallel-size > 1")
-    _check(not (args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split),
+    check(not (args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split),
            "give either --decoder-first/last-pipeline-num-layers or --account-for-embedding/loss-in-pipeline-split, "
            "not both")
     middle_layers, middle_stages = args.num_layers, pp
@@ -1136,11 +1132,11 @@ def _validate_uneven_pipeline_split(args) -> None:
                          ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers)):
         if layers is None:
             continue
-        _check(layers > 0 and layers % vp == 0,
+        check(layers > 0 and layers % vp == 0,
                f"{flag} {layers} must be positive and divisible by the {vp} virtual stages per pipeline rank")
         middle_layers -= layers
         middle_stages -= 1
-    _check(middle_layers >= 0 and (middle_layers > 0) == (middle_stages > 0)
+    check(middle_layers >= 0 and (middle_layers > 0) == (middle_stages > 0)
            and (middle_stages == 0 or middle_layers % (middle_stages * vp) == 0),
            f"--num-layers {args.num_layers} leaves {middle_layers} layers for {middle_stages} middle pipeline stages "
            f"x {vp} virtual stages: change --decoder-first/last-pipeline-num-layers or --num-layers")
@@ -1149,10 +1145,10 @@ def _validate_uneven_pipeline_split(args) -> None:
 def _validate_megatron_lm_spellings(args) -> None:
     """Megatron-LM's older spellings onto the flags they stand for; its flags we do not implement: an error."""
     for flag, (_, reason) in NOT_IMPLEMENTED.items():
-        _check(getattr(args, "not_implemented_" + flag.replace("-", "_")) in (None, False), f"--{flag}: {reason}")
+        check(getattr(args, "not_implemented_" + flag.replace("-", "_")) in (None, False), f"--{flag}: {reason}")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
-    _check(args.add_position_embedding or args.position_embedding_type != "learned_absolute",
+    check(args.add_position_embedding or args.position_embedding_type != "learned_absolute",
            "--no-position-embedding (Megatron-LM's deprecated spelling) contradicts --position-embedding-type "
            "learned_absolute (the default): use --position-embedding-type rope or none instead")
     if args.use_flash_attn:
@@ -1160,7 +1156,7 @@ def _validate_megatron_lm_spellings(args) -> None:
     if args.recompute_activations:
         args.recompute_granularity = "selective"
     if args.moe_layer_recompute:  # megatron-core's own translation of it, which warns that it is deprecated
-        _check(args.recompute_granularity != "full", "--moe-layer-recompute recomputes MoE layers in selective "
+        check(args.recompute_granularity != "full", "--moe-layer-recompute recomputes MoE layers in selective "
                                                      "recompute: drop it or --recompute-granularity full")
         args.recompute_granularity = "selective"
         modules = args.recompute_modules or ["core_attn"]  # megatron-core's default
@@ -1169,20 +1165,20 @@ def _validate_megatron_lm_spellings(args) -> None:
 
 def _validate_model(args) -> None:
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr"):
-        _check(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
+        check(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     tp = args.tensor_model_parallel_size
     heads = args.num_attention_heads
-    _check(heads % tp == 0, f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}")
+    check(heads % tp == 0, f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}")
     if not args.group_query_attention:
         args.num_query_groups = heads
-    _check(args.num_query_groups % tp == 0,
+    check(args.num_query_groups % tp == 0,
            f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
     if args.kv_channels is None:
-        _check(args.hidden_size % heads == 0,
+        check(args.hidden_size % heads == 0,
                f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}: set --kv-channels")
         args.kv_channels = args.hidden_size // heads
     activations = [flag for flag in ("swiglu", "squared_relu", "quick_geglu") if getattr(args, flag)]
-    _check(len(activations) <= 1, f"--{' and --'.join(a.replace('_', '-') for a in activations)} are exclusive "
+    check(len(activations) <= 1, f"--{' and --'.join(a.replace('_', '-') for a in activations)} are exclusive "
                                   f"activations: pick one")
     if args.ffn_hidden_size is None:
         # SwiGLU keeps the MLP's parameter count of a 4h GeLU MLP, rounded down to a multiple of 64.
@@ -1190,20 +1186,20 @@ def _validate_model(args) -> None:
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute":
-        _check(args.seq_length <= args.max_position_embeddings,
+        check(args.seq_length <= args.max_position_embeddings,
                f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
-    _check(args.padded_vocab_size is None or args.padded_vocab_size % tp == 0,
+    check(args.padded_vocab_size is None or args.padded_vocab_size % tp == 0,
            f"--padded-vocab-size {args.padded_vocab_size} is not divisible by --tensor-model-parallel-size {tp}: the "
            f"embedding and output layer split the vocabulary over TP")
-    _check(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive: pick one")
+    check(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive: pick one")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     if args.apply_query_key_layer_scaling:
         args.attention_softmax_in_fp32 = True  # megatron-core's rule, shown in args as Megatron-LM does
     if not args.add_bias_linear:
         args.bias_gelu_fusion = False  # no bias to fuse (Megatron-LM's rule; megatron-core refuses the combination)
-    _check(args.spec is None or len(args.spec) == 2, f"--spec takes MODULE NAME, got {args.spec}")
+    check(args.spec is None or len(args.spec) == 2, f"--spec takes MODULE NAME, got {args.spec}")
     if args.recompute_granularity == "full":
-        _check(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
+        check(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
     _validate_glu_options(args)
     _validate_recompute_modules(args)
     _validate_attention_window(args)
@@ -1211,7 +1207,7 @@ def _validate_model(args) -> None:
     _validate_transformer_impl(args)
     _validate_fp32_residual_connection(args)
     _validate_mla(args)
-    _check(args.cross_entropy_fusion_impl != "te" or transformer_engine_installed(),
+    check(args.cross_entropy_fusion_impl != "te" or transformer_engine_installed(),
            "--cross-entropy-fusion-impl te runs Transformer Engine's parallel cross entropy, and Transformer Engine is "
            "not installed: use --cross-entropy-fusion-impl native (the default) or pip install '.[te]'")
 
@@ -1225,12 +1221,12 @@ def _validate_glu_options(args) -> None:
     if not given:
         return
     flags = " and ".join(given)
-    _check(args.swiglu or args.quick_geglu, f"{flags} shape a gated MLP: add --quick-geglu (gpt-oss) or --swiglu")
-    _check(args.activation_func_clamp_value is None or args.activation_func_clamp_value > 0,
+    check(args.swiglu or args.quick_geglu, f"{flags} shape a gated MLP: add --quick-geglu (gpt-oss) or --swiglu")
+    check(args.activation_func_clamp_value is None or args.activation_func_clamp_value > 0,
            f"--activation-func-clamp-value must be positive, got {args.activation_func_clamp_value}")
-    _check(not (args.swiglu and args.bias_swiglu_fusion),
+    check(not (args.swiglu and args.bias_swiglu_fusion),
            f"{flags} with --swiglu: the fused bias-SwiGLU kernel leaves them out, add --no-bias-swiglu-fusion")
-    _check(not (args.num_experts and args.moe_grouped_gemm and args.transformer_impl == "local"),
+    check(not (args.num_experts and args.moe_grouped_gemm and args.transformer_impl == "local"),
            f"{flags} with --moe-grouped-gemm: megatron-core's grouped-GEMM experts of the local spec leave them out; "
            f"use --transformer-impl transformer_engine or drop --moe-grouped-gemm")
 
@@ -1239,30 +1235,30 @@ def _validate_recompute_modules(args) -> None:
     modules = args.recompute_modules
     if not modules:
         return
-    _check(args.recompute_granularity == "selective",
+    check(args.recompute_granularity == "selective",
            f"--recompute-modules {' '.join(modules)} chooses what --recompute-granularity selective recomputes: add it")
-    _check("moe_act" not in modules or args.moe_grouped_gemm,
+    check("moe_act" not in modules or args.moe_grouped_gemm,
            "--recompute-modules moe_act recomputes the grouped-GEMM experts' activation: add --moe-grouped-gemm")
     # megatron-core's MLP recompute returns the output layer's bias parameter from its checkpoint function, which
     # gives that leaf a backward of its own: the backward then recomputes the MLP without end (0.16.1, 0.19.2)
-    _check("mlp" not in modules or not args.add_bias_linear,
+    check("mlp" not in modules or not args.add_bias_linear,
            "--recompute-modules mlp works on MLPs without biases only (megatron-core's MLP recompute recurses without "
            "end when the MLP returns its bias): add --disable-bias-linear, or recompute core_attn/layernorm only")
-    _check("mla_up_proj" not in modules or args.multi_latent_attention,
+    check("mla_up_proj" not in modules or args.multi_latent_attention,
            "--recompute-modules mla_up_proj recomputes multi-latent attention's up projections: add "
            "--multi-latent-attention")
 
 
 def _validate_attention_window(args) -> None:
     if args.window_size is None:
-        _check(args.window_attn_skip_freq is None, "--window-attn-skip-freq picks the layers of --window-size's "
+        check(args.window_attn_skip_freq is None, "--window-attn-skip-freq picks the layers of --window-size's "
                                                    "sliding-window attention: add --window-size")
         return
     freq = args.window_attn_skip_freq
-    _check(not isinstance(freq, list) or len(freq) == args.num_layers,
+    check(not isinstance(freq, list) or len(freq) == args.num_layers,
            f"--window-attn-skip-freq lists {len(freq) if isinstance(freq, list) else 0} layers, the model has "
            f"--num-layers {args.num_layers}")
-    _check(not isinstance(freq, int) or freq > 0, f"--window-attn-skip-freq {freq} must be positive")
+    check(not isinstance(freq, int) or freq > 0, f"--window-attn-skip-freq {freq} must be positive")
 
 
 def _validate_no_rope(args) -> None:
@@ -1270,39 +1266,39 @@ def _validate_no_rope(args) -> None:
     if freq is None:
         return
     # megatron-core's multi-latent attention applies its rotary embedding in every layer, --no-rope-freq or not
-    _check(args.position_embedding_type == "rope" and not args.multi_latent_attention,
+    check(args.position_embedding_type == "rope" and not args.multi_latent_attention,
            "--no-rope-freq picks the layers that skip RoPE: it needs --position-embedding-type rope (and "
            "megatron-core's multi-latent attention does not take it)")
-    _check(not isinstance(freq, list) or len(freq) == args.num_layers,
+    check(not isinstance(freq, list) or len(freq) == args.num_layers,
            f"--no-rope-freq lists {len(freq) if isinstance(freq, list) else 0} layers, the model has "
            f"--num-layers {args.num_layers}")
-    _check(not isinstance(freq, int) or freq > 0 and args.num_layers % freq == 0,
+    check(not isinstance(freq, int) or freq > 0 and args.num_layers % freq == 0,
            f"--no-rope-freq {freq} must divide --num-layers {args.num_layers} (every {freq}th layer skips RoPE)")
 
 
 def _validate_mla(args) -> None:
     """Megatron-LM's rules for --multi-latent-attention, and the TP splits the local spec's projections need."""
     if not args.multi_latent_attention:
-        _check(args.rope_type in (None, "rope"), f"--rope-type {args.rope_type} is for --multi-latent-attention; "
+        check(args.rope_type in (None, "rope"), f"--rope-type {args.rope_type} is for --multi-latent-attention; "
                                                  f"other attention takes --rope-type rope only")
         return
-    _check(not args.group_query_attention, "--group-query-attention and --multi-latent-attention are exclusive "
+    check(not args.group_query_attention, "--group-query-attention and --multi-latent-attention are exclusive "
                                            "(as in Megatron-LM): drop one")
     # megatron-core's specs refuse the L2 norm with MLA, and its MLA forward has no output gate
     for flag, given in (("--qk-l2-norm", args.qk_l2_norm), ("--attention-output-gate", args.attention_output_gate)):
-        _check(not given, f"{flag} is not supported with --multi-latent-attention (megatron-core's): drop one")
+        check(not given, f"{flag} is not supported with --multi-latent-attention (megatron-core's): drop one")
     tp = args.tensor_model_parallel_size
     if args.transformer_impl != "local":  # Transformer Engine's down projections are replicated over TP
         return
     # megatron/hooks/mla.py tells the kv latent's gather from the query latent's by its width
-    _check(tp == 1 or args.q_lora_rank != args.kv_lora_rank + args.qk_pos_emb_head_dim,
+    check(tp == 1 or args.q_lora_rank != args.kv_lora_rank + args.qk_pos_emb_head_dim,
            f"--q-lora-rank {args.q_lora_rank} equals --kv-lora-rank + --qk-pos-emb-head-dim: with TP > 1 and the local "
            f"spec the query and kv latents must differ in width (megatron/hooks/mla.py sums the rotary key's gradient "
            f"over TP by the kv latent's width): change one of them")
     # the local spec's down projections are column-parallel linears, split over TP like the up projections
     for flag, size in (("--kv-lora-rank + --qk-pos-emb-head-dim", args.kv_lora_rank + args.qk_pos_emb_head_dim),
                        ("--q-lora-rank", args.q_lora_rank)):
-        _check(size is None or size % tp == 0,
+        check(size is None or size % tp == 0,
                f"{flag} = {size} is not divisible by --tensor-model-parallel-size {tp}: the local spec splits the "
                f"down projections over TP")
 
@@ -1311,7 +1307,7 @@ def _validate_transformer_impl(args) -> None:
     if args.transformer_impl is None:
         args.transformer_impl = "transformer_engine" if transformer_engine_installed() else "local"
     if args.transformer_impl == "transformer_engine":
-        _check(transformer_engine_installed(),
+        check(transformer_engine_installed(),
                "--transformer-impl transformer_engine asks for Transformer Engine, which is not installed: "
                "pip install '.[te]' or use --transformer-impl local")
     else:
@@ -1327,23 +1323,23 @@ def _validate_local_attention_backend(args) -> None:
     if backend not in ("flash", "fused"):
         return
     fix = "use --attention-backend auto (SDPA picks a kernel that can) or unfused"
-    _check(sdpa_supports(args.softmax_type),
+    check(sdpa_supports(args.softmax_type),
            f"--softmax-type {args.softmax_type} adds a logit to the softmax's denominator, which no SDPA kernel "
            f"computes, so --attention-backend {backend} (or --use-flash-attn) cannot run it: {fix}")
-    _check(backend != "flash" or args.window_size is None,
+    check(backend != "flash" or args.window_size is None,
            f"--window-size {args.window_size} needs an attention mask, which SDPA's flash kernel does not take: {fix}")
-    _check(backend != "fused" or torch.cuda.is_available(),
+    check(backend != "fused" or torch.cuda.is_available(),
            f"--attention-backend fused is cuDNN's attention, which needs CUDA: {fix}")
 
 
 def _validate_fp32_residual_connection(args) -> None:
     if not args.fp32_residual_connection:
         return
-    _check(args.bf16 or args.fp16, "--fp32-residual-connection keeps the residual stream in fp32 under --bf16/--fp16: "
+    check(args.bf16 or args.fp16, "--fp32-residual-connection keeps the residual stream in fp32 under --bf16/--fp16: "
                                    "add one of them, or drop the flag (an fp32 run's residual stream is fp32 anyway)")
     # Without apex the local spec's norms are torch's: the fp32 residual stream with half-precision weights fails
     # in them (LayerNorm) or in the linear after them (RMSNorm); Transformer Engine's layers cast their input.
-    _check(args.transformer_impl == "transformer_engine",
+    check(args.transformer_impl == "transformer_engine",
            "--fp32-residual-connection needs --transformer-impl transformer_engine: the local spec's torch norms "
            "pass the fp32 residual stream on to the bf16/fp16 linears unconverted; drop the flag")
 
@@ -1352,26 +1348,26 @@ def _validate_moe(args) -> None:
     if args.num_experts is None:
         return
     ep = args.expert_model_parallel_size
-    _check(args.num_experts % ep == 0,
+    check(args.num_experts % ep == 0,
            f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
-    _check(args.moe_router_topk <= args.num_experts,
+    check(args.moe_router_topk <= args.num_experts,
            f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
-    _check(not args.moe_apply_probs_on_input or args.moe_router_topk == 1,
+    check(not args.moe_apply_probs_on_input or args.moe_router_topk == 1,
            f"--moe-apply-probs-on-input scales a token by its one expert's probability: it needs --moe-router-topk 1, "
            f"got {args.moe_router_topk}")
-    _check(args.tensor_model_parallel_size == 1 or args.sequence_parallel,
+    check(args.tensor_model_parallel_size == 1 or args.sequence_parallel,
            "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel: add it")
     # megatron-core 0.16.1 adds the expert bias in place on a view when no expert communication
     # happens (mlp.py:247), which autograd forbids.
-    _check(not args.add_bias_linear or ep * args.expert_tensor_parallel_size > 1,
+    check(not args.add_bias_linear or ep * args.expert_tensor_parallel_size > 1,
            "MoE with linear biases at --expert-model-parallel-size 1 and expert-TP 1 hits a megatron-core bug "
            "(in-place bias add on a view): add --disable-bias-linear (as Mixtral/OLMoE do) or use EP > 1")
     if not torch.cuda.is_available():
-        _check(args.moe_token_dispatcher_type != "alltoall" or args.expert_tensor_parallel_size == 1,
+        check(args.moe_token_dispatcher_type != "alltoall" or args.expert_tensor_parallel_size == 1,
                "on CPU (gloo) the alltoall dispatcher with --expert-tensor-parallel-size > 1 needs uneven "
                "all-gathers, which gloo lacks: add --expert-tensor-parallel-size 1")
     if args.moe_grouped_gemm:
-        _check(torch.cuda.is_available(), "--moe-grouped-gemm needs CUDA: drop it on CPU")
+        check(torch.cuda.is_available(), "--moe-grouped-gemm needs CUDA: drop it on CPU")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
     _validate_moe_layer_freq(args)
@@ -1382,9 +1378,9 @@ def _validate_moe(args) -> None:
 def _validate_moe_layer_freq(args) -> None:
     freq, layers = args.moe_layer_freq, args.num_layers
     if isinstance(freq, int):
-        _check(freq >= 1, f"--moe-layer-freq must be >= 1 (an MoE layer every N layers), got {freq}")
+        check(freq >= 1, f"--moe-layer-freq must be >= 1 (an MoE layer every N layers), got {freq}")
         return
-    _check(len(freq) == layers and set(freq) <= {0, 1},
+    check(len(freq) == layers and set(freq) <= {0, 1},
            f"--moe-layer-freq gives {len(freq)} layers {freq}: give one 1 (MoE) or 0 (dense) per layer, "
            f"--num-layers {layers} in all")
 
@@ -1392,36 +1388,36 @@ def _validate_moe_layer_freq(args) -> None:
 def _validate_moe_router(args) -> None:
     """The routing combinations megatron-core's TransformerConfig refuses, as flag-naming errors."""
     sigmoid = args.moe_router_score_function == "sigmoid"
-    _check(not args.moe_router_enable_expert_bias or sigmoid,
+    check(not args.moe_router_enable_expert_bias or sigmoid,
            "--moe-router-enable-expert-bias (aux-loss-free routing) needs --moe-router-score-function sigmoid: add it")
     # softmax over the one chosen expert is 1, which gives the router no gradient
-    _check(args.moe_router_topk > 1 or sigmoid or args.moe_router_pre_softmax
+    check(args.moe_router_topk > 1 or sigmoid or args.moe_router_pre_softmax
            or args.moe_router_load_balancing_type == "sinkhorn",
            "--moe-router-topk 1 with the softmax score function leaves the router without a gradient: add "
            "--moe-router-pre-softmax (or use --moe-router-score-function sigmoid)")
     groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
     if group_topk is None:
         return
-    _check(groups is not None, "--moe-router-group-topk limits routing to groups: add --moe-router-num-groups")
-    _check(args.num_experts % groups == 0,
+    check(groups is not None, "--moe-router-group-topk limits routing to groups: add --moe-router-num-groups")
+    check(args.num_experts % groups == 0,
            f"--num-experts {args.num_experts} is not divisible by --moe-router-num-groups {groups}")
-    _check(group_topk <= groups, f"--moe-router-group-topk {group_topk} exceeds --moe-router-num-groups {groups}")
+    check(group_topk <= groups, f"--moe-router-group-topk {group_topk} exceeds --moe-router-num-groups {groups}")
 
 
 def _validate_moe_capacity_and_shared_expert(args) -> None:
-    _check(args.moe_expert_capacity_factor is None or args.moe_router_load_balancing_type != "sinkhorn",
+    check(args.moe_expert_capacity_factor is None or args.moe_router_load_balancing_type != "sinkhorn",
            "--moe-expert-capacity-factor does not work with --moe-router-load-balancing-type sinkhorn: use aux_loss, "
            "seq_aux_loss or none")
-    _check(not args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor is not None,
+    check(not args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor is not None,
            "--moe-pad-expert-input-to-capacity pads to the capacity of --moe-expert-capacity-factor: add it")
     shared = args.moe_shared_expert_intermediate_size
-    _check(shared is None or shared > 0, f"--moe-shared-expert-intermediate-size must be positive, got {shared}")
-    _check(not args.moe_shared_expert_gate or shared is not None,
+    check(shared is None or shared > 0, f"--moe-shared-expert-intermediate-size must be positive, got {shared}")
+    check(not args.moe_shared_expert_gate or shared is not None,
            "--moe-shared-expert-gate gates the shared expert: add --moe-shared-expert-intermediate-size")
-    _check(not args.moe_shared_expert_overlap or args.moe_token_dispatcher_type == "alltoall",
+    check(not args.moe_shared_expert_overlap or args.moe_token_dispatcher_type == "alltoall",
            "--moe-shared-expert-overlap overlaps the shared expert with the alltoall dispatcher's communication: add "
            "--moe-token-dispatcher-type alltoall")
-    _check(not args.moe_permute_fusion or transformer_engine_installed(),
+    check(not args.moe_permute_fusion or transformer_engine_installed(),
            "--moe-permute-fusion runs Transformer Engine's fused permutation kernels, and Transformer Engine is not "
            "installed: drop --moe-permute-fusion or pip install '.[te]'")
 
@@ -1429,14 +1425,14 @@ def _validate_moe_capacity_and_shared_expert(args) -> None:
 def _validate_batch_and_schedule(args) -> None:
     micro_dp = args.micro_batch_size * args.data_parallel_size
     if args.step_batch_size_schedule is not None:
-        _check(args.global_batch_size is None and args.rampup_batch_size is None,
+        check(args.global_batch_size is None and args.rampup_batch_size is None,
                "--step-batch-size-schedule sets the global batch size of every iteration: drop --global-batch-size "
                "and --rampup-batch-size (Megatron-LM refuses them together too)")
         args.batch_steps = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
         args.global_batch_size = args.batch_steps[-1][1]  # the schedule's last: what evaluation uses
     if args.global_batch_size is None:
         args.global_batch_size = micro_dp
-    _check(args.global_batch_size % micro_dp == 0,
+    check(args.global_batch_size % micro_dp == 0,
            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}: change the batch sizes")
     args.num_micro_batches = args.global_batch_size // micro_dp
@@ -1448,7 +1444,7 @@ def _validate_batch_and_schedule(args) -> None:
     _validate_batch_steps(args, micro_dp)
     if args.eval_global_batch_size is None:
         args.eval_global_batch_size = args.global_batch_size
-    _check(args.eval_global_batch_size > 0 and args.eval_global_batch_size % micro_dp == 0,
+    check(args.eval_global_batch_size > 0 and args.eval_global_batch_size % micro_dp == 0,
            f"--eval-global-batch-size {args.eval_global_batch_size} must be a positive multiple of --micro-batch-size "
            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}: change it")
     args.eval_micro_batches = args.eval_global_batch_size // micro_dp
@@ -1459,11 +1455,11 @@ def _validate_batch_and_schedule(args) -> None:
     # Megatron-LM's: only the interleaved schedule dispatches aligned param all-gathers
     args.align_param_gather = (args.align_param_gather and args.overlap_param_gather
                                and args.virtual_pipeline_model_parallel_size is not None)
-    _check(not args.overlap_param_gather or args.use_distributed_optimizer,
+    check(not args.overlap_param_gather or args.use_distributed_optimizer,
            "--overlap-param-gather needs --use-distributed-optimizer: add it")
     # Megatron-LM's rule: the overlapped gather is dispatched from the bucket groups that the overlapped grad
     # reduce sets up, and its launch scripts always pass both
-    _check(not args.overlap_param_gather or args.overlap_grad_reduce,
+    check(not args.overlap_param_gather or args.overlap_grad_reduce,
            "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM): add it, or drop "
            "--overlap-param-gather")
 
@@ -1471,12 +1467,12 @@ def _validate_batch_and_schedule(args) -> None:
 def _validate_rampup(args) -> None:
     """--rampup-batch-size START INCREMENT SAMPLES: steps of INCREMENT from START that reach --global-batch-size."""
     flag = "--rampup-batch-size START INCREMENT SAMPLES"
-    _check(len(args.rampup_batch_size) == 3, f"{flag} takes three ints, got {args.rampup_batch_size}")
+    check(len(args.rampup_batch_size) == 3, f"{flag} takes three ints, got {args.rampup_batch_size}")
     start, increment, samples = args.rampup_batch_size
-    _check(start > 0 and increment > 0 and samples >= 0,
+    check(start > 0 and increment > 0 and samples >= 0,
            f"{flag}: START and INCREMENT must be positive and SAMPLES non-negative, got {args.rampup_batch_size}")
     gbs = args.global_batch_size
-    _check(start <= gbs and (gbs - start) % increment == 0,
+    check(start <= gbs and (gbs - start) % increment == 0,
            f"{flag} = {start} {increment} {samples} does not reach --global-batch-size {gbs}: START must be at most "
            f"it and it must be START plus a multiple of INCREMENT")
 
@@ -1486,11 +1482,11 @@ def _validate_batch_steps(args, micro_dp: int) -> None:
     whole number of micro-batches on every DP rank (and of interleaved-schedule groups)."""
     flag = "--rampup-batch-size" if args.rampup_batch_size is not None else "--step-batch-size-schedule"
     if len(args.batch_steps) > 1:
-        _check(args.train_samples is not None,
+        check(args.train_samples is not None,
                f"{flag} changes the batch size with the samples consumed: train with --train-samples (and "
                f"--lr-decay-samples / --lr-warmup-samples) instead of --train-iters, as Megatron-LM requires")
     for _, batch in args.batch_steps:
-        _check(batch % micro_dp == 0,
+        check(batch % micro_dp == 0,
                f"{flag}: its batch size {batch} is not a multiple of --micro-batch-size {args.micro_batch_size} x "
                f"data-parallel size {args.data_parallel_size} = {micro_dp}: every step must be a whole number of "
                f"micro-batches on every DP rank")
@@ -1504,11 +1500,11 @@ def _validate_microbatch_groups(args, micro: int) -> None:
     than PP would stall the pipeline (megatron-core refuses it)."""
     pp = args.pipeline_model_parallel_size
     group = args.microbatch_group_size_per_vp_stage or pp
-    _check(pp <= group <= micro,
+    check(pp <= group <= micro,
            f"--microbatch-group-size-per-virtual-pipeline-stage {group} must lie between PP={pp} and the "
            f"{micro} micro-batches of an iteration (--global-batch-size, --eval-global-batch-size or a step of "
            f"--rampup-batch-size, / (--micro-batch-size x DP))")
-    _check(micro % group == 0 or micro % group >= pp,
+    check(micro % group == 0 or micro % group >= pp,
            f"the interleaved schedule runs micro-batches in groups of {group} (--microbatch-group-size-per-virtual-"
            f"pipeline-stage, default PP={pp}), but an iteration of {micro} micro-batches (--global-batch-size, "
            f"--eval-global-batch-size or a step of --rampup-batch-size, / (--micro-batch-size x DP)) leaves a last "
@@ -1519,12 +1515,12 @@ def _validate_weight_decay_schedule(args) -> None:
     """Megatron-LM's rule: constant decay is --weight-decay; linear and cosine go from --start-weight-decay to
     --end-weight-decay over the training length."""
     if args.weight_decay_incr_style == "constant":
-        _check(args.start_weight_decay is None and args.end_weight_decay is None,
+        check(args.start_weight_decay is None and args.end_weight_decay is None,
                "--start-weight-decay / --end-weight-decay set a changing weight decay: add --weight-decay-incr-style "
                "linear or cosine (a constant one is --weight-decay)")
         args.start_weight_decay = args.end_weight_decay = args.weight_decay
         return
-    _check(args.start_weight_decay is not None and args.end_weight_decay is not None,
+    check(args.start_weight_decay is not None and args.end_weight_decay is not None,
            f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
            f"--end-weight-decay")
 
@@ -1533,19 +1529,19 @@ def _validate_lr_schedule(args) -> None:
     """Training length and LR schedule, in iterations (--train-iters) or in samples (--train-samples, with
     --lr-decay-samples / --lr-warmup-samples), as Megatron-LM; the scheduler counts samples either way
     (``args.lr_warmup_steps``, ``args.lr_decay_steps``)."""
-    _check((args.train_iters is None) != (args.train_samples is None),
+    check((args.train_iters is None) != (args.train_samples is None),
            "give exactly one of --train-iters and --train-samples")
     gbs = args.global_batch_size
-    _check(args.lr_warmup_fraction is None or (args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0),
+    check(args.lr_warmup_fraction is None or (args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0),
            "give only one of --lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction")
     if args.train_samples is not None:
-        _check(args.lr_decay_iters is None and args.lr_warmup_iters == 0,
+        check(args.lr_decay_iters is None and args.lr_warmup_iters == 0,
                "--train-samples counts the schedule in samples: use --lr-decay-samples / --lr-warmup-samples instead "
                "of --lr-decay-iters / --lr-warmup-iters")
         args.train_iters = iterations_in(args.batch_steps, args.train_samples)
         decay, warmup, unit = args.lr_decay_samples or args.train_samples, args.lr_warmup_samples, "samples"
     else:
-        _check(args.lr_decay_samples is None and args.lr_warmup_samples == 0,
+        check(args.lr_decay_samples is None and args.lr_warmup_samples == 0,
                "--lr-decay-samples / --lr-warmup-samples go with --train-samples: with --train-iters use "
                "--lr-decay-iters / --lr-warmup-iters")
         if args.lr_decay_iters is None:
@@ -1553,56 +1549,56 @@ def _validate_lr_schedule(args) -> None:
         decay, warmup, unit = args.lr_decay_iters * gbs, args.lr_warmup_iters * gbs, "iters"
     if args.lr_warmup_fraction is not None:
         warmup = int(args.lr_warmup_fraction * decay)
-    _check(warmup < decay, f"the warm-up ({warmup} samples: --lr-warmup-{unit} or --lr-warmup-fraction) must be "
+    check(warmup < decay, f"the warm-up ({warmup} samples: --lr-warmup-{unit} or --lr-warmup-fraction) must be "
                            f"below the decay length (--lr-decay-{unit}, default the training length: {decay} samples): "
                            f"lower the warm-up or train longer")
     args.lr_warmup_steps, args.lr_decay_steps = warmup, decay
-    _check(args.decoupled_min_lr is None or args.decoupled_lr is not None,
+    check(args.decoupled_min_lr is None or args.decoupled_lr is not None,
            "--decoupled-min-lr sets the minimum of --decoupled-lr's schedule: add --decoupled-lr")
 
 
 def _validate_training_exit(args) -> None:
-    _check(args.exit_interval is None or args.exit_interval > 0,
+    check(args.exit_interval is None or args.exit_interval > 0,
            f"--exit-interval must be a positive number of iterations, got {args.exit_interval}")
-    _check(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+    check(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
            f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
-    _check(args.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
-    _check(args.distributed_timeout_minutes > 0,
+    check(args.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    check(args.distributed_timeout_minutes > 0,
            f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
 
 
 def _validate_data(args) -> None:
     per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
-    _check(args.data_path is None or args.data_args_path is None, "give only one of --data-path and --data-args-path")
-    _check(not any(per_split) or args.per_split_data_args_path is None,
+    check(args.data_path is None or args.data_args_path is None, "give only one of --data-path and --data-args-path")
+    check(not any(per_split) or args.per_split_data_args_path is None,
            "give only one of --train/valid/test-data-path and --per-split-data-args-path")
     whole, split = (args.data_path or args.data_args_path), (any(per_split) or args.per_split_data_args_path)
-    _check(not (whole and split), "give either --data-path (or --data-args-path), divided by --split, or each split's "
+    check(not (whole and split), "give either --data-path (or --data-args-path), divided by --split, or each split's "
                                   "own data (--train/valid/test-data-path or --per-split-data-args-path), not both")
-    _check(not split or args.split == DEFAULT_SPLIT,
+    check(not split or args.split == DEFAULT_SPLIT,
            "--split divides --data-path into splits; with --train/valid/test-data-path each split has its own data: "
            "drop --split")
     sources = {"--mock-data": args.mock_data, "--data-path": whole, "--train/valid/test-data-path": split,
                "--builtin-corpus": args.builtin_corpus is not None}
     given = [flag for flag, present in sources.items() if present]
-    _check(len(given) <= 1, f"give one source of training data, not {' and '.join(given)} (as in Megatron-LM): "
+    check(len(given) <= 1, f"give one source of training data, not {' and '.join(given)} (as in Megatron-LM): "
                             f"drop all but one")
-    _check(whole or split or args.mock_data or args.builtin_corpus is not None,
+    check(whole or split or args.mock_data or args.builtin_corpus is not None,
            "no training data: give --data-path PREFIX, --mock-data or --builtin-corpus python-stdlib")
-    _check(args.builtin_corpus != "python-site-packages" or args.split == DEFAULT_SPLIT,
+    check(args.builtin_corpus != "python-site-packages" or args.split == DEFAULT_SPLIT,
            "--builtin-corpus python-site-packages holds out validation and test files itself: drop --split")
-    _check(args.builtin_corpus_max_bytes > 0,
+    check(args.builtin_corpus_max_bytes > 0,
            f"--builtin-corpus-max-bytes must be positive, got {args.builtin_corpus_max_bytes}")
     if args.dataloader_type is None:
         args.dataloader_type = "single"
-    _check(args.dataloader_type == "single",
+    check(args.dataloader_type == "single",
            f"--dataloader-type {args.dataloader_type} is not implemented: this trainer's loader is Megatron-LM's "
            f"single (one pass in order, resumed at the consumed samples): drop the flag")
-    _check(args.num_dataset_builder_threads > 0,
+    check(args.num_dataset_builder_threads > 0,
            f"--num-dataset-builder-threads must be positive, got {args.num_dataset_builder_threads}")
     # Megatron-LM's TikTokenizer reads its own JSON vocabulary format through the tiktoken package; Megatron-LM's
     # Llama 3 script uses HuggingFaceTokenizer for real data and NullTokenizer for mock data.
-    _check(args.tokenizer_type != "TikTokenizer",
+    check(args.tokenizer_type != "TikTokenizer",
            "--tokenizer-type TikTokenizer is not implemented here: Megatron-LM's reads a tiktoken vocabulary through "
            "the `tiktoken` package (pip install tiktoken), which this trainer does not use. Give the model's "
            "tokenizer.json instead: --tokenizer-type HuggingFaceTokenizer --tokenizer-model FILE (as Megatron-LM's "
@@ -1612,13 +1608,13 @@ def _validate_data(args) -> None:
 def _validate_compression(args) -> None:
     """The combinations with other sections' flags; the compression flags themselves are checked by the configs
     that ``compression_config`` builds (megatron/hooks/config.py), kept as ``args.compression``."""
-    _check(args.param_gather_compression == "none" or args.use_distributed_optimizer,
+    check(args.param_gather_compression == "none" or args.use_distributed_optimizer,
            f"--param-gather-compression {args.param_gather_compression} compresses the distributed optimizer's "
            f"param all-gather: add --use-distributed-optimizer")
-    _check(args.grad_reduce_compression == "none" or args.use_distributed_optimizer,
+    check(args.grad_reduce_compression == "none" or args.use_distributed_optimizer,
            f"--grad-reduce-compression {args.grad_reduce_compression} compresses the distributed optimizer's "
            f"gradient reduce-scatter: add --use-distributed-optimizer")
-    _check(args.grad_reduce_compression == "none" or args.num_distributed_optimizer_instances == 1,
+    check(args.grad_reduce_compression == "none" or args.num_distributed_optimizer_instances == 1,
            f"--grad-reduce-compression {args.grad_reduce_compression} with --num-distributed-optimizer-instances "
            f"{args.num_distributed_optimizer_instances} is not implemented (the optimizer copies' all-reduce of the "
            f"gradient shards would stay uncompressed): drop one of them")
@@ -1632,17 +1628,17 @@ def _validate_tp_emulation(args) -> None:
     n = args.tp_comm_emulate
     if n == 1:
         return
-    _check(args.tensor_model_parallel_size == 1,
+    check(args.tensor_model_parallel_size == 1,
            f"--tp-comm-emulate {n} emulates TP={n} in a TP=1 run: set --tensor-model-parallel-size 1, got "
            f"{args.tensor_model_parallel_size}")
-    _check(args.num_experts is None and not args.multi_latent_attention and not args.mtp_num_layers,
+    check(args.num_experts is None and not args.multi_latent_attention and not args.mtp_num_layers,
            "--tp-comm-emulate emulates dense GPT layers only: drop --num-experts, --multi-latent-attention and "
            "--mtp-num-layers, or run real TP")
     for flag, value in (("--num-attention-heads", args.num_attention_heads),
                         ("--num-query-groups", args.num_query_groups),
                         ("--ffn-hidden-size", args.ffn_hidden_size)):
-        _check(value is None or value % n == 0, f"{flag} {value} is not divisible by --tp-comm-emulate {n}")
-    _check(not args.sequence_parallel or args.seq_length % n == 0,
+        check(value is None or value % n == 0, f"{flag} {value} is not divisible by --tp-comm-emulate {n}")
+    check(not args.sequence_parallel or args.seq_length % n == 0,
            f"--sequence-parallel with --tp-comm-emulate {n} shards the sequence: --seq-length {args.seq_length} "
            f"must be divisible by {n}")
 
@@ -1672,28 +1668,28 @@ def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = 
 
 def _validate_checkpointing(args) -> None:
     loads = args.load is not None or args.pretrained_checkpoint is not None
-    _check(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+    check(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
            "--override-opt_param-scheduler (the command line's LR/WD schedule) and --use-checkpoint-opt_param-scheduler "
            "(the checkpoint's) are exclusive: pick one")
     for flag, given in (("--use-checkpoint-args", args.use_checkpoint_args),
                         ("--ckpt-step", args.ckpt_step is not None),
                         ("--exit-on-missing-checkpoint", args.exit_on_missing_checkpoint)):
-        _check(not given or loads, f"{flag} reads a checkpoint: add --load DIR (or --pretrained-checkpoint DIR)")
+        check(not given or loads, f"{flag} reads a checkpoint: add --load DIR (or --pretrained-checkpoint DIR)")
     _validate_non_persistent(args)
-    _check(not args.dist_ckpt_strictness.startswith("return_"),
+    check(not args.dist_ckpt_strictness.startswith("return_"),
            f"--dist-ckpt-strictness {args.dist_ckpt_strictness} hands the mismatched keys back to the caller, and this "
            f"trainer has no use for them: use log_unexpected or log_all to see them, raise_unexpected or raise_all "
            f"to stop on them")
     # The persistent writer takes the state through a queue: on CPU the tensors it gets are the live parameters
     # (a GPU save copies them to the host first), which the next step changes while it writes.
-    _check(not (args.async_save and args.use_persistent_ckpt_worker) or torch.cuda.is_available(),
+    check(not (args.async_save and args.use_persistent_ckpt_worker) or torch.cuda.is_available(),
            "--use-persistent-ckpt-worker with --async-save needs CUDA (on CPU its writer would read the parameters "
            "while training changes them): drop --use-persistent-ckpt-worker, each save then forks a writer that "
            "holds a copy")
     if args.save_retain_interval is not None:
-        _check(args.save is not None and args.save_interval is not None,
+        check(args.save is not None and args.save_interval is not None,
                "--save-retain-interval thins out --save's checkpoints: add --save DIR and --save-interval N")
-        _check(args.save_retain_interval > 0 and args.save_retain_interval % args.save_interval == 0,
+        check(args.save_retain_interval > 0 and args.save_retain_interval % args.save_interval == 0,
                f"--save-retain-interval {args.save_retain_interval} must be a positive multiple of --save-interval "
                f"{args.save_interval}, or no checkpoint but the latest would be kept")
     if args.async_save:
@@ -1705,19 +1701,19 @@ def _validate_checkpointing(args) -> None:
         if args.async_strategy is None:  # Megatron-LM's default where it runs, else megatron-core's own writer
             args.async_strategy = "nvrx" if nvrx_runs else "mcore"
         elif args.async_strategy == "nvrx":
-            _check(mcore_at_least("0.17"), f"--async-strategy nvrx needs megatron-core 0.17 or later, this is "
+            check(mcore_at_least("0.17"), f"--async-strategy nvrx needs megatron-core 0.17 or later, this is "
                                            f"{MCORE_VERSION}: drop the flag (megatron-core's own writer is its only one)")
-            _check(nvrx_runs, "--async-strategy nvrx writes through nvidia-resiliency-ext, which is not installed: "
+            check(nvrx_runs, "--async-strategy nvrx writes through nvidia-resiliency-ext, which is not installed: "
                               "pip install nvidia-resiliency-ext, or pass --async-strategy mcore")
     # A fine-tuning run counts from iteration 0: saving into the pretrained directory would overwrite its
     # iterations (and the tracker file) with the new run's.
     if args.finetune:
-        _check(args.load is not None, "--finetune loads pretrained weights: add --load DIR")
-        _check(args.save is None or os.path.realpath(args.save) != os.path.realpath(args.load),
+        check(args.load is not None, "--finetune loads pretrained weights: add --load DIR")
+        check(args.save is None or os.path.realpath(args.save) != os.path.realpath(args.load),
                f"--finetune with --save equal to --load ({args.load}) would overwrite the pretrained checkpoint's "
                f"iterations with the fine-tuning run's: give --save a new directory")
     if args.pretrained_checkpoint is not None:
-        _check(args.save is None or os.path.realpath(args.save) != os.path.realpath(args.pretrained_checkpoint),
+        check(args.save is None or os.path.realpath(args.save) != os.path.realpath(args.pretrained_checkpoint),
                f"--save equal to --pretrained-checkpoint ({args.pretrained_checkpoint}) would overwrite the pretrained "
                f"checkpoint's iterations with the fine-tuning run's: give --save (and --load) a new directory")
 
@@ -1725,55 +1721,55 @@ def _validate_checkpointing(args) -> None:
 def _validate_non_persistent(args) -> None:
     """Megatron-LM's non-persistent checkpoints, of the global kind (full checkpoints in their own directory)."""
     kind, interval = args.non_persistent_ckpt_type, args.non_persistent_save_interval
-    _check(kind in (None, "global"),
+    check(kind in (None, "global"),
            f"--non-persistent-ckpt-type {kind} (nvidia-resiliency-ext's node-local checkpoints) is not implemented: "
            f"use --non-persistent-ckpt-type global (full checkpoints in --non-persistent-global-ckpt-dir)")
     if interval is not None:
-        _check(interval > 0, f"--non-persistent-save-interval must be a positive number of iterations, got {interval}")
-        _check(kind == "global", "--non-persistent-save-interval saves non-persistent checkpoints: add "
+        check(interval > 0, f"--non-persistent-save-interval must be a positive number of iterations, got {interval}")
+        check(kind == "global", "--non-persistent-save-interval saves non-persistent checkpoints: add "
                                  "--non-persistent-ckpt-type global")
-        _check(args.save is not None or args.non_persistent_global_ckpt_dir is not None,
+        check(args.save is not None or args.non_persistent_global_ckpt_dir is not None,
                "--non-persistent-save-interval: add --save DIR (the checkpoints go to DIR/non_persistent) or "
                "--non-persistent-global-ckpt-dir")
 
 
 def _validate_logging(args) -> None:
-    _check(args.tensorboard_log_interval > 0,
+    check(args.tensorboard_log_interval > 0,
            f"--tensorboard-log-interval must be positive, got {args.tensorboard_log_interval}")
-    _check(args.tensorboard_queue_size > 0,
+    check(args.tensorboard_queue_size > 0,
            f"--tensorboard-queue-size must be positive, got {args.tensorboard_queue_size}")
-    _check(not args.log_progress or args.save is not None,
+    check(not args.log_progress or args.save is not None,
            "--log-progress writes progress.txt into --save: add --save DIR")
     for flag, on in (("--log-memory-to-tensorboard", args.log_memory_to_tensorboard),
                      ("--record-memory-history", args.record_memory_history)):
-        _check(not on or torch.cuda.is_available(),
+        check(not on or torch.cuda.is_available(),
                f"{flag} reads the CUDA caching allocator, and this run has no CUDA device: drop it on CPU")
     interval = args.check_weight_hash_across_dp_replicas_interval
-    _check(interval is None or interval > 0,
+    check(interval is None or interval > 0,
            f"--check-weight-hash-across-dp-replicas-interval must be a positive number of iterations, got {interval}")
 
 
 def _validate_run_control(args) -> None:
     """Backend, local rank, NaN checks and DP averaging (Megatron-LM's rules)."""
-    _check(args.rerun_mode == "disabled",
+    check(args.rerun_mode == "disabled",
            f"--rerun-mode {args.rerun_mode} re-runs iterations, which is not implemented: use --rerun-mode disabled "
            f"(the default here), with which a NaN or Inf loss still stops the run with an error naming the rank and "
            f"iteration")
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    _check(args.distributed_backend != "nccl" or torch.cuda.is_available(),
+    check(args.distributed_backend != "nccl" or torch.cuda.is_available(),
            "--distributed-backend nccl needs CUDA devices, and this run has none: use --distributed-backend gloo "
            "(or drop the flag: gloo is the default without CUDA)")
     # measured with torch 2.11 on an H200 (both ranks on cuda:0 over gloo): of
     # megatron-core's coalesced DP collectives on CUDA tensors, gloo survives only the reduce-scatter; one bucket at a
     # time (the compressed gathers' path) works for every collective
     gloo_with_cuda = args.distributed_backend == "gloo" and torch.cuda.is_available()
-    _check(not (gloo_with_cuda and not args.use_distributed_optimizer),
+    check(not (gloo_with_cuda and not args.use_distributed_optimizer),
            "--distributed-backend gloo with CUDA tensors: megatron-core's gradient all-reduce without "
            "--use-distributed-optimizer (a coalesced all_reduce) fails in torch's gloo backend "
            "(allreduce_coalesced: unsupported device type cuda): use --distributed-backend nccl (gloo with CUDA "
            "works only with --use-distributed-optimizer and a --param-gather-compression)")
-    _check(not (gloo_with_cuda and args.param_gather_compression == "none"),
+    check(not (gloo_with_cuda and args.param_gather_compression == "none"),
            "--distributed-backend gloo with CUDA tensors: megatron-core's parameter all-gather of "
            "--use-distributed-optimizer (a coalesced all_gather_into_tensor) crashes torch's gloo backend with a "
            "segmentation fault: use --distributed-backend nccl (gloo with CUDA works only with a "
@@ -1785,7 +1781,7 @@ def _validate_run_control(args) -> None:
     if args.fp16 and args.loss_scale is None:
         # dynamic loss scaling expects overflows: they lower the scale and skip the step
         args.check_for_nan_in_loss_and_grad = False
-    _check(not (args.ddp_average_in_collective and args.calculate_per_token_loss),
+    check(not (args.ddp_average_in_collective and args.calculate_per_token_loss),
            "--ddp-average-in-collective averages the DP gradients, and --calculate-per-token-loss sums them to divide "
            "by the global token count: drop one")
 
@@ -1806,7 +1802,7 @@ def set_padded_vocab_size(args, vocab_size: int) -> int:
     vocabulary rounded up to a multiple of make_vocab_size_divisible_by x TP, so the output layer splits evenly over
     tensor-parallel ranks (Megatron-LM's padding)."""
     if args.padded_vocab_size is not None:
-        _check(args.padded_vocab_size >= vocab_size,
+        check(args.padded_vocab_size >= vocab_size,
                f"--padded-vocab-size {args.padded_vocab_size} is smaller than the tokenizer's {vocab_size} tokens: "
                f"raise it, or drop it to pad by --make-vocab-size-divisible-by")
         return args.padded_vocab_size
