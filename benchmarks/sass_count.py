@@ -105,7 +105,8 @@ B = 256
 _TABLE = dict(start_ptr="*i64", stride_ptr="*i64", valid_ptr="*i32")  # the block table of segmented shards
 _PLAIN = dict(SEGMENTED=False, ALIGNED=False)  # a plain shard (the table unused); segmented: SEGMENTED=True
 TACO_ENCODE_SIGNATURE = _sig(
-    "x_ptr wire_u8 wire_f32 amax_ptr scale_ptr src_u8 src_f32 src_stride skip x_start numel row_len blocks_per_row "
+    "x_ptr wire_u8 wire_f32 amax_ptr scale_ptr scale_blocks src_u8 src_f32 src_stride skip x_start numel row_len "
+    "blocks_per_row "
     "n_blocks tau qmax inv_qmax inv_sqrt_b eps",
     dict(x_ptr="*bf16", wire_u8="*u8", wire_f32="*fp32", amax_ptr="*fp32", scale_ptr="*fp32", src_u8="*u8",
          src_f32="*fp32", tau="fp32", qmax="fp32", inv_qmax="fp32", inv_sqrt_b="fp32", eps="fp32"))

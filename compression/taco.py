@@ -101,11 +101,14 @@ class TacoCodec(TensorCodec):
         c = self.config
         return taco_reduce_decode(x, recv, rank, world, c.block_size, c.format, c.transform)
 
-    @property
-    def rows_independent(self) -> bool:
-        """Whether each row of ``encode(x, rows)`` is coded as that row alone would be (per-block scales): then
-        one call codes every rank of an emulated group (``compression.tp_collectives.emulated_*``)."""
-        return self.config.scaling == "dual"
+    def encode_ranks(self, parts: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        """Every rank's ``encode(parts[j], rows)`` of an emulated group, back to back, in one call: ``parts``
+        [world, ...] with each rank's tensor a whole number of rows (``parts[0].numel() % rows == 0``)."""
+        world = parts.shape[0]
+        if parts[0].numel() % rows:
+            raise ValueError(f"encode_ranks: {parts[0].numel()} values per rank do not cut into {rows} equal rows")
+        c = self.config
+        return taco_encode(parts, c.block_size, c.format, c.transform, c.scaling, world * rows, tensors=world)
 
     def reduce_encode_rows(self, own: torch.Tensor, wires: torch.Tensor) -> torch.Tensor:
         """``reduce_encode`` of every rank of a group at once: ``own`` [world, row_len] (rank r's row r at r),

@@ -275,9 +275,9 @@ def measure_min_bytes(codec, group=None, sizes=PROBE_BYTES, iters=5, device=None
 
 
 def _batched(codec, numel: int, rows: int) -> bool:
-    """One codec call can code every rank's ``rows`` rows: the codec's rows are coded independently (per-block
-    scales) and each rank's tensor cuts into whole rows, so the ranks' rows lie back to back."""
-    return getattr(codec, "rows_independent", False) and numel % rows == 0
+    """One codec call can code every rank's ``rows`` rows: the codec codes a group's tensors at once
+    (``encode_ranks``) and each rank's tensor cuts into whole rows, so the ranks' rows lie back to back."""
+    return hasattr(codec, "encode_ranks") and numel % rows == 0
 
 
 def _stacked(parts) -> torch.Tensor:
@@ -288,7 +288,7 @@ def _rank_wires(parts, codec, rows: int) -> torch.Tensor:
     """Every rank's ``encode(part, rows)``, stacked: [world, rows, row wire bytes]."""
     world = len(parts)
     if _batched(codec, parts[0].numel(), rows):
-        return codec.encode(_stacked(parts), rows=world * rows).view(world, rows, -1)
+        return codec.encode_ranks(_stacked(parts), rows).view(world, rows, -1)
     return torch.stack([codec.encode(part, rows=rows) for part in parts]).view(world, rows, -1)
 
 

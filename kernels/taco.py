@@ -212,8 +212,9 @@ def _fold_reference(sources: torch.Tensor, skip: int, block_size: int, fmt: str,
     return t
 
 
-def _quantize_reference(h: torch.Tensor, fmt: str, transform: str, scaling: str) -> torch.Tensor:
-    """Wire records of the rotated blocks ``h`` [n_blocks, B] (steps after H in the module docstring)."""
+def _quantize_reference(h: torch.Tensor, fmt: str, transform: str, scaling: str, tensors: int = 1) -> torch.Tensor:
+    """Wire records of the rotated blocks ``h`` [n_blocks, B] (steps after H in the module docstring), which are
+    ``tensors`` equal groups (one scale each under "single")."""
     block_size, qmax = h.shape[1], QMAX[fmt]
     if h.shape[0] == 0:
         return torch.empty(0, dtype=torch.uint8, device=h.device)
@@ -228,7 +229,7 @@ def _quantize_reference(h: torch.Tensor, fmt: str, transform: str, scaling: str)
     ok = m <= FLT_MAX
     amax = torch.where(ok, m, 0.0)
     if scaling == "single":
-        amax = amax.amax().expand_as(amax)
+        amax = amax.view(tensors, -1).amax(dim=1).repeat_interleave(h.shape[0] // tensors)
     s, c = scale_pair(amax, qmax, _inv_sqrt_b(block_size, transform))
     wire = torch.empty(h.shape[0], block_size + SCALE_BYTES, dtype=torch.uint8, device=h.device)
     if fmt == "int8":  # the product rounded once, as the kernels' fused multiply-add does (see _quantize)
@@ -253,11 +254,11 @@ def _own_row(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return row
 
 
-def taco_encode_reference(x, block_size, fmt, transform, scaling, rows=1) -> torch.Tensor:
+def taco_encode_reference(x, block_size, fmt, transform, scaling, rows=1, tensors=1) -> torch.Tensor:
     _check_input(x)
     g = _blocks_reference(x, block_size, rows)
     h = _rotate(g, transform)
-    return _quantize_reference(h, fmt, transform, scaling)
+    return _quantize_reference(h, fmt, transform, scaling, tensors)
 
 
 def taco_decode_reference(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch.Tensor:
@@ -431,7 +432,7 @@ if gl is not None:
 
     @gluon.jit
     def _taco_encode_kernel(
-        x_ptr, wire_u8, wire_f32, amax_ptr, scale_ptr, src_u8, src_f32, src_stride, skip,
+        x_ptr, wire_u8, wire_f32, amax_ptr, scale_ptr, scale_blocks, src_u8, src_f32, src_stride, skip,
         x_start, numel, row_len, blocks_per_row, n_blocks, tau, qmax, inv_qmax, inv_sqrt_b, eps,
         B: gl.constexpr, LOG_B: gl.constexpr, R: gl.constexpr, FORMAT: gl.constexpr, HADAMARD: gl.constexpr,
         GAIN: gl.constexpr, SOURCES: gl.constexpr, RESCALE: gl.constexpr, SCALE_MODE: gl.constexpr,
@@ -475,9 +476,11 @@ if gl is not None:
                 nonzero = amax >= 7.888609052210118e-31  # TINY
                 s = gl.where(nonzero, (amax * inv_sqrt_b) * inv_qmax, 1.0)
                 c = gl.where(nonzero, gl.div_rn(gl.full([R], qmax, gl.float32, gl.SliceLayout(1, ROTATE)), amax), 1.0)
-            else:
-                s = gl.full([R], 1.0, gl.float32, gl.SliceLayout(1, ROTATE)) * gl.load(scale_ptr)
-                c = gl.full([R], 1.0, gl.float32, gl.SliceLayout(1, ROTATE)) * gl.load(scale_ptr + 1)
+            else:  # the (s, c) pair of the block's tensor: scale_blocks blocks each
+                blk_rotate = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, ROTATE))
+                scale_at = 2 * (blk_rotate // scale_blocks)
+                s = gl.load(scale_ptr + scale_at, mask=blk_rotate < n_blocks, other=1.0)
+                c = gl.load(scale_ptr + scale_at + 1, mask=blk_rotate < n_blocks, other=1.0)
             q = gl.convert_layout(_to_wire_order(_quantize(h, c[:, None], FORMAT), R, B), WIRE)
             ok = gl.convert_layout(ok, PER_BLOCK)
             record = blk.to(gl.int64) * (B + 8)
@@ -545,8 +548,9 @@ def _records(wires: torch.Tensor, block_size: int) -> int:
 _NO_SKIP, _OWN_ROW = -1, -2
 
 
-def _encode_triton(flat, x_start, row_len, rows, sources, skip, block_size, fmt, transform, scaling):
-    """Wire of ``rows`` rows of ``flat`` from ``x_start``, plus the decoded ``sources`` rows but ``skip``."""
+def _encode_triton(flat, x_start, row_len, rows, sources, skip, block_size, fmt, transform, scaling, tensors=1):
+    """Wire of ``rows`` rows of ``flat`` from ``x_start``, plus the decoded ``sources`` rows but ``skip``; the rows
+    are ``tensors`` equal groups, each with its own scale under "single" scaling."""
     wire = torch.empty(wire_nbytes(rows * row_len, block_size, rows), dtype=torch.uint8, device=flat.device)
     if wire.numel() == 0:
         return wire
@@ -558,12 +562,13 @@ def _encode_triton(flat, x_start, row_len, rows, sources, skip, block_size, fmt,
     args = (flat, wire, wire.view(torch.float32))
     more = (src, src.view(torch.float32), _records(src, block_size) if sources is not None else 0, skip, *geometry,
             qmax / math.sqrt(block_size), qmax, 1.0 / qmax, inv_sqrt_b, EPS)
-    amax = torch.empty(geometry[-1] if scaling == "single" else 0, dtype=torch.float32, device=flat.device)
+    n_blocks = geometry[-1]
+    amax = torch.empty(n_blocks if scaling == "single" else 0, dtype=torch.float32, device=flat.device)
     scale = amax  # unused by the dual pass
     if scaling == "single":
-        _taco_encode_kernel[grid](*args, amax, scale, *more, SCALE_MODE=_SINGLE_AMAX, **meta)
-        scale = torch.cat(scale_pair(amax.amax().reshape(1), qmax, inv_sqrt_b))
-    _taco_encode_kernel[grid](*args, amax, scale, *more,
+        _taco_encode_kernel[grid](*args, amax, scale, 1, *more, SCALE_MODE=_SINGLE_AMAX, **meta)
+        scale = torch.stack(scale_pair(amax.view(tensors, -1).amax(dim=1), qmax, inv_sqrt_b), dim=1).view(-1)
+    _taco_encode_kernel[grid](*args, amax, scale, max(1, n_blocks // tensors), *more,
                               SCALE_MODE=_SINGLE_QUANT if scaling == "single" else _DUAL, **meta)
     return wire
 
@@ -581,11 +586,11 @@ def _decode_triton(sources, skip, out, own, x_start, row_len, rows, block_size, 
     return out
 
 
-def taco_encode_triton(x, block_size, fmt, transform, scaling, rows=1) -> torch.Tensor:
+def taco_encode_triton(x, block_size, fmt, transform, scaling, rows=1, tensors=1) -> torch.Tensor:
     _check_input(x)
     flat = x.reshape(-1)
     row_len = -(-flat.numel() // rows) if flat.numel() else 0
-    return _encode_triton(flat, 0, row_len, rows, None, -1, block_size, fmt, transform, scaling)
+    return _encode_triton(flat, 0, row_len, rows, None, _NO_SKIP, block_size, fmt, transform, scaling, tensors)
 
 
 def taco_decode_triton(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch.Tensor:
@@ -618,7 +623,7 @@ def taco_reduce_decode_triton(x, recv, rank, world, block_size, fmt, transform) 
 def taco_reduce_encode_rows_triton(own, wires, block_size, fmt, transform, scaling) -> torch.Tensor:
     world, row_len = own.shape
     return _encode_triton(own.reshape(-1), 0, row_len, world, wires.view(world, -1), _OWN_ROW, block_size, fmt,
-                          transform, scaling)
+                          transform, scaling, tensors=world)
 
 
 def taco_reduce_decode_rows_triton(own, wires, block_size, fmt, transform) -> torch.Tensor:
@@ -646,10 +651,14 @@ def _warn_without_kernels() -> None:
                   "gives the same bytes but is far slower")
 
 
-def taco_encode(x, block_size, fmt, transform, scaling, rows=1) -> torch.Tensor:
-    """Encode ``x`` (any shape; flattened) as ``rows`` independently padded rows; 1-D uint8 wire."""
+def taco_encode(x, block_size, fmt, transform, scaling, rows=1, tensors=1) -> torch.Tensor:
+    """Encode ``x`` (any shape; flattened) as ``rows`` independently padded rows; 1-D uint8 wire. The rows are
+    ``tensors`` equal consecutive groups (``rows`` a multiple of it), coded as separate tensors: under "single"
+    scaling each has its own scale (the TP emulation codes its N ranks' tensors in one call)."""
+    if rows % tensors:
+        raise ValueError(f"taco_encode: {rows} rows do not split into {tensors} tensors")
     encode = taco_encode_triton if _use_kernels(x) else taco_encode_reference
-    return encode(x, block_size, fmt, transform, scaling, rows)
+    return encode(x, block_size, fmt, transform, scaling, rows, tensors)
 
 
 def taco_decode(wire, numel, dtype, block_size, fmt, transform, rows=1) -> torch.Tensor:
@@ -678,9 +687,7 @@ def taco_reduce_encode_rows(own, wires, block_size, fmt, transform, scaling) -> 
     """Every rank's all-reduce middle step at once, as one process emulating a group of ``world`` ranks computes
     them: ``own`` [world, row_len] holds rank r's exact row r at r, ``wires`` the ranks' ``encode(x_j,
     rows=world)`` back to back. Returns the ``world`` one-row wires back to back, row r that of
-    ``taco_reduce_encode`` on rank r (the same bytes: per-block scaling only, "dual")."""
-    if scaling != "dual":
-        raise ValueError("taco_reduce_encode_rows needs per-block scaling (dual): one scale per row differs")
+    ``taco_reduce_encode`` on rank r (the same bytes; under "single" scaling one scale per row)."""
     encode = taco_reduce_encode_rows_triton if _use_kernels(own) else taco_reduce_encode_rows_reference
     return encode(own, wires, block_size, fmt, transform, scaling)
 

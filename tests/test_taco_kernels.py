@@ -107,18 +107,22 @@ def _compare_reductions(x, case, args):
 
 
 def _compare_group_steps(parts, args, world):
-    """Every rank's fused step in one launch (the TP emulation's) against the reference and against the ranks'
-    own launches, bit for bit (per-block scaling only)."""
+    """Every rank's encode and fused step in one launch (the TP emulation's) against the reference and against
+    the ranks' own launches, bit for bit (one scale per rank's tensor under "single")."""
     from compression.tp_collectives import _own_rows
     from kernels import taco as K
 
     block_size, fmt, transform, scaling, _ = args
-    if scaling != "dual":
-        return []
     own = _own_rows(parts, world)
     wires = torch.cat([K.taco_encode_reference(p, block_size, fmt, transform, scaling, world) for p in parts])
     recv = wires.view(world, world, -1)
     failures = []
+    for rows in (1, world):
+        ranks = torch.cat([K.taco_encode_triton(p, block_size, fmt, transform, scaling, rows) for p in parts])
+        reference = K.taco_encode_reference(parts, block_size, fmt, transform, scaling, world * rows, world)
+        fused = K.taco_encode_triton(parts, block_size, fmt, transform, scaling, world * rows, world)
+        if not (_same_bits(reference, fused) and _same_bits(ranks, fused)):
+            failures.append(f"encode of {world} ranks' {rows} row(s) {args}: wires differ")
     reference = K.taco_reduce_encode_rows_reference(own, wires, block_size, fmt, transform, scaling)
     ranks = torch.cat([K.taco_reduce_encode_triton(parts[r], recv[:, r].reshape(-1), r, world, block_size, fmt,
                                                    transform, scaling) for r in range(world)])
