@@ -31,7 +31,10 @@ The fused collective steps reuse both kernels with several received rows j (one 
 same block: the reduce-scatter's last step returns own + H(sum_j t_j) (``taco_reduce_decode``); the
 all-reduce's middle step encodes H(own) + B * sum_j t_j (``taco_reduce_encode``), which is H of
 own + sum_j decode(row j) up to rounding, without rotating each row back and forth. Sums over j run
-in order of j from 0, skipping this rank's own row.
+in order of j from 0, skipping this rank's own row. The group steps (``taco_reduce_encode_rows``,
+``taco_reduce_decode_rows``: one process computing all N ranks' steps, for the TP emulation) are the same
+launches over N output rows, each block skipping the source row of its own row index; ``tensors`` groups
+rows into separately scaled tensors under "single" scaling (one (s, c) pair per tensor).
 
 tau = Qmax / sqrt(B): a block rescaled to RMS tau has |z| <= ||z||_2 = sqrt(B) * tau = Qmax, i.e. the
 rescaled, rotated block fits the format's range even before the max scale. alpha is a power of two,
