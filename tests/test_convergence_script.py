@@ -63,18 +63,20 @@ def test_committed_metrics_give_the_committed_summary(tmp_path):
 
 def test_paper_presets_print_one_emulated_tp8_command_per_run(capsys):
     """gpu-125m-tp8: the paper's rows, each compressed one at TP=8 numerics on one process, the baseline
-    plain and once more with a second seed (the noise band)."""
+    plain and twice more for the noise band: with a second seed, and with the learning rate moved by 1e-6."""
     convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--out-dir", "OUT", "--print"])
     commands = capsys.readouterr().out.strip().splitlines()
     names = [c.split("--metrics-file OUT/")[1].removesuffix(".jsonl") for c in commands]
-    assert names == ["baseline", "taco", "int8", "naive_fp8", "ds_only", "e5m2", "tahquant", "baseline_seed2"]
+    assert names == ["baseline", "taco", "int8", "naive_fp8", "ds_only", "e5m2", "tahquant", "baseline_seed2",
+                     "baseline_lr_jitter"]
     for name, command in zip(names, commands):
         assert "--nproc-per-node=1" in command and "--builtin-corpus python-site-packages" in command
         assert "--train-iters 3000" in command and "--config configs/gpt_125m.yaml" in command
-        compressed = name not in ("baseline", "baseline_seed2")
+        compressed = not name.startswith("baseline")
         assert ("--tp-comm-emulate 8" in command) == compressed == ("--tp-comm-compression " in command)
     assert all("--num-attention-heads 16" in c for c in commands)  # 2 heads per emulated rank
-    assert commands[-1].endswith("--seed 2 --metrics-file OUT/baseline_seed2.jsonl")
+    assert commands[-2].endswith("--seed 2 --metrics-file OUT/baseline_seed2.jsonl")
+    assert commands[-1].endswith("--lr 3.000003e-4 --metrics-file OUT/baseline_lr_jitter.jsonl")
     assert "--taco-format e4m3 --taco-transform none --taco-scaling single" in commands[3]  # naive FP8
     assert "--tp-comm-compression tahquant" in commands[6]
 
@@ -95,7 +97,7 @@ def _fake_run(out_dir, name, valid_end, test_end, until=20, sqnr=None):
 
 def test_paper_table_reports_degradation_and_the_noise_band(tmp_path):
     """--reuse over the runs' metrics and logs (as the device calls leave them): Table 1's columns, the noise band
-    from the second baseline seed, and the validation-loss plot."""
+    from the other baselines (the lr-jittered one not trained: left out), and the validation-loss plot."""
     losses = {"baseline": (2.0, 2.1), "taco": (2.01, 2.11), "int8": (2.002, 2.1), "naive_fp8": (2.5, 2.6),
               "ds_only": (2.06, 2.16), "e5m2": (2.2, 2.3), "tahquant": (2.05, 2.15), "baseline_seed2": (2.004, 2.1)}
     for name, (valid, test) in losses.items():
@@ -108,7 +110,8 @@ def test_paper_table_reports_degradation_and_the_noise_band(tmp_path):
     assert "| taco | 2.0100 | 2.1100 | +0.50% | +0.48% |" in table
     assert "| naive_fp8 | 2.5000 | 2.6000 | +25.00% | +23.81% |" in table
     assert "| baseline_seed2 | 2.0040 | 2.1000 | +0.20% | +0.00% |" in table
-    assert "differs by 0.20%" in table
+    assert "another seed (data order, initialization, validation samples) (baseline_seed2) differs by 0.20%" in table
+    assert "baseline_lr_jitter" not in table
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["table1"]["e5m2"]["valid_degradation_pct"] == pytest.approx(10.0)
     assert (tmp_path / "valid_loss.png").stat().st_size > 0 and (tmp_path / "loss_curves.png").stat().st_size > 0
