@@ -142,13 +142,31 @@ class TahQuantCodec(TensorCodec):
         if x.dtype not in _INPUT_DTYPES:
             raise ValueError(f"TahQuant encodes float32/bfloat16/float16 tensors, got {x.dtype}")
         tokens = self._tokens(x.numel(), rows)
+        if not use_triton(x, self.triton):
+            return self._encode_reference(x, tokens, rows)
         if rows > 1:  # each row its own message, its wire bytes [r * w, (r + 1) * w)
-            return torch.cat([self.encode(row) for row in x.reshape(rows, -1)])
-        if use_triton(x, self.triton):
-            return self._encode_kernels(x.contiguous(), tokens)
+            return torch.cat([self._encode_kernels(row, tokens) for row in x.reshape(rows, -1)])
+        return self._encode_kernels(x.contiguous(), tokens)
+
+    def _encode_reference(self, x: torch.Tensor, tokens: int, messages: int) -> torch.Tensor:
         c = self.config
         return tahquant_kernels.encode_reference(x, tokens, self.high_tokens(tokens), self.hidden_size, c.tile_size,
-                                                 c.rotate, c.bits)
+                                                 c.rotate, c.bits, messages)
+
+    def encode_ranks(self, parts: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        """Every rank's ``encode(parts[j], rows)`` of an emulated TP group (``parts`` [world, ...]), back to back,
+        in one call of the reference on any device: the kernels' bytes (``tests/test_pp_quant.py``) with a
+        fixed number of launches, where the kernels would take a few per message."""
+        if parts.dtype not in _INPUT_DTYPES:
+            raise ValueError(f"TahQuant encodes float32/bfloat16/float16 tensors, got {parts.dtype}")
+        messages = parts.shape[0] * rows
+        return self._encode_reference(parts, self._tokens(parts.numel(), messages), messages)
+
+    def decode_ranks(self, wire: torch.Tensor, ranks: int, numel: int, dtype: torch.dtype,
+                     rows: int = 1) -> torch.Tensor:
+        """Every rank's ``decode(wire_j, numel, dtype, rows)`` of ``ranks`` wires back to back, in one call (as
+        ``encode_ranks``): their values back to back."""
+        return self._decode_reference(wire, ranks * numel, dtype, ranks * rows)
 
     def _encode_kernels(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
         c = self.config
@@ -163,28 +181,44 @@ class TahQuantCodec(TensorCodec):
         return wire
 
     def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, rows: int = 1) -> torch.Tensor:
-        tokens = self._tokens(numel, rows)
+        if not use_triton(wire, self.triton):
+            return self._decode_reference(wire, numel, dtype, rows)
+        self._check_wire(wire, numel, rows)
+        if rows > 1:
+            return torch.cat([self._decode_kernels(row, numel // rows, dtype) for row in wire.reshape(rows, -1)])
+        return self._decode_kernels(wire.reshape(-1), numel, dtype)
+
+    def _check_wire(self, wire: torch.Tensor, numel: int, messages: int) -> tuple:
+        """The sections of each of ``messages`` messages of ``numel`` values in all, once ``wire`` is theirs."""
+        tokens = self._tokens(numel, messages)
         sections = self._sections(tokens)
-        if rows > 1 and wire.dtype == torch.uint8 and wire.numel() == rows * sum(sections):
-            return torch.cat([self.decode(row, numel // rows, dtype) for row in wire.reshape(rows, -1)])
-        if wire.dtype != torch.uint8 or wire.numel() != sum(sections):
-            raise ValueError(f"TahQuant wire for {tokens} tokens of hidden size {self.hidden_size} must be "
-                             f"{sum(sections)} uint8 bytes, got {wire.numel()} of {wire.dtype}")
-        wire = wire.reshape(-1)
+        if wire.dtype != torch.uint8 or wire.numel() != messages * sum(sections):
+            raise ValueError(f"TahQuant wire for {messages} message(s) of {tokens} tokens of hidden size "
+                             f"{self.hidden_size} must be {messages * sum(sections)} uint8 bytes, got {wire.numel()} "
+                             f"of {wire.dtype}")
+        return tokens, sections
+
+    def _decode_kernels(self, wire: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        tokens = self._tokens(numel, 1)
+        sections = self._sections(tokens)
         if wire.storage_offset() % 2:  # a slice of a larger buffer (a collective's rows): bf16 scales need alignment
             wire = wire.clone()
-        token_map = wire[sum(sections[:3]):]
-        if use_triton(wire, self.triton):
-            c = self.config
-            high = torch.empty(tokens, dtype=torch.uint8, device=wire.device)
-            high_rank = tahquant_kernels.token_ranks(high, token_map, encode=False)
-            out = torch.empty(numel, dtype=dtype, device=wire.device)
-            tahquant_kernels.dequantize_tiles(wire, high, high_rank, out, self.hidden_size, c.tile_size, c.rotate,
-                                              c.bits, low_at=sections[0], high_at=sections[0] + sections[1])
-            return out
+        c = self.config
+        high = torch.empty(tokens, dtype=torch.uint8, device=wire.device)
+        high_rank = tahquant_kernels.token_ranks(high, wire[sum(sections[:3]):], encode=False)
+        out = torch.empty(numel, dtype=dtype, device=wire.device)
+        tahquant_kernels.dequantize_tiles(wire, high, high_rank, out, self.hidden_size, c.tile_size, c.rotate,
+                                          c.bits, low_at=sections[0], high_at=sections[0] + sections[1])
+        return out
+
+    def _decode_reference(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, messages: int) -> torch.Tensor:
+        tokens, sections = self._check_wire(wire, numel, messages)
+        wire = wire.reshape(-1)
+        if wire.storage_offset() % 2:  # bf16 scales need alignment
+            wire = wire.clone()
         c = self.config
         return tahquant_kernels.decode_reference(wire, sections, tokens, self.high_tokens(tokens), dtype,
-                                                 self.hidden_size, c.tile_size, c.rotate, c.bits)
+                                                 self.hidden_size, c.tile_size, c.rotate, c.bits, messages)
 
     def __repr__(self):
         c = self.config

@@ -96,7 +96,16 @@ def _sum_rows(codec, x: torch.Tensor, recv: torch.Tensor, rank: int, world: int)
     own = x.reshape(-1)[rank * row_len:(rank + 1) * row_len]
     parts[rank] = 0
     parts[rank, :own.numel()] = own
-    return parts.sum(dim=0)
+    return _rank_order_sum(parts)
+
+
+def _rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
+    """``parts[0] + parts[1] + ...`` in this order: the same bits whether one rank sums its rows or an
+    emulated group sums every rank's at once (``torch.sum`` may order its additions by shape and device)."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 def _reduce_encode(codec, x, recv, rank, world) -> torch.Tensor:
@@ -114,8 +123,11 @@ def _reduce_decode(codec, x, recv, rank, world) -> torch.Tensor:
 def _decode_sum(codec, wires: torch.Tensor, world: int, numel: int, dtype) -> torch.Tensor:
     if hasattr(codec, "decode_sum"):
         return codec.decode_sum(wires, world, numel, dtype)
-    parts = [codec.decode(wire, numel, torch.float32) for wire in wires.view(world, -1)]
-    return torch.stack(parts).sum(dim=0).to(dtype)
+    if hasattr(codec, "decode_ranks"):
+        parts = codec.decode_ranks(wires, world, numel, torch.float32).view(world, numel)
+    else:
+        parts = torch.stack([codec.decode(wire, numel, torch.float32) for wire in wires.view(world, -1)])
+    return _rank_order_sum(parts).to(dtype)
 
 
 def one_shot(world: int, algorithm: str) -> bool:
@@ -299,6 +311,18 @@ def _own_rows(parts, world: int) -> torch.Tensor:
     return rows[ranks, ranks]
 
 
+def _summed_rows(codec, parts, wires: torch.Tensor) -> torch.Tensor:
+    """Every row owner's ``_sum_rows`` at once, for codecs that decode a group's wires in one call
+    (``decode_ranks``): fp32 [world, row_len], row r = rank r's own row r plus the other ranks' decoded rows r."""
+    world = len(parts)
+    row_len = parts[0].numel() // world
+    decoded = codec.decode_ranks(wires.reshape(-1), world, world * row_len, torch.float32, rows=world)
+    decoded = decoded.view(world, world, row_len)  # [source rank, row, values]
+    ranks = torch.arange(world, device=decoded.device)
+    decoded[ranks, ranks] = _own_rows(parts, world).float()
+    return _rank_order_sum(decoded)
+
+
 def emulated_all_reduce(parts, codec, comm_class="tp", algorithm="auto") -> torch.Tensor:
     """``compressed_all_reduce`` of a group whose rank j holds ``parts[j]`` (a sequence of equal shapes, or
     one tensor [world, ...]): the tensor every rank returns."""
@@ -317,6 +341,8 @@ def emulated_all_reduce(parts, codec, comm_class="tp", algorithm="auto") -> torc
     # rank r receives row r of every rank (chunk j from rank j), reduces and re-encodes it
     if _batched(codec, n, world) and hasattr(codec, "reduce_encode_rows"):
         reduced = codec.reduce_encode_rows(_own_rows(parts, world), wires)
+    elif _batched(codec, n, world) and hasattr(codec, "decode_ranks"):
+        reduced = codec.encode_ranks(_summed_rows(codec, parts, wires), 1)
     else:
         reduced = torch.cat([_reduce_encode(codec, parts[r], wires[:, r].reshape(-1), r, world)
                              for r in range(world)])
@@ -336,6 +362,8 @@ def emulated_reduce_scatter(parts, codec, comm_class="tp") -> torch.Tensor:
     TELEMETRY.record(comm_class, x.numel() * x.element_size(), wires[0].numel())
     if _batched(codec, x.numel(), world) and hasattr(codec, "reduce_decode_rows"):
         return codec.reduce_decode_rows(_own_rows(parts, world), wires).view(x.shape)
+    if _batched(codec, x.numel(), world) and hasattr(codec, "decode_ranks"):
+        return _summed_rows(codec, parts, wires).to(x.dtype).view(x.shape)
     shard_shape = (x.shape[0] // world, *x.shape[1:])
     return torch.cat([_reduce_decode(codec, parts[r], wires[:, r].reshape(-1), r, world).view(shard_shape)
                       for r in range(world)])

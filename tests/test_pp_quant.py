@@ -208,6 +208,35 @@ def test_kernels_match_reference_cuda():
     assert torch.equal(codec.encode(x.cuda()).cpu(), codec.encode(x))
 
 
+def _check_group_calls(device="cpu"):
+    """An emulated TP group's one-call codings (``encode_ranks`` / ``decode_ranks``, the reference over many
+    messages at once) are each message's own coding, byte for byte (by the kernels on the GPU)."""
+    ranks, rows = 3, 2
+    for case, (bits, tile, rotate, hidden, tokens, fraction) in enumerate(KERNEL_CASES[:7]):
+        config = TahQuantConfig(bits=bits, tile_size=tile, rotate=rotate, high_bit_fraction=fraction)
+        codec = TahQuantCodec(config, hidden)
+        parts = torch.stack([_message(rows * tokens, hidden, 10 * case + j) for j in range(ranks)]).to(device)
+        wire = codec.encode_ranks(parts, rows)
+        messages = parts.view(ranks * rows, -1)
+        each = torch.cat([codec.encode(m) for m in messages])
+        assert torch.equal(wire, each), (case, (wire != each).nonzero()[:8].flatten().tolist())
+        assert torch.equal(codec.encode(parts[0], rows), each[:wire.numel() // ranks]), case
+        values = codec.decode_ranks(wire, ranks, parts[0].numel(), torch.float32, rows)
+        want = torch.cat([codec.decode(w, messages[0].numel(), torch.float32) for w in each.view(ranks * rows, -1)])
+        assert torch.equal(values.view(torch.int32), want.view(torch.int32)), case
+        assert torch.equal(codec.decode(wire[:wire.numel() // ranks], parts[0].numel(), torch.float32, rows)
+                           .view(torch.int32), want[:parts[0].numel()].view(torch.int32)), case
+
+
+def test_group_calls_are_each_messages_coding():
+    _check_group_calls()
+
+
+@pytest.mark.gpu
+def test_group_calls_are_the_kernels_coding():
+    _check_group_calls("cuda")
+
+
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_pack_unpack_round_trip(bits):
     codes = torch.randint(0, 2 ** bits, (64,), dtype=torch.uint8)
