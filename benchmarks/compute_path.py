@@ -2,8 +2,9 @@
 spec's unfused attention, measured in the same run, for GPT-1.3B, GPT-350M and a Llama-style model.
 
 Each (model, variant) is one `torchrun --nproc-per-node 1 pretrain_gpt.py` run on mock data (bf16, distributed
-optimizer, micro-batch 2, global batch 16, seq 2048, Megatron-LM's defaults). The baseline is what the local spec ran
-before SDPA: megatron-core's unfused ``DotProductAttention`` (``--attention-backend unfused``). Reported: the median
+optimizer, micro-batch 2, global batch 16, seq 2048, Megatron-LM's defaults). The baselines: ``stock``, the local spec
+as megatron-core runs it without apex or Transformer Engine (its unfused ``DotProductAttention``, its gradient-norm
+fallback; ``stock_pretrain_gpt.py``), and ``unfused``, the same with this project's sync-free norm. Reported: the median
 over the iterations after warm-up, TFLOP/s/GPU as Megatron-LM counts it (megatron/training/metrics.py, which
 tests/test_mla.py checks against torch's FLOP counter) and MFU against the H100/H200's 989 dense bf16 TFLOP/s.
 
@@ -38,8 +39,10 @@ MODELS = {
                    "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights"),
 }
 VARIANTS = {
-    # the baseline, the local spec without this project's compute path: megatron-core's DotProductAttention and its
-    # unfused gradient accumulation
+    # the local spec as megatron-core runs it without apex or Transformer Engine: its DotProductAttention, unfused
+    # gradient accumulation and its own gradient-norm fallback (run by stock_pretrain_gpt.py)
+    "stock": "--attention-backend unfused --no-gradient-accumulation-fusion",
+    # the same with this project's sync-free gradient norm (megatron/hooks/fused_ops.py)
     "unfused": "--attention-backend unfused --no-gradient-accumulation-fusion",
     "sdpa_unfused_wgrad": "--no-gradient-accumulation-fusion",
     "sdpa": "",  # the defaults: SDPA choosing its kernel, the weight gradient accumulated inside its GEMM
@@ -71,8 +74,9 @@ def run(model: str, variant: str, iters: int, out: str, profile: bool) -> dict:
     if profile:
         flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters - 1),
                   "--profile-step-end", str(iters)]
+    script = "benchmarks/stock_pretrain_gpt.py" if variant == "stock" else "pretrain_gpt.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.join(ROOT, "pretrain_gpt.py"), *flags]
+           os.path.join(ROOT, script), *flags]
     with open(os.path.join(out, name + ".log"), "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
