@@ -16,7 +16,7 @@
 #   convergence    1-2 GPUs: GPT-125M TACO ablations at TP=2 (scripts/convergence.py --preset gpu-125m)
 #   tp8            1 GPU: the TACO paper's Table 1 at emulated TP=8 (scripts/convergence.py --preset gpu-125m-tp8),
 #                  the runs VARIANTS (default baseline), JOBS at once: three baselines or two compressed runs fit a
-#                  call (tahquant, coded rank by rank, may not fit one); collect
+#                  call; collect
 #                  every run's metrics and logs in one folder, then `--reuse` there on any machine writes table1.md
 #   compute        1 GPU: the compute path (benchmarks/compute_path.py): GPT-1.3B, GPT-350M and a Llama-style model
 #                  with SDPA and the fused ops against megatron-core's unfused local spec, a profile of GPT-1.3B,
