@@ -280,12 +280,14 @@ def plot_validation(curves, baseline, noise, path):
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     base = dict(zip(*_mean_curve([curves[baseline]], "eval_loss")))
-    for name, records in curves.items():
+    for k, (name, records) in enumerate(curves.items()):
         it, ev = _mean_curve([records], "eval_loss")
-        axes[0].plot(it, ev, marker=".", label=name, linewidth=1)
+        color = f"C{k}"  # a variant's color in both panels
+        axes[0].plot(it, ev, marker=".", label=name, linewidth=1, color=color)
         shared = [(i, e) for i, e in zip(it, ev) if i in base]
         if name != baseline and shared:
-            axes[1].plot([i for i, _ in shared], [(e / base[i] - 1) * 100 for i, e in shared], marker=".", label=name)
+            axes[1].plot([i for i, _ in shared], [(e / base[i] - 1) * 100 for i, e in shared], marker=".", label=name,
+                         color=color)
     spread = {}  # iteration -> the largest |difference| of another baseline
     for records in noise.values():
         for i, e in zip(*_mean_curve([records], "eval_loss")):
@@ -312,8 +314,8 @@ def paper_table(variants, runs, noise_runs):
     def pct(value, reference):
         return None if value is None or reference is None else (value / reference - 1) * 100
 
-    def fmt(value, spec):
-        return "-" if value is None else format(value, spec)
+    def fmt(value, spec, unit=""):
+        return "-" if value is None else format(value, spec) + unit
 
     results = {}
     lines = ["| variant | valid loss | test loss | valid degradation | test degradation |", "|---|---|---|---|---|"]
@@ -325,7 +327,7 @@ def paper_table(variants, runs, noise_runs):
                              test_degradation_pct=pct(test, base.get("end_test_loss")))
         r = results[name]
         lines.append(f"| {name} | {fmt(valid, '.4f')} | {fmt(test, '.4f')} | "
-                     f"{fmt(r['valid_degradation_pct'], '+.2f')}% | {fmt(r['test_degradation_pct'], '+.2f')}% |")
+                     f"{fmt(r['valid_degradation_pct'], '+.2f', '%')} | {fmt(r['test_degradation_pct'], '+.2f', '%')} |")
     for name, varied in noise_runs.items():
         if name in results:
             noise = results[name]
