@@ -53,6 +53,7 @@ import torch
 from compression.codec import TensorCodec, check_block_size
 from kernels import tahquant as tahquant_kernels
 from kernels import use_triton
+from kernels.bitpack import unpack_bits
 from kernels.tahquant import HIGH_BITS
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -139,88 +140,89 @@ class TahQuantCodec(TensorCodec):
         return rows * sum(self._sections(self._tokens(numel, rows)))
 
     def encode(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        """Each of ``rows`` equal rows of ``x`` its own message, its wire bytes [r * w, (r + 1) * w)."""
         if x.dtype not in _INPUT_DTYPES:
             raise ValueError(f"TahQuant encodes float32/bfloat16/float16 tensors, got {x.dtype}")
         tokens = self._tokens(x.numel(), rows)
-        if not use_triton(x, self.triton):
-            return self._encode_reference(x, tokens, rows)
-        if rows > 1:  # each row its own message, its wire bytes [r * w, (r + 1) * w)
-            return torch.cat([self._encode_kernels(row, tokens) for row in x.reshape(rows, -1)])
-        return self._encode_kernels(x.contiguous(), tokens)
-
-    def _encode_reference(self, x: torch.Tensor, tokens: int, messages: int) -> torch.Tensor:
+        if use_triton(x, self.triton):
+            return self._encode_kernels(x.contiguous().view(-1), tokens, rows)
         c = self.config
         return tahquant_kernels.encode_reference(x, tokens, self.high_tokens(tokens), self.hidden_size, c.tile_size,
-                                                 c.rotate, c.bits, messages)
+                                                 c.rotate, c.bits, rows)
 
     def encode_ranks(self, parts: torch.Tensor, rows: int = 1) -> torch.Tensor:
-        """Every rank's ``encode(parts[j], rows)`` of an emulated TP group (``parts`` [world, ...]), back to back,
-        in one call of the reference on any device: the kernels' bytes (``tests/test_pp_quant.py``) with a
-        fixed number of launches, where the kernels would take a few per message."""
-        if parts.dtype not in _INPUT_DTYPES:
-            raise ValueError(f"TahQuant encodes float32/bfloat16/float16 tensors, got {parts.dtype}")
-        messages = parts.shape[0] * rows
-        return self._encode_reference(parts, self._tokens(parts.numel(), messages), messages)
+        """Every rank's ``encode(parts[j], rows)`` of an emulated TP group (``parts`` [world, ...]), back to back:
+        the ranks' rows are one call's rows."""
+        return self.encode(parts, rows=parts.shape[0] * rows)
 
     def decode_ranks(self, wire: torch.Tensor, ranks: int, numel: int, dtype: torch.dtype,
                      rows: int = 1) -> torch.Tensor:
-        """Every rank's ``decode(wire_j, numel, dtype, rows)`` of ``ranks`` wires back to back, in one call (as
-        ``encode_ranks``): their values back to back."""
-        return self._decode_reference(wire, ranks * numel, dtype, ranks * rows)
+        """Every rank's ``decode(wire_j, numel, dtype, rows)`` of ``ranks`` wires back to back, in one call: their
+        values back to back."""
+        return self.decode(wire, ranks * numel, dtype, rows=ranks * rows)
 
-    def _encode_kernels(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+    def _encode_kernels(self, x: torch.Tensor, tokens: int, messages: int) -> torch.Tensor:
+        """The kernels code ``messages`` messages of ``tokens`` tokens in one pass, as one message of all their
+        tokens whose 8-bit tokens are chosen per message: each message has the same number of low-bit and of
+        8-bit tokens, so the joint wire's scale, low-code and high-code sections are the messages' sections
+        back to back, moved into place by one copy."""
         c = self.config
         amax = tahquant_kernels.tile_maxima(x, self.hidden_size, c.tile_size, c.rotate)
-        high = tahquant_kernels.high_tokens_mask(amax, self.high_tokens(tokens)).to(torch.uint8)
+        high = tahquant_kernels.high_tokens_mask(amax.view(messages, tokens, -1), self.high_tokens(tokens))
+        high = high.to(torch.uint8).view(-1)
         scale_bytes, low_bytes, high_bytes, map_bytes = self._sections(tokens)
-        map_at = scale_bytes + low_bytes + high_bytes
-        wire = torch.empty(map_at + map_bytes, dtype=torch.uint8, device=x.device)
-        high_rank = tahquant_kernels.token_ranks(high, wire[map_at:], encode=True)
-        tahquant_kernels.quantize_tiles(x, amax, high, high_rank, wire, self.hidden_size, c.tile_size, c.rotate,
-                                        c.bits, low_at=scale_bytes, high_at=scale_bytes + low_bytes)
-        return wire
+        body = scale_bytes + low_bytes + high_bytes
+        if messages == 1:
+            wire = torch.empty(body + map_bytes, dtype=torch.uint8, device=x.device)
+            high_rank = tahquant_kernels.token_ranks(high, wire[body:], encode=True)
+            tahquant_kernels.quantize_tiles(x, amax, high, high_rank, wire, self.hidden_size, c.tile_size, c.rotate,
+                                            c.bits, low_at=scale_bytes, high_at=scale_bytes + low_bytes)
+            return wire
+        joint = torch.empty(messages * body, dtype=torch.uint8, device=x.device)
+        tahquant_kernels.quantize_tiles(x, amax, high, _preceding(high), joint, self.hidden_size, c.tile_size,
+                                        c.rotate, c.bits, low_at=messages * scale_bytes,
+                                        high_at=messages * (scale_bytes + low_bytes))
+        sections = [part.view(messages, -1) for part in joint.split(
+            [messages * scale_bytes, messages * low_bytes, messages * high_bytes])]
+        token_map = tahquant_kernels.pack_token_map(high.view(messages, tokens).bool())
+        return torch.cat([*sections, token_map], dim=1).view(-1)
 
     def decode(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, rows: int = 1) -> torch.Tensor:
-        if not use_triton(wire, self.triton):
-            return self._decode_reference(wire, numel, dtype, rows)
-        self._check_wire(wire, numel, rows)
-        if rows > 1:
-            return torch.cat([self._decode_kernels(row, numel // rows, dtype) for row in wire.reshape(rows, -1)])
-        return self._decode_kernels(wire.reshape(-1), numel, dtype)
-
-    def _check_wire(self, wire: torch.Tensor, numel: int, messages: int) -> tuple:
-        """The sections of each of ``messages`` messages of ``numel`` values in all, once ``wire`` is theirs."""
-        tokens = self._tokens(numel, messages)
+        """The values of ``rows`` messages of ``numel`` values in all whose wires lie back to back in ``wire``."""
+        tokens = self._tokens(numel, rows)
         sections = self._sections(tokens)
-        if wire.dtype != torch.uint8 or wire.numel() != messages * sum(sections):
-            raise ValueError(f"TahQuant wire for {messages} message(s) of {tokens} tokens of hidden size "
-                             f"{self.hidden_size} must be {messages * sum(sections)} uint8 bytes, got {wire.numel()} "
+        if wire.dtype != torch.uint8 or wire.numel() != rows * sum(sections):
+            raise ValueError(f"TahQuant wire for {rows} message(s) of {tokens} tokens of hidden size "
+                             f"{self.hidden_size} must be {rows * sum(sections)} uint8 bytes, got {wire.numel()} "
                              f"of {wire.dtype}")
-        return tokens, sections
-
-    def _decode_kernels(self, wire: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        tokens = self._tokens(numel, 1)
-        sections = self._sections(tokens)
+        wire = wire.reshape(-1)
         if wire.storage_offset() % 2:  # a slice of a larger buffer (a collective's rows): bf16 scales need alignment
             wire = wire.clone()
         c = self.config
-        high = torch.empty(tokens, dtype=torch.uint8, device=wire.device)
-        high_rank = tahquant_kernels.token_ranks(high, wire[sum(sections[:3]):], encode=False)
+        if not use_triton(wire, self.triton):
+            return tahquant_kernels.decode_reference(wire, sections, tokens, self.high_tokens(tokens), dtype,
+                                                     self.hidden_size, c.tile_size, c.rotate, c.bits, rows)
+        scale_bytes, low_bytes, high_bytes, _ = sections
+        if rows == 1:
+            joint = wire
+            high = torch.empty(tokens, dtype=torch.uint8, device=wire.device)
+            high_rank = tahquant_kernels.token_ranks(high, wire[scale_bytes + low_bytes + high_bytes:], encode=False)
+        else:  # the messages as one (``_encode_kernels``): their sections joined, the ranks counted across them
+            scales, low, high_codes, token_map = wire.view(rows, -1).split(sections, dim=1)
+            joint = torch.cat([scales.reshape(-1), low.reshape(-1), high_codes.reshape(-1)])
+            high = unpack_bits(token_map, 1)[:, :tokens].reshape(-1)
+            high_rank = _preceding(high)
         out = torch.empty(numel, dtype=dtype, device=wire.device)
-        tahquant_kernels.dequantize_tiles(wire, high, high_rank, out, self.hidden_size, c.tile_size, c.rotate,
-                                          c.bits, low_at=sections[0], high_at=sections[0] + sections[1])
+        tahquant_kernels.dequantize_tiles(joint, high, high_rank, out, self.hidden_size, c.tile_size, c.rotate,
+                                          c.bits, low_at=rows * scale_bytes, high_at=rows * (scale_bytes + low_bytes))
         return out
-
-    def _decode_reference(self, wire: torch.Tensor, numel: int, dtype: torch.dtype, messages: int) -> torch.Tensor:
-        tokens, sections = self._check_wire(wire, numel, messages)
-        wire = wire.reshape(-1)
-        if wire.storage_offset() % 2:  # bf16 scales need alignment
-            wire = wire.clone()
-        c = self.config
-        return tahquant_kernels.decode_reference(wire, sections, tokens, self.high_tokens(tokens), dtype,
-                                                 self.hidden_size, c.tile_size, c.rotate, c.bits, messages)
 
     def __repr__(self):
         c = self.config
         return (f"TahQuantCodec(bits={c.bits}, tile_size={c.tile_size}, high_bit_fraction={c.high_bit_fraction}, "
                 f"rotate={c.rotate}, hidden_size={self.hidden_size})")
+
+
+def _preceding(high: torch.Tensor) -> torch.Tensor:
+    """int32 [T]: how many 8-bit tokens (``high`` uint8 [T]) precede each token, as ``token_ranks`` counts them."""
+    return (torch.cumsum(high, 0, dtype=torch.int32) - high).to(torch.int32)

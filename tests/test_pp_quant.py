@@ -193,7 +193,8 @@ def test_kernels_match_reference_interpreted():
     decoded values are compared in fp32 here and in every dtype on the GPU)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    code = "import test_pp_quant; test_pp_quant._check_kernels_match_reference()"
+    code = ("import test_pp_quant; test_pp_quant._check_kernels_match_reference(); "
+            "test_pp_quant._check_group_calls(triton=True)")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -208,22 +209,26 @@ def test_kernels_match_reference_cuda():
     assert torch.equal(codec.encode(x.cuda()).cpu(), codec.encode(x))
 
 
-def _check_group_calls(device="cpu"):
-    """An emulated TP group's one-call codings (``encode_ranks`` / ``decode_ranks``, the reference over many
-    messages at once) are each message's own coding, byte for byte (by the kernels on the GPU)."""
+def _check_group_calls(device="cpu", triton=None):
+    """Several messages coded in one call (``encode(x, rows)``, an emulated TP group's ``encode_ranks`` /
+    ``decode_ranks``: the kernels as one message of all their tokens, the reference over a message dimension) are
+    each message's own coding, byte for byte, and the reference's."""
     ranks, rows = 3, 2
     for case, (bits, tile, rotate, hidden, tokens, fraction) in enumerate(KERNEL_CASES[:7]):
         config = TahQuantConfig(bits=bits, tile_size=tile, rotate=rotate, high_bit_fraction=fraction)
-        codec = TahQuantCodec(config, hidden)
+        codec, reference = TahQuantCodec(config, hidden, triton=triton), TahQuantCodec(config, hidden, triton=False)
         parts = torch.stack([_message(rows * tokens, hidden, 10 * case + j) for j in range(ranks)]).to(device)
         wire = codec.encode_ranks(parts, rows)
         messages = parts.view(ranks * rows, -1)
         each = torch.cat([codec.encode(m) for m in messages])
         assert torch.equal(wire, each), (case, (wire != each).nonzero()[:8].flatten().tolist())
+        assert torch.equal(wire, reference.encode_ranks(parts, rows)), case
         assert torch.equal(codec.encode(parts[0], rows), each[:wire.numel() // ranks]), case
         values = codec.decode_ranks(wire, ranks, parts[0].numel(), torch.float32, rows)
         want = torch.cat([codec.decode(w, messages[0].numel(), torch.float32) for w in each.view(ranks * rows, -1)])
         assert torch.equal(values.view(torch.int32), want.view(torch.int32)), case
+        assert torch.equal(reference.decode_ranks(wire, ranks, parts[0].numel(), torch.float32, rows)
+                           .view(torch.int32), want.view(torch.int32)), case
         assert torch.equal(codec.decode(wire[:wire.numel() // ranks], parts[0].numel(), torch.float32, rows)
                            .view(torch.int32), want[:parts[0].numel()].view(torch.int32)), case
 
