@@ -19,7 +19,7 @@
 #                  call; collect
 #                  every run's metrics and logs in one folder, then `--reuse` there on any machine writes table1.md
 #   compute        1 GPU: the compute path (benchmarks/compute_path.py): GPT-1.3B, GPT-350M and a Llama-style model
-#                  with SDPA and the fused ops against megatron-core's unfused local spec, a profile of GPT-1.3B,
+#                  with SDPA and the fused ops against megatron-core's local spec (stock), a profile of GPT-1.3B,
 #                  and GPT-125M loss curves on real text
 #   compatibility  1 GPU: every GPU test under the megatron-core wheel folder WHEELS (default .whl)
 #
@@ -147,8 +147,9 @@ tp8() {  # the TACO paper's Table 1 at emulated TP=8 on one GPU: VARIANTS (defau
 
 compute() {
   python3 benchmarks/compute_path.py --out $RES/compute_path/gpt_1.3b --models gpt_1.3b --profile gpt_1.3b \
-    --variants unfused sdpa_unfused_wgrad sdpa sdpa_eager_elementwise --iters 12
-  python3 benchmarks/compute_path.py --out $RES/compute_path/others --models gpt_350m llama_1.2b --iters 12
+    --variants stock unfused sdpa_unfused_wgrad sdpa sdpa_eager_elementwise --iters 12
+  python3 benchmarks/compute_path.py --out $RES/compute_path/others --models gpt_350m llama_1.2b \
+    --variants stock unfused sdpa --iters 12
   python3 benchmarks/compute_path.py --out $RES/compute_path/curves --curves 300
 }
 
