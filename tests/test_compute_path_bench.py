@@ -24,9 +24,9 @@ def _parse(flags: str):
 def test_every_run_is_a_valid_flag_set(model, variant):
     args = _parse(f"{compute_path.COMMON} {compute_path.MODELS[model]} {compute_path.VARIANTS[variant]} "
                   f"--train-iters 12")
-    assert args.attention_backend == ("unfused" if variant == "unfused" else
+    assert args.attention_backend == ("unfused" if variant in ("stock", "unfused") else
                                       "flash" if variant == "sdpa_flash" else "auto")
-    assert args.gradient_accumulation_fusion == (variant not in ("unfused", "sdpa_unfused_wgrad"))
+    assert args.gradient_accumulation_fusion == (variant not in ("stock", "unfused", "sdpa_unfused_wgrad"))
 
 
 def test_curve_runs_are_valid_flag_sets():
