@@ -34,8 +34,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# TACO: "taco" is the paper's configuration (E4M3, ASH, dual scale); "naive FP8" is one per-tensor scale
-# with no transform. Every variant names its format explicitly.
+# TACO: "taco" is the paper's configuration (E4M3, ASH, dual scale); "naive FP8" is one scale per tensor with
+# no transform; "ds_only" per-block scales with no transform. Every variant names its format explicitly.
 E4M3 = ["--taco-format", "e4m3"]
 TACO_VARIANTS = {
     "baseline": [],
