@@ -51,9 +51,17 @@ TACO_VARIANTS = {
     # TahQuant's pipeline code (4-bit tokens, 8-bit for the hardest 1/8, one bf16 scale per 64 channels) on the TP
     # path: the paper's comparison
     "tahquant": ["--tp-comm-compression", "tahquant"],
+    # The paper's Figure 17 at TP=4 x PP=2 on one GPU, without its DP=2 (SDP4Bit needs data-parallel ranks):
+    # TahQuant's pipeline messages alone (the "2D" run's PP part), then with TACO on the TP collectives ("3D")
+    "tahquant_pp": ["--pp-comm-compression", "tahquant", "--pp-comm-emulate", "2"],
+    "taco_tahquant_pp": ["--tp-comm-compression", "taco", *E4M3, "--tp-comm-emulate", "4",
+                         "--tp-comm-compression-min-bytes", "0", "--pp-comm-compression", "tahquant",
+                         "--pp-comm-emulate", "2"],
 }
 # The paper's Table 1 rows: bf16, TACO (E4M3 + ASH + DS), our default INT8, naive FP8, DS only, E5M2, TahQuant.
 PAPER_VARIANTS = ["baseline", "taco", "int8", "naive_fp8", "ds_only", "e5m2", "tahquant"]
+FIGURE17_VARIANTS = ["baseline", "tahquant_pp", "taco_tahquant_pp"]
+TP_CODEC_VARIANTS = [name for name in TACO_VARIANTS if name not in FIGURE17_VARIANTS[1:]]
 # The paper presets' two measures of run-to-run noise, each one more bf16 baseline (name -> flags, what it varies):
 # the same seed with the learning rate moved by 1e-6 relative keeps the data and validation samples, so it shows what
 # training's chaos alone moves, the noise of the paired comparisons (every compressed run uses seed 1).
@@ -76,6 +84,17 @@ TAHQUANT_VARIANTS = {
     "tahquant_8bit": ["--pp-comm-compression", "tahquant", "--pp-comm-bits", "8"],
 }
 
+def one_gpu_study(config: str, batch: str, *shape: str) -> list:
+    """The paper presets' recipe on one GPU (docs/tp-emulation.md): a TP=1, PP=1 model of ``config`` on the
+    python-site-packages corpus, ``batch`` sequences of 1024 byte tokens per iteration, 3,000 iterations at lr 3e-4 ->
+    3e-5, 40 validation batches every 250 iterations, seed 1."""
+    return ["--config", config, "--tensor-model-parallel-size", "1", "--builtin-corpus", "python-site-packages",
+            "--builtin-corpus-max-bytes", str(1 << 30), "--tokenizer-type", "ByteTokenizer", "--seq-length", "1024",
+            "--max-position-embeddings", "1024", "--micro-batch-size", batch, "--global-batch-size", batch,
+            "--train-iters", "3000", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "100",
+            "--eval-interval", "250", "--eval-iters", "40", "--log-interval", "50", "--seed", "1", *shape]
+
+
 # The tiny CPU model: small enough for 2 CPU cores, byte-level stdlib text, 300 iterations (cpu-tiny,
 # ~15 s per run) or 2000 (cpu-tiny-2k, the lr schedule stretched over them).
 CPU_TINY = ["--config", "configs/tiny_cpu_gpt.yaml", "--transformer-impl", "local", "--train-iters", "300",
@@ -84,8 +103,8 @@ CPU_TINY_2K = [*CPU_TINY, "--train-iters", "2000", "--eval-interval", "250", "--
 FAMILIES = {
     "taco": dict(variants=TACO_VARIANTS, presets={
         # TP=2 with sequence parallelism off, every TP tensor compressed.
-        **{name: dict(nproc=2, flags=[*flags, "--tensor-model-parallel-size", "2",
-                                      "--tp-comm-compression-min-bytes", "0"])
+        **{name: dict(nproc=2, variants=TP_CODEC_VARIANTS, flags=[*flags, "--tensor-model-parallel-size", "2",
+                                                                   "--tp-comm-compression-min-bytes", "0"])
            for name, flags in (("cpu-tiny", CPU_TINY), ("cpu-tiny-2k", CPU_TINY_2K))},
         # The report run on two GPUs (~2 min per variant on 2x H200): GPT-125M, TP=2, every TP tensor
         # compressed (on NVLink `auto` would compress none), 300 iterations of 32k tokens.
@@ -104,16 +123,14 @@ FAMILIES = {
         # reached 7% (sampling), which would hide the 0.3% the comparison asks for.
         **{name: dict(nproc=1, variants=PAPER_VARIANTS, noise_runs=NOISE_RUNS,
                       compressed_flags=["--tp-comm-emulate", "8", "--tp-comm-compression-min-bytes", "0"],
-                      flags=["--config", config, "--tensor-model-parallel-size", "1", "--builtin-corpus",
-                             "python-site-packages", "--builtin-corpus-max-bytes", str(1 << 30),
-                             "--tokenizer-type", "ByteTokenizer", "--seq-length", "1024", "--max-position-embeddings",
-                             "1024", "--micro-batch-size", batch, "--global-batch-size", batch, "--train-iters", "3000",
-                             "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "100", "--eval-interval", "250",
-                             "--eval-iters", "40", "--log-interval", "50", "--seed", "1", *shape])
+                      flags=one_gpu_study(config, batch, *shape))
            # TP=8 splits the heads: GPT-125M's 12 become 16 (2 per rank, as the paper's GPT-350M at TP=8)
            for name, config, batch, shape in (
                ("gpu-125m-tp8", "configs/gpt_125m.yaml", "8", ["--num-attention-heads", "16"]),
                ("gpu-350m-tp8", "configs/gpt_350m.yaml", "4", []))},
+        # The paper's Figure 17 (TP=4, PP=2) on one GPU as the TP=8 presets train, six layers per emulated stage
+        "gpu-125m-tp4pp2": dict(nproc=1, variants=FIGURE17_VARIANTS, noise_runs=NOISE_RUNS,
+                                flags=one_gpu_study("configs/gpt_125m.yaml", "8")),
     }),
     # DP=2, bf16 parameters (the codecs code 16-bit values), distributed optimizer.
     "sdp4bit": dict(variants=SDP4BIT_VARIANTS, presets={

@@ -81,6 +81,24 @@ def test_paper_presets_print_one_emulated_tp8_command_per_run(capsys):
     assert "--tp-comm-compression tahquant" in commands[6]
 
 
+def test_figure17_preset_emulates_tp4_and_pp2(capsys):
+    """gpu-125m-tp4pp2: the baseline, TahQuant's pipeline messages at emulated PP=2, and those with TACO at
+    emulated TP=4; every command a valid flag set of the driver."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    convergence.main(["--family", "taco", "--preset", "gpu-125m-tp4pp2", "--out-dir", "OUT", "--print"])
+    commands = capsys.readouterr().out.strip().splitlines()
+    names = [c.split("--metrics-file OUT/")[1].removesuffix(".jsonl") for c in commands]
+    assert names == ["baseline", "tahquant_pp", "taco_tahquant_pp", "baseline_seed2", "baseline_lr_jitter"]
+    degrees = []
+    for command in commands:
+        flags = command.split("pretrain_gpt.py ")[1].split()
+        args = validate_args(parse_args(flags), world_size=1, rank=0)
+        degrees.append((args.tp_comm_emulate, args.pp_comm_emulate, args.tp_comm_compression, args.pp_comm_compression))
+    assert degrees == [(1, 1, "none", "none"), (1, 2, "none", "tahquant"), (4, 2, "taco", "tahquant"),
+                       (1, 1, "none", "none"), (1, 1, "none", "none")]
+
+
 def _fake_run(out_dir, name, valid_end, test_end, until=20, sqnr=None):
     records = [{"iteration": i, "loss": 3.0 - i / 100} for i in range(1, until + 1)]
     if sqnr is not None:  # the emulated runs' samples: layers 0 and 1, worse late in training

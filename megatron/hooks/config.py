@@ -207,12 +207,17 @@ class PipelineCommConfig:
     """TahQuant's code (``--pp-comm-bits``, ``--pp-comm-tile-size``, ``--pp-comm-high-bit-fraction``)."""
     hidden_size: Optional[int] = None
     """``--hidden-size``: a wire larger than bf16's at this width is refused at start-up."""
+    emulate: int = 1
+    """``--pp-comm-emulate``: at PP=1, the numerics of the compressed messages between N equal stages (1: off)."""
 
     def __post_init__(self):
         check(self.method in PP_COMM_METHODS,
                f"--pp-comm-compression must be one of {'|'.join(PP_COMM_METHODS)}, got {self.method!r}")
         if self.method == "tahquant" and self.hidden_size:
             self.tahquant.check_hidden_size(self.hidden_size)
+        check(self.emulate == 1 or self.method != "none",
+               f"--pp-comm-emulate {self.emulate} emulates compressed pipeline messages: add --pp-comm-compression "
+               f"tahquant")
 
 
 @dataclass(frozen=True)

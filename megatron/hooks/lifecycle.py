@@ -1,7 +1,7 @@
 """A run's compression, from install to close: the one object the driver calls.
 
     compression = Compression(config)                      # a CompressionConfig
-    compression.install_model(model_chunks, model_config)  # TP collectives, TP emulation, pipeline messages
+    compression.install_model(model_chunks, model_config)  # TP collectives, pipeline messages (or their emulation)
     ... DDP wrapping, optimizer ...
     compression.install_data_parallel(ddp_chunks, optimizer)  # parameter gather, gradient reduce-scatter
     compression.after_load()                               # parameters rewritten: next gathers are keyframes
@@ -41,7 +41,11 @@ class Compression:
             from megatron.hooks.tp import apply_tp_compression
 
             apply_tp_compression(model_chunks, tp)
-        if pp.method != "none":
+        if pp.emulate > 1:
+            from megatron.hooks.pp_emulation import apply_pp_emulation
+
+            apply_pp_emulation(model_chunks, pp, tp.emulate if tp.sequence_parallel else 1)
+        elif pp.method != "none":
             from megatron.hooks.pp import apply_pp_compression
 
             apply_pp_compression(model_config, pp)

@@ -693,6 +693,11 @@ class CompressionArgs:
     pp_comm_compression: str = arg("none", "Pipeline-parallel p2p compression (lossy).", choices=["none", "tahquant"])
     pp_comm_compress_grads: bool = arg(True, "Compress the backward gradients between stages too (with "
                                        "--pp-comm-compression).", flag="no-pp-comm-compress-grads")
+    pp_comm_emulate: int = arg(
+        1, "With --pipeline-model-parallel-size 1 and --pp-comm-compression tahquant: pass the hidden states that a "
+        "PP=N run (equal stages) sends between its stages, and their gradients, through the codec as that run's "
+        "messages, in one process: the convergence of compressed PP=N on one GPU, also with --tp-comm-emulate "
+        "(docs/tp-emulation.md). 1: off.")
     pp_comm_bits: int = arg(4, "TahQuant bits per value of the low-bit tokens (2..8).")
     pp_comm_tile_size: int = arg(64, "TahQuant tile size: channels per scale (power of two, 16..1024).")
     pp_comm_high_bit_fraction: float = arg(0.125, "Fraction of each message's tokens that TahQuant sends with 8 bits.")
@@ -964,7 +969,7 @@ RANGES = {
         "qk_head_dim", "v_head_dim", "mtp_num_layers", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
         "moe_router_num_groups", "moe_router_group_topk", "micro_batch_size", "global_batch_size", "train_iters",
         "train_samples", "lr_decay_iters", "lr_decay_samples", "hysteresis", "loss_scale_window", "save_interval",
-        "log_interval", "eval_interval", "tp_comm_emulate")},
+        "log_interval", "eval_interval", "tp_comm_emulate", "pp_comm_emulate")},
     **{name: _at_least(0) for name in (
         "qk_pos_emb_head_dim", "lr_warmup_iters", "lr_warmup_samples", "eval_iters", "num_workers", "seed",
         "ckpt_step", "params_checksum_interval", "lr", "min_lr", "lr_warmup_init", "decoupled_lr",
@@ -1622,6 +1627,7 @@ def _validate_compression(args) -> None:
 
     args.compression = compression_config(args)
     _validate_tp_emulation(args)
+    _validate_pp_emulation(args)
 
 
 def _validate_tp_emulation(args) -> None:
@@ -1641,6 +1647,19 @@ def _validate_tp_emulation(args) -> None:
     check(not args.sequence_parallel or args.seq_length % n == 0,
            f"--sequence-parallel with --tp-comm-emulate {n} shards the sequence: --seq-length {args.seq_length} "
            f"must be divisible by {n}")
+
+
+def _validate_pp_emulation(args) -> None:
+    n = args.pp_comm_emulate
+    if n == 1:
+        return
+    check(args.pipeline_model_parallel_size == 1,
+           f"--pp-comm-emulate {n} emulates PP={n} in a PP=1 run: set --pipeline-model-parallel-size 1, got "
+           f"{args.pipeline_model_parallel_size}")
+    check(args.num_layers % n == 0,
+           f"--pp-comm-emulate {n} emulates {n} equal stages: --num-layers {args.num_layers} must be divisible by {n}")
+    check(args.num_experts is None and not args.mtp_num_layers,
+           "--pp-comm-emulate emulates dense GPT stages only: drop --num-experts and --mtp-num-layers, or run real PP")
 
 
 def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = None) -> argparse.Namespace:

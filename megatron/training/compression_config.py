@@ -61,5 +61,6 @@ def compression_config(args) -> CompressionConfig:
         param_gather=param_gather_config(args),
         grad_reduce=GradReduceConfig(method=args.grad_reduce_compression, block_size=args.grad_reduce_block_size),
         pp=PipelineCommConfig(method=args.pp_comm_compression, compress_grads=args.pp_comm_compress_grads,
-                              tahquant=tahquant_config(args), hidden_size=args.hidden_size),
+                              tahquant=tahquant_config(args), hidden_size=args.hidden_size,
+                              emulate=args.pp_comm_emulate),
     )
