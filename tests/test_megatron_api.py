@@ -99,6 +99,9 @@ SOURCE_CONTAINS = [
      "gather_from_tensor_model_parallel_region("),
     ("megatron.core.transformer.multi_token_prediction", "MultiTokenPredictionLayer._concat_embeddings",
      "scatter_to_sequence_parallel_region(hidden_states"),
+    # megatron/hooks/pp_emulation.py hooks a layer's output: (hidden states, context), the layers in the block's list.
+    ("megatron.core.transformer.transformer_layer", "TransformerLayer.forward", "return output, context"),
+    ("megatron.core.transformer.transformer_block", "TransformerBlock", "self.layers = "),
     # megatron/hooks/pp.py swaps the communicator class the pipelined schedules construct.
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving",
      "P2PCommunicator("),
