@@ -214,10 +214,14 @@ def run_variants(names, variants, preset, out_dir, extra, reuse, jobs):
 
 
 def read_metrics(path):
-    """The records of a metrics file ``path``, or of ``path + ".gz"`` where only the gzipped one exists."""
+    """The records of a metrics file ``path``, or of ``path + ".gz"`` where only the gzipped one exists. A last
+    line without its newline is a record the run did not finish writing (it was stopped mid-write): left out."""
     opened = open(path) if os.path.exists(path) else gzip.open(path + ".gz", "rt")
     with opened as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    if lines[-1].strip():
+        print(f"{path}: the last record is cut off (the run stopped while writing it); left out", file=sys.stderr)
+    return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
 def archive_metrics(path):

@@ -81,6 +81,15 @@ def test_paper_presets_print_one_emulated_tp8_command_per_run(capsys):
     assert "--tp-comm-compression tahquant" in commands[6]
 
 
+def test_a_record_cut_off_mid_write_is_left_out(tmp_path, capsys):
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"iteration": 1, "loss": 3.0}\n{"iteration": 2, "loss": 2.9}\n{"iteration": 3, "lo')
+    assert convergence.read_metrics(str(path)) == [{"iteration": 1, "loss": 3.0}, {"iteration": 2, "loss": 2.9}]
+    assert "cut off" in capsys.readouterr().err
+    path.write_text('{"iteration": 1, "loss": 3.0}\n')
+    assert convergence.read_metrics(str(path)) == [{"iteration": 1, "loss": 3.0}]
+
+
 def test_figure17_preset_emulates_tp4_and_pp2(capsys):
     """gpu-125m-tp4pp2: the baseline, TahQuant's pipeline messages at emulated PP=2, and those with TACO at
     emulated TP=4; every command a valid flag set of the driver."""
