@@ -96,10 +96,10 @@ def _sum_rows(codec, x: torch.Tensor, recv: torch.Tensor, rank: int, world: int)
     own = x.reshape(-1)[rank * row_len:(rank + 1) * row_len]
     parts[rank] = 0
     parts[rank, :own.numel()] = own
-    return _rank_order_sum(parts)
+    return sum_in_rank_order(parts)
 
 
-def _rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
+def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
     """``parts[0] + parts[1] + ...`` in this order: the same bits whether one rank sums its rows or an
     emulated group sums every rank's at once (``torch.sum`` may order its additions by shape and device)."""
     total = parts[0].clone()
@@ -127,7 +127,7 @@ def _decode_sum(codec, wires: torch.Tensor, world: int, numel: int, dtype) -> to
         parts = codec.decode_ranks(wires, world, numel, torch.float32).view(world, numel)
     else:
         parts = torch.stack([codec.decode(wire, numel, torch.float32) for wire in wires.view(world, -1)])
-    return _rank_order_sum(parts).to(dtype)
+    return sum_in_rank_order(parts).to(dtype)
 
 
 def one_shot(world: int, algorithm: str) -> bool:
@@ -320,7 +320,7 @@ def _summed_rows(codec, parts, wires: torch.Tensor) -> torch.Tensor:
     decoded = decoded.view(world, world, row_len)  # [source rank, row, values]
     ranks = torch.arange(world, device=decoded.device)
     decoded[ranks, ranks] = _own_rows(parts, world).float()
-    return _rank_order_sum(decoded)
+    return sum_in_rank_order(decoded)
 
 
 def emulated_all_reduce(parts, codec, comm_class="tp", algorithm="auto") -> torch.Tensor:

@@ -44,7 +44,8 @@ from megatron.core.tensor_parallel.layers import (
 
 from compression.codec import TensorCodec
 from compression.telemetry import SQNR, TELEMETRY
-from compression.tp_collectives import emulated_all_gather, emulated_all_reduce, emulated_reduce_scatter
+from compression.tp_collectives import (emulated_all_gather, emulated_all_reduce, emulated_reduce_scatter,
+                                         sum_in_rank_order)
 from megatron.hooks.config import TpCommConfig
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class TpEmulation:
             coded = emulated_all_reduce(parts, self.codec, algorithm=self.all_reduce_algorithm)
             return self._measured("all_reduce", lambda: parts.float().sum(0), coded)
         self._stock(parts[0])
-        return _sum_in_rank_order(parts)
+        return sum_in_rank_order(parts)
 
     def reduce_scatter(self, parts: torch.Tensor) -> torch.Tensor:
         """parts: [N, s, ...] -> the N ranks' [s / N, ...] sums, concatenated: [s, ...]."""
@@ -98,7 +99,7 @@ class TpEmulation:
             coded = emulated_reduce_scatter(parts, self.codec)
             return self._measured("reduce_scatter", lambda: parts.float().sum(0), coded)
         self._stock(parts[0])
-        return _sum_in_rank_order(parts)
+        return sum_in_rank_order(parts)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x: [s, ...] whole -> what the all-gather of its N sequence shards returns."""
@@ -109,13 +110,6 @@ class TpEmulation:
             return self._measured("all_gather", lambda: x, coded)
         self._stock(shards[0])
         return x
-
-
-def _sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    return total
 
 
 def _rank_major(x: torch.Tensor, size: int, stride: int) -> torch.Tensor:
