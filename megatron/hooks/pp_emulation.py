@@ -62,10 +62,9 @@ def _send_to_next_stage(codec: TahQuantCodec, rows: int, compress_grads: bool):
     return hook
 
 
-def apply_pp_emulation(model_chunks: list, config: PipelineCommConfig, sequence_shards: int = 1) -> list:
+def apply_pp_emulation(model_chunks: list, config: PipelineCommConfig, sequence_shards: int = 1) -> None:
     """Hook the last layer of each of the first ``config.emulate - 1`` equal stages of the PP=1 model's decoder;
-    ``sequence_shards``: the messages per boundary (the emulated TP degree with sequence parallelism, else 1).
-    Returns the hook handles."""
+    ``sequence_shards``: the messages per boundary (the emulated TP degree with sequence parallelism, else 1)."""
     stages = config.emulate
     if stages < 2 or config.method != "tahquant":
         raise ValueError(f"apply_pp_emulation() needs --pp-comm-emulate of 2 or more and --pp-comm-compression "
@@ -81,9 +80,8 @@ def apply_pp_emulation(model_chunks: list, config: PipelineCommConfig, sequence_
     codec = TahQuantCodec(config.tahquant, blocks[0].config.hidden_size)
     per_stage = len(layers) // stages
     boundaries = [(k + 1) * per_stage - 1 for k in range(stages - 1)]
-    handles = [layers[i].register_forward_hook(_send_to_next_stage(codec, sequence_shards, config.compress_grads))
-               for i in boundaries]
+    for i in boundaries:
+        layers[i].register_forward_hook(_send_to_next_stage(codec, sequence_shards, config.compress_grads))
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info("PP emulation: PP=%d messages after decoder layers %s (%r, %d per boundary, gradients %s)",
                     stages, boundaries, codec, sequence_shards, "coded" if config.compress_grads else "exact")
-    return handles
