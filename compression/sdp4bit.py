@@ -226,6 +226,27 @@ def decode_sum(wire: torch.Tensor, skip_row: int, numel: int, config: HadamardQu
     return dequantize_sum_rows_reference(wire, skip_row, numel, config.block_size, config.bits)
 
 
+def _encode_rank_rows(rows: torch.Tensor, config: HadamardQuantConfig, fused: bool) -> torch.Tensor:
+    """uint8 [W, row_nbytes]: one rank's wire, row s for rank s (the kernel if ``fused``, else the reference)."""
+    if not fused:
+        return encode_rows(rows, config)
+    send = torch.empty(rows.shape[0], groups_nbytes(rows.shape[1], config.block_size, config.bits),
+                       dtype=torch.uint8, device=rows.device)
+    sdp4bit_kernels.rotate_quantize_rows(rows, send, config.block_size, config.bits)
+    return send
+
+
+def _reduce_received(recv: torch.Tensor, rank: int, own: torch.Tensor, shard: torch.Tensor,
+                     config: HadamardQuantConfig, average: bool, fused: bool) -> None:
+    """``shard`` = rank ``rank``'s result: the received rows but its own, dequantized and summed, plus ``own`` (its
+    own row, exact), divided by the group size if ``average``."""
+    if fused:  # ``shard`` may be ``own``: each value is read before it is written, by one program
+        sdp4bit_kernels.dequantize_sum_rows(recv, rank, own, shard, config.block_size, config.bits, average)
+        return
+    total = decode_sum(recv, rank, own.numel(), config) + own.float()
+    shard.copy_(total / total.new_full((), recv.shape[0]) if average else total)  # a tensor divisor: as the kernel
+
+
 def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: HadamardQuantConfig, group=None,
                              average: bool = False, async_op: bool = False, triton=None):
     """``shard`` = this rank's slice of the sum (mean if ``average``) of ``full`` over ``group``, through
@@ -236,24 +257,46 @@ def quantized_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, config: Ha
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = full.view(world, -1)
     fused = use_triton(full, triton) and shard.is_contiguous()  # None: the kernels on CUDA (kernels.use_triton)
-    if fused:
-        send = torch.empty(world, groups_nbytes(rows.shape[1], config.block_size, config.bits), dtype=torch.uint8,
-                           device=full.device)
-        sdp4bit_kernels.rotate_quantize_rows(rows, send, config.block_size, config.bits)
-    else:
-        send = encode_rows(rows, config)
+    send = _encode_rank_rows(rows, config, fused)
     recv = torch.empty_like(send)
     TELEMETRY.record("dp_grad_reduce", full.numel() * full.element_size(), send.numel())
     work = all_to_all_rows(recv, send, group=group, async_op=async_op)
 
     def finish():
-        if fused:  # ``shard`` may be ``rows[rank]``: each value is read before it is written, by one program
-            sdp4bit_kernels.dequantize_sum_rows(recv, rank, rows[rank], shard, config.block_size, config.bits, average)
-            return
-        total = decode_sum(recv, rank, rows.shape[1], config) + rows[rank].float()
-        shard.copy_(total / total.new_full((), world) if average else total)  # a tensor divisor: quantize_groups
+        _reduce_received(recv, rank, rows[rank], shard, config, average, fused)
 
     if async_op:
         return PendingGather(work, finish)
     finish()
     return None
+
+
+# --- one process in the place of a data-parallel group (``--dp-comm-emulate``) ----------------------
+
+
+def emulated_reduce_scatter(fulls: list, out: torch.Tensor, config: HadamardQuantConfig, average: bool = False,
+                            triton=None) -> None:
+    """What ``quantized_reduce_scatter`` leaves in every rank's shard when rank r's ``full`` is ``fulls[r]``: slice s
+    of ``out`` (numel W * n, as each ``full``) = rank s's ``shard``, from the same codec calls. Telemetry records
+    every rank's bytes (a run's metrics sum them over its ranks)."""
+    world = len(fulls)
+    rows = [full.view(world, -1) for full in fulls]
+    fused = use_triton(out, triton) and out.is_contiguous()
+    sends = [_encode_rank_rows(rank_rows, config, fused) for rank_rows in rows]
+    for full, send in zip(fulls, sends):
+        TELEMETRY.record("dp_grad_reduce", full.numel() * full.element_size(), send.numel())
+    shards = out.view(world, -1)
+    for rank in range(world):
+        recv = torch.stack([send[rank] for send in sends])  # what the all-to-all hands rank ``rank``
+        _reduce_received(recv, rank, rows[rank][rank], shards[rank], config, average, fused)
+
+
+def emulated_weight_diff_gather(codecs: list, buffer: torch.Tensor, comm_class: str = "dp_param_gather") -> None:
+    """What ``WeightDiffGather.start`` leaves in every rank's ``buffer`` (the same bits on each), with ``codecs[r]``
+    rank r's ``WeightDiffCodec``: each slice coded by its owner and replaced by the reconstruction. Telemetry records
+    every rank's bytes (a run's metrics sum them over its ranks)."""
+    slices = buffer.view(len(codecs), -1)
+    for rank, codec in enumerate(codecs):
+        payload = codec.encode(slices[rank])
+        TELEMETRY.record(comm_class, slices[rank].numel() * buffer.element_size(), payload.numel())
+        codec.decode(rank, payload, slices[rank])

@@ -37,6 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # TACO: "taco" is the paper's configuration (E4M3, ASH, dual scale); "naive FP8" is one scale per tensor with
 # no transform; "ds_only" per-block scales with no transform. Every variant names its format explicitly.
 E4M3 = ["--taco-format", "e4m3"]
+SDP4BIT_DP2 = ["--dp-comm-emulate", "2", "--param-gather-compression", "sdp4bit", "--grad-reduce-compression",
+               "hadamard-int8"]
 TACO_VARIANTS = {
     "baseline": [],
     "taco": ["--tp-comm-compression", "taco", *E4M3],
@@ -51,16 +53,16 @@ TACO_VARIANTS = {
     # TahQuant's pipeline code (4-bit tokens, 8-bit for the hardest 1/8, one bf16 scale per 64 channels) on the TP
     # path: the paper's comparison
     "tahquant": ["--tp-comm-compression", "tahquant"],
-    # The paper's Figure 17 at TP=4 x PP=2 on one GPU, without its DP=2 (SDP4Bit needs data-parallel ranks):
-    # TahQuant's pipeline messages alone (the "2D" run's PP part), then with TACO on the TP collectives ("3D")
-    "tahquant_pp": ["--pp-comm-compression", "tahquant", "--pp-comm-emulate", "2"],
-    "taco_tahquant_pp": ["--tp-comm-compression", "taco", *E4M3, "--tp-comm-emulate", "4",
-                         "--tp-comm-compression-min-bytes", "0", "--pp-comm-compression", "tahquant",
-                         "--pp-comm-emulate", "2"],
+    # The paper's Figure 17 (TP=4 x PP=2 x DP=2) on one GPU: "2D" codes the DP collectives with SDP4Bit (4-bit weight
+    # differences; 8-bit Hadamard gradients, its intra-node level) and the PP messages with TahQuant; "3D" adds TACO
+    "sdp4bit_tahquant_pp": [*SDP4BIT_DP2, "--pp-comm-compression", "tahquant", "--pp-comm-emulate", "2"],
+    "taco_sdp4bit_tahquant_pp": [*SDP4BIT_DP2, "--pp-comm-compression", "tahquant", "--pp-comm-emulate", "2",
+                                 "--tp-comm-compression", "taco", *E4M3, "--tp-comm-emulate", "4",
+                                 "--tp-comm-compression-min-bytes", "0"],
 }
 # The paper's Table 1 rows: bf16, TACO (E4M3 + ASH + DS), our default INT8, naive FP8, DS only, E5M2, TahQuant.
 PAPER_VARIANTS = ["baseline", "taco", "int8", "naive_fp8", "ds_only", "e5m2", "tahquant"]
-FIGURE17_VARIANTS = ["baseline", "tahquant_pp", "taco_tahquant_pp"]
+FIGURE17_VARIANTS = ["baseline", "sdp4bit_tahquant_pp", "taco_sdp4bit_tahquant_pp"]
 TP_CODEC_VARIANTS = [name for name in TACO_VARIANTS if name not in FIGURE17_VARIANTS[1:]]
 # The paper presets' two measures of run-to-run noise, each one more bf16 baseline (name -> flags, what it varies):
 # the same seed with the learning rate moved by 1e-6 relative keeps the data and validation samples, so it shows what
@@ -84,13 +86,14 @@ TAHQUANT_VARIANTS = {
     "tahquant_8bit": ["--pp-comm-compression", "tahquant", "--pp-comm-bits", "8"],
 }
 
-def one_gpu_study(config: str, batch: str, *shape: str) -> list:
+def one_gpu_study(config: str, batch: str, *shape: str, micro_batch: str = None) -> list:
     """The paper presets' recipe on one GPU (docs/tp-emulation.md): a TP=1, PP=1 model of ``config`` on the
-    python-site-packages corpus, ``batch`` sequences of 1024 byte tokens per iteration, 3,000 iterations at lr 3e-4 ->
-    3e-5, 40 validation batches every 250 iterations, seed 1."""
+    python-site-packages corpus, ``batch`` sequences of 1024 byte tokens per iteration (in micro-batches of
+    ``micro_batch``, default all), 3,000 iterations at lr 3e-4 -> 3e-5, 40 validation batches every 250 iterations,
+    seed 1."""
     return ["--config", config, "--tensor-model-parallel-size", "1", "--builtin-corpus", "python-site-packages",
             "--builtin-corpus-max-bytes", str(1 << 30), "--tokenizer-type", "ByteTokenizer", "--seq-length", "1024",
-            "--max-position-embeddings", "1024", "--micro-batch-size", batch, "--global-batch-size", batch,
+            "--max-position-embeddings", "1024", "--micro-batch-size", micro_batch or batch, "--global-batch-size", batch,
             "--train-iters", "3000", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "100",
             "--eval-interval", "250", "--eval-iters", "40", "--log-interval", "50", "--seed", "1", *shape]
 
@@ -128,9 +131,11 @@ FAMILIES = {
            for name, config, batch, shape in (
                ("gpu-125m-tp8", "configs/gpt_125m.yaml", "8", ["--num-attention-heads", "16"]),
                ("gpu-350m-tp8", "configs/gpt_350m.yaml", "4", []))},
-        # The paper's Figure 17 (TP=4, PP=2) on one GPU as the TP=8 presets train, six layers per emulated stage
-        "gpu-125m-tp4pp2": dict(nproc=1, variants=FIGURE17_VARIANTS, noise_runs=NOISE_RUNS,
-                                flags=one_gpu_study("configs/gpt_125m.yaml", "8")),
+        # The paper's Figure 17 (TP=4, PP=2, DP=2) on one GPU as the TP=8 presets train, six layers per emulated
+        # stage, each emulated DP rank one micro-batch of 4 (the DP collectives run in place: no overlap)
+        "gpu-125m-tp4pp2dp2": dict(nproc=1, variants=FIGURE17_VARIANTS, noise_runs=NOISE_RUNS, flags=[
+            *one_gpu_study("configs/gpt_125m.yaml", "8", micro_batch="4"), "--no-overlap-grad-reduce",
+            "--no-overlap-param-gather"]),
     }),
     # DP=2, bf16 parameters (the codecs code 16-bit values), distributed optimizer.
     "sdp4bit": dict(variants=SDP4BIT_VARIANTS, presets={

@@ -90,22 +90,27 @@ def test_a_record_cut_off_mid_write_is_left_out(tmp_path, capsys):
     assert convergence.read_metrics(str(path)) == [{"iteration": 1, "loss": 3.0}]
 
 
-def test_figure17_preset_emulates_tp4_and_pp2(capsys):
-    """gpu-125m-tp4pp2: the baseline, TahQuant's pipeline messages at emulated PP=2, and those with TACO at
-    emulated TP=4; every command a valid flag set of the driver."""
+def test_figure17_preset_emulates_tp4_pp2_dp2(capsys):
+    """gpu-125m-tp4pp2dp2: the baseline, SDP4Bit at emulated DP=2 with TahQuant's pipeline messages at emulated PP=2
+    ("2D"), and those with TACO at emulated TP=4 ("3D"), all in micro-batches of 4; every command a valid flag set
+    of the driver."""
     from megatron.training.arguments import parse_args, validate_args
 
-    convergence.main(["--family", "taco", "--preset", "gpu-125m-tp4pp2", "--out-dir", "OUT", "--print"])
+    convergence.main(["--family", "taco", "--preset", "gpu-125m-tp4pp2dp2", "--out-dir", "OUT", "--print"])
     commands = capsys.readouterr().out.strip().splitlines()
     names = [c.split("--metrics-file OUT/")[1].removesuffix(".jsonl") for c in commands]
-    assert names == ["baseline", "tahquant_pp", "taco_tahquant_pp", "baseline_seed2", "baseline_lr_jitter"]
+    assert names == ["baseline", "sdp4bit_tahquant_pp", "taco_sdp4bit_tahquant_pp", "baseline_seed2",
+                     "baseline_lr_jitter"]
     degrees = []
     for command in commands:
         flags = command.split("pretrain_gpt.py ")[1].split()
         args = validate_args(parse_args(flags), world_size=1, rank=0)
-        degrees.append((args.tp_comm_emulate, args.pp_comm_emulate, args.tp_comm_compression, args.pp_comm_compression))
-    assert degrees == [(1, 1, "none", "none"), (1, 2, "none", "tahquant"), (4, 2, "taco", "tahquant"),
-                       (1, 1, "none", "none"), (1, 1, "none", "none")]
+        assert (args.micro_batch_size, args.global_batch_size) == (4, 8)
+        degrees.append((args.tp_comm_emulate, args.pp_comm_emulate, args.dp_comm_emulate, args.tp_comm_compression,
+                        args.pp_comm_compression, args.param_gather_compression, args.grad_reduce_compression))
+    plain = (1, 1, 1, "none", "none", "none", "none")
+    assert degrees == [plain, (1, 2, 2, "none", "tahquant", "sdp4bit", "hadamard-int8"),
+                       (4, 2, 2, "taco", "tahquant", "sdp4bit", "hadamard-int8"), plain, plain]
 
 
 def _fake_run(out_dir, name, valid_end, test_end, until=20, sqnr=None):

@@ -232,6 +232,16 @@ class CompressionConfig:
     """The distributed optimizer's gradient reduce-scatter."""
     pp: PipelineCommConfig = field(default_factory=PipelineCommConfig)
     """Pipeline-stage messages."""
+    dp_emulate: int = 1
+    """``--dp-comm-emulate``: at DP=1, the numerics of the compressed collectives of a DP=N run (1: off)."""
+
+    def __post_init__(self):
+        check(self.dp_emulate == 1 or self.param_gather.method in ("none", "sdp4bit"),
+               f"--dp-comm-emulate emulates lossy codes; --param-gather-compression {self.param_gather.method} is "
+               f"lossless (it trains the uncompressed run's bits): drop one of them")
+        check(self.dp_emulate == 1 or self.param_gather.method == "sdp4bit" or self.grad_reduce.method != "none",
+               f"--dp-comm-emulate {self.dp_emulate} emulates SDP4Bit's data-parallel collectives: add "
+               f"--param-gather-compression sdp4bit and/or --grad-reduce-compression hadamard-int8 (or -int4)")
 
     @property
     def data_parallel(self) -> bool:

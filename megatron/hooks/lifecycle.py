@@ -3,7 +3,7 @@
     compression = Compression(config)                      # a CompressionConfig
     compression.install_model(model_chunks, model_config)  # TP collectives, pipeline messages (or their emulation)
     ... DDP wrapping, optimizer ...
-    compression.install_data_parallel(ddp_chunks, optimizer)  # parameter gather, gradient reduce-scatter
+    compression.install_data_parallel(ddp_chunks, optimizer)  # parameter gather, gradient reduce-scatter (or emulation)
     compression.after_load()                               # parameters rewritten: next gathers are keyframes
     for each iteration:
         compression.before_iteration(iteration)            # the trials' and re-selections' switches
@@ -53,7 +53,11 @@ class Compression:
     def install_data_parallel(self, ddp_chunks: list, optimizer) -> None:
         """The distributed optimizer's compressed collectives, after DDP wrapping and optimizer construction."""
         self.ddp_chunks = ddp_chunks
-        if self.config.data_parallel:
+        if self.config.dp_emulate > 1:
+            from megatron.hooks.dp_emulation import apply_dp_emulation
+
+            apply_dp_emulation(ddp_chunks, self.config)
+        elif self.config.data_parallel:
             from megatron.hooks.param_gather import apply_dp_compression
 
             apply_dp_compression(ddp_chunks, self.config.param_gather, self.config.grad_reduce)
@@ -65,7 +69,11 @@ class Compression:
     def after_load(self) -> None:
         """After a checkpoint load (or anything else that rewrote the parameters): every bucket's next gather is a
         keyframe."""
-        if self.config.param_gather.method != "none":
+        if self.config.dp_emulate > 1:
+            from megatron.hooks.dp_emulation import reset_emulated_codecs
+
+            reset_emulated_codecs(self.ddp_chunks)
+        elif self.config.param_gather.method != "none":
             from megatron.hooks.param_gather import reset_param_gather_state
 
             reset_param_gather_state(self.ddp_chunks)

@@ -698,6 +698,11 @@ class CompressionArgs:
         "PP=N run (equal stages) sends between its stages, and their gradients, through the codec as that run's "
         "messages, in one process: the convergence of compressed PP=N on one GPU, also with --tp-comm-emulate "
         "(docs/tp-emulation.md). 1: off.")
+    dp_comm_emulate: int = arg(
+        1, "With data-parallel size 1, --use-distributed-optimizer and SDP4Bit (--param-gather-compression sdp4bit, "
+        "--grad-reduce-compression hadamard-int8/int4): give the parameter all-gather and gradient reduce-scatter the "
+        "numerics of a DP=N run (each micro-batch's gradients coded as its rank's, N a power of two up to 128), in one "
+        "process (docs/tp-emulation.md). 1: off.")
     pp_comm_bits: int = arg(4, "TahQuant bits per value of the low-bit tokens (2..8).")
     pp_comm_tile_size: int = arg(64, "TahQuant tile size: channels per scale (power of two, 16..1024).")
     pp_comm_high_bit_fraction: float = arg(0.125, "Fraction of each message's tokens that TahQuant sends with 8 bits.")
@@ -969,7 +974,7 @@ RANGES = {
         "qk_head_dim", "v_head_dim", "mtp_num_layers", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
         "moe_router_num_groups", "moe_router_group_topk", "micro_batch_size", "global_batch_size", "train_iters",
         "train_samples", "lr_decay_iters", "lr_decay_samples", "hysteresis", "loss_scale_window", "save_interval",
-        "log_interval", "eval_interval", "tp_comm_emulate", "pp_comm_emulate")},
+        "log_interval", "eval_interval", "tp_comm_emulate", "pp_comm_emulate", "dp_comm_emulate")},
     **{name: _at_least(0) for name in (
         "qk_pos_emb_head_dim", "lr_warmup_iters", "lr_warmup_samples", "eval_iters", "num_workers", "seed",
         "ckpt_step", "params_checksum_interval", "lr", "min_lr", "lr_warmup_init", "decoupled_lr",
@@ -1628,6 +1633,7 @@ def _validate_compression(args) -> None:
     args.compression = compression_config(args)
     _validate_tp_emulation(args)
     _validate_pp_emulation(args)
+    _validate_dp_emulation(args)
 
 
 def _validate_tp_emulation(args) -> None:
@@ -1660,6 +1666,32 @@ def _validate_pp_emulation(args) -> None:
            f"--pp-comm-emulate {n} emulates {n} equal stages: --num-layers {args.num_layers} must be divisible by {n}")
     check(args.num_experts is None and not args.mtp_num_layers,
            "--pp-comm-emulate emulates dense GPT stages only: drop --num-experts and --mtp-num-layers, or run real PP")
+
+
+def _validate_dp_emulation(args) -> None:
+    n = args.dp_comm_emulate
+    if n == 1:
+        return
+    check(n & (n - 1) == 0 and n <= 128,
+           f"--dp-comm-emulate {n}: a power of two up to 128 (the buckets of DP=N and DP=1 then have one layout)")
+    check(args.data_parallel_size == 1,
+           f"--dp-comm-emulate {n} emulates DP={n} in a DP=1 run: use {args.world_size // args.data_parallel_size} "
+           f"ranks (the model-parallel size), got data-parallel size {args.data_parallel_size}")
+    check(args.use_distributed_optimizer, "--dp-comm-emulate emulates the distributed optimizer's collectives: add "
+           "--use-distributed-optimizer")
+    check(args.pipeline_model_parallel_size == 1,
+           "--dp-comm-emulate assigns micro-batches to ranks in order, which a pipeline schedule interleaves: use "
+           "--pipeline-model-parallel-size 1 (--pp-comm-emulate emulates the pipeline)")
+    check(args.num_experts is None, "--dp-comm-emulate emulates dense models: drop --num-experts, or run real DP")
+    check(not args.overlap_grad_reduce and not args.overlap_param_gather,
+           "--dp-comm-emulate runs the collectives in place: turn off their overlap with --no-overlap-grad-reduce "
+           "--no-overlap-param-gather (it changes no numerics)")
+    check(args.global_batch_size % (args.micro_batch_size * n) == 0,
+           f"--dp-comm-emulate {n} splits each global batch over {n} ranks: --global-batch-size "
+           f"{args.global_batch_size} must be divisible by --micro-batch-size {args.micro_batch_size} x {n}")
+    check(not args.param_gather_verify_interval,
+           "--param-gather-verify-interval compares the data-parallel replicas; under --dp-comm-emulate there is one "
+           "copy: drop the flag")
 
 
 def validate_args(args, world_size: Optional[int] = None, rank: Optional[int] = None) -> argparse.Namespace:

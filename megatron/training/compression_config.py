@@ -63,4 +63,5 @@ def compression_config(args) -> CompressionConfig:
         pp=PipelineCommConfig(method=args.pp_comm_compression, compress_grads=args.pp_comm_compress_grads,
                               tahquant=tahquant_config(args), hidden_size=args.hidden_size,
                               emulate=args.pp_comm_emulate),
+        dp_emulate=args.dp_comm_emulate,
     )
