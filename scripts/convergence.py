@@ -336,6 +336,12 @@ def paper_table(variants, runs, noise_runs):
     """Table 1's columns: end-of-run validation and test loss and their degradation vs the baseline, with the
     other baselines' differences (``noise_runs``: name -> what it varies) as the noise band."""
     base = runs["baseline"]
+    names = [*variants, *(n for n in noise_runs if n in runs)]
+    # one evaluation for every row: the end-of-run one where every run's log has it, else the last in-loop one
+    end_of_run = all("end_valid_loss" in runs[name] for name in ["baseline", *names])
+
+    def losses(res):
+        return (res["end_valid_loss"], res.get("end_test_loss")) if end_of_run else (res["final_valid_loss"], None)
 
     def pct(value, reference):
         return None if value is None or reference is None else (value / reference - 1) * 100
@@ -345,12 +351,11 @@ def paper_table(variants, runs, noise_runs):
 
     results = {}
     lines = ["| variant | valid loss | test loss | valid degradation | test degradation |", "|---|---|---|---|---|"]
-    for name in [*variants, *(n for n in noise_runs if n in runs)]:
-        res = runs[name]
-        valid, test = res.get("end_valid_loss", res["final_valid_loss"]), res.get("end_test_loss")
-        results[name] = dict(valid_loss=valid, test_loss=test,
-                             valid_degradation_pct=pct(valid, base.get("end_valid_loss", base["final_valid_loss"])),
-                             test_degradation_pct=pct(test, base.get("end_test_loss")))
+    base_valid, base_test = losses(base)
+    for name in names:
+        valid, test = losses(runs[name])
+        results[name] = dict(valid_loss=valid, test_loss=test, valid_degradation_pct=pct(valid, base_valid),
+                             test_degradation_pct=pct(test, base_test))
         r = results[name]
         lines.append(f"| {name} | {fmt(valid, '.4f')} | {fmt(test, '.4f')} | "
                      f"{fmt(r['valid_degradation_pct'], '+.2f', '%')} | {fmt(r['test_degradation_pct'], '+.2f', '%')} |")

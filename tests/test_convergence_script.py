@@ -148,6 +148,11 @@ def test_paper_table_reports_degradation_and_the_noise_band(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["table1"]["e5m2"]["valid_degradation_pct"] == pytest.approx(10.0)
     assert (tmp_path / "valid_loss.png").stat().st_size > 0 and (tmp_path / "loss_curves.png").stat().st_size > 0
+    # a run without its log (no end-of-run evaluation): every row compares the last in-loop evaluation instead
+    (tmp_path / "taco.log").unlink()
+    convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--reuse", "--out-dir", str(tmp_path)])
+    table = (tmp_path / "table1.md").read_text()
+    assert "| taco | 2.0100 | - | +0.50% | - |" in table and "| baseline_seed2 | 2.0040 | - | +0.20% | - |" in table
 
 
 def test_train_only_needs_no_baseline(capsys):
