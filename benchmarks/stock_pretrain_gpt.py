@@ -1,5 +1,6 @@
 """``pretrain_gpt.py`` on megatron-core's own fallbacks for apex, without ``megatron/hooks/fused_ops.py``'s stand-ins:
-the gradient norm takes one host synchronization per parameter and scaling two kernels per tensor. With
+the gradient norm takes one host synchronization per parameter, scaling two kernels per tensor, and Adam steps on
+torch's foreach implementation (``fuse_adam`` acts only after ``apply``). With
 ``--attention-backend unfused --no-gradient-accumulation-fusion`` it runs the local spec as megatron-core (and
 Megatron-LM's own ``pretrain_gpt.py``) runs it without apex or Transformer Engine: ``compute_path.py``'s ``stock``
 baseline. Arguments are ``pretrain_gpt.py``'s."""

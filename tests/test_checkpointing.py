@@ -64,8 +64,9 @@ def _main_params_match_model(opt) -> bool:
     )
 
 
-def _build(tp: int, seed: int):
-    """Seed, then build ([DDP model chunk], distributed Adam, LR scheduler) as the driver does."""
+def _build(tp: int, seed: int, fused_adam: bool = False):
+    """Seed, then build ([DDP model chunk], distributed Adam, LR scheduler) as the driver does (``fused_adam``: with
+    torch's fused Adam kernel, as the driver steps it on CUDA)."""
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -92,6 +93,10 @@ def _build(tp: int, seed: int):
                         use_distributed_optimizer=True, clip_grad=1.0),
         [ddp],
     )
+    if fused_adam:
+        from megatron.hooks import fused_ops
+
+        fused_ops.fuse_adam(opt)
     scheduler = OptimizerParamScheduler(
         opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=4, lr_decay_steps=24,
         lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=24, wd_incr_style="constant",
@@ -150,14 +155,53 @@ def _args(root, **overrides):
     return argparse.Namespace(**values)
 
 
-def _fresh_load(tp, root, **overrides):
-    """A differently seeded model/optimizer that then loads ``root``."""
+def _fresh_load(tp, root, fused_adam=False, **overrides):
+    """A differently seeded model/optimizer that then loads ``root`` (``fused_adam``: and fuses its Adam again, as
+    the driver does after a load)."""
+    from megatron.hooks import fused_ops
     from megatron.training.checkpointing import load_checkpoint
 
-    parts = _build(tp, seed=4321)
+    parts = _build(tp, seed=4321, fused_adam=fused_adam)
     args = _args(root, **overrides)
     iteration = load_checkpoint(args, *parts)
+    if fused_adam:
+        fused_ops.fuse_adam(parts[1])
     return parts, args, iteration
+
+
+def _fused_adam_state(opt) -> dict:
+    """Whether every group of torch's Adam steps fused, and the devices and dtypes of its states' steps."""
+    adams = [sub.optimizer for sub in _inner_optimizers(opt)]
+    steps = {(str(s["step"].device), str(s["step"].dtype)) for adam in adams for s in adam.state.values()}
+    return dict(fused=all(g["fused"] and not g["foreach"] for adam in adams for g in adam.param_groups), steps=steps)
+
+
+def _fused_adam_scenario(root: str) -> dict:
+    """Resume with torch's fused Adam (forced onto the CPU here): bit-exact, and the fused setting and device-held
+    steps survive the load (which restores the saved groups and host steps); the losses follow the foreach run's."""
+    from megatron.core import parallel_state
+    from megatron.hooks import fused_ops
+    from megatron.training.checkpointing import save_checkpoint
+
+    fused_ops.FUSED_ADAM_DEVICES, fused_ops._applied = ("cpu", "cuda"), True
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    out = {}
+    args = _args(root)
+    parts = _build(1, seed=1234, fused_adam=True)
+    out["built"] = _fused_adam_state(parts[1])
+    out["losses"] = _train(parts, range(SAVE_AT), args)
+    out["trained"] = _fused_adam_state(parts[1])
+    save_checkpoint(args, SAVE_AT, *parts)
+    out["reference_losses"] = _train(parts, range(SAVE_AT, 2 * SAVE_AT), args)
+    out["reference_params"] = _param_hash(parts[0])
+    resumed, resumed_args, _ = _fresh_load(1, root, fused_adam=True)
+    out["loaded"] = _fused_adam_state(resumed[1])
+    out["resumed_losses"] = _train(resumed, range(SAVE_AT, 2 * SAVE_AT), resumed_args)
+    out["resumed_params"] = _param_hash(resumed[0])
+    foreach_args = _args(root + "_foreach")
+    out["foreach_losses"] = _train(_build(1, seed=1234), range(2 * SAVE_AT), foreach_args)
+    parallel_state.destroy_model_parallel()
+    return out
 
 
 def _state(parts, args, iteration):
@@ -260,6 +304,7 @@ def _checkpoint_world(root: str) -> dict:
         "tp1_dp2": _resume_scenario(1, os.path.join(root, "tp1_dp2"), with_extras=True),
         "tp2_dp1": _resume_scenario(2, os.path.join(root, "tp2_dp1"), with_extras=False),
         "flags": _flag_checks(root),
+        "fused_adam": _fused_adam_scenario(os.path.join(root, "fused_adam")),
     }
 
 
@@ -290,6 +335,15 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
         assert r["after_crash"] == r["saved"]
         assert r["resaved"]["iteration"] == 2 * SAVE_AT and r["resaved"]["params"] == r["reference_params"]
         assert r["resaved_dirs"] == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
+
+        fused = result["fused_adam"]
+        assert fused["built"] == dict(fused=True, steps=set())  # state comes with the first step
+        assert fused["trained"] == fused["loaded"] == dict(fused=True, steps={("cpu", "torch.float32")})
+        assert fused["resumed_losses"] == fused["reference_losses"], rank
+        assert fused["resumed_params"] == fused["reference_params"], rank
+        loss = lambda bits: torch.tensor(bits, dtype=torch.int32).view(torch.float32)  # noqa: E731
+        fused_losses, foreach_losses = loss(fused["losses"] + fused["reference_losses"]), loss(fused["foreach_losses"])
+        assert torch.allclose(fused_losses, foreach_losses, rtol=1e-3), (fused_losses, foreach_losses)
 
         flags = result["flags"]
         assert "--ckpt-format must be 'torch_dist'" in flags["format"] and "'torch'" in flags["format"]

@@ -92,6 +92,7 @@ def test_apply_swaps_megatron_core_fallbacks_only(monkeypatch):
                          (optimizer, "multi_tensor_scale_impl"), (layers, "fused_weight_gradient_mlp_cuda"),
                          (layers, "_grad_accum_fusion_available")]:
         monkeypatch.setattr(module, name, getattr(module, name, None), raising=False)
+    monkeypatch.setattr(fused_ops, "_applied", fused_ops._applied)
     fallbacks = clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm  # no apex / Transformer Engine
     fused_ops.apply()
     if fallbacks:
@@ -107,3 +108,59 @@ def test_gradient_accumulation_fusion_flag():
     assert make("").gradient_accumulation_fusion and not make("--no-gradient-accumulation-fusion").gradient_accumulation_fusion
     # on CUDA only: CPU runs keep megatron-core's unfused accumulation
     assert core_transformer_config(make("")).gradient_accumulation_fusion == torch.cuda.is_available()
+
+
+class _Wrapper:
+    """megatron-core's optimizer wrappers hold torch's as ``.optimizer``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+def _adam_run(fused_on, steps=3):
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(1000))
+    wrapper = _Wrapper(torch.optim.AdamW([param], lr=1e-2, weight_decay=0.1))
+    if fused_on:
+        fused_ops.fuse_adam(wrapper)
+    for step in range(steps):
+        param.grad = torch.randn(1000, generator=torch.Generator().manual_seed(step))
+        wrapper.optimizer.step()
+    return wrapper.optimizer, param.detach().clone()
+
+
+def test_fuse_adam_switches_torch_adam_to_its_fused_kernel(monkeypatch):
+    """After apply(), on the devices of FUSED_ADAM_DEVICES (CUDA; the CPU here) torch's AdamW steps fused, with its
+    steps on the device in fp32 (a loaded host step moves there), and follows the foreach update; elsewhere, and
+    without apply() (benchmarks/stock_pretrain_gpt.py), nothing changes."""
+    monkeypatch.setattr(fused_ops, "_applied", False)
+    monkeypatch.setattr(fused_ops, "FUSED_ADAM_DEVICES", ("cpu",))
+    optimizer, _ = _adam_run(fused_on=True, steps=0)
+    assert not optimizer.param_groups[0]["fused"]  # not applied
+    monkeypatch.setattr(fused_ops, "_applied", True)
+    monkeypatch.setattr(fused_ops, "FUSED_ADAM_DEVICES", ("cuda",))
+    optimizer, _ = _adam_run(fused_on=True, steps=0)
+    assert not optimizer.param_groups[0]["fused"]  # CPU parameters
+    monkeypatch.setattr(fused_ops, "FUSED_ADAM_DEVICES", ("cpu",))
+    fused, fused_param = _adam_run(fused_on=True)
+    group = fused.param_groups[0]
+    assert group["fused"] and not group["foreach"]
+    _, foreach_param = _adam_run(fused_on=False)
+    torch.testing.assert_close(fused_param, foreach_param, rtol=1e-5, atol=1e-6)
+    state = next(iter(fused.state.values()))
+    state["step"] = torch.tensor(3.0, dtype=torch.float64)  # as a checkpoint load leaves it
+    fused_ops.fuse_adam(_Wrapper(fused))
+    assert state["step"].dtype == torch.float32 and state["step"].item() == 3.0
+
+
+
+@pytest.mark.gpu
+def test_fuse_adam_on_cuda(monkeypatch):
+    monkeypatch.setattr(fused_ops, "_applied", True)
+    param = torch.nn.Parameter(torch.randn(1000, device="cuda"))
+    wrapper = _Wrapper(torch.optim.AdamW([param], lr=1e-2))
+    fused_ops.fuse_adam(wrapper)
+    param.grad = torch.randn_like(param)
+    wrapper.optimizer.step()
+    assert wrapper.optimizer.param_groups[0]["fused"]
+    assert next(iter(wrapper.optimizer.state.values()))["step"].device.type == "cuda"

@@ -13,10 +13,20 @@ Engine.
   product of bf16 inputs is taken in fp32 (``torch.mm``'s ``out_dtype``) and added, as apex's fp32 kernel does.
   Numerics: the bf16 product is rounded once (into the sum) instead of twice (the gradient, then the sum).
 
-``apply()`` installs both where megatron-core uses its fallbacks (once per process, before the model is built).
+- Adam: without either package megatron-core steps ``torch.optim.AdamW`` (or ``Adam``) with torch's default
+  ``foreach`` implementation, a pass over the states per elementwise op; apex's ``FusedAdam`` updates each value in one
+  pass. ``fuse_adam`` switches torch's optimizer to its own fused kernel (``fused=True``: one pass, as apex's) on CUDA,
+  and keeps each state's ``step`` on the device as that kernel needs (also after a checkpoint load, which restores the
+  saved groups' settings and a host ``step``). Numerics: the same update formula in fp32, not the same rounding order.
+
+``apply()`` installs the first two where megatron-core uses its fallbacks (once per process, before the model is
+built); ``fuse_adam`` then acts on the optimizer megatron-core builds, and on it again after each checkpoint load.
 """
 
 import torch
+
+_applied = False  # apply() ran: the stand-ins are wanted (benchmarks/stock_pretrain_gpt.py leaves them out)
+FUSED_ADAM_DEVICES = ("cuda",)  # where fuse_adam switches to torch's fused kernel (apex's runs on CUDA only)
 
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -52,7 +62,36 @@ class WgradAccumulation:
             main_grad.add_(torch.mm(grad_output.t(), total_input, out_dtype=torch.float32))
 
 
+def _torch_adams(optimizer) -> list:
+    """The ``torch.optim.Adam``/``AdamW`` instances inside megatron-core's optimizer wrappers (chained, mixed
+    precision, distributed); apex's and Transformer Engine's FusedAdam are not among them."""
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    found = [getattr(inner, "optimizer", inner) for inner in inners]
+    return [adam for adam in found if type(adam) in (torch.optim.Adam, torch.optim.AdamW)]
+
+
+def fuse_adam(optimizer) -> None:
+    """Step torch's Adam/AdamW inside ``optimizer`` with torch's fused kernel where every parameter of a group is on
+    ``FUSED_ADAM_DEVICES`` (after apply(); a no-op for apex's or TE's optimizer). Call after building the optimizer and after loading
+    its state."""
+    if not _applied:
+        return
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
+            if not group["params"] or not all(p.device.type in FUSED_ADAM_DEVICES for p in group["params"]):
+                continue
+            group["fused"], group["foreach"] = True, False
+            for param in group["params"]:
+                state = adam.state.get(param, {})
+                step = state.get("step")
+                if step is not None and (not torch.is_tensor(step) or step.device != param.device
+                                         or step.dtype != torch.float32):
+                    state["step"] = torch.as_tensor(step, dtype=torch.float32).to(param.device)
+
+
 def apply() -> None:
+    global _applied
+    _applied = True
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.tensor_parallel import layers

@@ -316,6 +316,8 @@ def wrap_ddp(args, config, chunks) -> list:
 
 def build_optimizer(args, ddp_chunks, timers=None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron.hooks import fused_ops
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = OptimizerConfig(
@@ -331,6 +333,7 @@ def build_optimizer(args, ddp_chunks, timers=None):
         log_num_zeros_in_grad=args.log_num_zeros_in_grad, timers=timers, barrier_with_L1_time=True,
     )
     optimizer = get_megatron_optimizer(config, ddp_chunks, use_gloo_process_groups=not args.disable_gloo_process_groups)
+    fused_ops.fuse_adam(optimizer)  # torch's fused Adam kernel where megatron-core falls back to torch's optimizer
     # The scheduler counts samples, stepped by the global batch size each iteration (Megatron-LM); the weight
     # decay goes from start to end over the training length.
     scheduler = OptimizerParamScheduler(

@@ -341,7 +341,10 @@ class Saver:
 def load(args, ddp_chunks, optimizer, scheduler, compression) -> int:
     from megatron.training.checkpointing import load_checkpoint
 
+    from megatron.hooks import fused_ops
+
     iteration = load_checkpoint(args, ddp_chunks, optimizer, scheduler)
+    fused_ops.fuse_adam(optimizer)  # the loaded groups' settings are the saved ones, the steps on the host
     compression.after_load()  # parameters were rewritten: next gathers are keyframes
     return iteration
 
