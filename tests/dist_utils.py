@@ -82,7 +82,8 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 600, backend: str = "gloo"):
     """Call ``fn(*args)`` on every rank of a fresh gloo world (CPU), or with ``backend="nccl"`` one GPU per
     rank; return the list of results by rank. ``fn`` must be a module-level function (it is pickled into
-    the children)."""
+    the children), and its result plain data (numbers, lists, numpy arrays): a tensor travels as a file descriptor
+    of shared memory, which can close with the rank's process before the parent reads it."""
     ctx = _cpu_context() if backend == "gloo" else mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
