@@ -138,3 +138,34 @@ def test_emulated_collectives_on_cuda_follow_cpu():
         results[device] = (out.cpu(), buffer.cpu().view(torch.int16))
     assert torch.equal(results["cpu"][0], results["cuda"][0])
     assert torch.equal(results["cpu"][1], results["cuda"][1])
+
+
+def test_micro_batches_go_to_their_ranks_and_force_all_reduce_sums_exactly():
+    """Micro-batch j's gradients are rank j mod N's, each rank's copy accumulating in micro-batch order; the reduce
+    takes the last micro-batch's and the next iteration starts over; ``force_all_reduce`` (the compressed run's
+    fallback to the stock all-reduce) writes the exact sum; evaluation passes count no micro-batch."""
+    from types import SimpleNamespace
+
+    from megatron.hooks.dp_emulation import EmulatedBucketGroup, MicroBatchRanks
+
+    class Bucket:  # (hashable: the ranks' copies are kept per bucket)
+        grad_data, gradient_scaling_factor = torch.zeros(4), 1.0
+
+    bucket = Bucket()
+    group = object.__new__(EmulatedBucketGroup)
+    group.buckets, group.grad_quant = [bucket], GRAD_CONFIG
+    group.ddp_config = SimpleNamespace(check_for_nan_in_grad=False, check_for_large_grads=False)
+    ranks = group.micro_batch_ranks = MicroBatchRanks([group], 2)
+    grads = [torch.full((4,), 2.0 ** j) for j in range(4)]  # micro-batches 0..3: ranks 0, 1, 0, 1
+    for iteration in range(2):
+        for grad in grads:
+            ranks.before_forward(None, ())
+            bucket.grad_data += grad  # its backward
+        with torch.no_grad():
+            ranks.before_forward(None, ())  # an evaluation's forward
+        assert torch.equal(ranks.rank_grads[bucket][0], grads[0] + grads[2])
+        assert torch.equal(ranks.rank_grads[bucket][1], grads[1])  # micro-batch 3's are still in the buffer
+        group.start_grad_sync(force_all_reduce=True)
+        assert torch.equal(bucket.grad_data, torch.full((4,), 15.0)), iteration
+        assert ranks.micro_batches == 0 and not ranks.rank_grads[bucket].any()
+        bucket.grad_data.zero_()  # zero_grad_buffer

@@ -90,7 +90,10 @@ class EmulatedBucketGroup(_ParamAndGradBucketGroup):
             rank_grads = ranks.rank_grads[bucket]
             if bucket.gradient_scaling_factor != 1.0:
                 rank_grads *= bucket.gradient_scaling_factor
-            emulated_reduce_scatter(list(rank_grads), bucket.grad_data, self.grad_quant)
+            if force_all_reduce:  # the compressed run falls back to the stock all-reduce: the exact sum
+                torch.sum(rank_grads, 0, out=bucket.grad_data)
+            else:
+                emulated_reduce_scatter(list(rank_grads), bucket.grad_data, self.grad_quant)
             rank_grads.zero_()
         ranks.reduced(self)
         if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
