@@ -78,7 +78,9 @@ def fuse_adam(optimizer) -> None:
         return
     for adam in _torch_adams(optimizer):
         for group in adam.param_groups:
-            if not group["params"] or not all(p.device.type in FUSED_ADAM_DEVICES for p in group["params"]):
+            # plain tensors only (Megatron-FSDP's DTensor shards keep torch's default)
+            if not group["params"] or not all(type(p) in (torch.Tensor, torch.nn.Parameter)
+                                              and p.device.type in FUSED_ADAM_DEVICES for p in group["params"]):
                 continue
             group["fused"], group["foreach"] = True, False
             for param in group["params"]:
