@@ -86,12 +86,21 @@ def _parse(flags: str, world_size: int = 1):
     ("--param-gather-compression delta --dp-comm-emulate 2", 1, "lossless"),
     (f"{SDP4BIT} --dp-comm-emulate 3", 1, "a power of two up to 128"),
     (f"{SDP4BIT} --dp-comm-emulate 2 --overlap-grad-reduce", 1, "--no-overlap-grad-reduce --no-overlap-param-gather"),
-    (f"{SDP4BIT} --dp-comm-emulate 8", 1, "--global-batch-size 8 must be divisible by --micro-batch-size 2 x 8"),
+    (f"{SDP4BIT} --dp-comm-emulate 8", 1, "its size 8 must be divisible by --micro-batch-size 2 x 8"),
+    (f"{SDP4BIT} --dp-comm-emulate 2 --context-parallel-size 2", 2, "--context-parallel-size 1"),
     (f"{SDP4BIT} --dp-comm-emulate 2 --param-gather-verify-interval 1", 1, "drop the flag"),
 ])
 def test_clear_errors(flags, world_size, message):
     with pytest.raises(ValueError, match=message):
         _parse(f"{GPT} {flags}", world_size)
+
+
+def test_every_batch_of_a_ramp_up_splits_over_the_ranks():
+    flags = (f"{GPT.replace('--train-iters 12', '--train-samples 96').replace('--lr-warmup-iters 1', '')} "
+             f"{SDP4BIT} --dp-comm-emulate 2")
+    with pytest.raises(ValueError, match="its size 2 must be divisible by --micro-batch-size 2 x 2"):
+        _parse(f"{flags} --rampup-batch-size 2 2 16")
+    assert _parse(f"{flags} --rampup-batch-size 4 4 16").dp_comm_emulate == 2
 
 
 def _max_rel_diff(reference, runs):

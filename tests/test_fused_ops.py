@@ -151,6 +151,10 @@ def test_fuse_adam_switches_torch_adam_to_its_fused_kernel(monkeypatch):
     state["step"] = torch.tensor(3.0, dtype=torch.float64)  # as a checkpoint load leaves it
     fused_ops.fuse_adam(_Wrapper(fused))
     assert state["step"].dtype == torch.float32 and state["step"].item() == 3.0
+    # a checkpoint of a fused run loaded where the fused kernel is not wanted: torch's default again
+    monkeypatch.setattr(fused_ops, "FUSED_ADAM_DEVICES", ("cuda",))
+    fused_ops.fuse_adam(_Wrapper(fused))
+    assert group["fused"] is None and group["foreach"] is None and state["step"].device.type == "cpu"
 
 
 

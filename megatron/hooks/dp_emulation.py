@@ -16,10 +16,12 @@ for every DP dividing 128) and rank r's shard is slice r of N. Each slice is cod
 ``WeightDiffCodec`` and replaced by the reconstruction that every replica writes, so the one copy of the parameters
 is every replica's (``compression.sdp4bit.emulated_weight_diff_gather``).
 
-What differs from a real DP=N run: the gradient norm is one sum instead of N partial sums (fp32 rounding, which
-gradient clipping passes on; without clipping the losses are the real run's bits, tests/test_dp_emulation.py). Byte
-telemetry counts every emulated rank's bytes, as a real run's metrics sum its ranks'. Overlap of the collectives with
-compute does not change the numerics and is not emulated.
+The emulated run is a DP=N run without overlapped collectives: megatron-core then keeps one bucket per buffer (with
+overlap it splits buffers into buckets, which moves the shards SDP4Bit codes). Each rank's gradients are checked
+(--check-for-nan-in-loss-and-grad) before they are coded, as each real rank checks its own. What differs from the real
+run: the gradient norm is one sum instead of N partial sums (fp32 rounding, which gradient clipping passes on; without
+clipping the losses are the real run's bits, tests/test_dp_emulation.py). Byte telemetry counts every emulated rank's
+bytes, as a real run's metrics sum its ranks'.
 """
 
 import logging
@@ -86,6 +88,8 @@ class EmulatedBucketGroup(_ParamAndGradBucketGroup):
             return super().start_grad_sync(force_all_reduce)
         ranks = self.micro_batch_ranks
         ranks.take(self.buckets)
+        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
+            self._check_rank_grads()
         for bucket in self.buckets:
             rank_grads = ranks.rank_grads[bucket]
             if bucket.gradient_scaling_factor != 1.0:
@@ -96,11 +100,20 @@ class EmulatedBucketGroup(_ParamAndGradBucketGroup):
                 emulated_reduce_scatter(list(rank_grads), bucket.grad_data, self.grad_quant)
             rank_grads.zero_()
         ranks.reduced(self)
-        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
-            # on the reduced gradients: a non-finite input makes its group's code non-finite
-            self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
-                             check_for_large=self.ddp_config.check_for_large_grads)
         self.grad_reduce_handle = None
+
+    def _check_rank_grads(self) -> None:
+        """megatron-core's check of the local gradients before the collective, on each emulated rank's."""
+        stock = [bucket.grad_data for bucket in self.buckets]
+        try:
+            for rank in range(self.micro_batch_ranks.size):
+                for bucket in self.buckets:
+                    bucket.grad_data = self.micro_batch_ranks.rank_grads[bucket][rank]
+                self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
+                                 check_for_large=self.ddp_config.check_for_large_grads)
+        finally:
+            for bucket, grad_data in zip(self.buckets, stock):
+                bucket.grad_data = grad_data
 
     def reset_codecs(self) -> None:
         for codecs in self.weight_codecs or ():
@@ -116,8 +129,8 @@ def _check_supported(ddp, size: int) -> None:
         raise ValueError("--dp-comm-emulate emulates the distributed optimizer's collectives: add "
                          "--use-distributed-optimizer")
     if ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather:
-        raise ValueError("--dp-comm-emulate runs the collectives in place: turn off their overlap with "
-                         "--no-overlap-grad-reduce --no-overlap-param-gather (it changes no numerics)")
+        raise ValueError("--dp-comm-emulate emulates a DP=N run without overlapped collectives (one bucket per "
+                         "buffer) and runs them in place: add --no-overlap-grad-reduce --no-overlap-param-gather")
     if ddp.expert_parallel_bucket_groups:
         raise ValueError("--dp-comm-emulate emulates dense models: drop --num-experts, or run real DP")
     for bucket_group in ddp.bucket_groups:

@@ -72,23 +72,25 @@ def _torch_adams(optimizer) -> list:
 
 def fuse_adam(optimizer) -> None:
     """Step torch's Adam/AdamW inside ``optimizer`` with torch's fused kernel where every parameter of a group is on
-    ``FUSED_ADAM_DEVICES`` (after apply(); a no-op for apex's or TE's optimizer). Call after building the optimizer and after loading
-    its state."""
-    if not _applied:
-        return
+    ``FUSED_ADAM_DEVICES`` (after apply(); a no-op for apex's or TE's optimizer), and every other group with torch's
+    default (a loaded checkpoint restores the settings it was saved with). Call after building the optimizer and
+    after loading its state."""
     for adam in _torch_adams(optimizer):
         for group in adam.param_groups:
             # plain tensors only (Megatron-FSDP's DTensor shards keep torch's default)
-            if not group["params"] or not all(type(p) in (torch.Tensor, torch.nn.Parameter)
-                                              and p.device.type in FUSED_ADAM_DEVICES for p in group["params"]):
+            fused = _applied and bool(group["params"]) and all(
+                type(p) in (torch.Tensor, torch.nn.Parameter) and p.device.type in FUSED_ADAM_DEVICES
+                for p in group["params"])
+            if not fused and not group.get("fused"):
                 continue
-            group["fused"], group["foreach"] = True, False
-            for param in group["params"]:
+            group["fused"], group["foreach"] = (True, False) if fused else (None, None)
+            for param in group["params"]:  # the fused kernel reads its steps on the device, the others on the host
                 state = adam.state.get(param, {})
                 step = state.get("step")
-                if step is not None and (not torch.is_tensor(step) or step.device != param.device
+                device = param.device if fused or group.get("capturable") else torch.device("cpu")
+                if step is not None and (not torch.is_tensor(step) or step.device != device
                                          or step.dtype != torch.float32):
-                    state["step"] = torch.as_tensor(step, dtype=torch.float32).to(param.device)
+                    state["step"] = torch.as_tensor(step, dtype=torch.float32).to(device)
 
 
 def apply() -> None:

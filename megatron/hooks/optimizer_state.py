@@ -20,6 +20,13 @@ def _native_adams(optimizer):
             yield inner
 
 
+def _step(value: float, group: dict, param: torch.Tensor) -> torch.Tensor:
+    """A param's Adam ``step`` where torch keeps it: on the host, on the param's device for the fused kernel (and
+    capturable steps)."""
+    device = param.device if group.get("fused") or group.get("capturable") else None
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
 def materialize_adam_state(optimizer) -> None:
     """DistributedOptimizer.state_dict() asserts on a never-stepped torch Adam (it reads the per-param
     ``step``, which does not exist yet), so a fresh optimizer can be neither saved nor loaded into.
@@ -29,8 +36,8 @@ def materialize_adam_state(optimizer) -> None:
             for param in group["params"]:
                 state = adam.state[param]
                 if not state:
-                    state.update(step=torch.zeros((), dtype=torch.float32),
-                                 exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+                    state.update(step=_step(0, group, param), exp_avg=torch.zeros_like(param),
+                                 exp_avg_sq=torch.zeros_like(param))
 
 
 def restore_adam_steps(optimizer) -> None:
@@ -41,7 +48,7 @@ def restore_adam_steps(optimizer) -> None:
     for adam in _native_adams(optimizer):
         for group in adam.param_groups:
             for param in group["params"]:
-                adam.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+                adam.state[param]["step"] = _step(group["step"], group, param)
 
 
 @contextlib.contextmanager

@@ -1682,13 +1682,18 @@ def _validate_dp_emulation(args) -> None:
     check(args.pipeline_model_parallel_size == 1,
            "--dp-comm-emulate assigns micro-batches to ranks in order, which a pipeline schedule interleaves: use "
            "--pipeline-model-parallel-size 1 (--pp-comm-emulate emulates the pipeline)")
+    check(args.context_parallel_size == 1,
+           "--dp-comm-emulate emulates the data-parallel group alone, and context parallelism joins it: use "
+           "--context-parallel-size 1")
     check(args.num_experts is None, "--dp-comm-emulate emulates dense models: drop --num-experts, or run real DP")
     check(not args.overlap_grad_reduce and not args.overlap_param_gather,
-           "--dp-comm-emulate runs the collectives in place: turn off their overlap with --no-overlap-grad-reduce "
-           "--no-overlap-param-gather (it changes no numerics)")
-    check(args.global_batch_size % (args.micro_batch_size * n) == 0,
-           f"--dp-comm-emulate {n} splits each global batch over {n} ranks: --global-batch-size "
-           f"{args.global_batch_size} must be divisible by --micro-batch-size {args.micro_batch_size} x {n}")
+           "--dp-comm-emulate emulates a DP=N run without overlapped collectives (one bucket per buffer: overlap "
+           "splits the buffers into buckets, which changes what SDP4Bit codes) and runs them in place: add "
+           "--no-overlap-grad-reduce --no-overlap-param-gather")
+    for _, batch in args.batch_steps:  # the global batch, or each step of a ramp-up or schedule
+        check(batch % (args.micro_batch_size * n) == 0,
+               f"--dp-comm-emulate {n} splits each global batch over {n} ranks: its size {batch} must be divisible "
+               f"by --micro-batch-size {args.micro_batch_size} x {n}")
     check(not args.param_gather_verify_interval,
            "--param-gather-verify-interval compares the data-parallel replicas; under --dp-comm-emulate there is one "
            "copy: drop the flag")
