@@ -146,14 +146,10 @@ def _check_supported(ddp, size: int) -> None:
 def apply_dp_emulation(ddp_chunks: list, config: CompressionConfig) -> None:
     """Give the (one-rank) distributed optimizer's collectives of every model chunk the numerics of compressed
     DP=``config.dp_emulate``. Call after DDP wrapping and optimizer construction."""
-    size = config.dp_emulate
-    if size < 2 or not config.data_parallel:
-        raise ValueError(f"apply_dp_emulation() needs --dp-comm-emulate of 2 or more and --param-gather-compression "
-                         f"sdp4bit or --grad-reduce-compression, got {size}")
+    size = config.dp_emulate  # (CompressionConfig checked the codecs: sdp4bit weights and/or Hadamard gradients)
+    if size < 2:
+        raise ValueError(f"apply_dp_emulation() needs --dp-comm-emulate of 2 or more, got {size}")
     weights = config.param_gather.method == "sdp4bit"
-    if config.param_gather.method not in ("none", "sdp4bit"):
-        raise ValueError(f"--dp-comm-emulate emulates the lossy SDP4Bit codes; --param-gather-compression "
-                         f"{config.param_gather.method} is lossless (it trains the uncompressed bits): drop one")
     grad_quant = config.grad_reduce.quant()
     for ddp in ddp_chunks:
         _check_supported(ddp, size)

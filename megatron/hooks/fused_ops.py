@@ -62,20 +62,14 @@ class WgradAccumulation:
             main_grad.add_(torch.mm(grad_output.t(), total_input, out_dtype=torch.float32))
 
 
-def _torch_adams(optimizer) -> list:
-    """The ``torch.optim.Adam``/``AdamW`` instances inside megatron-core's optimizer wrappers (chained, mixed
-    precision, distributed); apex's and Transformer Engine's FusedAdam are not among them."""
-    inners = getattr(optimizer, "chained_optimizers", [optimizer])
-    found = [getattr(inner, "optimizer", inner) for inner in inners]
-    return [adam for adam in found if type(adam) in (torch.optim.Adam, torch.optim.AdamW)]
-
-
 def fuse_adam(optimizer) -> None:
     """Step torch's Adam/AdamW inside ``optimizer`` with torch's fused kernel where every parameter of a group is on
     ``FUSED_ADAM_DEVICES`` (after apply(); a no-op for apex's or TE's optimizer), and every other group with torch's
     default (a loaded checkpoint restores the settings it was saved with). Call after building the optimizer and
     after loading its state."""
-    for adam in _torch_adams(optimizer):
+    from megatron.hooks.optimizer_state import adam_step_device, torch_adams
+
+    for _, adam in torch_adams(optimizer):  # (apex's and Transformer Engine's FusedAdam are not among them)
         for group in adam.param_groups:
             # plain tensors only (Megatron-FSDP's DTensor shards keep torch's default)
             fused = _applied and bool(group["params"]) and all(
@@ -87,7 +81,7 @@ def fuse_adam(optimizer) -> None:
             for param in group["params"]:  # the fused kernel reads its steps on the device, the others on the host
                 state = adam.state.get(param, {})
                 step = state.get("step")
-                device = param.device if fused or group.get("capturable") else torch.device("cpu")
+                device = adam_step_device(group, param)
                 if step is not None and (not torch.is_tensor(step) or step.device != device
                                          or step.dtype != torch.float32):
                     state["step"] = torch.as_tensor(step, dtype=torch.float32).to(device)

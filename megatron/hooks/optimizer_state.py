@@ -11,20 +11,29 @@ import torch
 from megatron.core.optimizer import DistributedOptimizer
 
 
-def _native_adams(optimizer):
-    """The torch Adam(W) inside each DistributedOptimizer: megatron-core uses it when neither Apex nor
-    Transformer Engine is installed, and 0.16.1 checkpoints its per-param ``step`` wrongly (below)."""
+def torch_adams(optimizer):
+    """(wrapper, adam) for each ``torch.optim.Adam``/``AdamW`` inside megatron-core's optimizer wrappers (chained,
+    mixed precision, distributed): what megatron-core steps when neither Apex nor Transformer Engine is installed."""
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(sub, "optimizer", None)
-        if isinstance(sub, DistributedOptimizer) and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            yield inner
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            yield sub, inner
+
+
+def _native_adams(optimizer):
+    """The torch Adam(W) inside each DistributedOptimizer, whose per-param ``step`` megatron-core 0.16.1 checkpoints
+    wrongly (below)."""
+    return [adam for sub, adam in torch_adams(optimizer) if isinstance(sub, DistributedOptimizer)]
+
+
+def adam_step_device(group: dict, param: torch.Tensor) -> torch.device:
+    """Where torch keeps a param's Adam ``step``: on the param's device for the fused kernel (and capturable steps),
+    else on the host."""
+    return param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
 
 
 def _step(value: float, group: dict, param: torch.Tensor) -> torch.Tensor:
-    """A param's Adam ``step`` where torch keeps it: on the host, on the param's device for the fused kernel (and
-    capturable steps)."""
-    device = param.device if group.get("fused") or group.get("capturable") else None
-    return torch.tensor(float(value), dtype=torch.float32, device=device)
+    return torch.tensor(float(value), dtype=torch.float32, device=adam_step_device(group, param))
 
 
 def materialize_adam_state(optimizer) -> None:
@@ -58,9 +67,7 @@ def steps_kept_in_fully_reshardable_load(optimizer):
     every state entry torch Adam holds, ``step`` included: a KeyError. While the load runs each call gets the step
     Adam already holds (``load_state_dict`` set it from the param groups), a copy onto itself;
     ``restore_adam_steps`` then gives each param its own."""
-    patched = [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer])
-               if isinstance(sub, DistributedOptimizer)
-               and isinstance(getattr(sub, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
+    patched = [sub for sub, _ in torch_adams(optimizer) if isinstance(sub, DistributedOptimizer)]
     for sub in patched:
         def set_states(model_param, tensors, sub=sub, stock=sub._set_main_param_and_optimizer_states):
             if "step" not in tensors:
