@@ -11,6 +11,7 @@ import torch
 from compression.sdp4bit import (HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather,
                                  emulated_reduce_scatter, emulated_weight_diff_gather, quantized_reduce_scatter)
 from dist_utils import launch_training, run_on_ranks
+from test_arguments import make
 
 GRAD_CONFIG = HadamardQuantConfig(bits=4, block_size=64)
 WEIGHT_CONFIG = Sdp4bitConfig(group_size=64, weight_bits=4)
@@ -74,12 +75,6 @@ GPT = ("--config configs/tiny_cpu_gpt.yaml --train-iters 12 --eval-interval 12 -
 SDP4BIT = "--param-gather-compression sdp4bit --grad-reduce-compression hadamard-int4"
 
 
-def _parse(flags: str, world_size: int = 1):
-    from megatron.training.arguments import parse_args, validate_args
-
-    return validate_args(parse_args(flags.split()), world_size=world_size, rank=0)
-
-
 @pytest.mark.parametrize("flags, world_size, message", [
     (f"{SDP4BIT} --dp-comm-emulate 2", 2, "emulates DP=2 in a DP=1 run"),
     ("--dp-comm-emulate 2", 1, "add --param-gather-compression sdp4bit"),
@@ -92,15 +87,15 @@ def _parse(flags: str, world_size: int = 1):
 ])
 def test_clear_errors(flags, world_size, message):
     with pytest.raises(ValueError, match=message):
-        _parse(f"{GPT} {flags}", world_size)
+        make(f"{GPT} {flags}", world_size, base="")
 
 
 def test_every_batch_of_a_ramp_up_splits_over_the_ranks():
     flags = (f"{GPT.replace('--train-iters 12', '--train-samples 96').replace('--lr-warmup-iters 1', '')} "
              f"{SDP4BIT} --dp-comm-emulate 2")
     with pytest.raises(ValueError, match="its size 2 must be divisible by --micro-batch-size 2 x 2"):
-        _parse(f"{flags} --rampup-batch-size 2 2 16")
-    assert _parse(f"{flags} --rampup-batch-size 4 4 16").dp_comm_emulate == 2
+        make(f"{flags} --rampup-batch-size 2 2 16", base="")
+    assert make(f"{flags} --rampup-batch-size 4 4 16", base="").dp_comm_emulate == 2
 
 
 def _max_rel_diff(reference, runs):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dist_utils import launch_training
+from test_arguments import make
 
 ITERS = 20
 LR = 3e-3
@@ -18,12 +19,6 @@ GPT = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 
        "--pp-comm-tile-size 16")
 
 
-def _parse(flags: str, world_size: int = 1):
-    from megatron.training.arguments import parse_args, validate_args
-
-    return validate_args(parse_args(flags.split()), world_size=world_size, rank=0)
-
-
 @pytest.mark.parametrize("flags, world_size, message", [
     ("--pp-comm-emulate 2 --pipeline-model-parallel-size 2", 2, "--pipeline-model-parallel-size 1"),
     ("--pp-comm-emulate 2 --pp-comm-compression none", 1, "--pp-comm-compression tahquant"),
@@ -32,7 +27,7 @@ def _parse(flags: str, world_size: int = 1):
 ])
 def test_clear_errors(flags, world_size, message):
     with pytest.raises(ValueError, match=message):
-        _parse(f"{GPT} {flags}", world_size)
+        make(f"{GPT} {flags}", world_size, base="")
 
 
 def test_message_round_trip_in_both_directions():

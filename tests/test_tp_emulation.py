@@ -12,12 +12,12 @@ bug is far outside it (skipping the compressed dgrad reduction moves the loss by
 tests/test_tp_hooks.py).
 """
 
-import argparse
 
 import pytest
 import torch
 
 from dist_utils import launch_training
+from test_arguments import make
 
 # Measured max relative loss difference over 20 iterations, emulated vs real / real vs real at lr x (1 + 1e-7):
 # TP=2 INT8 3.3e-5 / 2.2e-5, TP=2 SP E4M3 single 3.8e-4 / 4.1e-4, TP=4 E4M3 two-shot 3.4e-4 / 2.1e-4, TP=4 SP
@@ -78,12 +78,6 @@ def test_sqnr_measured_per_site_on_sampled_calls():
     assert meter.read_db() == {"exact": math.inf}
 
 
-def _parse(flags: str, world_size: int = 1):
-    from megatron.training.arguments import parse_args, validate_args
-
-    return validate_args(parse_args(flags.split()), world_size=world_size, rank=0)
-
-
 @pytest.mark.parametrize("flags, world_size, message", [
     ("--tp-comm-emulate 2 --tensor-model-parallel-size 2", 2, "--tensor-model-parallel-size 1"),
     ("--tp-comm-emulate 2 --tp-comm-compression none", 1, "--tp-comm-compression taco"),
@@ -93,13 +87,13 @@ def _parse(flags: str, world_size: int = 1):
 ])
 def test_clear_errors(flags, world_size, message):
     with pytest.raises(ValueError, match=message):
-        _parse(f"{GPT} {flags}", world_size)
+        make(f"{GPT} {flags}", world_size, base="")
 
 
 def test_vocabulary_padded_for_the_emulated_degree():
     from megatron.training.arguments import set_padded_vocab_size
 
-    args = _parse(f"{GPT} --tp-comm-emulate 4 --sequence-parallel")
+    args = make(f"{GPT} --tp-comm-emulate 4 --sequence-parallel", base="")
     assert args.sequence_parallel and set_padded_vocab_size(args, 255) == 512  # 128 x 4, as TP=4 pads
 
 
