@@ -12,7 +12,6 @@ bug is far outside it (skipping the compressed dgrad reduction moves the loss by
 tests/test_tp_hooks.py).
 """
 
-
 import pytest
 import torch
 
