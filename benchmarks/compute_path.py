@@ -48,6 +48,7 @@ VARIANTS = {
     "sdpa": "",  # the defaults: SDPA choosing its kernel, the weight gradient accumulated inside its GEMM
     "sdpa_flash": "--attention-backend flash",
     "sdpa_eager_elementwise": "--no-bias-gelu-fusion --no-bias-dropout-fusion",  # without torch.compile'd bias fusions
+    "sdpa_ce_fusion": "--cross-entropy-loss-fusion",  # the defaults + megatron-core's fused cross entropy (opt-in)
 }
 WARMUP = 4  # iterations left out of the medians
 # --curves: loss curves on real text (the built-in corpus, byte-tokenized), GPT-125M, against the unfused baseline and
@@ -125,17 +126,21 @@ def curves(iters: int, out: str) -> None:
 
 
 def device_time_breakdown(trace_path: str) -> dict:
-    """Milliseconds of kernel time per class in the profiled iteration, and the idle time of the device (the
-    profiled span minus the union of kernel intervals)."""
+    """Milliseconds of kernel time per class in the profiled iteration, the idle time of the device (the profiled
+    span minus the union of kernel intervals), and the heaviest kernels outside attention and GEMMs (name, ms,
+    launches): where the next fusion would come from."""
     if not os.path.exists(trace_path):
         return {}
     events = json.load(open(trace_path))["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    per_class = collections.Counter()
+    per_class, other_ms, other_launches = collections.Counter(), collections.Counter(), collections.Counter()
     for kernel in kernels:
         lowered = kernel["name"].lower()
         cls = next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "elementwise/other")
         per_class[cls] += kernel["dur"] / 1e3
+        if cls not in ("attention", "gemm"):
+            other_ms[kernel["name"][:120]] += kernel["dur"] / 1e3
+            other_launches[kernel["name"][:120]] += 1
     spans = sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels)
     busy, end = 0.0, float("-inf")
     for start, stop in spans:
@@ -144,7 +149,8 @@ def device_time_breakdown(trace_path: str) -> dict:
             end = stop
     total = (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0
     return {**{k: round(v, 1) for k, v in per_class.most_common()}, "idle": round(total - busy / 1e3, 1),
-            "span": round(total, 1)}
+            "span": round(total, 1),
+            "top_other": [[name, round(ms, 2), other_launches[name]] for name, ms in other_ms.most_common(15)]}
 
 
 def main() -> None:
@@ -178,7 +184,10 @@ def main() -> None:
               f"{r['tflops_per_gpu']:.0f} | {r['mfu']:.1%} | {r['peak_mem_gib']:.1f} | {speedup} |")
     for r in results:
         if r.get("profile"):
-            print(f"profile {r['model']} {r['variant']} (ms of one iteration):", json.dumps(r["profile"]))
+            classes = {k: v for k, v in r["profile"].items() if k != "top_other"}
+            print(f"profile {r['model']} {r['variant']} (ms of one iteration):", json.dumps(classes))
+            for name, ms, launches in r["profile"].get("top_other", []):
+                print(f"  {ms:8.2f} ms {launches:5d}x {name}")
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(results, f, indent=1)
 
