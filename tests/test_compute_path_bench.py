@@ -45,4 +45,6 @@ def test_device_time_breakdown(tmp_path):
     path.write_text(json.dumps({"traceEvents": events}))
     assert compute_path.device_time_breakdown(str(path)) == {
         "gemm": 4.0, "attention": 2.0, "optimizer": 1.0, "norm": 0.5, "elementwise/other": 0.5, "idle": 2.0,
-        "span": 10.0}
+        "span": 10.0, "top_other": [["multi_tensor_apply_kernel_adam", 1.0, 1],
+                                    ["vectorized_layer_norm_kernel", 0.5, 1],
+                                    ["triton_poi_fused_add_mul_tanh_0", 0.5, 1]]}
