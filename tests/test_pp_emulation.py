@@ -67,10 +67,12 @@ def test_emulated_pp_matches_real_pp(tmp_path, extra):
     assert len(real) == len(emulated) == len(plain) == ITERS
     assert real[-1]["loss"] < real[0]["loss"] - 0.5, "the model must learn for the comparison to mean much"
     coded = _max_rel_diff(real[:1], plain[:1])
-    print(f"PP=2 {extra}: emulated vs real {_max_rel_diff(real[:10], emulated[:10]):.2e} (10 iterations), "
+    print(f"PP=2 {extra}: emulated vs real {_max_rel_diff(real[:6], emulated[:6]):.2e} (6 iterations), "
           f"{_max_rel_diff(real, emulated):.2e} (20); uncompressed {coded:.2e} (first), {_max_rel_diff(real, plain):.2e}")
-    # measured: 5e-8 over 10 iterations (both settings); the codec moves the first loss by 2.4e-4
-    assert _max_rel_diff(real[:10], emulated[:10]) < 1e-6 < coded
+    # measured: <= 5e-8 over 6 iterations (both settings); the codec moves the first loss by 2.4e-4. Where the first
+    # value crosses a quantization boundary depends on the CPU's GEMM rounding: from iteration 9 on an AMD EPYC
+    # (1e-5), after 10 on another machine
+    assert _max_rel_diff(real[:6], emulated[:6]) < 1e-6 < coded
     assert _max_rel_diff(real, emulated) < _max_rel_diff(real, plain) / 5
     assert emulated[-1]["comm"]["pp"] == real[-1]["comm"]["pp"]
 
