@@ -117,13 +117,13 @@ TACO_SHAPE = dict(B=B, LOG_B=8, R=taco.PROGRAM_VALUES // B, FORMAT=taco._FORMAT_
                   SKIP=False, SKIP_OWN_ROW=False)
 DELTA_ENCODE_SIGNATURE = _sig(
     "prev_ptr new_ptr numel start_ptr stride_ptr valid_ptr shard_rank codes_ptr counts_ptr n_esc_ptr "
-    "exc_widths_ptr nbytes_ptr records_ptr tile_sums_ptr tile_hashes_ptr",
+    "exc_widths_ptr nbytes_ptr records_ptr tile_sums_ptr hash_slots_ptr",
     dict(prev_ptr="*i16", new_ptr="*i16", codes_ptr="*u8", counts_ptr="*i32", n_esc_ptr="*i32",
-         exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", tile_sums_ptr="*i64", tile_hashes_ptr="*i64",
+         exc_widths_ptr="*u8", nbytes_ptr="*i64", records_ptr="*i32", tile_sums_ptr="*i64", hash_slots_ptr="*i64",
          **_TABLE))
 DELTA_DECODE_SIGNATURE = _sig(
     "out_ptr numel start_ptr stride_ptr valid_ptr payload_ptr payload_stride base_misalign codes_at "
-    "groups_at regions_at src_base skip_rank n_blocks sizes_ptr sizes_stride capacity hashes_ptr hashes_stride",
+    "groups_at regions_at src_base skip_rank n_blocks sizes_ptr sizes_stride capacity hashes_ptr",
     dict(out_ptr="*i16", payload_ptr="*u8", sizes_ptr="*i64", capacity="i64", hashes_ptr="*i64", **_TABLE))
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     # with the integrity hash, as they launch by default (--param-gather-integrity-check), then without

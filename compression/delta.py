@@ -174,7 +174,7 @@ class DeltaCodec(ShardCodec):
         self.config = config
         self.integrity = integrity  # hash each encode's and decode's change (module docstring)
         self.decoded_hashes = None  # int64 [world_size] with integrity: each source's hash of the last decodes
-        self._hash_tiles = None  # the decode kernel's partial sums of them (kernels.decode_blocks)
+        self._hash_slots = None  # the decode kernel's partial sums of them (kernels.decode_blocks)
         self.read_slack_bytes = kernels.read_slack_bytes(config.block_size)  # room after a payload its decode reads
         self.world_size = world_size
         self.rank = rank
@@ -512,14 +512,14 @@ class DeltaCodec(ShardCodec):
             self.decoded_hashes.zero_()
         return self.decoded_hashes
 
-    def _decode_hash_tiles(self, rows: int, numel: int, device):
+    def _decode_hash_slots(self, rows: int, device):
         """The zeroed partial sums of ``rows`` payloads' decoded hashes (None without integrity)."""
         if not self.integrity:
             return None
-        shape = (rows, kernels.decode_hash_tiles(_Layout.of(numel, self.config.block_size).n_blocks))
-        if self._hash_tiles is None or tuple(self._hash_tiles.shape) != shape or self._hash_tiles.device != device:
-            self._hash_tiles = torch.empty(shape, dtype=torch.int64, device=device)
-        return self._hash_tiles.zero_()
+        shape = (rows, kernels.HASH_SLOTS)
+        if self._hash_slots is None or tuple(self._hash_slots.shape) != shape or self._hash_slots.device != device:
+            self._hash_slots = torch.empty(shape, dtype=torch.int64, device=device)
+        return self._hash_slots.zero_()
 
     def _decode_bits(self, bits, payload, flags, table=None, rank=0):
         """Decode into the int16 ``bits`` (with ``table``: rank ``rank``'s slices of the segments based there); returns
@@ -535,7 +535,7 @@ class DeltaCodec(ShardCodec):
         if use_triton(bits, self.triton):  # sections read as 32-bit words from any payload offset
             if _bytes_after(payload) < self.read_slack_bytes:
                 payload = torch.cat([payload, payload.new_zeros(self.read_slack_bytes)])[:payload.numel()]
-            hashes = self._decode_hash_tiles(1, numel, bits.device)
+            hashes = self._decode_hash_slots(1, bits.device)
             kernels.decode_blocks(bits, self._payloads(payload, 1, 0, numel), b, table, rank, hashes=hashes)
             return None if hashes is None else hashes.sum(1)
         codes = payload[HEADER.size : HEADER.size + layout.n_blocks]
@@ -564,7 +564,7 @@ class DeltaCodec(ShardCodec):
             return super().decode_gathered(target, gathered, stride, sizes, headers, skip)
         table = segments.block_table(b)
         payloads = self._payloads(gathered, len(sizes), stride, numel)
-        hashes = self._decode_hash_tiles(len(sizes), numel, gathered.device)
+        hashes = self._decode_hash_slots(len(sizes), gathered.device)
         kernels.decode_blocks(_as_bits(table[0], "output buffer"), payloads, b, table, 0, skip, hashes=hashes)
         if hashes is not None:
             torch.sum(hashes, 1, out=self.decoded_hashes)
@@ -580,7 +580,7 @@ class DeltaCodec(ShardCodec):
         segments, numel = self._segments_of(target)
         b = self.config.block_size
         table = segments.block_table(b)
-        hashes = self._decode_hash_tiles(len(sizes), numel, gathered.device)
+        hashes = self._decode_hash_slots(len(sizes), gathered.device)
         kernels.decode_blocks(_as_bits(table[0], "output buffer"), self._payloads(gathered, len(sizes), stride, numel),
                               b, table, 0, skip, slots=(sizes, capacity), hashes=hashes)
         if hashes is not None:

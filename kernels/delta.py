@@ -121,22 +121,26 @@ def stream_nbytes(counts, codes, n_esc, exc_widths):
 # --- integrity hash --------------------------------------------------------------------------
 #
 # A gather's integrity check (compression/delta.py) compares the hash of the change a sender coded with the hash of
-# the change each receiver decoded. With ``o`` a value's ordered value (``to_ordered``) before and after, value i
-# (= 8 r + j: row r, lane j) of block b of B values adds the square's change, weighted in 32 bits, to its block's sum
+# the change each receiver decoded. With ``o`` and ``n`` a value's ordered value (``to_ordered``) before and after,
+# value i (= 8 r + j: row r, lane j) of block b of B values adds to its block's sum
 #
-#     S_b = sum_i ((o_new^2 - o_old^2) * (2 j + 1) K_LANE * (2 r + 1) K_ROW)   mod 2^32
-#     H   = sum_b S_b * ((2 b + 1) K_BLOCK mod 2^64)                          mod 2^64
+#     S_b = sum_i ((n - o) * (o + n + L_j) * (2 r + 1) K_ROW)    mod 2^32,   L_j = ((2 j + 1) K_LANE mod 2^15) 2^17 + 1
+#     H   = sum_b S_b * ((2 b + 1) K_BLOCK mod 2^64)             mod 2^64
 #
-# (odd weights: K_* are odd). Unchanged values add 0, so encoder and decoder sum over the blocks they touch anyway, in
-# any order (atomic adds); per value it costs the kernels three 32-bit multiply-adds. The square makes a value that
-# ends wrong change the hash whichever side went wrong: a receiver that applies the right delta to an old value other
-# than the sender's (a sender copy that drifted) gets o_new'^2 - o_old'^2 != o_new^2 - o_old^2; one wrong value always
-# changes H, several in one block escape with odds of about 2**-32, in several blocks about 2**-64. A keyframe's hash
-# is its values' against zeros.
+# (K_* odd). Unchanged values add 0, so encoder and decoder sum over the blocks they touch anyway, in any order (atomic
+# adds); per value it costs the kernels an add of three and a multiply-add. The term (n - o)(o + n + L_j) = n^2 - o^2
+# + L_j (n - o) makes a value that ends wrong change the hash whichever side went wrong: a receiver that applies the
+# right change d to an old value that drifted by e (from the sender's copy) changes the term by 2 d e, a wrong change
+# d' (ending at n') by (d' - d)(n + n' + L_j). With n, n' < 2^16 and L_j = 1 mod 2^17, n + n' + L_j is no multiple of
+# 2^17, so neither product has 32 factors of 2: one wrong value always changes H. The lane offsets tell the lanes of a
+# row apart; several wrong values in one block escape with odds of about 2**-32, in several blocks about 2**-64. A
+# keyframe's hash is its values' against zeros.
 
-HASH_LANE, HASH_ROW = 0x9E3779B1, 0x85EBCA77  # odd 32-bit multipliers (golden ratio, murmur3)
+HASH_LANE, HASH_ROW = 0x4F1B, 0x85EBCA77  # odd multipliers: lane offsets (15 bits), rows (32 bits)
 HASH_BLOCK = 0x9E3779B97F4A7C15  # odd 64-bit
-HASH_TILE = 32  # blocks per partial sum of a decode's hashes (one atomic address per 32 blocks)
+# Blocks add their terms of H into HASH_SLOTS partial sums, block b into slot b % HASH_SLOTS: neighbouring blocks,
+# which run at the same time, hit different addresses, and the sum over the slots is one short load.
+HASH_SLOTS = 64
 _MASK32 = 0xFFFFFFFF
 
 
@@ -149,12 +153,13 @@ def hash_of_changes(old_ordered, new_ordered, positions: torch.Tensor, numel: in
     """H (int64 [1]) of values at ``positions`` (int64) of a shard of ``numel`` values moving from ``old_ordered`` to
     ``new_ordered`` (ordered values, any int dtype)."""
     old, new = old_ordered.to(torch.int64), new_ordered.to(torch.int64)
-    squares = (new * new - old * old) & _MASK32
     i, b = positions % block_size, positions // block_size
-    weight = ((2 * (i % 8) + 1) * HASH_LANE & _MASK32) * ((2 * (i // 8) + 1) * HASH_ROW & _MASK32) & _MASK32
+    lane_offset = ((2 * (i % 8) + 1) * HASH_LANE % 2**15) * 2**17 + 1
+    terms = ((new - old) * (old + new + lane_offset)) & _MASK32
+    row_weight = (2 * (i // 8) + 1) * HASH_ROW & _MASK32
     n_blocks = -(-numel // block_size)
     sums = torch.zeros(n_blocks, dtype=torch.int64, device=positions.device)
-    sums.index_add_(0, b, (squares * weight) & _MASK32)  # (products wrap: their low 32 bits are exact)
+    sums.index_add_(0, b, (terms * row_weight) & _MASK32)  # (products wrap: their low 32 bits are exact)
     block_weight = (2 * torch.arange(n_blocks, device=positions.device) + 1) * _as_int64(HASH_BLOCK)
     return ((sums & _MASK32) * block_weight).sum().reshape(1)
 
@@ -357,7 +362,7 @@ if triton is not None:
     _HASH_LANE = tl.constexpr(HASH_LANE)
     _HASH_ROW = tl.constexpr(HASH_ROW)
     _HASH_BLOCK = tl.constexpr(HASH_BLOCK)
-    _HASH_TILE = tl.constexpr(HASH_TILE)
+    _HASH_SLOTS = tl.constexpr(HASH_SLOTS)
 
     @triton.jit
     def _ordered(s):
@@ -370,13 +375,15 @@ if triton is not None:
         return (o ^ (((o >> 15) - 1) | 0x8000)).to(tl.int16)
 
     @triton.jit
-    def _block_hash(old_ordered, d, b, r, j):
+    def _block_hash(old_ordered, new_ordered, d, b, r, j):
         """The block's term of H (int64; module section "integrity hash") from its values [rows, 8] moving by ``d``
-        from ``old_ordered`` (int32), row index ``r`` [rows], lane ``j`` [1, 8] (constants per register), block ``b``:
-        per value a multiply-add for the square's change and one by the lane's weight, per row one by its weight."""
-        squares = d.to(tl.uint32, bitcast=True) * (2 * old_ordered + d).to(tl.uint32, bitcast=True)
-        lanes = tl.sum(squares * ((2 * j.to(tl.uint32) + 1) * _HASH_LANE), axis=1)
-        block_sum = tl.sum(lanes * ((2 * r.to(tl.uint32) + 1) * _HASH_ROW), axis=0)
+        from ``old_ordered`` to ``new_ordered`` (int32), row index ``r`` [rows], lane ``j`` [1, 8] (constants per
+        register), block ``b``: per value an add of three and a multiply-add, per row a multiply by its weight."""
+        # in uint32 throughout: the products, sums and the shift wrap mod 2^32
+        lane_offset = ((((2 * j.to(tl.uint32) + 1) * _HASH_LANE) & 0x7FFF) << 17) | 1  # L_j: a constant per register
+        both = old_ordered.to(tl.uint32, bitcast=True) + new_ordered.to(tl.uint32, bitcast=True)
+        terms = d.to(tl.uint32, bitcast=True) * (both + lane_offset)
+        block_sum = tl.sum(tl.sum(terms, axis=1) * ((2 * r.to(tl.uint32) + 1) * _HASH_ROW), axis=0)
         weight = (2 * b.to(tl.uint64) + 1) * _HASH_BLOCK
         return (block_sum.to(tl.uint64) * weight).to(tl.int64, bitcast=True)
 
@@ -473,7 +480,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["shard_rank"])
     def _encode_kernel(prev_ptr, new_ptr, numel, start_ptr, stride_ptr, valid_ptr, shard_rank, codes_ptr,
                        counts_ptr, n_esc_ptr, exc_widths_ptr, nbytes_ptr, records_ptr, tile_sums_ptr,
-                       tile_hashes_ptr, BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr, TILE: tl.constexpr,
+                       hash_slots_ptr, BLOCK: tl.constexpr, RECORD_WORDS: tl.constexpr, TILE: tl.constexpr,
                        SEGMENTED: tl.constexpr,
                        ALIGNED: tl.constexpr,
                        CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr,
@@ -506,11 +513,12 @@ if triton is not None:
                 new16 = new16.to(tl.bfloat16).to(tl.int16, bitcast=True)
         old = tl.load(prev_ptr + idx, mask=inside, other=0)
         old_ordered = _ordered(old.to(tl.int32))
-        d = _ordered(new16.to(tl.int32)) - old_ordered
-        if HASH:  # the integrity hash of the block's change, summed per tile as the sizes below: here, so that the old
-            # values need no registers past this point (an unchanged block's hash is 0: no atomic)
-            block_hash = _block_hash(old_ordered, d, b, r, j)
-            tl.atomic_add(tile_hashes_ptr + b // TILE, block_hash, mask=block_hash != 0, sem="relaxed")
+        new_ordered = _ordered(new16.to(tl.int32))
+        d = new_ordered - old_ordered
+        if HASH:  # the integrity hash of the block's change, into its slot (HASH_SLOTS): here, so that the old values
+            # need no registers past this point (an unchanged block's hash is 0: no atomic)
+            block_hash = _block_hash(old_ordered, new_ordered, d, b, r, j)
+            tl.atomic_add(hash_slots_ptr + (b & (_HASH_SLOTS - 1)), block_hash, mask=block_hash != 0, sem="relaxed")
         z = (d << 1) ^ (d >> 31)
         changed = z != 0
         v = z - 1
@@ -584,7 +592,7 @@ if triton is not None:
 
     @triton.jit
     def _scan_tiles_kernel(tile_sums_ptr, n_tiles, span_starts_ptr, totals_ptr, header_ptr, regions_at, raw_nbytes,
-                           flags, raw_flag, tile_hashes_ptr, hash_ptr, SPAN: tl.constexpr, CHUNK: tl.constexpr,
+                           flags, raw_flag, hash_slots_ptr, hash_ptr, SPAN: tl.constexpr, CHUNK: tl.constexpr,
                            HEADER_BYTES: tl.constexpr, HASH: tl.constexpr):
         """One program: per span of SPAN tiles, the changed blocks and record bytes before it (``span_starts``, as
         ``_record_start``: one scan of CHUNK spans per pass, each span's tiles summed in its thread), the totals
@@ -592,15 +600,13 @@ if triton is not None:
         blocks + record bytes`` (2 + 1 bytes of offset and exc_width per changed block), or ``raw_nbytes`` where
         that is smaller, and the delta's size) and the fields of the two headers at ``header_ptr`` (the payload's,
         then the delta's): flags (``raw_flag`` added for a raw payload), n_changed and nbytes; with ``HASH``, the
-        tiles' integrity hashes summed at ``hash_ptr``."""
+        encoder's integrity hash slots summed at ``hash_ptr``."""
         c = tl.arange(0, CHUNK)
         start = n_tiles * 0
-        before, values, shard_hash = start.to(tl.int64), start.to(tl.int64), start.to(tl.int64)
+        before, values = start.to(tl.int64), start.to(tl.int64)
         while start * SPAN < n_tiles:
             span = start + c
             t = span[:, None] * SPAN + tl.arange(0, SPAN)[None, :]
-            if HASH:
-                shard_hash += tl.sum(tl.sum(tl.load(tile_hashes_ptr + t, mask=t < n_tiles, other=0), axis=1), axis=0)
             fields = tl.sum(tl.load(tile_sums_ptr + t, mask=t < n_tiles, other=0), axis=1)
             x = _record_start(fields)
             tl.store(span_starts_ptr + span, before + tl.cumsum(x, axis=0) - x, mask=span * SPAN < n_tiles)
@@ -617,7 +623,7 @@ if triton is not None:
         tl.store(totals_ptr + 3, size)
         tl.store(totals_ptr + 4, delta)
         if HASH:
-            tl.store(hash_ptr, shard_hash)
+            tl.store(hash_ptr, tl.sum(tl.load(hash_slots_ptr + tl.arange(0, _HASH_SLOTS)), axis=0))
         # the payload's header, then the delta's (their layout: compression/delta.py)
         one, every, at = tl.zeros([1], tl.int64), tl.full([1], True, tl.int1), header_ptr + tl.arange(0, 1)
         _store_le(at + 5, tl.where(raw, flags | raw_flag, flags) + one, 1, every)
@@ -776,7 +782,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["base_misalign", "src_base", "skip_rank", "capacity"])
     def _decode_kernel(out_ptr, numel, start_ptr, stride_ptr, valid_ptr, payload_ptr, payload_stride, base_misalign,
                        codes_at, groups_at, regions_at, src_base, skip_rank, n_blocks, sizes_ptr, sizes_stride,
-                       capacity, hashes_ptr, hashes_stride, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                       capacity, hashes_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
                        SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr, FLAG_BYTES: tl.constexpr,
                        SLOT: tl.constexpr, HASH: tl.constexpr):
         # rows of 8 values, a row per thread, as in _encode_kernel. program_id(1) picks the source rank: src_base
@@ -785,8 +791,8 @@ if triton is not None:
         # bytes earlier (``base_misalign``: payload_ptr % 4). ``WORDS``: every row starts 4-byte aligned (gathers
         # align them), so the group entries are read as whole words. ``SLOT``: payloads in slots of ``capacity`` bytes
         # (a sync-free gather), row k's size at ``sizes_ptr[k * sizes_stride]``: one larger than its slot is skipped.
-        # ``HASH``: each block's integrity hash (of the change it applies) is added to row k's partial sum of its
-        # HASH_TILE blocks at ``hashes_ptr + k * hashes_stride``
+        # ``HASH``: each block's integrity hash (of the change it applies) is added to row k's slot of it
+        # (HASH_SLOTS) at ``hashes_ptr + k * HASH_SLOTS``
         ROWS: tl.constexpr = BLOCK // 8
         b = tl.program_id(0).to(tl.int64)
         src = tl.program_id(1) + src_base
@@ -860,10 +866,12 @@ if triton is not None:
             # masked by a product, not a select: no predicate per value lives across the stream reads
             d = ((z >> 1) ^ -(z & 1)) * c
             old_ordered = _ordered(old.to(tl.int32))
-            new = _from_ordered(old_ordered + d)
+            new_ordered = old_ordered + d
+            new = _from_ordered(new_ordered)
             if HASH:
-                block_hash = _block_hash(old_ordered, d, b, r, j)
-                tl.atomic_add(hashes_ptr + row * hashes_stride + b // _HASH_TILE, block_hash, sem="relaxed")
+                block_hash = _block_hash(old_ordered, new_ordered, d, b, r, j)
+                hash_at = (src - src_base) * _HASH_SLOTS + (tl.program_id(0) & (_HASH_SLOTS - 1))  # row, b % 64
+                tl.atomic_add(hashes_ptr + hash_at, block_hash, sem="relaxed")
             tl.debug_barrier()  # every thread has read out before it is overwritten
             tl.store(out_ptr + idx, new, mask=inside)
 
@@ -946,9 +954,9 @@ class EncodedBlocks:
     span_starts: torch.Tensor  # int64 [n_spans]: changed blocks (high 32 bits) and record bytes before the span
     totals: torch.Tensor  # int64 [5]: changed blocks, changed values, record bytes, payload size, delta size
     records: torch.Tensor  # int32 [n_blocks, 8 * ceil(18 B / 256)]
-    # with the integrity hash (None without): per tile the sum of its blocks' hashes (the rows after ``tile_sums``
-    # of one tensor, zeroed together), and ``scan_tiles``'s sum of them, the shard's hash
-    tile_hashes: torch.Tensor = None  # int64 [n_tiles]
+    # with the integrity hash (None without): the blocks' hashes summed into HASH_SLOTS slots (after ``tile_sums`` in
+    # one tensor, zeroed together), and ``scan_tiles``'s sum of them, the shard's hash
+    hash_slots: torch.Tensor = None  # int64 [HASH_SLOTS]
     hash: torch.Tensor = None  # int64 [1]
 
 
@@ -964,12 +972,12 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
     def per_block(dtype):
         return torch.empty(n_blocks, dtype=dtype, device=device)
 
-    tiles = torch.empty(1 + hash, n_tiles, dtype=torch.int64, device=device)
+    tiles = torch.empty(n_tiles + HASH_SLOTS * hash, dtype=torch.int64, device=device)
     totals = torch.empty(5 + hash, dtype=torch.int64, device=device)
     return EncodedBlocks(codes=per_block(torch.uint8), counts=per_block(torch.int32), n_esc=per_block(torch.int32),
-                         exc_widths=per_block(torch.uint8), nbytes=per_block(torch.int64), tile_sums=tiles[0],
+                         exc_widths=per_block(torch.uint8), nbytes=per_block(torch.int64), tile_sums=tiles[:n_tiles],
                          span_starts=torch.empty(-(-n_tiles // SPAN_TILES), dtype=torch.int64, device=device),
-                         totals=totals[:5], records=records, tile_hashes=tiles[1] if hash else None,
+                         totals=totals[:5], records=records, hash_slots=tiles[n_tiles:] if hash else None,
                          hash=totals[5:] if hash else None)
 
 
@@ -1000,12 +1008,12 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
             raise ValueError("encode_blocks: a source_table needs a block table and cast_to")
         src_start, flags["ALIGNED"] = source_table[1], flags["ALIGNED"] and source_table[2]
     if n_blocks:
-        hashed = e.tile_hashes is not None
-        # tile_hashes follow tile_sums in one tensor (empty_blocks): one launch zeroes both
-        e.tile_sums.as_strided((e.tile_sums.numel() * (1 + hashed),), (1,)).zero_()
+        hashed = e.hash_slots is not None
+        # hash_slots follow tile_sums in one tensor (empty_blocks): one launch zeroes both
+        e.tile_sums.as_strided((e.tile_sums.numel() + HASH_SLOTS * hashed,), (1,)).zero_()
         _encode_kernel[(n_blocks,)](prev, new, prev.numel(), *pointers, rank, e.codes, e.counts, e.n_esc,
                                     e.exc_widths, e.nbytes, e.records, e.tile_sums,
-                                    e.tile_hashes if hashed else e.tile_sums, HASH=hashed,
+                                    e.hash_slots if hashed else e.tile_sums, HASH=hashed,
                                     **_launch_shape("encode", block_size), num_warps=_num_warps(block_size),
                                     maxnreg=_max_registers("encode", block_size), CAST=cast_to is not None,
                                     FP16=cast_to == torch.float16, src_start_ptr=src_start,
@@ -1024,7 +1032,7 @@ def scan_tiles(e: EncodedBlocks, headers: torch.Tensor, regions_at: int, raw_nby
     chunk = min(max_chunk, max(16, triton.next_power_of_2(e.span_starts.numel())))
     hashed = e.hash is not None
     _scan_tiles_kernel[(1,)](e.tile_sums, e.tile_sums.numel(), e.span_starts, e.totals, headers, regions_at,
-                             raw_nbytes, flags, raw_flag, e.tile_hashes if hashed else e.tile_sums,
+                             raw_nbytes, flags, raw_flag, e.hash_slots if hashed else e.tile_sums,
                              e.hash if hashed else e.totals, SPAN=SPAN_TILES, CHUNK=chunk,
                              HEADER_BYTES=headers.numel() // 2, HASH=hashed, num_warps=8)
 
@@ -1073,11 +1081,6 @@ class Payloads:
     regions_at: int
 
 
-def decode_hash_tiles(n_blocks: int) -> int:
-    """Partial sums per payload row of ``decode_blocks``'s ``hashes``."""
-    return max(1, -(-n_blocks // HASH_TILE))
-
-
 def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base: int = 0,
                   skip_rank: int = -1, slots: tuple = None, hashes: torch.Tensor = None) -> None:
     """Triton: apply the deltas of payload rows to ``out`` (int16 view of the previous values): row k is source rank
@@ -1085,8 +1088,8 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
     None): ``out`` is the source's shard (one row); segmented, as in ``encode_blocks``: ``out`` is the table's base
     and each source's slices are decoded. ``slots``: (sizes, capacity), the rows are slots of ``capacity`` bytes and
     row k's payload size is ``sizes[k]`` (int64, a strided view): rows whose payload is larger are not decoded.
-    ``hashes``: int64 [rows, decode_hash_tiles(n_blocks)], zeroed: each row's integrity hash of the change it applies,
-    in partial sums (``hashes.sum(1)``: the rows' hashes)."""
+    ``hashes``: int64 [rows, HASH_SLOTS], zeroed: each row's integrity hash of the change it applies, in partial sums
+    (``hashes.sum(1)``: the rows' hashes)."""
     pointers, flags = _table_args(out, table)
     p = payloads
     sources = p.rows - (0 <= skip_rank - src_base < p.rows)
@@ -1095,16 +1098,15 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
         raise ValueError(f"decode_blocks: slots need an int64 size per row ({p.rows}), got {sizes.dtype} "
                          f"[{sizes.numel()}]")
     if hashes is not None and (hashes.dtype != torch.int64 or not hashes.is_contiguous()
-                               or tuple(hashes.shape) != (p.rows, decode_hash_tiles(p.n_blocks))):
-        raise ValueError(f"decode_blocks: hashes must be contiguous int64 [{p.rows}, "
-                         f"{decode_hash_tiles(p.n_blocks)}], got {hashes.dtype} {tuple(hashes.shape)}")
+                               or tuple(hashes.shape) != (p.rows, HASH_SLOTS)):
+        raise ValueError(f"decode_blocks: hashes must be contiguous int64 [{p.rows}, {HASH_SLOTS}], got "
+                         f"{hashes.dtype} {tuple(hashes.shape)}")
     if p.n_blocks and sources:
         misalign = p.base.data_ptr() % 4
         _decode_kernel[(p.n_blocks, sources)](out, out.numel(), *pointers, p.base, p.stride, misalign,
                                               p.codes_at, p.groups_at, p.regions_at, src_base, skip_rank,
                                               p.n_blocks, sizes, sizes.stride(0) if slots is not None else 0,
                                               capacity, hashes if hashes is not None else sizes,
-                                              hashes.shape[1] if hashes is not None else 0,
                                               **_launch_shape("decode", block_size), HASH=hashes is not None,
                                               WORDS=misalign == 0 and p.stride % 4 == 0,
                                               num_warps=_num_warps(block_size),

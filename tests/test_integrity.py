@@ -404,3 +404,23 @@ def test_integrity_flags():
         make(f"{delta} --param-gather-keyframe-interval -2")
     with pytest.raises(ValueError, match="--param-gather-keyframe-interval sends .* add --param-gather-compression"):
         make("--param-gather-keyframe-interval 10")
+
+
+def test_one_wrong_value_always_changes_the_hash():
+    """The module's claim on H: a value that ends wrong (a wrong change on the wire, or the right change applied to an
+    old value that drifted) changes the hash, at every lane and row, with extreme values and the pairs where
+    n' + n + L_j comes closest to a multiple of 2^17."""
+    g = torch.Generator().manual_seed(5)
+    block = 256
+    edges = [0, 1, 2, 32767, 32768, 65534, 65535]
+    cases = [(o, n, n2) for o in edges for n in edges for n2 in edges if n2 != n]
+    cases += [tuple(int(v) for v in torch.randint(0, 2**16, (3,), generator=g)) for _ in range(300)]
+    for k, (o, n, wrong) in enumerate(cases):
+        i = torch.tensor([k % block])
+        def h(old, new):
+            return int(kernels.hash_of_changes(torch.tensor([old]), torch.tensor([new]), i, block, block))
+        if wrong != n:
+            assert h(o, n) != h(o, wrong), (o, n, wrong, k % block)  # a wrong change
+        drift = wrong - o  # the same change applied to an old value moved by drift
+        if n != o and drift and 0 <= n + drift < 2**16:
+            assert h(o, n) != h(o + drift, n + drift), (o, n, drift, k % block)
