@@ -139,8 +139,9 @@ def device_time_breakdown(trace_path: str) -> dict:
         cls = next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "elementwise/other")
         per_class[cls] += kernel["dur"] / 1e3
         if cls not in ("attention", "gemm"):
-            other_ms[kernel["name"][:120]] += kernel["dur"] / 1e3
-            other_launches[kernel["name"][:120]] += 1
+            name = kernel["name"][:120]
+            other_ms[name] += kernel["dur"] / 1e3
+            other_launches[name] += 1
     spans = sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels)
     busy, end = 0.0, float("-inf")
     for start, stop in spans:

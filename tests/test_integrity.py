@@ -415,12 +415,14 @@ def test_one_wrong_value_always_changes_the_hash():
     edges = [0, 1, 2, 32767, 32768, 65534, 65535]
     cases = [(o, n, n2) for o in edges for n in edges for n2 in edges if n2 != n]
     cases += [tuple(int(v) for v in torch.randint(0, 2**16, (3,), generator=g)) for _ in range(300)]
+
+    def h(old, new, at):  # H of one value at position ``at`` of a one-block shard moving from ``old`` to ``new``
+        return int(kernels.hash_of_changes(torch.tensor([old]), torch.tensor([new]), torch.tensor([at]), block, block))
+
     for k, (o, n, wrong) in enumerate(cases):
-        i = torch.tensor([k % block])
-        def h(old, new):
-            return int(kernels.hash_of_changes(torch.tensor([old]), torch.tensor([new]), i, block, block))
+        at = k % block
         if wrong != n:
-            assert h(o, n) != h(o, wrong), (o, n, wrong, k % block)  # a wrong change
+            assert h(o, n, at) != h(o, wrong, at), (o, n, wrong, at)  # a wrong change
         drift = wrong - o  # the same change applied to an old value moved by drift
         if n != o and drift and 0 <= n + drift < 2**16:
-            assert h(o, n) != h(o + drift, n + drift), (o, n, drift, k % block)
+            assert h(o, n, at) != h(o + drift, n + drift, at), (o, n, drift, at)
