@@ -174,7 +174,7 @@ class DeltaCodec(ShardCodec):
         self.config = config
         self.integrity = integrity  # hash each encode's and decode's change (module docstring)
         self.decoded_hashes = None  # int64 [world_size] with integrity: each source's hash of the last decodes
-        self._hash_slots = None  # the decode kernel's partial sums of them (kernels.decode_blocks)
+        self._hash_slots = {}  # (rows, device): the decode kernel's partial sums of them, zero between decodes
         self.read_slack_bytes = kernels.read_slack_bytes(config.block_size)  # room after a payload its decode reads
         self.world_size = world_size
         self.rank = rank
@@ -492,17 +492,16 @@ class DeltaCodec(ShardCodec):
         segmented = isinstance(out, SegmentedShard)
         numel = out.segments.padded_numel(b) if segmented else out.numel()
         flags = self._check_header(payload, out, numel, header, src_rank)
+        hash_out = self._decoded(payload.device)[src_rank:src_rank + 1] if self.integrity else None
         if segmented and (flags & (FLAG_KEYFRAME | FLAG_RAW) or not use_triton(out, self.triton)):
             padded = out.padded(b)  # the reference (and a keyframe) decode a padded copy
-            decoded_hash = self._decode_bits(_as_bits(padded, "output buffer"), payload, flags)
+            self._decode_bits(_as_bits(padded, "output buffer"), payload, flags, hash_out)
             out.write_padded(padded, b)
         elif segmented:
             table = out.segments.block_table(b)
-            decoded_hash = self._decode_bits(_as_bits(table[0], "output buffer"), payload, flags, table, out.rank)
+            self._decode_bits(_as_bits(table[0], "output buffer"), payload, flags, hash_out, table, out.rank)
         else:
-            decoded_hash = self._decode_bits(_as_bits(out, "output buffer"), payload, flags)
-        if self.integrity:
-            self._decoded(payload.device)[src_rank:src_rank + 1].copy_(decoded_hash)
+            self._decode_bits(_as_bits(out, "output buffer"), payload, flags, hash_out)
 
     def _decoded(self, device, zero: bool = False) -> torch.Tensor:
         """``decoded_hashes`` on ``device`` (made once; ``zero``: zeroed first)."""
@@ -513,23 +512,26 @@ class DeltaCodec(ShardCodec):
         return self.decoded_hashes
 
     def _decode_hash_slots(self, rows: int, device):
-        """The zeroed partial sums of ``rows`` payloads' decoded hashes (None without integrity)."""
+        """The partial sums of ``rows`` payloads' decoded hashes (None without integrity): made zero once, and zeroed
+        again by ``kernels.take_hash_sums`` after each decode."""
         if not self.integrity:
             return None
-        shape = (rows, kernels.HASH_SLOTS)
-        if self._hash_slots is None or tuple(self._hash_slots.shape) != shape or self._hash_slots.device != device:
-            self._hash_slots = torch.empty(shape, dtype=torch.int64, device=device)
-        return self._hash_slots.zero_()
+        key = (rows, device)
+        if key not in self._hash_slots:
+            self._hash_slots[key] = torch.zeros(rows, kernels.HASH_SLOTS, dtype=torch.int64, device=device)
+        return self._hash_slots[key]
 
-    def _decode_bits(self, bits, payload, flags, table=None, rank=0):
-        """Decode into the int16 ``bits`` (with ``table``: rank ``rank``'s slices of the segments based there); returns
-        the hash of the change applied (int64 [1]; None without integrity)."""
+    def _decode_bits(self, bits, payload, flags, hash_out, table=None, rank=0):
+        """Decode into the int16 ``bits`` (with ``table``: rank ``rank``'s slices of the segments based there); the
+        hash of the change applied into ``hash_out`` (int64 [1]; None without integrity)."""
         numel = bits.numel() if table is None else table[1].numel() * self.config.block_size
         if flags & (FLAG_KEYFRAME | FLAG_RAW):
             # a keyframe's hash is of its values; a raw payload's, like a delta's, of the change it makes
             old = bits.clone() if self.integrity and not flags & FLAG_KEYFRAME else None
             bits.view(torch.uint8).copy_(payload[HEADER.size : HEADER.size + 2 * numel])
-            return kernels.change_hash_reference(old, bits, self.config.block_size) if self.integrity else None
+            if hash_out is not None:
+                hash_out.copy_(kernels.change_hash_reference(old, bits, self.config.block_size))
+            return
         b = self.config.block_size
         layout = _Layout.of(numel, b)
         if use_triton(bits, self.triton):  # sections read as 32-bit words from any payload offset
@@ -537,7 +539,9 @@ class DeltaCodec(ShardCodec):
                 payload = torch.cat([payload, payload.new_zeros(self.read_slack_bytes)])[:payload.numel()]
             hashes = self._decode_hash_slots(1, bits.device)
             kernels.decode_blocks(bits, self._payloads(payload, 1, 0, numel), b, table, rank, hashes=hashes)
-            return None if hashes is None else hashes.sum(1)
+            if hash_out is not None:
+                kernels.take_hash_sums(hashes, hash_out)
+            return
         codes = payload[HEADER.size : HEADER.size + layout.n_blocks]
         changed = torch.nonzero(codes).squeeze(1)
         starts = _from_little_endian(payload[layout.groups : layout.regions], 4)
@@ -547,35 +551,36 @@ class DeltaCodec(ShardCodec):
         offsets = _from_little_endian(regions[torch.stack([offset_at, offset_at + 1], 1).view(-1)], 2)
         decoded_hash = unpack_records_reference(bits, changed, codes, regions[exc_width_at], records_at + offsets,
                                                 regions, b)
-        return decoded_hash if self.integrity else None
+        if hash_out is not None:
+            hash_out.copy_(decoded_hash)
 
     def decode_gathered(self, target, gathered, stride, sizes, headers, skip) -> None:
         """On the Triton path every source's payload in one launch of each decode kernel (one source, keyframes and
         the reference: one by one)."""
         b = self.config.block_size
         segments, numel = self._segments_of(target)
-        if self.integrity:
-            self._decoded(gathered.device, zero=True)
         sources = [src for src in range(len(sizes)) if src != skip]
         keyframe = any(self._check_header(gathered[src * stride:src * stride + sizes[src]], target, numel,
                                           headers[src], src) & (FLAG_KEYFRAME | FLAG_RAW) for src in sources)
         if (keyframe or len(sources) < 2 or not use_triton(gathered, self.triton)
                 or _bytes_after(gathered[(len(sizes) - 1) * stride:][:sizes[-1]]) < self.read_slack_bytes):
+            if self.integrity:
+                self._decoded(gathered.device, zero=True)
             return super().decode_gathered(target, gathered, stride, sizes, headers, skip)
         table = segments.block_table(b)
         payloads = self._payloads(gathered, len(sizes), stride, numel)
         hashes = self._decode_hash_slots(len(sizes), gathered.device)
         kernels.decode_blocks(_as_bits(table[0], "output buffer"), payloads, b, table, 0, skip, hashes=hashes)
-        if hashes is not None:
-            torch.sum(hashes, 1, out=self.decoded_hashes)
+        if hashes is not None:  # every row's, the skipped one's 0
+            kernels.take_hash_sums(hashes, self._decoded(gathered.device))
 
     def decode_slots(self, target, gathered, stride, sizes, capacity, skip) -> None:
         """On the Triton path every source's slot in one launch, skipping the payloads larger than ``capacity`` on
         the device (no header checks: slots follow a gather whose headers were checked, and carry no keyframes)."""
-        if self.integrity:
-            self._decoded(gathered.device, zero=True)
         if not use_triton(gathered, self.triton) or _bytes_after(gathered[(len(sizes) - 1) * stride:][:capacity]) < \
                 self.read_slack_bytes:
+            if self.integrity:
+                self._decoded(gathered.device, zero=True)
             return super().decode_slots(target, gathered, stride, sizes, capacity, skip)
         segments, numel = self._segments_of(target)
         b = self.config.block_size
@@ -583,8 +588,8 @@ class DeltaCodec(ShardCodec):
         hashes = self._decode_hash_slots(len(sizes), gathered.device)
         kernels.decode_blocks(_as_bits(table[0], "output buffer"), self._payloads(gathered, len(sizes), stride, numel),
                               b, table, 0, skip, slots=(sizes, capacity), hashes=hashes)
-        if hashes is not None:
-            torch.sum(hashes, 1, out=self.decoded_hashes)
+        if hashes is not None:  # every row's, those not decoded 0
+            kernels.take_hash_sums(hashes, self._decoded(gathered.device))
 
     def _segments_of(self, target) -> tuple:
         """``target`` (``Segments``, or a bucket buffer: its slices through a one-segment block table) and the

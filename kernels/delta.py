@@ -875,6 +875,22 @@ if triton is not None:
             tl.debug_barrier()  # every thread has read out before it is overwritten
             tl.store(out_ptr + idx, new, mask=inside)
 
+    @triton.jit
+    def _take_hash_sums_kernel(slots_ptr, out_ptr):
+        # program k: row k of the decode kernel's hash slots, summed into out[k] and zeroed for the next decode
+        at = slots_ptr + tl.program_id(0) * _HASH_SLOTS + tl.arange(0, _HASH_SLOTS)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(at), axis=0))
+        tl.store(at, tl.zeros([_HASH_SLOTS], dtype=tl.int64))
+
+
+def take_hash_sums(hashes: torch.Tensor, out: torch.Tensor) -> None:
+    """Triton, after ``decode_blocks``: each row's hash (the sum of its ``hashes`` slots) into ``out`` (int64 [rows],
+    contiguous), and ``hashes`` zeroed for the next decode: one launch where a ``sum`` and a ``zero_`` were two."""
+    if out.dtype != torch.int64 or not out.is_contiguous() or out.numel() != hashes.shape[0]:
+        raise ValueError(f"take_hash_sums: out must be contiguous int64 [{hashes.shape[0]}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    _take_hash_sums_kernel[(hashes.shape[0],)](hashes, out, num_warps=1)
+
 
 # Register caps (PTX .maxnreg) of the block kernels by rows of 8 values per thread, None: the compiler's choice.
 # A one-warp program runs at most 32 per SM, at most 65536 / (32 * registers) with more than 64 registers.
@@ -1089,7 +1105,7 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
     and each source's slices are decoded. ``slots``: (sizes, capacity), the rows are slots of ``capacity`` bytes and
     row k's payload size is ``sizes[k]`` (int64, a strided view): rows whose payload is larger are not decoded.
     ``hashes``: int64 [rows, HASH_SLOTS], zeroed: each row's integrity hash of the change it applies, in partial sums
-    (``hashes.sum(1)``: the rows' hashes)."""
+    (``take_hash_sums``: the rows' hashes)."""
     pointers, flags = _table_args(out, table)
     p = payloads
     sources = p.rows - (0 <= skip_rank - src_base < p.rows)

@@ -189,6 +189,11 @@ def launch_training(tmp_path, name, script, nproc, flags, timeout=400):
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
+def max_loss_rel_diff(reference, runs) -> float:
+    """The largest relative difference of two runs' losses, iteration by iteration (metrics records)."""
+    return max(abs(r["loss"] - e["loss"]) / r["loss"] for r, e in zip(reference, runs, strict=True))
+
+
 def _log_tails(logs, rank) -> str:
     """Rank 0's stdout and the failed rank's stderr (its peers mostly show connection errors)."""
     stdout = logs / "0" / "stdout.log"

@@ -10,7 +10,7 @@ import torch
 
 from compression.sdp4bit import (HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, WeightDiffGather,
                                  emulated_reduce_scatter, emulated_weight_diff_gather, quantized_reduce_scatter)
-from dist_utils import launch_training, run_on_ranks
+from dist_utils import launch_training, max_loss_rel_diff, run_on_ranks
 from test_arguments import make
 
 GRAD_CONFIG = HadamardQuantConfig(bits=4, block_size=64)
@@ -98,10 +98,6 @@ def test_every_batch_of_a_ramp_up_splits_over_the_ranks():
     assert make(f"{flags} --rampup-batch-size 4 4 16", base="").dp_comm_emulate == 2
 
 
-def _max_rel_diff(reference, runs):
-    return max(abs(r["loss"] - e["loss"]) / r["loss"] for r, e in zip(reference, runs, strict=True))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("global_batch", [4, 8])
 def test_emulated_dp_matches_real_dp(tmp_path, global_batch):
@@ -114,14 +110,14 @@ def test_emulated_dp_matches_real_dp(tmp_path, global_batch):
     emulated = launch_training(tmp_path, "emulated", "pretrain_gpt.py", 1, f"{flags} --dp-comm-emulate 2")
     plain = launch_training(tmp_path, "plain", "pretrain_gpt.py", 1, f"{GPT} --global-batch-size {global_batch}")
     assert len(real) == len(emulated) == len(plain) == 12
-    coded = _max_rel_diff(real[2:3], plain[2:3])
-    print(f"DP=2, global batch {global_batch}: emulated vs real {_max_rel_diff(real[:3], emulated[:3]):.2e} "
-          f"(3 iterations), {_max_rel_diff(real, emulated):.2e} (12); uncompressed {coded:.2e} (third), "
-          f"{_max_rel_diff(real, plain):.2e}")
+    coded = max_loss_rel_diff(real[2:3], plain[2:3])
+    print(f"DP=2, global batch {global_batch}: emulated vs real {max_loss_rel_diff(real[:3], emulated[:3]):.2e} "
+          f"(3 iterations), {max_loss_rel_diff(real, emulated):.2e} (12); uncompressed {coded:.2e} (third), "
+          f"{max_loss_rel_diff(real, plain):.2e}")
     for r, e, p in zip(real, emulated, plain):
         print(r["loss"], e["loss"], p["loss"], r["grad_norm"], e["grad_norm"])
-    assert _max_rel_diff(real[:3], emulated[:3]) < 1e-5 < coded
-    assert _max_rel_diff(real, emulated) < _max_rel_diff(real, plain) / 5
+    assert max_loss_rel_diff(real[:3], emulated[:3]) < 1e-5 < coded
+    assert max_loss_rel_diff(real, emulated) < max_loss_rel_diff(real, plain) / 5
     for name in ("dp_param_gather", "dp_grad_reduce"):
         assert emulated[-1]["comm"][name] == real[-1]["comm"][name], name
 

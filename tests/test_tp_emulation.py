@@ -15,7 +15,7 @@ tests/test_tp_hooks.py).
 import pytest
 import torch
 
-from dist_utils import launch_training
+from dist_utils import launch_training, max_loss_rel_diff
 from test_arguments import make
 
 # Measured max relative loss difference over 20 iterations, emulated vs real / real vs real at lr x (1 + 1e-7):
@@ -120,13 +120,10 @@ def test_emulated_tp_matches_real_tp(tmp_path, tp, extra):
     # norms' sums round differently by ~1e-8
     assert emulated[0]["loss"] == pytest.approx(real[0]["loss"], rel=FIRST_LOSS_RTOL)
 
-    def max_rel_diff(runs):
-        return max(abs(r["loss"] - e["loss"]) / r["loss"] for r, e in zip(real, runs, strict=True))
-
-    rounding_band = max_rel_diff(rounded)
-    print(f"TP={tp} {extra}: emulated vs real {max_rel_diff(emulated):.2e}, real with lr x (1 + 1e-7) vs real "
-          f"{rounding_band:.2e}")
-    assert max_rel_diff(emulated) <= ROUNDING_FACTOR * rounding_band + 1e-7
+    rounding_band = max_loss_rel_diff(real, rounded)
+    print(f"TP={tp} {extra}: emulated vs real {max_loss_rel_diff(real, emulated):.2e}, real with lr x (1 + 1e-7) vs "
+          f"real {rounding_band:.2e}")
+    assert max_loss_rel_diff(real, emulated) <= ROUNDING_FACTOR * rounding_band + 1e-7
     # the emulated run counts the bytes one rank of the TP=N run hands to its compressed collectives
     # and logs the codec's SQNR per collective site from the first iteration on
     sqnr = emulated[0]["tp_sqnr_db"]
