@@ -16,9 +16,11 @@ The TACO paper's comparison at its TP degree on one GPU (presets ``gpu-125m-tp8`
 compressed variant runs with ``--tp-comm-emulate 8`` (TP=8 numerics in one process, docs/tp-emulation.md) on the
 ``python-site-packages`` corpus; the bf16 baseline is trained with two seeds, whose difference is the run-to-run
 noise band. Each run fits one device call: train one run per call with ``--train-only --variants NAME``
-(``--print`` lists the commands), collect the metrics and logs in one folder, then ``--reuse`` there writes
-``table1.md`` (validation and test loss, degradation vs the baseline, the noise band) and ``valid_loss.png``
-(validation loss and its difference to the baseline, as the paper's Figures 11 and 14).
+(``--print`` lists the commands), collect the metrics in one folder, then ``--reuse`` there writes ``table1.md``
+(validation and test loss, degradation vs the baseline, the noise band: of the last in-loop evaluation, and of the
+end-of-run one that a run trained by this script appends to its metrics), ``valid_loss.png`` (validation loss and
+its difference to the baseline, as the paper's Figures 11 and 14) and ``metrics.jsonl.gz`` (every run's records, a
+``run`` field each: the one file a results folder keeps; ``--reuse`` over a folder holding it trains nothing).
 """
 
 import argparse
@@ -208,6 +210,7 @@ def run_variants(names, variants, preset, out_dir, extra, reuse, jobs):
                         other.terminate()
                     raise RuntimeError(f"variant {name} failed ({proc.returncode}): {' '.join(commands[name])}"
                                        + (f"; see {out_dir}/{name}.log" if jobs > 1 else ""))
+                record_end_of_run(os.path.join(out_dir, f"{name}.jsonl"), os.path.join(out_dir, f"{name}.log"))
                 del running[name]
                 break
         else:
@@ -216,6 +219,63 @@ def run_variants(names, variants, preset, out_dir, extra, reuse, jobs):
     for name in names:
         archive_metrics(os.path.join(out_dir, f"{name}.jsonl"))
     return commands, curves
+
+
+def record_end_of_run(metrics_path, log_path):
+    """Append to a finished run's metrics its end-of-run validation and test losses (Megatron-LM's final evaluation
+    lines in its log), as ``{"iteration": N, "end_of_run": {"validation": ..., "test": ...}}``: the metrics then
+    hold every number of Table 1 without the log. A log without them (a run cut short) adds nothing."""
+    found = end_of_run_in_log(log_path)
+    if "validation" not in found:
+        return
+    iteration = found["validation"][0]
+    record = {"iteration": iteration,
+              "end_of_run": {split: loss for split, (at, loss) in found.items() if at == iteration}}
+    with open(metrics_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def end_of_run_in_log(log_path) -> dict:
+    """{"validation" | "test": (iteration, loss)} of the last final evaluation lines in a run's log (none: {})."""
+    if not os.path.exists(log_path):
+        return {}
+    with open(log_path) as f:
+        text = f.read()
+    found = {}
+    for split in ("validation", "test"):
+        lines = re.findall(rf"validation loss at iteration (\d+) on {split} set \| lm loss value: ([0-9.Ee+-]+)", text)
+        if lines:
+            found[split] = (int(lines[-1][0]), float(lines[-1][1]))
+    return found
+
+
+MERGED = "metrics.jsonl.gz"  # every run's records in one file, each with its run's name (``run``)
+
+
+def merge_metrics(out_dir, curves) -> None:
+    """``<out_dir>/metrics.jsonl.gz``: the runs' records (``curves``: name -> records) in one file, each with a
+    ``run`` field (no time stamp: the same records give the same bytes); ``split_merged`` reads it back."""
+    text = "".join(json.dumps({"run": name, **r}) + "\n" for name, records in curves.items() for r in records)
+    with open(os.path.join(out_dir, MERGED), "wb") as f, gzip.GzipFile("", "wb", fileobj=f, mtime=0) as z:
+        z.write(text.encode())
+
+
+def split_merged(out_dir, names) -> None:
+    """For each run of ``names`` without a metrics file of its own, its records from ``<out_dir>/metrics.jsonl.gz``
+    (``merge_metrics``) as ``<name>.jsonl.gz``, so that ``--reuse`` over a results folder trains nothing."""
+    merged = os.path.join(out_dir, MERGED)
+    if not os.path.exists(merged):
+        return
+    per_run = {}
+    with gzip.open(merged, "rt") as f:
+        for line in f:
+            record = json.loads(line)
+            per_run.setdefault(record.pop("run"), []).append(record)
+    for name in names:
+        path = os.path.join(out_dir, f"{name}.jsonl")
+        if name in per_run and not os.path.exists(path) and not os.path.exists(path + ".gz"):
+            with gzip.GzipFile(path + ".gz", "wb", mtime=0) as f:
+                f.write("".join(json.dumps(r) + "\n" for r in per_run[name]).encode())
 
 
 def read_metrics(path):
@@ -241,20 +301,22 @@ def archive_metrics(path):
 
 def final_losses(records, until, log_path=None):
     """Losses at iteration ``until``: the validation loss evaluated there, the train loss averaged over the
-    10 iterations up to it; and where the run's log ``log_path`` has them, the end-of-run validation and test
-    losses (Megatron-LM's final evaluation lines)."""
+    10 iterations up to it; and where the records (``record_end_of_run``) or else the run's log ``log_path`` have
+    them, the end-of-run validation and test losses (Megatron-LM's final evaluation lines)."""
     train = [r["loss"] for r in records if "loss" in r and r["iteration"] <= until]
     valid = [r["eval_loss"] for r in records if "eval_loss" in r and r["iteration"] == until]
     tail = train[-10:]
     result = {"iteration": until, "final_train_loss_avg10": sum(tail) / len(tail),
               "final_valid_loss": valid[0] if valid else None}
-    if log_path and os.path.exists(log_path):
-        with open(log_path) as f:
-            text = f.read()
-        for split, key in (("validation", "end_valid_loss"), ("test", "end_test_loss")):
-            found = re.findall(rf"validation loss at iteration (\d+) on {split} set \| lm loss value: ([0-9.Ee+-]+)", text)
-            if found and int(found[-1][0]) == until:
-                result[key] = float(found[-1][1])
+    end = [r["end_of_run"] for r in records if "end_of_run" in r and r["iteration"] == until]
+    if end:
+        found = end[-1]
+    else:  # a run whose metrics predate the record: its log
+        found = {split: loss for split, (at, loss) in end_of_run_in_log(log_path).items() if at == until} \
+            if log_path else {}
+    for split, key in (("validation", "end_valid_loss"), ("test", "end_test_loss")):
+        if split in found:
+            result[key] = found[split]
     return result
 
 
@@ -332,13 +394,12 @@ def plot_validation(curves, baseline, noise, path):
     fig.savefig(path, dpi=120)
 
 
-def paper_table(variants, runs, noise_runs):
-    """Table 1's columns: end-of-run validation and test loss and their degradation vs the baseline, with the
-    other baselines' differences (``noise_runs``: name -> what it varies) as the noise band."""
+def paper_table(variants, runs, noise_runs, end_of_run: bool):
+    """Table 1's columns: validation and test loss and their degradation vs the baseline, with the other baselines'
+    differences (``noise_runs``: name -> what it varies) as the noise band; of the end-of-run evaluation (validation
+    and test sets; ``has_end_of_run``), else of the last in-loop one (validation only)."""
     base = runs["baseline"]
     names = [*variants, *(n for n in noise_runs if n in runs)]
-    # one evaluation for every row: the end-of-run one where every run's log has it, else the last in-loop one
-    end_of_run = all("end_valid_loss" in runs[name] for name in ["baseline", *names])
 
     def losses(res):
         return (res["end_valid_loss"], res.get("end_test_loss")) if end_of_run else (res["final_valid_loss"], None)
@@ -366,6 +427,11 @@ def paper_table(variants, runs, noise_runs):
             lines += ["", f"Noise band: the baseline with {varied} ({name}) differs by {max(band):.2f}%; "
                           "degradations within it are not distinguishable from run-to-run noise."]
     return lines, results
+
+
+def has_end_of_run(runs, names) -> bool:
+    """Whether every run of ``names`` has its end-of-run evaluation at the compared iteration."""
+    return all("end_valid_loss" in runs[name] for name in names)
 
 
 def sqnr_table(variants, curves):
@@ -496,6 +562,8 @@ def main(argv=None, family=None):
             print(" ".join(["python", *variant_command(name, flags, preset, args.out_dir, extra, "python")[1:]]))
         return
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.reuse:
+        split_merged(args.out_dir, list(runs))
     commands, curves = run_variants(list(runs), runs, preset, args.out_dir, extra, args.reuse, args.jobs)
     if args.train_only:
         return
@@ -520,12 +588,19 @@ def main(argv=None, family=None):
     print("\n".join(lines))
     if noise and args.seeds is None:
         varied = {name: what for name, (_, what) in preset["noise_runs"].items()}
-        table, summary["table1"] = paper_table([v for v in chosen_variants if v not in noise], summary["runs"], varied)
+        paper = [v for v in chosen_variants if v not in noise]
+        table, summary["table1"] = paper_table(paper, summary["runs"], varied, end_of_run=False)
+        table = [f"Preset {args.preset}: losses at iteration {until}, the last in-loop evaluation every run reached.",
+                 "", *table]
+        if has_end_of_run(summary["runs"], [n for n in chosen_variants if n in summary["runs"]]):
+            end, summary["table1_end_of_run"] = paper_table(paper, summary["runs"], varied, end_of_run=True)
+            table += ["", f"The end-of-run evaluation (iteration {until}; validation and test sets, other samples than "
+                          "the in-loop ones):", "", *end]
         sqnr_lines, summary["sqnr_db"] = sqnr_table(chosen_variants, curves)
         table += ["", *sqnr_lines] if sqnr_lines else []
         with open(os.path.join(args.out_dir, "table1.md"), "w") as f:
-            f.write(f"Preset {args.preset}: losses at iteration {until}, the last evaluation every run reached.\n\n"
-                    + "\n".join(table) + "\n")
+            f.write("\n".join(table) + "\n")
+        merge_metrics(args.out_dir, {name: curves[name] for name in chosen_variants})
         with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         plot_validation({v: curves[v] for v in chosen_variants if v not in noise}, "baseline",

@@ -127,13 +127,16 @@ def _fake_run(out_dir, name, valid_end, test_end, until=20, sqnr=None):
         f" validation loss at iteration {until} on test set | lm loss value: {test_end:.6E} | \n")
 
 
+# end-of-run (validation, test) losses of fake runs of the gpu-125m-tp8 preset
+PAPER_LOSSES = {"baseline": (2.0, 2.1), "taco": (2.01, 2.11), "int8": (2.002, 2.1), "naive_fp8": (2.5, 2.6),
+                "ds_only": (2.06, 2.16), "e5m2": (2.2, 2.3), "tahquant": (2.05, 2.15), "baseline_seed2": (2.004, 2.1),
+                "baseline_lr_jitter": (2.001, 2.1021)}
+
+
 def test_paper_table_reports_degradation_and_the_noise_band(tmp_path):
     """--reuse over the runs' metrics and logs (as the device calls leave them): Table 1's columns, the noise band
     from the other two baselines, and the validation-loss plot."""
-    losses = {"baseline": (2.0, 2.1), "taco": (2.01, 2.11), "int8": (2.002, 2.1), "naive_fp8": (2.5, 2.6),
-              "ds_only": (2.06, 2.16), "e5m2": (2.2, 2.3), "tahquant": (2.05, 2.15), "baseline_seed2": (2.004, 2.1),
-              "baseline_lr_jitter": (2.001, 2.1021)}
-    for name, (valid, test) in losses.items():
+    for name, (valid, test) in PAPER_LOSSES.items():
         _fake_run(tmp_path, name, valid, test, sqnr={"taco": 30.0, "naive_fp8": 12.0}.get(name))
     convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--reuse", "--out-dir", str(tmp_path)])
     table = (tmp_path / "table1.md").read_text()
@@ -161,3 +164,37 @@ def test_train_only_needs_no_baseline(capsys):
     assert capsys.readouterr().out.count("pretrain_gpt.py") == 1
     with pytest.raises(SystemExit):
         convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--variants", "tahquant", "--out-dir", "OUT"])
+
+
+def test_a_results_folder_gives_its_table_without_the_logs(tmp_path):
+    """A run trained by the script keeps its end-of-run losses in its metrics (``record_end_of_run``, from its log's
+    final evaluation lines; a run cut short adds nothing), and the table's ``--reuse`` writes every run's records
+    into ``metrics.jsonl.gz``: a folder holding only that file gives the same ``table1.md``, both evaluations."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name, (valid, test) in PAPER_LOSSES.items():
+        _fake_run(runs, name, valid, test)
+        plain = runs / f"{name}.jsonl"  # as the run leaves it, then what run_variants does once it finished
+        with gzip.open(f"{plain}.gz", "rt") as f:
+            plain.write_text(f.read())
+        os.remove(f"{plain}.gz")
+        convergence.record_end_of_run(str(plain), str(runs / f"{name}.log"))
+        convergence.archive_metrics(str(plain))
+    assert convergence.read_metrics(str(runs / "taco.jsonl"))[-1] == {
+        "iteration": 20, "end_of_run": {"validation": 2.01, "test": 2.11}}
+    cut_short = tmp_path / "cut.jsonl"
+    cut_short.write_text('{"iteration": 1, "loss": 3.0}\n')
+    (tmp_path / "cut.log").write_text(" iteration 1/ 20 | lm loss: 3.0 |\n")
+    convergence.record_end_of_run(str(cut_short), str(tmp_path / "cut.log"))
+    assert cut_short.read_text() == '{"iteration": 1, "loss": 3.0}\n'
+
+    convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--reuse", "--out-dir", str(runs)])
+    table = (runs / "table1.md").read_text()
+    assert "the last in-loop evaluation" in table and "| taco | 2.0100 | - | +0.50% | - |" in table
+    assert "The end-of-run evaluation (iteration 20" in table and "| taco | 2.0100 | 2.1100 | +0.50% | +0.48% |" in table
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(runs / "metrics.jsonl.gz", results)
+    convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--reuse", "--out-dir", str(results)])
+    assert (results / "table1.md").read_text() == table
+    assert (results / "metrics.jsonl.gz").read_bytes() == (runs / "metrics.jsonl.gz").read_bytes()
