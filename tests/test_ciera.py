@@ -13,6 +13,7 @@ import torch
 from compression import ans
 from compression.ciera import (DENSE_SAMPLE_STRIDE, FLAG_ANS, FLAG_LAST, FLAG_RAW, exponent_count, HEADER, HEADER_BYTES, VERSION, CieraCodec, CieraConfig,
                                field_nbytes, pack_field, sections, unpack_field)
+from interpreted import run_interpreted
 from kernels.ciera import LAYOUTS, block_hashes, block_slots_reference, tile_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -494,11 +495,9 @@ def _check_fused_merge_any_tile_order():
 
 def test_fused_path_matches_reference_interpreted():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    code = ("import test_ciera; test_ciera._check_fused_matches_reference(); "
-            "test_ciera._check_fused_hashes_match_reference(); test_ciera._check_fused_merge_any_tile_order()")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_interpreted("import test_ciera; test_ciera._check_fused_matches_reference(); "
+                    "test_ciera._check_fused_hashes_match_reference(); test_ciera._check_fused_merge_any_tile_order()",
+                    timeout=300)
 
 
 def test_kernel_benchmark_dry_run(tmp_path):

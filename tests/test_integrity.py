@@ -9,8 +9,6 @@ loss and parameter bit of the uncompressed run."""
 
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from compression.codec import CastShard
 from compression.delta import FLAG_KEYFRAME, FLAG_RAW, HEADER, DeltaCodec, DeltaConfig, _Layout
 from compression.wire import WireFormatError
 from dist_utils import run_on_ranks
+from interpreted import run_interpreted
 from kernels import delta as kernels
 from test_delta import SPECIAL, heavy_tail, nudge, patterns, random_bits
 
@@ -186,10 +185,8 @@ def test_hashes_and_corruptions_reference(triton):
 
 def test_kernels_hash_as_reference_interpreted():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    code = ("import test_integrity as t; t._check_hashes_match_reference(True); t._check_corruptions(True)")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_interpreted("import test_integrity as t; t._check_hashes_match_reference(True)",
+                    "import test_integrity as t; t._check_corruptions(True)", timeout=900)
 
 
 @pytest.mark.gpu

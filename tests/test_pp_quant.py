@@ -11,14 +11,13 @@ misses it by far more.
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from compression.pp_quant import TahQuantCodec, TahQuantConfig
 from dist_utils import launch_training, run_on_ranks
+from interpreted import run_interpreted
 from kernels.bitpack import pack_bits, unpack_bits
 
 LOSS_RTOL = 0.01
@@ -192,11 +191,8 @@ def test_kernels_match_reference_interpreted():
     """The Triton kernels under the interpreter (CPU; its float-to-bfloat16 conversion truncates, so the
     decoded values are compared in fp32 here and in every dtype on the GPU)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    code = ("import test_pp_quant; test_pp_quant._check_kernels_match_reference(); "
-            "test_pp_quant._check_group_calls(triton=True)")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_interpreted("import test_pp_quant; test_pp_quant._check_kernels_match_reference()",
+                    "import test_pp_quant; test_pp_quant._check_group_calls(triton=True)", timeout=600)
 
 
 @pytest.mark.gpu

@@ -17,13 +17,11 @@ the uncompressed run within bounds justified at DRIVER_LOSS_TOL.
 
 import hashlib
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from dist_utils import launch_training, run_on_ranks
+from interpreted import run_interpreted
 
 from compression.sdp4bit import HadamardQuantConfig, Sdp4bitConfig, WeightDiffCodec, decode_sum, encode_rows
 from kernels.sdp4bit import (
@@ -284,12 +282,10 @@ def _check_kernels_match_reference(device="cpu", dtypes=(torch.float16,), grad_d
 
 def test_kernels_match_reference_interpreted():
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-    code = ("import test_sdp4bit, dist_utils; test_sdp4bit._check_kernels_match_reference(); "
-            "assert dist_utils.run_on_ranks(test_sdp4bit._fused_collective_checks, 2) == [True, True]")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_interpreted("import test_sdp4bit; test_sdp4bit._check_kernels_match_reference()",
+                    "import test_sdp4bit, dist_utils; "
+                    "assert dist_utils.run_on_ranks(test_sdp4bit._fused_collective_checks, 2) == [True, True]",
+                    timeout=900)
 
 
 @pytest.mark.gpu
