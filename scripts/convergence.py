@@ -255,9 +255,15 @@ MERGED = "metrics.jsonl.gz"  # every run's records in one file, each with its ru
 def merge_metrics(out_dir, curves) -> None:
     """``<out_dir>/metrics.jsonl.gz``: the runs' records (``curves``: name -> records) in one file, each with a
     ``run`` field (no time stamp: the same records give the same bytes); ``split_merged`` reads it back."""
-    text = "".join(json.dumps({"run": name, **r}) + "\n" for name, records in curves.items() for r in records)
-    with open(os.path.join(out_dir, MERGED), "wb") as f, gzip.GzipFile("", "wb", fileobj=f, mtime=0) as z:
-        z.write(text.encode())
+    _write_gzipped(os.path.join(out_dir, MERGED), [{"run": name, **r} for name, records in curves.items()
+                                                   for r in records])
+
+
+def _write_gzipped(path, records) -> None:
+    """``records`` as gzipped JSON lines at ``path``, with neither time stamp nor file name in the header: the same
+    records give the same bytes wherever they are written."""
+    with open(path, "wb") as f, gzip.GzipFile("", "wb", fileobj=f, mtime=0) as z:
+        z.write("".join(json.dumps(r) + "\n" for r in records).encode())
 
 
 def split_merged(out_dir, names) -> None:
@@ -274,8 +280,7 @@ def split_merged(out_dir, names) -> None:
     for name in names:
         path = os.path.join(out_dir, f"{name}.jsonl")
         if name in per_run and not os.path.exists(path) and not os.path.exists(path + ".gz"):
-            with gzip.GzipFile(path + ".gz", "wb", mtime=0) as f:
-                f.write("".join(json.dumps(r) + "\n" for r in per_run[name]).encode())
+            _write_gzipped(path + ".gz", per_run[name])
 
 
 def read_metrics(path):
@@ -397,7 +402,7 @@ def plot_validation(curves, baseline, noise, path):
 def paper_table(variants, runs, noise_runs, end_of_run: bool):
     """Table 1's columns: validation and test loss and their degradation vs the baseline, with the other baselines'
     differences (``noise_runs``: name -> what it varies) as the noise band; of the end-of-run evaluation (validation
-    and test sets; ``has_end_of_run``), else of the last in-loop one (validation only)."""
+    and test sets; every run needs it), else of the last in-loop one (validation only)."""
     base = runs["baseline"]
     names = [*variants, *(n for n in noise_runs if n in runs)]
 
@@ -427,11 +432,6 @@ def paper_table(variants, runs, noise_runs, end_of_run: bool):
             lines += ["", f"Noise band: the baseline with {varied} ({name}) differs by {max(band):.2f}%; "
                           "degradations within it are not distinguishable from run-to-run noise."]
     return lines, results
-
-
-def has_end_of_run(runs, names) -> bool:
-    """Whether every run of ``names`` has its end-of-run evaluation at the compared iteration."""
-    return all("end_valid_loss" in runs[name] for name in names)
 
 
 def sqnr_table(variants, curves):
@@ -592,7 +592,7 @@ def main(argv=None, family=None):
         table, summary["table1"] = paper_table(paper, summary["runs"], varied, end_of_run=False)
         table = [f"Preset {args.preset}: losses at iteration {until}, the last in-loop evaluation every run reached.",
                  "", *table]
-        if has_end_of_run(summary["runs"], [n for n in chosen_variants if n in summary["runs"]]):
+        if all("end_valid_loss" in summary["runs"][name] for name in chosen_variants):
             end, summary["table1_end_of_run"] = paper_table(paper, summary["runs"], varied, end_of_run=True)
             table += ["", f"The end-of-run evaluation (iteration {until}; validation and test sets, other samples than "
                           "the in-loop ones):", "", *end]
