@@ -870,7 +870,7 @@ if triton is not None:
             new = _from_ordered(new_ordered)
             if HASH:
                 block_hash = _block_hash(old_ordered, new_ordered, d, b, r, j)
-                hash_at = (src - src_base) * _HASH_SLOTS + (tl.program_id(0) & (_HASH_SLOTS - 1))  # row, b % 64
+                hash_at = row * _HASH_SLOTS + (b & (_HASH_SLOTS - 1))  # row's slot b % 64, as the encoder's
                 tl.atomic_add(hashes_ptr + hash_at, block_hash, sem="relaxed")
             tl.debug_barrier()  # every thread has read out before it is overwritten
             tl.store(out_ptr + idx, new, mask=inside)
