@@ -31,9 +31,10 @@ def _metrics(tmp_path, suite, variant):
 
 @pytest.mark.slow
 def test_tp8_taco_suite_on_8_cpu_processes(tmp_path):
-    # one compressed variant: the others differ only in codec options, which the codec tests cover (suite time)
+    # one compressed variant: the others differ only in codec options, which the codec tests cover; one micro-batch
+    # per iteration (8 ranks on a few cores make every TP collective slow) (suite time)
     report = _suite(tmp_path, "tp8_sp_taco", "configs/tiny_cpu_gpt.yaml", "--num-attention-heads", "8",
-                    "--variants", "taco")
+                    "--global-batch-size", "2", "--variants", "taco")
     assert [r["variant"] for r in report["runs"]] == ["baseline", "taco"]
     tp = _metrics(tmp_path, "tp8_sp_taco", "taco")[-1]["comm"]["tp"]
     assert 0 < tp["sent_bytes"] < tp["raw_bytes"]
