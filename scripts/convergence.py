@@ -20,7 +20,9 @@ noise band. Each run fits one device call: train one run per call with ``--train
 (validation and test loss, degradation vs the baseline, the noise band: of the last in-loop evaluation, and of the
 end-of-run one that a run trained by this script appends to its metrics), ``valid_loss.png`` (validation loss and
 its difference to the baseline, as the paper's Figures 11 and 14) and ``metrics.jsonl.gz`` (every run's records, a
-``run`` field each: the one file a results folder keeps; ``--reuse`` over a folder holding it trains nothing).
+``run`` field each: the one file a results folder keeps; ``--reuse`` over a folder holding it trains nothing). A
+run longer than one call trains in parts: ``--checkpoint-dir DIR --exit-duration-in-mins M`` stops it after M minutes
+with a checkpoint in ``DIR/<run>``, and the same command again continues it there, appending to its metrics.
 """
 
 import argparse
@@ -152,52 +154,85 @@ FAMILIES = {
 }
 
 
-def variant_command(name, variant_flags, preset, out_dir, extra, python=sys.executable):
+def variant_command(name, variant_flags, preset, out_dir, extra, checkpoint_dir=None, python=sys.executable):
     metrics = os.path.join(out_dir, f"{name}.jsonl")
+    saves = [] if checkpoint_dir is None else ["--save", os.path.join(checkpoint_dir, name), "--load",
+                                               os.path.join(checkpoint_dir, name)]
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={preset['nproc']}",
-            "pretrain_gpt.py", *preset["flags"], *variant_flags, *extra, "--metrics-file", metrics]
+            "pretrain_gpt.py", *preset["flags"], *variant_flags, *extra, *saves, "--metrics-file", metrics]
 
 
-def _tee(stream, path):
+def checkpoint_iteration(checkpoint_dir, name):
+    """The iteration of run ``name``'s latest checkpoint under ``checkpoint_dir`` (None: it has none)."""
+    tracker = os.path.join(checkpoint_dir or "", name, "latest_checkpointed_iteration.txt")
+    if checkpoint_dir is None or not os.path.exists(tracker):
+        return None
+    with open(tracker) as f:
+        return int(f.read().strip())
+
+
+def _train_iters(cmd) -> int:
+    """--train-iters of a training command (the last one given wins, as in argparse)."""
+    return int(cmd[len(cmd) - 1 - cmd[::-1].index("--train-iters") + 1])
+
+
+def _tee(stream, path, mode):
     """Copy a run's output to the console and to its log (which holds the final test loss)."""
-    with open(path, "w") as log:
+    with stream, open(path, mode) as log:
         for line in stream:
             sys.stdout.write(line)
             log.write(line)
     sys.stdout.flush()
 
 
-def start_variant(name, variant_flags, preset, out_dir, extra, reuse, quiet):
+def start_variant(name, variant_flags, preset, out_dir, extra, reuse, quiet, checkpoint_dir=None):
     """Start one variant's training (None instead of a process, with ``reuse``, if an earlier run of the same
-    command left its metrics). Its output goes to ``<out_dir>/<name>.log``, and also to the console unless
-    ``quiet``. Returns (command, process or None)."""
+    command left its metrics). A run with a checkpoint short of its last iteration under ``checkpoint_dir``
+    continues from it, appending to its metrics and log. Its output goes to ``<out_dir>/<name>.log``, and also to
+    the console unless ``quiet``. Returns (command, process or None)."""
     metrics = os.path.join(out_dir, f"{name}.jsonl")
-    cmd = variant_command(name, variant_flags, preset, out_dir, extra)
+    cmd = variant_command(name, variant_flags, preset, out_dir, extra, checkpoint_dir)
     left = [path for path in (metrics, metrics + ".gz") if os.path.exists(path)]
-    if reuse and left:
+    resume_at = checkpoint_iteration(checkpoint_dir, name)
+    if resume_at is not None and resume_at < _train_iters(cmd):
+        if not left:
+            raise RuntimeError(f"run {name} has a checkpoint of iteration {resume_at} in {checkpoint_dir}/{name} but "
+                               f"no metrics in {out_dir}: continue it with the --out-dir of its first part")
+        if not os.path.exists(metrics):  # archived when the first part stopped: the driver appends to it
+            with gzip.open(metrics + ".gz", "rb") as src, open(metrics, "wb") as dst:
+                dst.write(src.read())
+            os.remove(metrics + ".gz")
+        print(f"+ {name}: continuing from its checkpoint of iteration {resume_at}", flush=True)
+    elif reuse and left:
         return cmd, None
-    for path in left:
-        os.remove(path)
+    elif resume_at is not None:  # its checkpoint would load and train nothing
+        raise RuntimeError(f"run {name} finished ({resume_at} iterations) in {checkpoint_dir}/{name}: add --reuse "
+                           f"to keep its metrics, or move that folder away to train it again")
+    else:
+        for path in left:
+            os.remove(path)
     print("+", " ".join(cmd), flush=True)
     log_path = os.path.join(out_dir, f"{name}.log")
+    mode = "w" if resume_at is None else "a"
     if quiet:
-        with open(log_path, "w") as log:
+        with open(log_path, mode) as log:
             return cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    proc.tee = threading.Thread(target=_tee, args=(proc.stdout, log_path))
+    proc.tee = threading.Thread(target=_tee, args=(proc.stdout, log_path, mode))
     proc.tee.start()
     return cmd, proc
 
 
-def run_variants(names, variants, preset, out_dir, extra, reuse, jobs):
+def run_variants(names, variants, preset, out_dir, extra, reuse, jobs, checkpoint_dir=None):
     """Train the runs ``names`` (``variants``: run name -> its flags), ``jobs`` at a time (concurrent runs
-    share the devices: the losses do not depend on it, only the wall time). Returns {name: command} and
-    {name: metrics records}."""
+    share the devices: the losses do not depend on it, only the wall time), each saving its checkpoints under
+    ``checkpoint_dir`` if given (``start_variant``). Returns {name: command} and {name: metrics records}."""
     commands, running, pending = {}, {}, list(names)
     while pending or running:
         while pending and len(running) < jobs:
             name = pending.pop(0)
-            commands[name], proc = start_variant(name, variants[name], preset, out_dir, extra, reuse, jobs > 1)
+            commands[name], proc = start_variant(name, variants[name], preset, out_dir, extra, reuse, jobs > 1,
+                                                 checkpoint_dir)
             if proc is not None:
                 running[name] = proc
         for name, proc in list(running.items()):
@@ -285,13 +320,21 @@ def split_merged(out_dir, names) -> None:
 
 def read_metrics(path):
     """The records of a metrics file ``path``, or of ``path + ".gz"`` where only the gzipped one exists. A last
-    line without its newline is a record the run did not finish writing (it was stopped mid-write): left out."""
+    line without its newline is a record the run did not finish writing (it was stopped mid-write): left out. A run
+    continued from a checkpoint older than its last records repeats their iterations: the repeats replace them."""
     opened = open(path) if os.path.exists(path) else gzip.open(path + ".gz", "rt")
     with opened as f:
         lines = f.read().split("\n")
     if lines[-1].strip():
         print(f"{path}: the last record is cut off (the run stopped while writing it); left out", file=sys.stderr)
-    return [json.loads(line) for line in lines[:-1] if line.strip()]
+    records, last_trained = [], 0
+    for record in (json.loads(line) for line in lines[:-1] if line.strip()):
+        if "loss" in record:
+            if record["iteration"] <= last_trained:
+                records = [r for r in records if r["iteration"] < record["iteration"]]
+            last_trained = record["iteration"]
+        records.append(record)
+    return records
 
 
 def archive_metrics(path):
@@ -535,6 +578,11 @@ def main(argv=None, family=None):
                         help="train the --variants (any subset, e.g. one per device call) and write no summary")
     parser.add_argument("--print", action="store_true", dest="print_only",
                         help="print the training command of each run and exit")
+    parser.add_argument("--checkpoint-dir",
+                        help="each run saves its checkpoints to <dir>/<run>, and a run with a checkpoint there short "
+                             "of --train-iters continues from it, appending to its metrics and log: with "
+                             "--exit-duration-in-mins (passed to the runs) a run longer than one job's time limit "
+                             "trains in several")
     parser.add_argument("--jobs", type=int, default=1,
                         help="variants trained at once (their output goes to <out-dir>/<variant>.log). Measured "
                              "on 2x H200 with gpu-125m: 4 at once took 1.2-1.4 s per iteration each against ~0.28 s "
@@ -559,12 +607,14 @@ def main(argv=None, family=None):
             for name in chosen_variants for seed in seeds}
     if args.print_only:
         for name, flags in runs.items():
-            print(" ".join(["python", *variant_command(name, flags, preset, args.out_dir, extra, "python")[1:]]))
+            print(" ".join(["python", *variant_command(name, flags, preset, args.out_dir, extra, args.checkpoint_dir,
+                                                       "python")[1:]]))
         return
     os.makedirs(args.out_dir, exist_ok=True)
     if args.reuse:
         split_merged(args.out_dir, list(runs))
-    commands, curves = run_variants(list(runs), runs, preset, args.out_dir, extra, args.reuse, args.jobs)
+    commands, curves = run_variants(list(runs), runs, preset, args.out_dir, extra, args.reuse, args.jobs,
+                                    args.checkpoint_dir)
     if args.train_only:
         return
     until = common_last_eval(curves)

@@ -198,3 +198,36 @@ def test_a_results_folder_gives_its_table_without_the_logs(tmp_path):
     convergence.main(["--family", "taco", "--preset", "gpu-125m-tp8", "--reuse", "--out-dir", str(results)])
     assert (results / "table1.md").read_text() == table
     assert (results / "metrics.jsonl.gz").read_bytes() == (runs / "metrics.jsonl.gz").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_run_stopped_at_a_time_limit_continues_from_its_checkpoint(tmp_path, monkeypatch):
+    # The first part stops at iteration 3 and saves (--exit-interval here; --exit-duration-in-mins at a job's time
+    # limit), the same command again continues from that checkpoint: one run's metrics, each iteration once, the bits
+    # of the run trained in one go.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    common = ["--family", "taco", "--preset", "cpu-tiny", "--variants", "baseline", "--train-only", "--train-iters",
+              "6", "--lr-warmup-iters", "1", "--eval-interval", "3", "--data-cache-path", str(tmp_path / "cache")]
+    convergence.main([*common, "--out-dir", str(tmp_path / "whole")])
+    in_parts = [*common, "--out-dir", str(tmp_path / "parts"), "--checkpoint-dir", str(tmp_path / "checkpoints"),
+                "--exit-interval", "3"]
+    convergence.main(in_parts)
+    assert convergence.checkpoint_iteration(str(tmp_path / "checkpoints"), "baseline") == 3
+    assert [r["iteration"] for r in convergence.read_metrics(str(tmp_path / "parts" / "baseline.jsonl"))] == [1, 2, 3]
+    convergence.main(in_parts)
+    whole, parts = (convergence.read_metrics(str(tmp_path / d / "baseline.jsonl")) for d in ("whole", "parts"))
+    assert [r["iteration"] for r in parts] == [1, 2, 3, 4, 5, 6, 6]  # the last: its end-of-run losses
+    assert [(r["iteration"], r.get("loss"), r.get("eval_loss"), r.get("end_of_run")) for r in parts] == \
+           [(r["iteration"], r.get("loss"), r.get("eval_loss"), r.get("end_of_run")) for r in whole]
+    with pytest.raises(RuntimeError, match="finished"):  # a finished run is kept (--reuse) or moved away
+        convergence.main(in_parts)
+
+
+def test_records_that_a_continued_run_repeats_replace_the_first(tmp_path):
+    path = tmp_path / "run.jsonl"
+    iterations = [1, 2, 3, 4, 3, 4, 5, 5]  # stopped after 4, continued from a checkpoint of 2; then its end of run
+    path.write_text("".join(json.dumps({"iteration": i, "loss": float(k)}) + "\n" for k, i in enumerate(iterations[:-1]))
+                    + json.dumps({"iteration": 5, "end_of_run": {"validation": 1.0}}) + "\n")
+    records = convergence.read_metrics(str(path))
+    assert [(r["iteration"], r.get("loss")) for r in records] == [(1, 0.0), (2, 1.0), (3, 4.0), (4, 5.0), (5, 6.0),
+                                                                  (5, None)]

@@ -24,7 +24,7 @@
 #   compatibility  1 GPU: every GPU test under the megatron-core wheel folder WHEELS (default .whl)
 #
 # Environment: WHEELS (megatron-core wheel folder, scripts/gpu/setup_device.sh), ITERS (wire-ratio iterations, 150),
-# VARIANTS, JOBS, PRESET (tp8).
+# VARIANTS, JOBS, PRESET, CHECKPOINTS, EXIT_AFTER_MINS (tp8).
 # Output goes to $RES (/tmp/res), which setup_device.sh archives into $OUT/results.tgz on exit.
 set -uo pipefail
 [ $# -ge 1 ] || { sed -n 2,28p "$0"; exit 2; }
@@ -142,7 +142,10 @@ tp8() {  # the TACO paper's Table 1 at emulated TP=8 on one GPU: VARIANTS (defau
     python3 scripts/convergence.py $preset --variants baseline --exit-interval 1 --out-dir $RES/tp8_warm \
       > $RES/tp8_warm.log 2>&1
   fi
-  python3 scripts/convergence.py $preset --variants ${VARIANTS:-baseline} --jobs ${JOBS:-1} --out-dir $RES/convergence/tp8
+  # CHECKPOINTS: a run longer than one call stops after EXIT_AFTER_MINS minutes with a checkpoint there, and the same
+  # command in the next call (the machine still warm: /tmp kept) continues it
+  python3 scripts/convergence.py $preset --variants ${VARIANTS:-baseline} --jobs ${JOBS:-1} --out-dir $RES/convergence/tp8 \
+    ${CHECKPOINTS:+--checkpoint-dir $CHECKPOINTS --exit-duration-in-mins ${EXIT_AFTER_MINS:-8.5}}
 }
 
 compute() {
