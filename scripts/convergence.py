@@ -22,7 +22,8 @@ end-of-run one that a run trained by this script appends to its metrics), ``vali
 its difference to the baseline, as the paper's Figures 11 and 14) and ``metrics.jsonl.gz`` (every run's records, a
 ``run`` field each: the one file a results folder keeps; ``--reuse`` over a folder holding it trains nothing). A
 run longer than one call trains in parts: ``--checkpoint-dir DIR --exit-duration-in-mins M`` stops it after M minutes
-with a checkpoint in ``DIR/<run>``, and the same command again continues it there, appending to its metrics.
+with a checkpoint in ``DIR/<run>``, and the same command again continues it there, appending to its metrics (the bits
+of a run trained in one go, but for SDP4Bit, whose first gather after a load is a keyframe: docs/sdp4bit.md).
 """
 
 import argparse
