@@ -165,8 +165,10 @@ def variant_command(name, variant_flags, preset, out_dir, extra, checkpoint_dir=
 
 def checkpoint_iteration(checkpoint_dir, name):
     """The iteration of run ``name``'s latest checkpoint under ``checkpoint_dir`` (None: it has none)."""
-    tracker = os.path.join(checkpoint_dir or "", name, "latest_checkpointed_iteration.txt")
-    if checkpoint_dir is None or not os.path.exists(tracker):
+    if checkpoint_dir is None:
+        return None
+    tracker = os.path.join(checkpoint_dir, name, "latest_checkpointed_iteration.txt")
+    if not os.path.exists(tracker):
         return None
     with open(tracker) as f:
         return int(f.read().strip())
@@ -174,7 +176,20 @@ def checkpoint_iteration(checkpoint_dir, name):
 
 def _train_iters(cmd) -> int:
     """--train-iters of a training command (the last one given wins, as in argparse)."""
-    return int(cmd[len(cmd) - 1 - cmd[::-1].index("--train-iters") + 1])
+    at = max(k for k, arg in enumerate(cmd) if arg == "--train-iters")
+    return int(cmd[at + 1])
+
+
+def _reopen_metrics(metrics) -> None:
+    """Make a stopped run's metrics file one that its continuation can append to: unpacked where it was archived,
+    without a last record cut off mid-write (a run killed rather than stopped by its exit flag)."""
+    if not os.path.exists(metrics):
+        with gzip.open(metrics + ".gz", "rb") as src, open(metrics, "wb") as dst:
+            dst.write(src.read())
+        os.remove(metrics + ".gz")
+    with open(metrics, "rb+") as f:
+        text = f.read()
+        f.truncate(text.rfind(b"\n") + 1)
 
 
 def _tee(stream, path, mode):
@@ -199,10 +214,7 @@ def start_variant(name, variant_flags, preset, out_dir, extra, reuse, quiet, che
         if not left:
             raise RuntimeError(f"run {name} has a checkpoint of iteration {resume_at} in {checkpoint_dir}/{name} but "
                                f"no metrics in {out_dir}: continue it with the --out-dir of its first part")
-        if not os.path.exists(metrics):  # archived when the first part stopped: the driver appends to it
-            with gzip.open(metrics + ".gz", "rb") as src, open(metrics, "wb") as dst:
-                dst.write(src.read())
-            os.remove(metrics + ".gz")
+        _reopen_metrics(metrics)  # the driver appends to it
         print(f"+ {name}: continuing from its checkpoint of iteration {resume_at}", flush=True)
     elif reuse and left:
         return cmd, None

@@ -214,6 +214,8 @@ def test_a_run_stopped_at_a_time_limit_continues_from_its_checkpoint(tmp_path, m
     convergence.main(in_parts)
     assert convergence.checkpoint_iteration(str(tmp_path / "checkpoints"), "baseline") == 3
     assert [r["iteration"] for r in convergence.read_metrics(str(tmp_path / "parts" / "baseline.jsonl"))] == [1, 2, 3]
+    with gzip.open(tmp_path / "parts" / "baseline.jsonl.gz", "ab") as f:  # as a run killed mid-write leaves it
+        f.write(b'{"iteration": 4, "lo')
     convergence.main(in_parts)
     whole, parts = (convergence.read_metrics(str(tmp_path / d / "baseline.jsonl")) for d in ("whole", "parts"))
     assert [r["iteration"] for r in parts] == [1, 2, 3, 4, 5, 6, 6]  # the last: its end-of-run losses
