@@ -42,11 +42,11 @@ def test_tp8_taco_suite_on_8_cpu_processes(tmp_path):
 
 @pytest.mark.slow
 def test_dp8_moe_param_gather_suite_on_8_cpu_processes(tmp_path):
+    # one lossless variant: CIERA's differs in its codec only, which the codec and two-process driver tests cover,
+    # CIERA's with MoE among them (suite time: each variant is 8 processes' start-up)
     report = _suite(tmp_path, "dp8_moe_param_gather", "configs/tiny_cpu_moe.yaml",
-                    "--expert-model-parallel-size", "2", "--global-batch-size", "16", "--variants", "ciera", "delta")
-    assert [r["variant"] for r in report["runs"]] == ["baseline", "ciera", "delta"]
+                    "--expert-model-parallel-size", "2", "--global-batch-size", "16", "--variants", "delta")
+    assert [r["variant"] for r in report["runs"]] == ["baseline", "delta"]
     baseline = _metrics(tmp_path, "dp8_moe_param_gather", "baseline")
-    for variant in ("ciera", "delta"):
-        run = _metrics(tmp_path, "dp8_moe_param_gather", variant)
-        assert [(r["loss"], r["params_checksum"]) for r in run] == \
-               [(r["loss"], r["params_checksum"]) for r in baseline], variant
+    run = _metrics(tmp_path, "dp8_moe_param_gather", "delta")
+    assert [(r["loss"], r["params_checksum"]) for r in run] == [(r["loss"], r["params_checksum"]) for r in baseline]
