@@ -139,8 +139,16 @@ def stream_nbytes(counts, codes, n_esc, exc_widths):
 HASH_LANE, HASH_ROW = 0x4F1B, 0x85EBCA77  # odd multipliers: lane offsets (15 bits), rows (32 bits)
 HASH_BLOCK = 0x9E3779B97F4A7C15  # odd 64-bit
 # Blocks add their terms of H into HASH_SLOTS partial sums, block b into slot b % HASH_SLOTS: neighbouring blocks,
-# which run at the same time, hit different addresses, and the sum over the slots is one short load.
+# which run at the same time, hit different addresses, and the sum over the slots is one short load. The slots lie
+# HASH_SLOT_STRIDE int64 words apart (16: a 128-byte line each, so the atomics of a shard spread over 64 lines of L2
+# instead of 4); ``hash_slot_words`` sizes their tensors (benchmarks/bench_delta_kernels.py --hash-slot-stride).
 HASH_SLOTS = 64
+HASH_SLOT_STRIDE = 1
+
+
+def hash_slot_words() -> int:
+    """int64 words of one shard's (or one decoded row's) hash slots."""
+    return HASH_SLOTS * HASH_SLOT_STRIDE
 _MASK32 = 0xFFFFFFFF
 
 
@@ -485,7 +493,7 @@ if triton is not None:
                        ALIGNED: tl.constexpr,
                        CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr,
                        FIELD: tl.constexpr, WIDE_SCAN: tl.constexpr, FLAG_BYTES: tl.constexpr,
-                       FLAG_WORDS: tl.constexpr, HASH: tl.constexpr):
+                       FLAG_WORDS: tl.constexpr, HASH: tl.constexpr, SLOT_STRIDE: tl.constexpr):
         # the block as rows of 8 values, a row per thread (or two; 16-byte loads; ranks, bitmap bytes and the
         # packing of a row stay in its thread, only per-row totals cross threads). ``prev`` is contiguous
         # (segments: padded to whole blocks), the new values plain or segmented (_block_values). The scans carry
@@ -518,7 +526,8 @@ if triton is not None:
         if HASH:  # the integrity hash of the block's change, into its slot (HASH_SLOTS): here, so that the old values
             # need no registers past this point (an unchanged block's hash is 0: no atomic)
             block_hash = _block_hash(old_ordered, new_ordered, d, b, r, j)
-            tl.atomic_add(hash_slots_ptr + (b & (_HASH_SLOTS - 1)), block_hash, mask=block_hash != 0, sem="relaxed")
+            tl.atomic_add(hash_slots_ptr + (b & (_HASH_SLOTS - 1)) * SLOT_STRIDE, block_hash, mask=block_hash != 0,
+                          sem="relaxed")
         z = (d << 1) ^ (d >> 31)
         changed = z != 0
         v = z - 1
@@ -593,7 +602,7 @@ if triton is not None:
     @triton.jit
     def _scan_tiles_kernel(tile_sums_ptr, n_tiles, span_starts_ptr, totals_ptr, header_ptr, regions_at, raw_nbytes,
                            flags, raw_flag, hash_slots_ptr, hash_ptr, SPAN: tl.constexpr, CHUNK: tl.constexpr,
-                           HEADER_BYTES: tl.constexpr, HASH: tl.constexpr):
+                           HEADER_BYTES: tl.constexpr, HASH: tl.constexpr, SLOT_STRIDE: tl.constexpr):
         """One program: per span of SPAN tiles, the changed blocks and record bytes before it (``span_starts``, as
         ``_record_start``: one scan of CHUNK spans per pass, each span's tiles summed in its thread), the totals
         (changed blocks, changed values, record bytes, the payload size: the delta's ``regions_at + 3 * changed
@@ -623,7 +632,7 @@ if triton is not None:
         tl.store(totals_ptr + 3, size)
         tl.store(totals_ptr + 4, delta)
         if HASH:
-            tl.store(hash_ptr, tl.sum(tl.load(hash_slots_ptr + tl.arange(0, _HASH_SLOTS)), axis=0))
+            tl.store(hash_ptr, tl.sum(tl.load(hash_slots_ptr + tl.arange(0, _HASH_SLOTS) * SLOT_STRIDE), axis=0))
         # the payload's header, then the delta's (their layout: compression/delta.py)
         one, every, at = tl.zeros([1], tl.int64), tl.full([1], True, tl.int1), header_ptr + tl.arange(0, 1)
         _store_le(at + 5, tl.where(raw, flags | raw_flag, flags) + one, 1, every)
@@ -784,7 +793,7 @@ if triton is not None:
                        codes_at, groups_at, regions_at, src_base, skip_rank, n_blocks, sizes_ptr, sizes_stride,
                        capacity, hashes_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
                        SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr, FLAG_BYTES: tl.constexpr,
-                       SLOT: tl.constexpr, HASH: tl.constexpr):
+                       SLOT: tl.constexpr, HASH: tl.constexpr, SLOT_STRIDE: tl.constexpr):
         # rows of 8 values, a row per thread, as in _encode_kernel. program_id(1) picks the source rank: src_base
         # and up, ``skip_rank`` skipped; its payload is row src - src_base, at that many payload_strides. The
         # records are read as 32-bit words from the 4-byte boundary at or before the payload row, ``records_lead``
@@ -870,15 +879,16 @@ if triton is not None:
             new = _from_ordered(new_ordered)
             if HASH:
                 block_hash = _block_hash(old_ordered, new_ordered, d, b, r, j)
-                hash_at = row * _HASH_SLOTS + (b & (_HASH_SLOTS - 1))  # row's slot b % 64, as the encoder's
+                # row's slot b % 64, as the encoder's
+                hash_at = (row * _HASH_SLOTS + (b & (_HASH_SLOTS - 1))) * SLOT_STRIDE
                 tl.atomic_add(hashes_ptr + hash_at, block_hash, sem="relaxed")
             tl.debug_barrier()  # every thread has read out before it is overwritten
             tl.store(out_ptr + idx, new, mask=inside)
 
     @triton.jit
-    def _take_hash_sums_kernel(slots_ptr, out_ptr):
+    def _take_hash_sums_kernel(slots_ptr, out_ptr, SLOT_STRIDE: tl.constexpr):
         # program k: row k of the decode kernel's hash slots, summed into out[k] and zeroed for the next decode
-        at = slots_ptr + tl.program_id(0) * _HASH_SLOTS + tl.arange(0, _HASH_SLOTS)
+        at = slots_ptr + (tl.program_id(0) * _HASH_SLOTS + tl.arange(0, _HASH_SLOTS)) * SLOT_STRIDE
         tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(at), axis=0))
         tl.store(at, tl.zeros([_HASH_SLOTS], dtype=tl.int64))
 
@@ -889,7 +899,14 @@ def take_hash_sums(hashes: torch.Tensor, out: torch.Tensor) -> None:
     if out.dtype != torch.int64 or not out.is_contiguous() or out.numel() != hashes.shape[0]:
         raise ValueError(f"take_hash_sums: out must be contiguous int64 [{hashes.shape[0]}], got {out.dtype} "
                          f"{tuple(out.shape)}")
-    _take_hash_sums_kernel[(hashes.shape[0],)](hashes, out, num_warps=1)
+    _check_hash_slots("take_hash_sums", hashes, hashes.shape[0])
+    _take_hash_sums_kernel[(hashes.shape[0],)](hashes, out, SLOT_STRIDE=HASH_SLOT_STRIDE, num_warps=1)
+
+
+def _check_hash_slots(name: str, hashes: torch.Tensor, rows: int) -> None:
+    if hashes.dtype != torch.int64 or not hashes.is_contiguous() or tuple(hashes.shape) != (rows, hash_slot_words()):
+        raise ValueError(f"{name}: hashes must be contiguous int64 [{rows}, {hash_slot_words()}] (hash_slot_words()), "
+                         f"got {hashes.dtype} {tuple(hashes.shape)}")
 
 
 # Register caps (PTX .maxnreg) of the block kernels by rows of 8 values per thread, None: the compiler's choice.
@@ -972,7 +989,7 @@ class EncodedBlocks:
     records: torch.Tensor  # int32 [n_blocks, 8 * ceil(18 B / 256)]
     # with the integrity hash (None without): the blocks' hashes summed into HASH_SLOTS slots (after ``tile_sums`` in
     # one tensor, zeroed together), and ``scan_tiles``'s sum of them, the shard's hash
-    hash_slots: torch.Tensor = None  # int64 [HASH_SLOTS]
+    hash_slots: torch.Tensor = None  # int64 [hash_slot_words()]
     hash: torch.Tensor = None  # int64 [1]
 
 
@@ -983,18 +1000,24 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
     n_blocks, n_tiles = -(-numel // block_size), -(-numel // (block_size * _tile_blocks(block_size)))
     records = torch.empty(n_blocks, _record_words(block_size), dtype=torch.int32, device=device)
     if (reuse is not None and reuse.codes.numel() == n_blocks and reuse.tile_sums.numel() == n_tiles
-            and reuse.codes.device == records.device and (reuse.hash is not None) == hash):
+            and reuse.codes.device == records.device and (reuse.hash is not None) == hash
+            and (not hash or reuse.hash_slots.numel() == hash_slot_words())):
         return replace(reuse, records=records)
     def per_block(dtype):
         return torch.empty(n_blocks, dtype=dtype, device=device)
 
-    tiles = torch.empty(n_tiles + HASH_SLOTS * hash, dtype=torch.int64, device=device)
+    tiles = torch.empty(n_tiles + hash_slot_words() * hash, dtype=torch.int64, device=device)
     totals = torch.empty(5 + hash, dtype=torch.int64, device=device)
     return EncodedBlocks(codes=per_block(torch.uint8), counts=per_block(torch.int32), n_esc=per_block(torch.int32),
                          exc_widths=per_block(torch.uint8), nbytes=per_block(torch.int64), tile_sums=tiles[:n_tiles],
                          span_starts=torch.empty(-(-n_tiles // SPAN_TILES), dtype=torch.int64, device=device),
                          totals=totals[:5], records=records, hash_slots=tiles[n_tiles:] if hash else None,
                          hash=totals[5:] if hash else None)
+
+
+def _slot_stride(hash_slots) -> int:
+    """The slot stride of an encoder's hash slots (as they were made: ``empty_blocks``); 1 without them."""
+    return 1 if hash_slots is None else hash_slots.numel() // HASH_SLOTS
 
 
 def _table_args(data: torch.Tensor, table) -> tuple:
@@ -1026,11 +1049,12 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
     if n_blocks:
         hashed = e.hash_slots is not None
         # hash_slots follow tile_sums in one tensor (empty_blocks): one launch zeroes both
-        e.tile_sums.as_strided((e.tile_sums.numel() + HASH_SLOTS * hashed,), (1,)).zero_()
+        e.tile_sums.as_strided((e.tile_sums.numel() + (e.hash_slots.numel() if hashed else 0),), (1,)).zero_()
         _encode_kernel[(n_blocks,)](prev, new, prev.numel(), *pointers, rank, e.codes, e.counts, e.n_esc,
                                     e.exc_widths, e.nbytes, e.records, e.tile_sums,
                                     e.hash_slots if hashed else e.tile_sums, HASH=hashed,
-                                    **_launch_shape("encode", block_size), num_warps=_num_warps(block_size),
+                                    SLOT_STRIDE=_slot_stride(e.hash_slots), **_launch_shape("encode", block_size),
+                                    num_warps=_num_warps(block_size),
                                     maxnreg=_max_registers("encode", block_size), CAST=cast_to is not None,
                                     FP16=cast_to == torch.float16, src_start_ptr=src_start,
                                     SOURCE_TABLE=source_table is not None, **flags)
@@ -1050,7 +1074,8 @@ def scan_tiles(e: EncodedBlocks, headers: torch.Tensor, regions_at: int, raw_nby
     _scan_tiles_kernel[(1,)](e.tile_sums, e.tile_sums.numel(), e.span_starts, e.totals, headers, regions_at,
                              raw_nbytes, flags, raw_flag, e.hash_slots if hashed else e.tile_sums,
                              e.hash if hashed else e.totals, SPAN=SPAN_TILES, CHUNK=chunk,
-                             HEADER_BYTES=headers.numel() // 2, HASH=hashed, num_warps=8)
+                             HEADER_BYTES=headers.numel() // 2, HASH=hashed, SLOT_STRIDE=_slot_stride(e.hash_slots),
+                             num_warps=8)
 
 
 def gather_records(e: EncodedBlocks, payload, header, groups_at: int, regions_at: int, block_size: int,
@@ -1104,8 +1129,8 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
     None): ``out`` is the source's shard (one row); segmented, as in ``encode_blocks``: ``out`` is the table's base
     and each source's slices are decoded. ``slots``: (sizes, capacity), the rows are slots of ``capacity`` bytes and
     row k's payload size is ``sizes[k]`` (int64, a strided view): rows whose payload is larger are not decoded.
-    ``hashes``: int64 [rows, HASH_SLOTS], zeroed: each row's integrity hash of the change it applies, in partial sums
-    (``take_hash_sums``: the rows' hashes)."""
+    ``hashes``: int64 [rows, hash_slot_words()], zeroed: each row's integrity hash of the change it applies, in
+    partial sums (``take_hash_sums``: the rows' hashes)."""
     pointers, flags = _table_args(out, table)
     p = payloads
     sources = p.rows - (0 <= skip_rank - src_base < p.rows)
@@ -1113,10 +1138,8 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
     if slots is not None and (sizes.dtype != torch.int64 or sizes.numel() != p.rows):
         raise ValueError(f"decode_blocks: slots need an int64 size per row ({p.rows}), got {sizes.dtype} "
                          f"[{sizes.numel()}]")
-    if hashes is not None and (hashes.dtype != torch.int64 or not hashes.is_contiguous()
-                               or tuple(hashes.shape) != (p.rows, HASH_SLOTS)):
-        raise ValueError(f"decode_blocks: hashes must be contiguous int64 [{p.rows}, {HASH_SLOTS}], got "
-                         f"{hashes.dtype} {tuple(hashes.shape)}")
+    if hashes is not None:
+        _check_hash_slots("decode_blocks", hashes, p.rows)
     if p.n_blocks and sources:
         misalign = p.base.data_ptr() % 4
         _decode_kernel[(p.n_blocks, sources)](out, out.numel(), *pointers, p.base, p.stride, misalign,
@@ -1124,6 +1147,7 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
                                               p.n_blocks, sizes, sizes.stride(0) if slots is not None else 0,
                                               capacity, hashes if hashes is not None else sizes,
                                               **_launch_shape("decode", block_size), HASH=hashes is not None,
+                                              SLOT_STRIDE=HASH_SLOT_STRIDE if hashes is not None else 1,
                                               WORDS=misalign == 0 and p.stride % 4 == 0,
                                               num_warps=_num_warps(block_size),
                                               maxnreg=_max_registers("decode", block_size), SLOT=slots is not None,

@@ -7,6 +7,7 @@ uncompressed to the uncompressed gather's bits, counted, logged with its bucket 
 ``max_mismatches``-th stops with an error naming the flag; megatron-core training with corrupted gathers keeps every
 loss and parameter bit of the uncompressed run."""
 
+import contextlib
 import logging
 import os
 
@@ -44,27 +45,44 @@ def _encode(codec, shard):
     return payload, start.hash
 
 
+@contextlib.contextmanager
+def _slot_stride(stride: int):
+    """The kernels' hash slots ``stride`` int64 words apart (kernels.delta.HASH_SLOT_STRIDE) while it is open."""
+    default, kernels.HASH_SLOT_STRIDE = kernels.HASH_SLOT_STRIDE, stride
+    try:
+        yield
+    finally:
+        kernels.HASH_SLOT_STRIDE = default
+
+
 def _check_hashes_match_reference(triton: bool = True) -> None:
-    """Sender's hash = the reference hash of the change = every decoder's (Triton and reference), bits exact."""
+    """Sender's hash = the reference hash of the change = every decoder's (Triton and reference), bits exact; the
+    last shard with the hash slots a 128-byte line apart."""
     g = torch.Generator().manual_seed(3)
-    for block_size, n, dtype in ((32, 997, torch.bfloat16), (256, 5000, torch.float16), (512, 3001, torch.bfloat16)):
-        config = DeltaConfig(block_size)
-        encoder = DeltaCodec(config, 2, 0, triton=triton)
-        decoders = [DeltaCodec(config, 2, 1, triton=t) for t in (triton, False)]
-        outs = [torch.zeros(n, dtype=dtype) for _ in decoders]
-        prev = None
-        for step, bits in enumerate(_steps(n, g)):
-            want = kernels.change_hash_reference(prev, bits, block_size)
-            payload, sent = _encode(encoder, bits.clone().view(dtype))
-            assert torch.equal(sent, want), (block_size, step, sent, want)
-            for decoder, out in zip(decoders, outs):
-                decoder.decode(0, payload, out)
-                assert torch.equal(out.view(torch.int16), bits), (block_size, step)
-                assert torch.equal(decoder.decoded_hashes[0:1], want), (block_size, step, decoder.triton)
-            assert step < 5 or int(sent) == 0  # the last step changes nothing
-            prev = bits
+    for block_size, n, dtype, stride in ((32, 997, torch.bfloat16, 1), (256, 5000, torch.float16, 1),
+                                         (512, 3001, torch.bfloat16, 16)):
+        with _slot_stride(stride):
+            _check_shard_hashes(block_size, n, dtype, triton, g)
     _check_cast_hashes(triton)
     _check_gathered_hashes(triton)
+
+
+def _check_shard_hashes(block_size: int, n: int, dtype, triton: bool, g: torch.Generator) -> None:
+    config = DeltaConfig(block_size)
+    encoder = DeltaCodec(config, 2, 0, triton=triton)
+    decoders = [DeltaCodec(config, 2, 1, triton=t) for t in (triton, False)]
+    outs = [torch.zeros(n, dtype=dtype) for _ in decoders]
+    prev = None
+    for step, bits in enumerate(_steps(n, g)):
+        want = kernels.change_hash_reference(prev, bits, block_size)
+        payload, sent = _encode(encoder, bits.clone().view(dtype))
+        assert torch.equal(sent, want), (block_size, step, sent, want)
+        for decoder, out in zip(decoders, outs):
+            decoder.decode(0, payload, out)
+            assert torch.equal(out.view(torch.int16), bits), (block_size, step)
+            assert torch.equal(decoder.decoded_hashes[0:1], want), (block_size, step, decoder.triton)
+        assert step < 5 or int(sent) == 0  # the last step changes nothing
+        prev = bits
 
 
 def _check_cast_hashes(triton: bool) -> None:
@@ -197,21 +215,26 @@ def test_kernels_hash_as_reference_cuda():
 
 def _check_hashes_match_reference_cuda() -> None:
     g = torch.Generator().manual_seed(3)
-    for block_size, n in ((256, 300_001), (512, 70_000), (1024, 9_999)):
-        config = DeltaConfig(block_size)
-        encoder, decoder = DeltaCodec(config, 2, 0), DeltaCodec(config, 2, 1)
-        out = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
-        prev = None
-        for step, bits in enumerate(_steps(n, g)):
-            bits = bits.cuda()
-            start = encoder.begin_encode(bits.clone().view(torch.bfloat16))
-            payload = torch.empty(int(start.nbytes) + 64, dtype=torch.uint8, device="cuda")[:int(start.nbytes)]
-            encoder.finish_encode(start, payload)
-            want = kernels.change_hash_reference(prev, bits, block_size)
-            assert torch.equal(start.hash, want), (block_size, step)
-            decoder.decode(0, payload, out)
-            assert torch.equal(out.view(torch.int16), bits) and torch.equal(decoder.decoded_hashes[0:1], want)
-            prev = bits
+    for block_size, n, stride in ((256, 300_001, 1), (256, 300_001, 16), (512, 70_000, 1), (1024, 9_999, 1)):
+        with _slot_stride(stride):
+            _check_shard_hashes_cuda(block_size, n, g)
+
+
+def _check_shard_hashes_cuda(block_size: int, n: int, g: torch.Generator) -> None:
+    config = DeltaConfig(block_size)
+    encoder, decoder = DeltaCodec(config, 2, 0), DeltaCodec(config, 2, 1)
+    out = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    prev = None
+    for step, bits in enumerate(_steps(n, g)):
+        bits = bits.cuda()
+        start = encoder.begin_encode(bits.clone().view(torch.bfloat16))
+        payload = torch.empty(int(start.nbytes) + 64, dtype=torch.uint8, device="cuda")[:int(start.nbytes)]
+        encoder.finish_encode(start, payload)
+        want = kernels.change_hash_reference(prev, bits, block_size)
+        assert torch.equal(start.hash, want), (block_size, step)
+        decoder.decode(0, payload, out)
+        assert torch.equal(out.view(torch.int16), bits) and torch.equal(decoder.decoded_hashes[0:1], want)
+        prev = bits
 
 
 # --- through ShardGather (gloo, the reference codecs) ------------------------------------------------------------
