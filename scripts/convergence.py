@@ -351,11 +351,11 @@ def read_metrics(path):
 
 
 def archive_metrics(path):
-    """Replace the metrics file ``path`` by ``path + ".gz"`` (no time stamp in it: the same records give the same
-    bytes). A file already archived is left as it is."""
+    """Replace the metrics file ``path`` by ``path + ".gz"`` (neither time stamp nor file name in it: the same records
+    give the same bytes wherever they are written). A file already archived is left as it is."""
     if not os.path.exists(path):
         return
-    with open(path, "rb") as src, gzip.GzipFile(path + ".gz", "wb", mtime=0) as dst:
+    with open(path, "rb") as src, open(path + ".gz", "wb") as f, gzip.GzipFile("", "wb", fileobj=f, mtime=0) as dst:
         dst.write(src.read())
     os.remove(path)
 

@@ -23,16 +23,16 @@ def test_archive_is_lossless_and_reproducible(tmp_path):
     records = [{"iteration": i, "loss": 1.0 / i, "eval_loss": 2.0 / 3} for i in range(1, 50)]
     text = "".join(json.dumps(r) + "\n" for r in records)
     archived = []
-    for name in ("a", "b"):
-        path = tmp_path / name / "run.jsonl"
+    for folder, name in (("a", "run"), ("b", "other_run")):
+        path = tmp_path / folder / f"{name}.jsonl"
         path.parent.mkdir()
         path.write_text(text)
         convergence.archive_metrics(str(path))
         assert not path.exists()
-        assert gzip.decompress((tmp_path / name / "run.jsonl.gz").read_bytes()).decode() == text
+        assert gzip.decompress((tmp_path / folder / f"{name}.jsonl.gz").read_bytes()).decode() == text
         assert convergence.read_metrics(str(path)) == records
-        archived.append((tmp_path / name / "run.jsonl.gz").read_bytes())
-    assert archived[0] == archived[1]  # no time stamp: the same records give the same bytes
+        archived.append((tmp_path / folder / f"{name}.jsonl.gz").read_bytes())
+    assert archived[0] == archived[1]  # neither time stamp nor file name: the same records give the same bytes
     convergence.archive_metrics(str(tmp_path / "a" / "run.jsonl"))  # already archived: left as it is
     assert (tmp_path / "a" / "run.jsonl.gz").read_bytes() == archived[0]
     # compare_runs reads either form
