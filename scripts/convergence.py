@@ -125,8 +125,9 @@ FAMILIES = {
         # The paper's TP=8 numerics on one GPU (docs/tp-emulation.md): each run one device call (<= 10 min on one
         # H100). The paper trains GPT-350M for 10,000 iterations of 256 x 2048 tokens at lr 3e-4 -> 3e-5; here 3,000
         # iterations of 8 x 1024 tokens for GPT-125M (24M tokens of the ~390 MB python-site-packages corpus: no
-        # repeats), of 4 x 1024 for GPT-350M (12M tokens). Measured on one H100 (host-bound): ~100 ms per iteration
-        # with three baselines or two compressed runs at once (each collective's N ranks coded in one call).
+        # repeats), of 4 x 1024 for GPT-350M (12M tokens). Measured on one H100 (host-bound): GPT-125M ~100 ms per
+        # iteration with three baselines or two compressed runs at once (each collective's N ranks coded in one call);
+        # GPT-350M 92 ms alone (bf16), ~215 ms for three runs at once, which train in two parts (--checkpoint-dir).
         # Each evaluation reads 40 x 8k tokens: with 10 the seed-to-seed difference of the validation loss
         # reached 7% (sampling), which would hide the 0.3% the comparison asks for.
         **{name: dict(nproc=1, variants=PAPER_VARIANTS, noise_runs=NOISE_RUNS,
