@@ -122,7 +122,7 @@ FAMILIES = {
             "--global-batch-size", "16", "--eval-interval", "50", "--eval-iters", "8",
             "--tp-comm-compression-min-bytes", "0",
         ]),
-        # The paper's TP=8 numerics on one GPU (docs/tp-emulation.md): each run one device call (<= 10 min on one
+        # The paper's TP=8 numerics on one GPU (docs/tp-emulation.md): runs sized for device calls (<= 10 min on one
         # H100). The paper trains GPT-350M for 10,000 iterations of 256 x 2048 tokens at lr 3e-4 -> 3e-5; here 3,000
         # iterations of 8 x 1024 tokens for GPT-125M (24M tokens of the ~390 MB python-site-packages corpus: no
         # repeats), of 4 x 1024 for GPT-350M (12M tokens). Measured on one H100 (host-bound): GPT-125M ~100 ms per
