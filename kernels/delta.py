@@ -141,15 +141,16 @@ HASH_BLOCK = 0x9E3779B97F4A7C15  # odd 64-bit
 # Blocks add their terms of H into HASH_SLOTS partial sums, block b into slot b % HASH_SLOTS: neighbouring blocks,
 # which run at the same time, hit different addresses, and the sum over the slots is one short load. The slots lie
 # HASH_SLOT_STRIDE int64 words apart (16: a 128-byte line each, so the atomics of a shard spread over 64 lines of L2
-# instead of 4); ``hash_slot_words`` sizes their tensors (benchmarks/bench_delta_kernels.py --hash-slot-stride).
+# instead of 4); ``hash_slot_words`` sizes their tensors, whose shape gives the kernels the stride
+# (benchmarks/bench_delta_kernels.py --hash-slot-stride).
 HASH_SLOTS = 64
 HASH_SLOT_STRIDE = 1
+_MASK32 = 0xFFFFFFFF
 
 
 def hash_slot_words() -> int:
     """int64 words of one shard's (or one decoded row's) hash slots."""
     return HASH_SLOTS * HASH_SLOT_STRIDE
-_MASK32 = 0xFFFFFFFF
 
 
 def _as_int64(x: int) -> int:
@@ -900,7 +901,7 @@ def take_hash_sums(hashes: torch.Tensor, out: torch.Tensor) -> None:
         raise ValueError(f"take_hash_sums: out must be contiguous int64 [{hashes.shape[0]}], got {out.dtype} "
                          f"{tuple(out.shape)}")
     _check_hash_slots("take_hash_sums", hashes, hashes.shape[0])
-    _take_hash_sums_kernel[(hashes.shape[0],)](hashes, out, SLOT_STRIDE=HASH_SLOT_STRIDE, num_warps=1)
+    _take_hash_sums_kernel[(hashes.shape[0],)](hashes, out, SLOT_STRIDE=_slot_stride(hashes), num_warps=1)
 
 
 def _check_hash_slots(name: str, hashes: torch.Tensor, rows: int) -> None:
@@ -1016,8 +1017,9 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
 
 
 def _slot_stride(hash_slots) -> int:
-    """The slot stride of an encoder's hash slots (as they were made: ``empty_blocks``); 1 without them."""
-    return 1 if hash_slots is None else hash_slots.numel() // HASH_SLOTS
+    """The slot stride of hash slots as they were made (an encoder's [hash_slot_words()], a decoder's [rows,
+    hash_slot_words()]): the kernels take it from the tensor; 1 without them."""
+    return 1 if hash_slots is None else hash_slots.shape[-1] // HASH_SLOTS
 
 
 def _table_args(data: torch.Tensor, table) -> tuple:
@@ -1147,7 +1149,7 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
                                               p.n_blocks, sizes, sizes.stride(0) if slots is not None else 0,
                                               capacity, hashes if hashes is not None else sizes,
                                               **_launch_shape("decode", block_size), HASH=hashes is not None,
-                                              SLOT_STRIDE=HASH_SLOT_STRIDE if hashes is not None else 1,
+                                              SLOT_STRIDE=_slot_stride(hashes),
                                               WORDS=misalign == 0 and p.stride % 4 == 0,
                                               num_warps=_num_warps(block_size),
                                               maxnreg=_max_registers("decode", block_size), SLOT=slots is not None,

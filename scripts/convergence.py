@@ -309,10 +309,15 @@ def merge_metrics(out_dir, curves) -> None:
 
 
 def _write_gzipped(path, records) -> None:
-    """``records`` as gzipped JSON lines at ``path``, with neither time stamp nor file name in the header: the same
-    records give the same bytes wherever they are written."""
+    """``records`` as gzipped JSON lines at ``path`` (``_write_gzip``)."""
+    _write_gzip(path, "".join(json.dumps(r) + "\n" for r in records).encode())
+
+
+def _write_gzip(path, data: bytes) -> None:
+    """``data`` gzipped at ``path``, with neither time stamp nor file name in the header: the same data give the same
+    bytes wherever they are written."""
     with open(path, "wb") as f, gzip.GzipFile("", "wb", fileobj=f, mtime=0) as z:
-        z.write("".join(json.dumps(r) + "\n" for r in records).encode())
+        z.write(data)
 
 
 def split_merged(out_dir, names) -> None:
@@ -356,8 +361,8 @@ def archive_metrics(path):
     give the same bytes wherever they are written). A file already archived is left as it is."""
     if not os.path.exists(path):
         return
-    with open(path, "rb") as src, open(path + ".gz", "wb") as f, gzip.GzipFile("", "wb", fileobj=f, mtime=0) as dst:
-        dst.write(src.read())
+    with open(path, "rb") as src:
+        _write_gzip(path + ".gz", src.read())
     os.remove(path)
 
 
