@@ -8,8 +8,7 @@ clock with a device sync on both sides (the codec's own host syncs included); GB
 (2 per value) per second; ``*_device_GBps`` count only the device's time in the call's kernels and
 copies (PyTorch profiler; ``*_ops_us`` lists them), without launch gaps and host syncs. ``--warps``
 sweeps the warps per block program of the codec kernels, ``--max-registers`` their register caps (with each warps
-setting), ``--gather`` the tiles of the record gather and its copy width and warps, ``--hash-slot-stride`` the
-spacing of the integrity hash's slots. ``--integrity on|off|compare``:
+setting), ``--gather`` the tiles of the record gather and its copy width and warps. ``--integrity on|off|compare``:
 with the integrity hash (``--param-gather-integrity-check``, docs/integrity.md; the default), without, or both (each
 configuration twice, off then on, then the ratio of their codec times: the encode's and decode's device time, and
 wall clock).
@@ -117,8 +116,6 @@ def main():
     p.add_argument("--gather", default="", help="comma list of TILExCHUNKxWARPS of the record gather to sweep (TILE "
                    "blocks per program, a multiple of the wire format's group, kernels.delta.group_blocks; CHUNK "
                    "stream words per block and pass)")
-    p.add_argument("--hash-slot-stride", default="", help="comma list of strides (int64 words) between the integrity "
-                   "hash's 64 slots to sweep, e.g. 16,32 (kernels.delta.HASH_SLOT_STRIDE)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--integrity", default="on", choices=["on", "off", "compare"],
                    help="the integrity hash in the kernels: on (the default in training), off, or compare (both)")
@@ -127,34 +124,28 @@ def main():
     rows = []
     default_warps, default_caps = kernels._num_warps, dict(kernels.MAX_REGISTERS)
     default_tile, default_gather = kernels._tile_blocks, kernels._gather_launch
-    default_stride = kernels.HASH_SLOT_STRIDE
     caps = [[int(c) or None for c in pair.split(":")] for pair in args.max_registers.split(",") if pair]
     gathers = [tuple(map(int, item.split("x"))) for item in args.gather.split(",") if item]
-    # every warps setting with every register cap (the built-in ones first), then the gather's launches, then the
-    # hash slot strides
-    configs = ([(warps, cap, None, None) for warps in [None] + [int(w) for w in args.warps.split(",") if w]
+    # every warps setting with every register cap (the built-in ones first), then the gather's launches
+    configs = ([(warps, cap, None) for warps in [None] + [int(w) for w in args.warps.split(",") if w]
                 for cap in [None] + [dict(encode=e, decode=d) for e, d in caps]]
-               + [(None, None, g, None) for g in gathers]
-               + [(None, None, None, int(x)) for x in args.hash_slot_stride.split(",") if x])
+               + [(None, None, g) for g in gathers])
     integrity = {"on": [True], "off": [False], "compare": [False, True]}[args.integrity]
     configs = [(*config, check) for config in configs for check in integrity]
     for lr in (float(x) for x in args.lrs.split(",")):
         previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
-        for warps, cap, gather, stride, check in configs:
+        for warps, cap, gather, check in configs:
             kernels._num_warps = default_warps if warps is None else (lambda block_size, w=warps: w)
             kernels.MAX_REGISTERS.update({key: cap[key[0]] for key in default_caps} if cap else default_caps)
             kernels._tile_blocks = default_tile if gather is None else (lambda block_size, t=gather[0]: t)
             kernels._gather_launch = default_gather if gather is None else (lambda block_size, g=gather: g[1:])
-            kernels.HASH_SLOT_STRIDE = stride or default_stride
             row = dict(lr=lr, warps=warps or default_warps(args.block_size),
                        max_registers={k: kernels._max_registers(k, args.block_size) for k in ("encode", "decode")},
                        gather=list(gather or (default_tile(args.block_size), *default_gather(args.block_size))),
                        block_size=args.block_size, numel=args.numel, integrity=check,
-                       hash_slot_stride=kernels.HASH_SLOT_STRIDE,
                        **measure(previous, new, args.block_size, args.repeats, check))
             rows.append(row)
-            print(f"lr {lr:g} warps {row['warps']} registers {row['max_registers']} gather {row['gather']} "
-                  f"hash slot stride {row['hash_slot_stride']}: "
+            print(f"lr {lr:g} warps {row['warps']} registers {row['max_registers']} gather {row['gather']}: "
                   f"encode {row['encode_GBps']:.0f} GB/s ({row['encode_ms']:.3f} ms; "
                   f"blocks kernel {row['encode_blocks_ms']:.3f} ms), decode {row['decode_GBps']:.0f} GB/s "
                   f"({row['decode_ms']:.3f} ms), copy {row['copy_GBps']:.0f} GB/s, ratio {row['ratio']:.2f}x; "
@@ -165,7 +156,6 @@ def main():
             if args.integrity == "compare" and check:
                 print_integrity_cost(rows[-2], row)
         kernels._num_warps, kernels._tile_blocks, kernels._gather_launch = default_warps, default_tile, default_gather
-        kernels.HASH_SLOT_STRIDE = default_stride
         kernels.MAX_REGISTERS.update(default_caps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -128,19 +128,17 @@ DELTA_DECODE_SIGNATURE = _sig(
 KERNELS = {  # name -> (kernel, signature, constexprs, num_warps, values per program, register cap)
     # with the integrity hash, as they launch by default (--param-gather-integrity-check), then without
     "delta encode": (delta._encode_kernel, DELTA_ENCODE_SIGNATURE,
-                     dict(delta._launch_shape("encode", B), HASH=True, SLOT_STRIDE=delta.HASH_SLOT_STRIDE, **_PLAIN),
+                     dict(delta._launch_shape("encode", B), HASH=True, **_PLAIN),
                      delta._num_warps(B), B, delta._max_registers("encode", B)),
     "delta decode": (delta._decode_kernel, DELTA_DECODE_SIGNATURE,
-                     dict(delta._launch_shape("decode", B), WORDS=True, SLOT=False, HASH=True,
-                          SLOT_STRIDE=delta.HASH_SLOT_STRIDE, **_PLAIN),
+                     dict(delta._launch_shape("decode", B), WORDS=True, SLOT=False, HASH=True, **_PLAIN),
                      delta._num_warps(B), B, delta._max_registers("decode", B)),
     "delta encode, no integrity hash": (delta._encode_kernel, DELTA_ENCODE_SIGNATURE,
-                                        dict(delta._launch_shape("encode", B), HASH=False, SLOT_STRIDE=1, **_PLAIN),
+                                        dict(delta._launch_shape("encode", B), HASH=False, **_PLAIN),
                                         delta._num_warps(B), B, delta._max_registers("encode", B)),
     "delta decode, no integrity hash": (delta._decode_kernel, DELTA_DECODE_SIGNATURE,
                                         dict(delta._launch_shape("decode", B), WORDS=True, SLOT=False, HASH=False,
-                                             SLOT_STRIDE=1, **_PLAIN), delta._num_warps(B), B,
-                                        delta._max_registers("decode", B)),
+                                             **_PLAIN), delta._num_warps(B), B, delta._max_registers("decode", B)),
     # TACO INT8 encode and decode at their launch (1024 values = 4 blocks of 256 per one-warp program), ASH + dual
     "TACO encode, INT8": (taco._taco_encode_kernel, TACO_ENCODE_SIGNATURE,
                           dict(TACO_SHAPE, GAIN=taco._gain(B, "ash"), SOURCES=0, RESCALE=taco._rescales("ash", "dual"),

@@ -518,7 +518,7 @@ class DeltaCodec(ShardCodec):
             return None
         key = (rows, device)
         if key not in self._hash_slots:
-            self._hash_slots[key] = torch.zeros(rows, kernels.hash_slot_words(), dtype=torch.int64, device=device)
+            self._hash_slots[key] = torch.zeros(rows, kernels.HASH_SLOTS, dtype=torch.int64, device=device)
         return self._hash_slots[key]
 
     def _decode_bits(self, bits, payload, flags, hash_out, table=None, rank=0):

@@ -139,18 +139,9 @@ def stream_nbytes(counts, codes, n_esc, exc_widths):
 HASH_LANE, HASH_ROW = 0x4F1B, 0x85EBCA77  # odd multipliers: lane offsets (15 bits), rows (32 bits)
 HASH_BLOCK = 0x9E3779B97F4A7C15  # odd 64-bit
 # Blocks add their terms of H into HASH_SLOTS partial sums, block b into slot b % HASH_SLOTS: neighbouring blocks,
-# which run at the same time, hit different addresses, and the sum over the slots is one short load. The slots lie
-# HASH_SLOT_STRIDE int64 words apart (16: a 128-byte line each, so the atomics of a shard spread over 64 lines of L2
-# instead of 4); ``hash_slot_words`` sizes their tensors, whose shape gives the kernels the stride
-# (benchmarks/bench_delta_kernels.py --hash-slot-stride).
+# which run at the same time, hit different addresses, and the sum over the slots is one short load.
 HASH_SLOTS = 64
-HASH_SLOT_STRIDE = 1
 _MASK32 = 0xFFFFFFFF
-
-
-def hash_slot_words() -> int:
-    """int64 words of one shard's (or one decoded row's) hash slots."""
-    return HASH_SLOTS * HASH_SLOT_STRIDE
 
 
 def _as_int64(x: int) -> int:
@@ -397,6 +388,13 @@ if triton is not None:
         return (block_sum.to(tl.uint64) * weight).to(tl.int64, bitcast=True)
 
     @triton.jit
+    def _add_once(ptr, value, r, mask):
+        """``*ptr += value`` (a scalar, where ``mask``) by one thread, that of row 0 (``r``: the row index [rows]). The
+        address varies with the row, so ptxas does not compile it as a uniform atomic: that takes a warp-aggregated
+        branch (lane id, vote, popcount and a multiply before the add) on the program's critical path."""
+        tl.atomic_add(ptr + r, value + r * 0, mask=mask & (r == 0), sem="relaxed")
+
+    @triton.jit
     def _bit_lengths(x):
         """Bits of each 0 <= x < 2**24 (0 for 0): the exponent field of x as an exact fp32."""
         return tl.where(x > 0, (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0)
@@ -494,7 +492,7 @@ if triton is not None:
                        ALIGNED: tl.constexpr,
                        CAST: tl.constexpr, FP16: tl.constexpr, src_start_ptr, SOURCE_TABLE: tl.constexpr,
                        FIELD: tl.constexpr, WIDE_SCAN: tl.constexpr, FLAG_BYTES: tl.constexpr,
-                       FLAG_WORDS: tl.constexpr, HASH: tl.constexpr, SLOT_STRIDE: tl.constexpr):
+                       FLAG_WORDS: tl.constexpr, HASH: tl.constexpr):
         # the block as rows of 8 values, a row per thread (or two; 16-byte loads; ranks, bitmap bytes and the
         # packing of a row stay in its thread, only per-row totals cross threads). ``prev`` is contiguous
         # (segments: padded to whole blocks), the new values plain or segmented (_block_values). The scans carry
@@ -527,8 +525,7 @@ if triton is not None:
         if HASH:  # the integrity hash of the block's change, into its slot (HASH_SLOTS): here, so that the old values
             # need no registers past this point (an unchanged block's hash is 0: no atomic)
             block_hash = _block_hash(old_ordered, new_ordered, d, b, r, j)
-            tl.atomic_add(hash_slots_ptr + (b & (_HASH_SLOTS - 1)) * SLOT_STRIDE, block_hash, mask=block_hash != 0,
-                          sem="relaxed")
+            _add_once(hash_slots_ptr + (b & (_HASH_SLOTS - 1)), block_hash, r, block_hash != 0)
         z = (d << 1) ^ (d >> 31)
         changed = z != 0
         v = z - 1
@@ -585,8 +582,8 @@ if triton is not None:
         tl.store(nbytes_ptr + b, nbytes)
         # the tile's sums (_scan_tiles_kernel): one relaxed atomic per changed block, 32 blocks to an address
         changed_block = count > 0
-        tl.atomic_add(tile_sums_ptr + b // TILE, _tile_fields(nbytes, count.to(tl.int64), changed_block.to(tl.int64)),
-                      mask=changed_block, sem="relaxed")
+        _add_once(tile_sums_ptr + b // TILE, _tile_fields(nbytes, count.to(tl.int64), changed_block.to(tl.int64)), r,
+                  changed_block)
 
     @triton.jit
     def _tile_fields(nbytes, values, blocks):
@@ -603,7 +600,7 @@ if triton is not None:
     @triton.jit
     def _scan_tiles_kernel(tile_sums_ptr, n_tiles, span_starts_ptr, totals_ptr, header_ptr, regions_at, raw_nbytes,
                            flags, raw_flag, hash_slots_ptr, hash_ptr, SPAN: tl.constexpr, CHUNK: tl.constexpr,
-                           HEADER_BYTES: tl.constexpr, HASH: tl.constexpr, SLOT_STRIDE: tl.constexpr):
+                           HEADER_BYTES: tl.constexpr, HASH: tl.constexpr):
         """One program: per span of SPAN tiles, the changed blocks and record bytes before it (``span_starts``, as
         ``_record_start``: one scan of CHUNK spans per pass, each span's tiles summed in its thread), the totals
         (changed blocks, changed values, record bytes, the payload size: the delta's ``regions_at + 3 * changed
@@ -633,7 +630,7 @@ if triton is not None:
         tl.store(totals_ptr + 3, size)
         tl.store(totals_ptr + 4, delta)
         if HASH:
-            tl.store(hash_ptr, tl.sum(tl.load(hash_slots_ptr + tl.arange(0, _HASH_SLOTS) * SLOT_STRIDE), axis=0))
+            tl.store(hash_ptr, tl.sum(tl.load(hash_slots_ptr + tl.arange(0, _HASH_SLOTS)), axis=0))
         # the payload's header, then the delta's (their layout: compression/delta.py)
         one, every, at = tl.zeros([1], tl.int64), tl.full([1], True, tl.int1), header_ptr + tl.arange(0, 1)
         _store_le(at + 5, tl.where(raw, flags | raw_flag, flags) + one, 1, every)
@@ -794,7 +791,7 @@ if triton is not None:
                        codes_at, groups_at, regions_at, src_base, skip_rank, n_blocks, sizes_ptr, sizes_stride,
                        capacity, hashes_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
                        SEGMENTED: tl.constexpr, ALIGNED: tl.constexpr, WORDS: tl.constexpr, FLAG_BYTES: tl.constexpr,
-                       SLOT: tl.constexpr, HASH: tl.constexpr, SLOT_STRIDE: tl.constexpr):
+                       SLOT: tl.constexpr, HASH: tl.constexpr):
         # rows of 8 values, a row per thread, as in _encode_kernel. program_id(1) picks the source rank: src_base
         # and up, ``skip_rank`` skipped; its payload is row src - src_base, at that many payload_strides. The
         # records are read as 32-bit words from the 4-byte boundary at or before the payload row, ``records_lead``
@@ -880,16 +877,15 @@ if triton is not None:
             new = _from_ordered(new_ordered)
             if HASH:
                 block_hash = _block_hash(old_ordered, new_ordered, d, b, r, j)
-                # row's slot b % 64, as the encoder's
-                hash_at = (row * _HASH_SLOTS + (b & (_HASH_SLOTS - 1))) * SLOT_STRIDE
-                tl.atomic_add(hashes_ptr + hash_at, block_hash, sem="relaxed")
             tl.debug_barrier()  # every thread has read out before it is overwritten
             tl.store(out_ptr + idx, new, mask=inside)
+            if HASH:  # into source row's slot b % HASH_SLOTS, as the encoder's: after the store, which need not wait
+                _add_once(hashes_ptr + row * _HASH_SLOTS + (b.to(tl.int32) & (_HASH_SLOTS - 1)), block_hash, r, r == 0)
 
     @triton.jit
-    def _take_hash_sums_kernel(slots_ptr, out_ptr, SLOT_STRIDE: tl.constexpr):
+    def _take_hash_sums_kernel(slots_ptr, out_ptr):
         # program k: row k of the decode kernel's hash slots, summed into out[k] and zeroed for the next decode
-        at = slots_ptr + (tl.program_id(0) * _HASH_SLOTS + tl.arange(0, _HASH_SLOTS)) * SLOT_STRIDE
+        at = slots_ptr + tl.program_id(0) * _HASH_SLOTS + tl.arange(0, _HASH_SLOTS)
         tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(at), axis=0))
         tl.store(at, tl.zeros([_HASH_SLOTS], dtype=tl.int64))
 
@@ -901,12 +897,12 @@ def take_hash_sums(hashes: torch.Tensor, out: torch.Tensor) -> None:
         raise ValueError(f"take_hash_sums: out must be contiguous int64 [{hashes.shape[0]}], got {out.dtype} "
                          f"{tuple(out.shape)}")
     _check_hash_slots("take_hash_sums", hashes, hashes.shape[0])
-    _take_hash_sums_kernel[(hashes.shape[0],)](hashes, out, SLOT_STRIDE=_slot_stride(hashes), num_warps=1)
+    _take_hash_sums_kernel[(hashes.shape[0],)](hashes, out, num_warps=1)
 
 
 def _check_hash_slots(name: str, hashes: torch.Tensor, rows: int) -> None:
-    if hashes.dtype != torch.int64 or not hashes.is_contiguous() or tuple(hashes.shape) != (rows, hash_slot_words()):
-        raise ValueError(f"{name}: hashes must be contiguous int64 [{rows}, {hash_slot_words()}] (hash_slot_words()), "
+    if hashes.dtype != torch.int64 or not hashes.is_contiguous() or tuple(hashes.shape) != (rows, HASH_SLOTS):
+        raise ValueError(f"{name}: hashes must be contiguous int64 [{rows}, {HASH_SLOTS}] (HASH_SLOTS), "
                          f"got {hashes.dtype} {tuple(hashes.shape)}")
 
 
@@ -990,7 +986,7 @@ class EncodedBlocks:
     records: torch.Tensor  # int32 [n_blocks, 8 * ceil(18 B / 256)]
     # with the integrity hash (None without): the blocks' hashes summed into HASH_SLOTS slots (after ``tile_sums`` in
     # one tensor, zeroed together), and ``scan_tiles``'s sum of them, the shard's hash
-    hash_slots: torch.Tensor = None  # int64 [hash_slot_words()]
+    hash_slots: torch.Tensor = None  # int64 [HASH_SLOTS]
     hash: torch.Tensor = None  # int64 [1]
 
 
@@ -1002,24 +998,18 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
     records = torch.empty(n_blocks, _record_words(block_size), dtype=torch.int32, device=device)
     if (reuse is not None and reuse.codes.numel() == n_blocks and reuse.tile_sums.numel() == n_tiles
             and reuse.codes.device == records.device and (reuse.hash is not None) == hash
-            and (not hash or reuse.hash_slots.numel() == hash_slot_words())):
+            and (not hash or reuse.hash_slots.numel() == HASH_SLOTS)):
         return replace(reuse, records=records)
     def per_block(dtype):
         return torch.empty(n_blocks, dtype=dtype, device=device)
 
-    tiles = torch.empty(n_tiles + hash_slot_words() * hash, dtype=torch.int64, device=device)
+    tiles = torch.empty(n_tiles + HASH_SLOTS * hash, dtype=torch.int64, device=device)
     totals = torch.empty(5 + hash, dtype=torch.int64, device=device)
     return EncodedBlocks(codes=per_block(torch.uint8), counts=per_block(torch.int32), n_esc=per_block(torch.int32),
                          exc_widths=per_block(torch.uint8), nbytes=per_block(torch.int64), tile_sums=tiles[:n_tiles],
                          span_starts=torch.empty(-(-n_tiles // SPAN_TILES), dtype=torch.int64, device=device),
                          totals=totals[:5], records=records, hash_slots=tiles[n_tiles:] if hash else None,
                          hash=totals[5:] if hash else None)
-
-
-def _slot_stride(hash_slots) -> int:
-    """The slot stride of hash slots as they were made (an encoder's [hash_slot_words()], a decoder's [rows,
-    hash_slot_words()]): the kernels take it from the tensor; 1 without them."""
-    return 1 if hash_slots is None else hash_slots.shape[-1] // HASH_SLOTS
 
 
 def _table_args(data: torch.Tensor, table) -> tuple:
@@ -1055,7 +1045,7 @@ def encode_blocks(prev: torch.Tensor, new: torch.Tensor, block_size: int, out: E
         _encode_kernel[(n_blocks,)](prev, new, prev.numel(), *pointers, rank, e.codes, e.counts, e.n_esc,
                                     e.exc_widths, e.nbytes, e.records, e.tile_sums,
                                     e.hash_slots if hashed else e.tile_sums, HASH=hashed,
-                                    SLOT_STRIDE=_slot_stride(e.hash_slots), **_launch_shape("encode", block_size),
+                                    **_launch_shape("encode", block_size),
                                     num_warps=_num_warps(block_size),
                                     maxnreg=_max_registers("encode", block_size), CAST=cast_to is not None,
                                     FP16=cast_to == torch.float16, src_start_ptr=src_start,
@@ -1076,7 +1066,7 @@ def scan_tiles(e: EncodedBlocks, headers: torch.Tensor, regions_at: int, raw_nby
     _scan_tiles_kernel[(1,)](e.tile_sums, e.tile_sums.numel(), e.span_starts, e.totals, headers, regions_at,
                              raw_nbytes, flags, raw_flag, e.hash_slots if hashed else e.tile_sums,
                              e.hash if hashed else e.totals, SPAN=SPAN_TILES, CHUNK=chunk,
-                             HEADER_BYTES=headers.numel() // 2, HASH=hashed, SLOT_STRIDE=_slot_stride(e.hash_slots),
+                             HEADER_BYTES=headers.numel() // 2, HASH=hashed,
                              num_warps=8)
 
 
@@ -1131,7 +1121,7 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
     None): ``out`` is the source's shard (one row); segmented, as in ``encode_blocks``: ``out`` is the table's base
     and each source's slices are decoded. ``slots``: (sizes, capacity), the rows are slots of ``capacity`` bytes and
     row k's payload size is ``sizes[k]`` (int64, a strided view): rows whose payload is larger are not decoded.
-    ``hashes``: int64 [rows, hash_slot_words()], zeroed: each row's integrity hash of the change it applies, in
+    ``hashes``: int64 [rows, HASH_SLOTS], zeroed: each row's integrity hash of the change it applies, in
     partial sums (``take_hash_sums``: the rows' hashes)."""
     pointers, flags = _table_args(out, table)
     p = payloads
@@ -1149,7 +1139,6 @@ def decode_blocks(out, payloads: Payloads, block_size: int, table=None, src_base
                                               p.n_blocks, sizes, sizes.stride(0) if slots is not None else 0,
                                               capacity, hashes if hashes is not None else sizes,
                                               **_launch_shape("decode", block_size), HASH=hashes is not None,
-                                              SLOT_STRIDE=_slot_stride(hashes),
                                               WORDS=misalign == 0 and p.stride % 4 == 0,
                                               num_warps=_num_warps(block_size),
                                               maxnreg=_max_registers("decode", block_size), SLOT=slots is not None,
