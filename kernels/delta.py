@@ -907,16 +907,16 @@ def _check_hash_slots(name: str, hashes: torch.Tensor, rows: int) -> None:
 
 
 # Register caps (PTX .maxnreg) of the block kernels by rows of 8 values per thread, None: the compiler's choice.
-# A one-warp program runs at most 32 per SM, at most 65536 / (32 * registers) with more than 64 registers.
-# With per-value packing (an earlier encoder) the encoder's 122 registers allowed 16 programs per SM, a cap of 80 25 (+10-12%
-# device throughput), the decoder's 70 28, 64 32 (+2-6%; benchmarks/bench_delta_kernels.py --max-registers). The
-# row kernels need 57 (encode, narrow path) and 44 (decode) registers at a row per thread, their per-value paths
-# ~90 and ~62: 64 keeps 32 programs per SM without spills. At two rows per thread (B = 512 and 1024)
-# 80 was as fast as 64 or faster than 64 and the compiler's choice (B = 512: 96-128 registers), the encoder's
-# spills all on its per-value path. Format 4's encoder wants 72 at B = 256 and stores 2 under 64, as
-# fast as under 80 or uncapped. Applied up to CAPPED_MAX_BLOCK values per block: larger blocks spill heavily
-# under them (benchmarks/sass_count.py, tests/test_register_caps.py).
-MAX_REGISTERS = {("encode", 1): 64, ("decode", 1): 64, ("encode", 2): 80, ("decode", 2): 80}
+# A one-warp program runs at most 32 per SM, at most 65536 / (32 * registers) with more than 64 registers: at a row
+# per thread no cap above 64 pays for the programs it costs. 56 rather than 64: under 64 the hashed encoder (the
+# integrity check, on by default) loses ptxas's uniform datapath for the block-wide scalars of its width choice, which
+# then load the vector pipes that bound the kernel (Nsight Compute: math-pipe throttle) and spill; under 56 it keeps
+# it. Hash cost on an H100 at B = 256: 1.028-1.031x the unhashed codec device time at 56 / 56, 1.069-1.070x at
+# 64 / 64, the unhashed kernels as fast under either (results/kernels/delta_integrity*.json). At two rows per
+# thread (B = 512 and 1024) 80 was as fast as 64 or faster than 64 and the compiler's choice (B = 512: 96-128
+# registers), the encoder's spills all on its per-value path. Applied up to CAPPED_MAX_BLOCK values per block:
+# larger blocks spill heavily under them (benchmarks/sass_count.py, tests/test_register_caps.py).
+MAX_REGISTERS = {("encode", 1): 56, ("decode", 1): 56, ("encode", 2): 80, ("decode", 2): 80}
 CAPPED_MAX_BLOCK = 1024
 
 
