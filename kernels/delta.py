@@ -998,8 +998,7 @@ def empty_blocks(numel: int, block_size: int, device, reuse: EncodedBlocks = Non
     n_blocks, n_tiles = -(-numel // block_size), -(-numel // (block_size * _tile_blocks(block_size)))
     records = torch.empty(n_blocks, _record_words(block_size), dtype=torch.int32, device=device)
     if (reuse is not None and reuse.codes.numel() == n_blocks and reuse.tile_sums.numel() == n_tiles
-            and reuse.codes.device == records.device and (reuse.hash is not None) == hash
-            and (not hash or reuse.hash_slots.numel() == HASH_SLOTS)):
+            and reuse.codes.device == records.device and (reuse.hash is not None) == hash):
         return replace(reuse, records=records)
     def per_block(dtype):
         return torch.empty(n_blocks, dtype=dtype, device=device)

@@ -33,11 +33,10 @@ def test_delta_caps_do_not_spill(block_size):
         assert registers <= cap and stores <= MAX_SPILL_STORES, (name, registers, stores)
 
 
-def _uniform_instructions(name: str, block_size: int) -> int:
-    fn, signature, constexprs, _, _, _ = sc.KERNELS[name]
-    shape = dict(constexprs, **delta._launch_shape("encode", block_size))
-    ops, _ = sc.sass_opcodes(fn, signature, shape, delta._num_warps(block_size), True,
-                             delta._max_registers("encode", block_size))
+def _uniform_instructions(name: str) -> int:
+    """Uniform-datapath instructions (opcodes U*) of a kernel of ``sass_count.KERNELS`` as it launches."""
+    fn, signature, constexprs, warps, _, cap = sc.KERNELS[name]
+    ops, _ = sc.sass_opcodes(fn, signature, constexprs, warps, True, cap)
     return sum(n for op, n in ops.items() if op.startswith("U"))
 
 
@@ -46,6 +45,6 @@ def test_hashed_encoder_keeps_the_uniform_datapath():
     choice on ptxas's uniform datapath, as the plain one does: under a cap of 64 it moves ~80 of them onto the vector
     pipes that bound the kernel and costs 1.07x the plain codec's device time instead of 1.03x (docs/integrity.md,
     "Cost")."""
-    plain = _uniform_instructions("delta encode, no integrity hash", 256)
-    hashed = _uniform_instructions("delta encode", 256)
+    plain = _uniform_instructions("delta encode, no integrity hash")
+    hashed = _uniform_instructions("delta encode")
     assert plain > 80 and hashed >= 0.8 * plain, (plain, hashed)
