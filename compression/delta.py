@@ -173,8 +173,11 @@ class DeltaCodec(ShardCodec):
                  integrity: bool = True):
         self.config = config
         self.integrity = integrity  # hash each encode's and decode's change (module docstring)
-        self.decoded_hashes = None  # int64 [world_size] with integrity: each source's hash of the last decodes
+        self._decoded_hashes = None  # int64 [world_size] with integrity: each source's hash of the last decodes
         self._hash_slots = {}  # (rows, device): the decode kernel's partial sums of them, zero between decodes
+        # (slots, the rows of _decoded_hashes they sum into) of the last Triton decode: summed when read
+        # (``decoded_hashes``), or by the gather's comparison in the same launch (``mismatched_sources``)
+        self._unsummed = None
         self.read_slack_bytes = kernels.read_slack_bytes(config.block_size)  # room after a payload its decode reads
         self.world_size = world_size
         self.rank = rank
@@ -503,19 +506,45 @@ class DeltaCodec(ShardCodec):
         else:
             self._decode_bits(_as_bits(out, "output buffer"), payload, flags, hash_out)
 
+    @property
+    def decoded_hashes(self):
+        """int64 [world_size] with integrity (else None): each source's hash of the change its last decode applied."""
+        self._take_hash_sums()
+        return self._decoded_hashes
+
+    def mismatched_sources(self, sent: torch.Tensor, rank: int, sizes: torch.Tensor = None, capacity: int = 0):
+        """After a gather's decodes, on the device: the sources (bool [world_size]) whose decoded hash differs from the
+        one they ``sent`` (int64 [world_size]), but for ``rank`` (not decoded), and with ``sizes``, for those larger
+        than ``capacity`` (not decoded), and their count (int64 [1]); one launch on the Triton path (with the decode
+        kernel's slots, summed on the way)."""
+        slots = None
+        if self._unsummed is not None and self._unsummed[1].numel() == self.world_size:
+            slots, self._unsummed = self._unsummed[0], None
+        else:
+            self._take_hash_sums()
+        check = kernels.check_hash_sums if use_triton(sent, self.triton) else kernels.check_hash_sums_reference
+        return check(self._decoded(sent.device), sent, rank, slots, sizes, capacity)
+
+    def _take_hash_sums(self) -> None:
+        if self._unsummed is not None:
+            kernels.take_hash_sums(*self._unsummed)
+            self._unsummed = None
+
     def _decoded(self, device, zero: bool = False) -> torch.Tensor:
-        """``decoded_hashes`` on ``device`` (made once; ``zero``: zeroed first)."""
-        if self.decoded_hashes is None or self.decoded_hashes.device != device:
-            self.decoded_hashes = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        """``_decoded_hashes`` on ``device`` (made once; ``zero``: zeroed first)."""
+        self._take_hash_sums()
+        if self._decoded_hashes is None or self._decoded_hashes.device != device:
+            self._decoded_hashes = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         elif zero:
-            self.decoded_hashes.zero_()
-        return self.decoded_hashes
+            self._decoded_hashes.zero_()
+        return self._decoded_hashes
 
     def _decode_hash_slots(self, rows: int, device):
         """The partial sums of ``rows`` payloads' decoded hashes (None without integrity): made zero once, and zeroed
-        again by ``kernels.take_hash_sums`` after each decode."""
+        again when they are summed (``_unsummed``)."""
         if not self.integrity:
             return None
+        self._take_hash_sums()  # the last decode's, before this one adds to the slots
         key = (rows, device)
         if key not in self._hash_slots:
             self._hash_slots[key] = torch.zeros(rows, kernels.HASH_SLOTS, dtype=torch.int64, device=device)
@@ -540,7 +569,7 @@ class DeltaCodec(ShardCodec):
             hashes = self._decode_hash_slots(1, bits.device)
             kernels.decode_blocks(bits, self._payloads(payload, 1, 0, numel), b, table, rank, hashes=hashes)
             if hash_out is not None:
-                kernels.take_hash_sums(hashes, hash_out)
+                self._unsummed = (hashes, hash_out)
             return
         codes = payload[HEADER.size : HEADER.size + layout.n_blocks]
         changed = torch.nonzero(codes).squeeze(1)
@@ -572,7 +601,7 @@ class DeltaCodec(ShardCodec):
         hashes = self._decode_hash_slots(len(sizes), gathered.device)
         kernels.decode_blocks(_as_bits(table[0], "output buffer"), payloads, b, table, 0, skip, hashes=hashes)
         if hashes is not None:  # every row's, the skipped one's 0
-            kernels.take_hash_sums(hashes, self._decoded(gathered.device))
+            self._unsummed = (hashes, self._decoded(gathered.device))
 
     def decode_slots(self, target, gathered, stride, sizes, capacity, skip) -> None:
         """On the Triton path every source's slot in one launch, skipping the payloads larger than ``capacity`` on
@@ -589,7 +618,7 @@ class DeltaCodec(ShardCodec):
         kernels.decode_blocks(_as_bits(table[0], "output buffer"), self._payloads(gathered, len(sizes), stride, numel),
                               b, table, 0, skip, slots=(sizes, capacity), hashes=hashes)
         if hashes is not None:  # every row's, those not decoded 0
-            kernels.take_hash_sums(hashes, self._decoded(gathered.device))
+            self._unsummed = (hashes, self._decoded(gathered.device))
 
     def _segments_of(self, target) -> tuple:
         """``target`` (``Segments``, or a bucket buffer: its slices through a one-segment block table) and the

@@ -436,18 +436,14 @@ class ShardGather:
                                 self.rank if self.codec.lossless else -1)
         slots.status[:self.world_size].copy_(slots.sizes)
         if self.integrity is not None:
-            slots.mismatched, count = self._mismatches(slots.hashes, slots.sizes <= capacity)
+            slots.mismatched, count = self._mismatches(slots.hashes, slots.sizes, capacity)
             slots.status[self.world_size:].copy_(count)
 
-    def _mismatches(self, sent: torch.Tensor, decoded: torch.Tensor = None) -> tuple:
+    def _mismatches(self, sent: torch.Tensor, sizes: torch.Tensor = None, capacity: int = 0) -> tuple:
         """After the decodes: the sources (bool [world size], on the device) whose decoded integrity hash differs from
-        their ``sent`` one (``decoded``: the sources decoded, else all but this rank), and the group's count of such
-        payloads (int64 [1], all-reduced)."""
-        mismatched = self.codec.decoded_hashes != sent
-        if decoded is not None:
-            mismatched &= decoded
-        mismatched[self.rank] = False  # its own slice was not decoded
-        count = mismatched.sum().reshape(1)
+        their ``sent`` one (with ``sizes``: of those that fit ``capacity``, the ones decoded), and the group's count of
+        such payloads (int64 [1], all-reduced)."""
+        mismatched, count = self.codec.mismatched_sources(sent, self.rank, sizes, capacity)
         dist.all_reduce(count, group=self.group)
         return mismatched, count
 

@@ -889,6 +889,64 @@ if triton is not None:
         tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(at), axis=0))
         tl.store(at, tl.zeros([_HASH_SLOTS], dtype=tl.int64))
 
+    @triton.jit(do_not_specialize=["rank", "capacity"])
+    def _check_hash_sums_kernel(sums_ptr, slots_ptr, sent_ptr, sent_stride, sizes_ptr, sizes_stride, capacity, rank,
+                                mismatched_ptr, count_ptr, rows: tl.constexpr, ROWS: tl.constexpr,
+                                SLOTS: tl.constexpr, SIZES: tl.constexpr):
+        # one program, ROWS of the ``rows`` sources at a time (a compile per group size): ``check_hash_sums``
+        count = tl.zeros([ROWS], dtype=tl.int64)
+        for first in range(0, rows, ROWS):
+            k = first + tl.arange(0, ROWS)
+            live = k < rows
+            if SLOTS:
+                at = slots_ptr + k[:, None] * _HASH_SLOTS + tl.arange(0, _HASH_SLOTS)[None, :]
+                sums = tl.sum(tl.load(at, mask=live[:, None], other=0), axis=1)
+                tl.store(sums_ptr + k, sums, mask=live)
+                tl.store(at, tl.zeros([ROWS, _HASH_SLOTS], dtype=tl.int64), mask=live[:, None])
+            else:
+                sums = tl.load(sums_ptr + k, mask=live, other=0)
+            bad = live & (k != rank) & (sums != tl.load(sent_ptr + k * sent_stride, mask=live, other=0))
+            if SIZES:  # only the payloads that fit their slots were decoded
+                bad &= tl.load(sizes_ptr + k * sizes_stride, mask=live, other=0) <= capacity
+            tl.store(mismatched_ptr + k, bad.to(tl.int8), mask=live)
+            count += bad.to(tl.int64)
+        tl.store(count_ptr, tl.sum(count, axis=0))
+
+
+def check_hash_sums_reference(sums, sent, rank: int, slots=None, sizes=None, capacity: int = 0) -> tuple:
+    """The integrity comparison after a gather's decodes (``check_hash_sums``) in PyTorch."""
+    if slots is not None:
+        sums.copy_(slots.sum(1))
+        slots.zero_()
+    mismatched = sums != sent
+    if sizes is not None:
+        mismatched &= sizes <= capacity
+    mismatched.narrow(0, rank, 1).fill_(False)
+    return mismatched, mismatched.sum().reshape(1)
+
+
+def check_hash_sums(sums, sent, rank: int, slots=None, sizes=None, capacity: int = 0) -> tuple:
+    """Triton, after a gather's decodes, in one launch: the sources (bool [rows]) whose decoded integrity hash
+    (``sums``, int64 [rows]) differs from the one they ``sent`` (int64 [rows], any stride), but for ``rank``, whose
+    own slice was not decoded, and with ``sizes`` (int64 [rows], any stride) but for those larger than ``capacity``
+    (not decoded: a sync-free gather's slots), and their count (int64 [1]). ``slots`` (the decode kernel's partial
+    sums, ``decode_blocks``'s ``hashes``): summed into ``sums`` first, and zeroed for the next decode. No host sync."""
+    rows = sums.numel()
+    if sums.dtype != torch.int64 or not sums.is_contiguous() or sent.dtype != torch.int64 or sent.shape != sums.shape:
+        raise ValueError(f"check_hash_sums: sums (contiguous) and sent must be int64 [{rows}], got {sums.dtype} "
+                         f"{tuple(sums.shape)} and {sent.dtype} {tuple(sent.shape)}")
+    if sizes is not None and (sizes.dtype != torch.int64 or sizes.shape != sums.shape):
+        raise ValueError(f"check_hash_sums: sizes must be int64 [{rows}], got {sizes.dtype} {tuple(sizes.shape)}")
+    if slots is not None:
+        _check_hash_slots("check_hash_sums", slots, rows)
+    mismatched = torch.empty(rows, dtype=torch.bool, device=sums.device)
+    count = torch.empty(1, dtype=torch.int64, device=sums.device)
+    _check_hash_sums_kernel[(1,)](sums, sums if slots is None else slots, sent, sent.stride(0),
+                                  sent if sizes is None else sizes, 0 if sizes is None else sizes.stride(0), capacity,
+                                  rank, mismatched.view(torch.int8), count, rows=rows, ROWS=16, SLOTS=slots is not None,
+                                  SIZES=sizes is not None, num_warps=4)
+    return mismatched, count
+
 
 def take_hash_sums(hashes: torch.Tensor, out: torch.Tensor) -> None:
     """Triton, after ``decode_blocks``: each row's hash (the sum of its ``hashes`` slots) into ``out`` (int64 [rows],

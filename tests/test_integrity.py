@@ -51,6 +51,7 @@ def _check_hashes_match_reference(triton: bool = True) -> None:
         _check_shard_hashes(block_size, n, dtype, triton, g)
     _check_cast_hashes(triton)
     _check_gathered_hashes(triton)
+    _check_hash_sums(triton)
 
 
 def _check_shard_hashes(block_size: int, n: int, dtype, triton: bool, g: torch.Generator) -> None:
@@ -108,12 +109,45 @@ def _check_gathered_hashes(triton: bool) -> None:
         sizes = [p.numel() for p, _ in sent]
         headers = [bytes(p[:HEADER.size].tolist()) for p, _ in sent]
         bucket[:n] = shards[0].view(torch.bfloat16)
+        # the hashes sent, as a gather's size messages or slot prefixes (strided) deliver them; one wrong at step 1
+        prefixes = torch.tensor([[size, int(h)] for size, (_, h) in zip(sizes, sent)])
+        prefixes[2, 1] += step == 1
         if step < 2:
             decoder.decode_gathered(bucket, gathered[:world * stride], stride, sizes, headers, skip=0)
-        else:  # slots: the payloads' sizes in a device tensor
-            decoder.decode_slots(bucket, gathered[:world * stride], stride, torch.tensor(sizes), max(sizes), skip=0)
+            checks = [decoder.mismatched_sources(prefixes[:, 1], 0) for _ in range(2)]
+            want = [False, False, step == 1]
+        else:  # slots: the payloads' sizes in a device tensor; source 2 taken as too large for its slot
+            decoder.decode_slots(bucket, gathered[:world * stride], stride, prefixes[:, 0], max(sizes), skip=0)
+            prefixes[1, 1] += 1
+            checks = [decoder.mismatched_sources(prefixes[:, 1], 0, prefixes[:, 0], capacity)
+                      for capacity in (max(sizes), sizes[2] - 1)]
+            want = [False, True, sizes[2] <= sizes[2] - 1]
         assert torch.equal(bucket.view(torch.int16), torch.cat(shards)), step
+        # the first comparison sums the decode kernel's slots on the way, the second reads the sums
+        for mismatched, count in checks:
+            assert mismatched.tolist() == want and count.tolist() == [sum(want)], (step, mismatched, count)
         assert decoder.decoded_hashes.tolist() == [0] + [int(h) for _, h in sent[1:]], step
+
+
+def _check_hash_sums(triton: bool) -> None:
+    """``check_hash_sums`` against its reference: sums of slots or given, strided inputs, more rows than a pass."""
+    g = torch.Generator().manual_seed(4)
+    check = kernels.check_hash_sums if triton else kernels.check_hash_sums_reference
+    for rows, rank in ((1, 0), (5, 3), (16, 15), (40, 17)):
+        slots = torch.randint(-2**62, 2**62, (rows, kernels.HASH_SLOTS), generator=g)
+        sums = slots.sum(1)
+        prefixes = torch.stack([torch.randint(0, 100, (rows,), generator=g), sums], 1)
+        flip = torch.rand(rows, generator=g) < 0.3
+        prefixes[:, 1] += flip
+        for with_slots, with_sizes in ((True, False), (False, True), (True, True)):
+            out, kept = torch.full((rows,), 7), slots.clone()
+            if not with_slots:
+                out.copy_(sums)
+            mismatched, count = check(out, prefixes[:, 1], rank, kept if with_slots else None,
+                                      prefixes[:, 0] if with_sizes else None, 50)
+            want = flip & (torch.arange(rows) != rank) & ((prefixes[:, 0] <= 50) if with_sizes else True)
+            assert torch.equal(out, sums) and torch.equal(mismatched, want) and count.tolist() == [int(want.sum())]
+            assert not with_slots or not kept.any(), "the slots are zeroed for the next decode"
 
 
 def first_record(payload: torch.Tensor):
