@@ -969,8 +969,8 @@ def _check_hash_slots(name: str, hashes: torch.Tensor, rows: int) -> None:
 # per thread no cap above 64 pays for the programs it costs. 56 rather than 64: under 64 the hashed encoder (the
 # integrity check, on by default) loses ptxas's uniform datapath for the block-wide scalars of its width choice, which
 # then load the vector pipes that bound the kernel (Nsight Compute: math-pipe throttle) and spill; under 56 it keeps
-# it. Hash cost on an H100 at B = 256: 1.028-1.031x the unhashed codec device time at 56 / 56, 1.069-1.070x at
-# 64 / 64; the plain encoder as fast under either, the plain decoder 1-3 us (<1%) slower under 56
+# it. Hash cost on an H100 at B = 256, plain shard: 1.028-1.031x the unhashed codec device time at 56 / 56,
+# 1.069-1.070x at 64 / 64; the plain encoder as fast under either, the plain decoder 1-3 us (<1%) slower under 56
 # (results/kernels/delta_integrity*.json). At two rows per thread (B = 512 and 1024) 80 was as fast as 64 or faster
 # than 64 and the compiler's choice (B = 512: 96-128 registers), the encoder's spills all on its per-value path.
 # Applied up to CAPPED_MAX_BLOCK values per block: larger blocks spill heavily under them (benchmarks/sass_count.py,
