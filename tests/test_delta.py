@@ -563,21 +563,27 @@ def test_bench_delta_buckets_cpu(tmp_path, padding):
 
 def test_bench_delta_buckets_ops(monkeypatch):
     """``--ops``: each mode's device time per op, from ``device_op_seconds`` (CUDA's profiler, stubbed here) over the
-    gather the other timings run, with the buffers restored before it; refused on the CPU."""
+    gather the other timings run, with the buffers restored before it, and the all-gather's stand-in alone (one copy
+    per unit, no setup); refused on the CPU."""
     from benchmarks import bench_delta_buckets as bench
     from benchmarks.delta_wire_ratio import simulated_step
 
     b = bench.Buckets(*simulated_step(5003, 1e-4, 3, device="cpu"), 3, 256, 2)
 
     def one_profiled_call(fn, repeats, setup=None):
+        if setup is None:  # the stand-in
+            fn()
+            return {"copy": 1e-6}
         setup()
         fn()
         b.check()  # the profiled gather decodes bit-exactly from restored buffers
         return {"_encode_kernel": 2e-6, "_decode_kernel": 3e-6}
 
     monkeypatch.setattr(bench, "device_op_seconds", one_profiled_call)
-    ops_us = bench.measure(b, "fused", 1, ops=True)["ops_us"]
-    assert ops_us == pytest.approx({"_encode_kernel": 2.0, "_decode_kernel": 3.0})
+    result = bench.measure(b, "fused", 1, ops=True)
+    assert result["ops_us"] == pytest.approx({"_encode_kernel": 2.0, "_decode_kernel": 3.0})
+    assert result["stand_in_us"] == pytest.approx(1.0)  # the fused mode's one unit
+    assert bench.measure(b, "alone", 1, ops=True)["stand_in_us"] == pytest.approx(3.0)  # a unit per bucket
     assert "ops_us" not in bench.measure(b, "fused", 1)
     monkeypatch.setattr(sys, "argv", ["bench_delta_buckets.py", "--device", "cpu", "--ops", "--out", "x.json"])
     with pytest.raises(SystemExit):
