@@ -266,9 +266,9 @@ def main():
     rows, modes = [], [m for m in MODES if m in args.modes]
     checks = {"on": [True], "off": [False], "compare": [False, True]}[args.integrity]
     for world in args.world:
+        pad = megatron_shard_multiple(world) if args.megatron_padding else 1
         for k in args.buckets:
             for check in checks:
-                pad = megatron_shard_multiple(world) if args.megatron_padding else 1
                 b = Buckets(previous, new, k, args.block_size, world, pad, integrity=check)
                 row = dict(world=world, buckets=k, numel=args.numel, lr=args.lr, block_size=args.block_size,
                            shard_multiple=pad, aligned=b.segments.block_table(args.block_size)[4], integrity=check)
