@@ -24,6 +24,8 @@ exchange's host copy, or the slot's prefix) and after the decodes the receiver c
 (``DeltaCodec.mismatched_sources``, the device part of ``ShardGather``'s check; the group's all-reduce of the count
 is left out: one int64 over the network); the exchange path reads the count at a sync of its own, the slot path with
 the sizes. ``compare``: each row without the check, then with it, and the check's cost (device time on over off).
+``--max-registers``: each row again under these register caps of the encode and decode kernels (after the built-in
+``kernels.delta.MAX_REGISTERS``).
 
     python benchmarks/bench_delta_buckets.py --buckets 1 8 32 --world 2 8 --out delta_buckets.json
     python benchmarks/bench_delta_buckets.py --buckets 1 --world 2 8 --modes fused fused_slots --integrity compare \
@@ -45,6 +47,7 @@ from benchmarks.delta_wire_ratio import simulated_step  # noqa: E402
 from compression.codec import HostValues, Segments, ShardCodec, shard_of  # noqa: E402
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
 from compression.timing import call_seconds, device_op_seconds, queued_call_seconds  # noqa: E402
+import kernels.delta as kernels  # noqa: E402
 
 MODES = ("alone", "fused", "fused_one_by_one", "fused_slots")
 SLOT_FACTOR = 1.25  # fused_slots: slots of this many times the payload (the bytes the next gather would reserve)
@@ -254,6 +257,9 @@ def main():
     p.add_argument("--ops", action="store_true", help="also each mode's device time per kernel and copy (profiler; "
                    "CUDA only), printed and stored as ops_us")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--max-registers", nargs="+", default=[], metavar="ENCODE:DECODE",
+                   help="register caps of the encode and decode kernels to sweep after the built-in ones, e.g. 64:64 "
+                   "(0: the compiler's choice)")
     p.add_argument("--integrity", default="on", choices=["on", "off", "compare"],
                    help="delta's integrity check (on in training by default), off, or compare (each row off, then on)")
     p.add_argument("--out", required=True)
@@ -262,38 +268,50 @@ def main():
         p.error(f"--world must be >= 2 (a receiver and a sender), got {args.world}")
     if args.ops and args.device != "cuda":
         p.error("--ops times kernels with the CUDA profiler: drop it with --device cpu")
+    try:
+        caps = [dict(zip(("encode", "decode"), (int(c) or None for c in pair.split(":")), strict=True))
+                for pair in args.max_registers]
+    except ValueError:
+        p.error(f"--max-registers takes ENCODE:DECODE pairs of integers, e.g. 64:64, got {args.max_registers}")
     previous, new = simulated_step(args.numel, args.lr, args.steps, device=args.device)
     rows, modes = [], [m for m in MODES if m in args.modes]
     checks = {"on": [True], "off": [False], "compare": [False, True]}[args.integrity]
-    for world in args.world:
+    default_caps = dict(kernels.MAX_REGISTERS)
+    for world, k, cap in ((w, k, c) for w in args.world for k in args.buckets for c in [None] + caps):
         pad = megatron_shard_multiple(world) if args.megatron_padding else 1
-        for k in args.buckets:
-            for check in checks:
-                b = Buckets(previous, new, k, args.block_size, world, pad, integrity=check)
-                row = dict(world=world, buckets=k, numel=args.numel, lr=args.lr, block_size=args.block_size,
-                           shard_multiple=pad, aligned=b.segments.block_table(args.block_size)[4], integrity=check)
-                for mode in modes:
-                    row[mode] = measure(b, mode, args.repeats, args.ops)
-                rows.append(row)
-                print(f"W={world}, {k} buckets, integrity {'on' if check else 'off'}: " + "; ".join(
-                    f"{mode} wall {row[mode]['wall_ms']:.3f} host {row[mode]['host_ms']:.3f} device "
-                    f"{row[mode]['device_ms']:.3f} ms" for mode in modes)
-                    + f"; ratio {row[modes[0]]['ratio']:.2f}x", flush=True)
-                for mode in modes if args.ops else ():
-                    print(f"  {mode} device us per op: " + ", ".join(
-                        f"{op[:40]} {us:.1f}" for op, us in row[mode]["ops_us"].items()), flush=True)
-                del b
-            if args.integrity == "compare":
-                print_integrity_cost(rows[-2], rows[-1], modes)
+        kernels.MAX_REGISTERS.update({key: cap[key[0]] for key in default_caps} if cap else default_caps)
+        for check in checks:
+            b = Buckets(previous, new, k, args.block_size, world, pad, integrity=check)
+            row = dict(world=world, buckets=k, numel=args.numel, lr=args.lr, block_size=args.block_size,
+                       shard_multiple=pad, aligned=b.segments.block_table(args.block_size)[4], integrity=check,
+                       max_registers={kind: kernels._max_registers(kind, args.block_size)
+                                      for kind in ("encode", "decode")})
+            for mode in modes:
+                row[mode] = measure(b, mode, args.repeats, args.ops)
+            rows.append(row)
+            registers = f", registers {row['max_registers']}" if caps else ""
+            print(f"W={world}, {k} buckets{registers}, integrity {'on' if check else 'off'}: " + "; ".join(
+                f"{mode} wall {row[mode]['wall_ms']:.3f} host {row[mode]['host_ms']:.3f} device "
+                f"{row[mode]['device_ms']:.3f} ms" for mode in modes)
+                + f"; ratio {row[modes[0]]['ratio']:.2f}x", flush=True)
+            for mode in modes if args.ops else ():
+                print(f"  {mode} device us per op: " + ", ".join(
+                    f"{op[:40]} {us:.1f}" for op, us in row[mode]["ops_us"].items()), flush=True)
+            del b
+        if args.integrity == "compare":
+            print_integrity_cost(rows[-2], rows[-1], modes)
+    kernels.MAX_REGISTERS.update(default_caps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(sys.argv), torch=torch.__version__,
                        device=torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
                        rows=rows), f, indent=1)
-    print("\n| W | buckets | integrity | " + " | ".join(f"{m} wall / host / device ms" for m in modes) + " |")
-    print("|---|---|---|" + "---|" * len(modes))
+    print("\n| W | buckets | registers (encode, decode) | integrity | "
+          + " | ".join(f"{m} wall / host / device ms" for m in modes) + " |")
+    print("|---|---|---|---|" + "---|" * len(modes))
     for r in rows:
-        print(f"| {r['world']} | {r['buckets']} | {'on' if r['integrity'] else 'off'} | " + " | ".join(
+        registers = ", ".join(str(r["max_registers"][kind]) for kind in ("encode", "decode"))
+        print(f"| {r['world']} | {r['buckets']} | {registers} | {'on' if r['integrity'] else 'off'} | " + " | ".join(
             f"{r[m]['wall_ms']:.3f} / {r[m]['host_ms']:.3f} / {r[m]['device_ms']:.3f}" for m in modes) + " |")
 
 
@@ -309,7 +327,8 @@ def print_integrity_cost(off: dict, on: dict, modes: list) -> None:
             cost["ops_ratio"] = ops_on / ops_off
             text += f", codec ops {ops_off:.1f} -> {ops_on:.1f} us ({cost['ops_ratio']:.4f})"
         on[mode]["integrity_cost"] = cost
-        print(f"integrity check cost, W={on['world']}, {on['buckets']} buckets, {mode}: {text}", flush=True)
+        print(f"integrity check cost, W={on['world']}, {on['buckets']} buckets, registers {on['max_registers']}, "
+              f"{mode}: {text}", flush=True)
 
 
 if __name__ == "__main__":

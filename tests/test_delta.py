@@ -561,6 +561,30 @@ def test_bench_delta_buckets_cpu(tmp_path, padding):
         assert (row["shard_multiple"], row["aligned"]) == ((128, True) if padding else (1, False)), row
 
 
+def test_bench_delta_buckets_register_caps(tmp_path, monkeypatch):
+    """``--max-registers``: each row again under the given caps (0: the compiler's choice), recorded in the row; the
+    built-in caps restored afterwards; a malformed pair refused."""
+    from benchmarks import bench_delta_buckets as bench
+
+    built_in = dict(kernels.MAX_REGISTERS)
+    out = tmp_path / "caps.json"
+    monkeypatch.setattr(sys, "argv", ["bench_delta_buckets.py", "--device", "cpu", "--numel", "3001", "--buckets", "1",
+                                      "--world", "2", "--modes", "fused", "--repeats", "1", "--steps", "2",
+                                      "--max-registers", "64:0", "--out", str(out)])
+    bench.main()
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["max_registers"] for r in rows] == [{"encode": kernels._max_registers("encode", 256),
+                                                   "decode": kernels._max_registers("decode", 256)},
+                                                  {"encode": 64, "decode": None}]
+    assert kernels.MAX_REGISTERS == built_in
+    monkeypatch.setattr(sys, "argv", ["bench_delta_buckets.py", "--device", "cpu", "--max-registers", "64",
+                                      "--out", str(out)])
+    with pytest.raises(SystemExit):
+        bench.main()
+
+
 def test_bench_delta_buckets_ops(monkeypatch):
     """``--ops``: each mode's device time per op, from ``device_op_seconds`` (CUDA's profiler, stubbed here) over the
     gather the other timings run, with the buffers restored before it, and the all-gather's stand-in alone (one copy
