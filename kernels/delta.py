@@ -879,8 +879,12 @@ if triton is not None:
                 block_hash = _block_hash(old_ordered, new_ordered, d, b, r, j)
             tl.debug_barrier()  # every thread has read out before it is overwritten
             tl.store(out_ptr + idx, new, mask=inside)
-            if HASH:  # into source row's slot b % HASH_SLOTS, as the encoder's: after the store, which need not wait
-                _add_once(hashes_ptr + row * _HASH_SLOTS + (b.to(tl.int32) & (_HASH_SLOTS - 1)), block_hash, r, r == 0)
+            if HASH:  # into source row's slot b % HASH_SLOTS, as the encoder's: after the store, which need not wait.
+                # The row's offset in int32 and added on its own: with the int64 row (live since the payload's address)
+                # ptxas moves the program's scalars off its uniform datapath onto the vector pipes, and spills one
+                # (tests/test_register_caps.py)
+                _add_once(hashes_ptr + (src - src_base) * _HASH_SLOTS + (b.to(tl.int32) & (_HASH_SLOTS - 1)),
+                          block_hash, r, r == 0)
 
     @triton.jit
     def _take_hash_sums_kernel(slots_ptr, out_ptr):

@@ -2,7 +2,8 @@
 it costs: every capped configuration compiled for sm_90 on the CPU (Triton's bundled ptxas, as
 benchmarks/sass_count.py does) stores at most a few registers to local memory outside the per-value fallbacks for
 rows of more than 64 bits (``_or_bits``, ``_load_bits``: 17-bit widths, crowded exceptions), and the launches leave
-the configurations that would spill uncapped, and the hashed encoder keeps ptxas's uniform datapath under its cap.
+the configurations that would spill uncapped, and the hashed encoder and decoder keep ptxas's uniform datapath under
+their caps.
 (The TACO kernels need no cap: tests/test_taco_kernels.py.)"""
 
 import pytest
@@ -33,10 +34,11 @@ def test_delta_caps_do_not_spill(block_size):
         assert registers <= cap and stores <= MAX_SPILL_STORES, (name, registers, stores)
 
 
-def _uniform_instructions(name: str) -> int:
-    """Uniform-datapath instructions (opcodes U*) of a kernel of ``sass_count.KERNELS`` as it launches."""
-    fn, signature, constexprs, warps, _, cap = sc.KERNELS[name]
-    ops, _ = sc.sass_opcodes(fn, signature, constexprs, warps, True, cap)
+def _uniform_instructions(name: str, **constexprs) -> int:
+    """Uniform-datapath instructions (opcodes U*) of a kernel of ``sass_count.KERNELS`` as it launches (with
+    ``constexprs`` changed)."""
+    fn, signature, launched, warps, _, cap = sc.KERNELS[name]
+    ops, _ = sc.sass_opcodes(fn, signature, dict(launched, **constexprs), warps, True, cap)
     return sum(n for op, n in ops.items() if op.startswith("U"))
 
 
@@ -48,3 +50,18 @@ def test_hashed_encoder_keeps_the_uniform_datapath():
     plain = _uniform_instructions("delta encode, no integrity hash")
     hashed = _uniform_instructions("delta encode")
     assert plain > 80 and hashed >= 0.8 * plain, (plain, hashed)
+
+
+@pytest.mark.parametrize("segmented, slot", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "gathered", "slots"])
+def test_hashed_decoder_keeps_the_uniform_datapath(segmented, slot):
+    """The hashed decoder, as a plain decode, a gather's (segmented) and a sync-free gather's (slots) launch it, keeps
+    the uniform datapath and does not spill under its cap: with the hash slot's address from the int64 source row it
+    ran 7-13 uniform instructions instead of the plain decoder's 21-29, and spilled one register."""
+    shape = dict(SEGMENTED=segmented, ALIGNED=segmented, SLOT=slot)
+    plain = _uniform_instructions("delta decode, no integrity hash", **shape)
+    hashed = _uniform_instructions("delta decode", **shape)
+    assert plain > 16 and hashed >= plain, (plain, hashed)
+    fn, signature, constexprs, warps, _, cap = sc.KERNELS["delta decode"]
+    stores, _ = sc.spill_stores(fn, signature, dict(constexprs, **shape), warps, cap)
+    assert stores == 0
