@@ -482,14 +482,25 @@ def verify_checksums(ckpt_dir: str) -> None:
 def _named_read_errors(ckpt_dir: str):
     """A checkpoint without checksums.json whose file is cut short fails inside torch (a bare EOFError, an unpickling
     error, or torch.distributed.checkpoint's exception with every rank's traceback): name the checkpoint, the first
-    cause and the fallback."""
+    cause and the fallback, on every rank. The ranks agree on it (one all-gather of each rank's cause): a read that
+    fails only where the damaged file is read (megatron-core 0.19's loads) would otherwise leave the other ranks
+    waiting in the next collective."""
+    failure = None
     try:
         yield
     except (EOFError, pickle.UnpicklingError, CheckpointException) as error:
-        cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
-        text = str(cause).splitlines()[0] if str(cause) else ""
-        raise ValueError(f"reading checkpoint {ckpt_dir} failed ({type(cause).__name__}: {text}): a file of it is "
-                         f"damaged, or the load does not fit it; {_fallback_hint(ckpt_dir)}") from error
+        failure = error
+    cause = None
+    if failure is not None:
+        first = next(iter(failure.failures.values()))[0] if isinstance(failure, CheckpointException) else failure
+        cause = f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}"
+    causes = [None] * dist.get_world_size()
+    dist.all_gather_object(causes, cause)
+    failed = [rank for rank, text in enumerate(causes) if text is not None]
+    if failed:
+        ranks = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
+        raise ValueError(f"reading checkpoint {ckpt_dir} failed on {ranks} ({causes[failed[0]]}): a file of it is "
+                         f"damaged, or the load does not fit it; {_fallback_hint(ckpt_dir)}") from failure
 
 
 def _check_is_torch_dist(ckpt_dir: str) -> None:
