@@ -48,6 +48,7 @@ from compression.codec import HostValues, Segments, ShardCodec, shard_of  # noqa
 from compression.delta import DeltaCodec, DeltaConfig  # noqa: E402
 from compression.timing import call_seconds, device_op_seconds, queued_call_seconds  # noqa: E402
 import kernels.delta as kernels  # noqa: E402
+from benchmarks.bench_delta_kernels import register_caps, use_register_caps  # noqa: E402
 
 MODES = ("alone", "fused", "fused_one_by_one", "fused_slots")
 SLOT_FACTOR = 1.25  # fused_slots: slots of this many times the payload (the bytes the next gather would reserve)
@@ -257,8 +258,8 @@ def main():
     p.add_argument("--ops", action="store_true", help="also each mode's device time per kernel and copy (profiler; "
                    "CUDA only), printed and stored as ops_us")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--max-registers", nargs="+", default=[], metavar="ENCODE:DECODE",
-                   help="register caps of the encode and decode kernels to sweep after the built-in ones, e.g. 64:64 "
+    p.add_argument("--max-registers", default="", type=register_caps,
+                   help="comma list of encode:decode register caps to sweep after the built-in ones, e.g. 64:64,56:64 "
                    "(0: the compiler's choice)")
     p.add_argument("--integrity", default="on", choices=["on", "off", "compare"],
                    help="delta's integrity check (on in training by default), off, or compare (each row off, then on)")
@@ -268,18 +269,13 @@ def main():
         p.error(f"--world must be >= 2 (a receiver and a sender), got {args.world}")
     if args.ops and args.device != "cuda":
         p.error("--ops times kernels with the CUDA profiler: drop it with --device cpu")
-    try:
-        caps = [dict(zip(("encode", "decode"), (int(c) or None for c in pair.split(":")), strict=True))
-                for pair in args.max_registers]
-    except ValueError:
-        p.error(f"--max-registers takes ENCODE:DECODE pairs of integers, e.g. 64:64, got {args.max_registers}")
     previous, new = simulated_step(args.numel, args.lr, args.steps, device=args.device)
     rows, modes = [], [m for m in MODES if m in args.modes]
     checks = {"on": [True], "off": [False], "compare": [False, True]}[args.integrity]
     default_caps = dict(kernels.MAX_REGISTERS)
-    for world, k, cap in ((w, k, c) for w in args.world for k in args.buckets for c in [None] + caps):
+    for world, k, cap in ((w, k, c) for w in args.world for k in args.buckets for c in [None] + args.max_registers):
         pad = megatron_shard_multiple(world) if args.megatron_padding else 1
-        kernels.MAX_REGISTERS.update({key: cap[key[0]] for key in default_caps} if cap else default_caps)
+        use_register_caps(cap, default_caps)
         for check in checks:
             b = Buckets(previous, new, k, args.block_size, world, pad, integrity=check)
             row = dict(world=world, buckets=k, numel=args.numel, lr=args.lr, block_size=args.block_size,
@@ -289,7 +285,7 @@ def main():
             for mode in modes:
                 row[mode] = measure(b, mode, args.repeats, args.ops)
             rows.append(row)
-            registers = f", registers {row['max_registers']}" if caps else ""
+            registers = f", registers {row['max_registers']}" if args.max_registers else ""
             print(f"W={world}, {k} buckets{registers}, integrity {'on' if check else 'off'}: " + "; ".join(
                 f"{mode} wall {row[mode]['wall_ms']:.3f} host {row[mode]['host_ms']:.3f} device "
                 f"{row[mode]['device_ms']:.3f} ms" for mode in modes)
@@ -300,7 +296,7 @@ def main():
             del b
         if args.integrity == "compare":
             print_integrity_cost(rows[-2], rows[-1], modes)
-    kernels.MAX_REGISTERS.update(default_caps)
+    use_register_caps(None, default_caps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(sys.argv), torch=torch.__version__,

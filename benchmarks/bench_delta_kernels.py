@@ -104,6 +104,22 @@ def host_us(sender, receiver, new, payload, out, header, reset_sender, reset_out
     return {name: 1e6 * seconds for name, seconds in best.items()}
 
 
+def register_caps(text: str) -> list:
+    """``--max-registers``: a comma list of ENCODE:DECODE register caps (0: the compiler's choice), each as
+    {"encode": cap, "decode": cap}; a ValueError for a malformed pair (argparse names the flag)."""
+    caps = []
+    for pair in filter(None, text.split(",")):
+        encode, decode = (int(c) or None for c in pair.split(":"))
+        caps.append(dict(encode=encode, decode=decode))
+    return caps
+
+
+def use_register_caps(cap, defaults: dict) -> None:
+    """``kernels.MAX_REGISTERS`` under ``cap`` (one of ``register_caps``) at every rows-per-thread setting, or back to
+    ``defaults`` (None)."""
+    kernels.MAX_REGISTERS.update({key: cap[key[0]] for key in defaults} if cap else defaults)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=62_500_000)
@@ -111,7 +127,8 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="AdamW steps before the timed one")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--warps", default="", help="comma list of warps per block program to sweep (default: built-in)")
-    p.add_argument("--max-registers", default="", help="comma list of encode:decode register caps to sweep, "
+    p.add_argument("--max-registers", default="", type=register_caps,
+                   help="comma list of encode:decode register caps to sweep, "
                    "e.g. 96:64,80:64 (0: the compiler's choice)")
     p.add_argument("--gather", default="", help="comma list of TILExCHUNKxWARPS of the record gather to sweep (TILE "
                    "blocks per program, a multiple of the wire format's group, kernels.delta.group_blocks; CHUNK "
@@ -124,11 +141,10 @@ def main():
     rows = []
     default_warps, default_caps = kernels._num_warps, dict(kernels.MAX_REGISTERS)
     default_tile, default_gather = kernels._tile_blocks, kernels._gather_launch
-    caps = [[int(c) or None for c in pair.split(":")] for pair in args.max_registers.split(",") if pair]
     gathers = [tuple(map(int, item.split("x"))) for item in args.gather.split(",") if item]
     # every warps setting with every register cap (the built-in ones first), then the gather's launches
     configs = ([(warps, cap, None) for warps in [None] + [int(w) for w in args.warps.split(",") if w]
-                for cap in [None] + [dict(encode=e, decode=d) for e, d in caps]]
+                for cap in [None] + args.max_registers]
                + [(None, None, g) for g in gathers])
     integrity = {"on": [True], "off": [False], "compare": [False, True]}[args.integrity]
     configs = [(*config, check) for config in configs for check in integrity]
@@ -136,7 +152,7 @@ def main():
         previous, new = simulated_step(args.numel, lr, args.steps, device="cuda")
         for warps, cap, gather, check in configs:
             kernels._num_warps = default_warps if warps is None else (lambda block_size, w=warps: w)
-            kernels.MAX_REGISTERS.update({key: cap[key[0]] for key in default_caps} if cap else default_caps)
+            use_register_caps(cap, default_caps)
             kernels._tile_blocks = default_tile if gather is None else (lambda block_size, t=gather[0]: t)
             kernels._gather_launch = default_gather if gather is None else (lambda block_size, g=gather: g[1:])
             row = dict(lr=lr, warps=warps or default_warps(args.block_size),
@@ -156,7 +172,7 @@ def main():
             if args.integrity == "compare" and check:
                 print_integrity_cost(rows[-2], row)
         kernels._num_warps, kernels._tile_blocks, kernels._gather_launch = default_warps, default_tile, default_gather
-        kernels.MAX_REGISTERS.update(default_caps)
+        use_register_caps(None, default_caps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(0), torch=torch.__version__,
