@@ -21,8 +21,8 @@ def apply() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     for name in QUEUE_GETTERS:
-        if hasattr(filesystem_async, name) and not getattr(getattr(filesystem_async, name), "_dies_with_parent",
-                                                           False):
+        getter = getattr(filesystem_async, name, None)
+        if getter is not None and not getattr(getter, "_dies_with_parent", False):
             setattr(filesystem_async, name, _write_results_queue(filesystem_async))
 
 
