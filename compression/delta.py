@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from compression.codec import (CastShard, EncodeStart, HostValues, Segments, SegmentedShard, ShardCodec, bytes_to_device,
-                               check_block_size)
+                               check_block_size, shard_of)
 from compression.wire import check_format, check_length, raw_nbytes
 from kernels import delta as kernels
 from kernels import use_triton
@@ -584,23 +584,32 @@ class DeltaCodec(ShardCodec):
             hash_out.copy_(decoded_hash)
 
     def decode_gathered(self, target, gathered, stride, sizes, headers, skip) -> None:
-        """On the Triton path every source's payload in one launch of each decode kernel (one source, keyframes and
-        the reference: one by one)."""
+        """On the Triton path every source's payload in one launch of the decode kernel; one source of a bucket
+        buffer (not ``Segments``) by the plain decoder, which reads no block table. Either way each source's
+        hash goes to its own slot row, which the integrity check sums itself (no launch of their own). Keyframes
+        and the reference: one by one."""
         b = self.config.block_size
         segments, numel = self._segments_of(target)
         sources = [src for src in range(len(sizes)) if src != skip]
         keyframe = any(self._check_header(gathered[src * stride:src * stride + sizes[src]], target, numel,
                                           headers[src], src) & (FLAG_KEYFRAME | FLAG_RAW) for src in sources)
-        if (keyframe or len(sources) < 2 or not use_triton(gathered, self.triton)
+        if (keyframe or not sources or not use_triton(gathered, self.triton)
                 or _bytes_after(gathered[(len(sizes) - 1) * stride:][:sizes[-1]]) < self.read_slack_bytes):
             if self.integrity:
                 self._decoded(gathered.device, zero=True)
             return super().decode_gathered(target, gathered, stride, sizes, headers, skip)
-        table = segments.block_table(b)
-        payloads = self._payloads(gathered, len(sizes), stride, numel)
         hashes = self._decode_hash_slots(len(sizes), gathered.device)
-        kernels.decode_blocks(_as_bits(table[0], "output buffer"), payloads, b, table, 0, skip, hashes=hashes)
-        if hashes is not None:  # every row's, the skipped one's 0
+        if len(sources) == 1 and not isinstance(target, Segments):
+            src = sources[0]
+            kernels.decode_blocks(_as_bits(shard_of(target, src, len(sizes)), "output buffer"),
+                                  self._payloads(gathered[src * stride:], 1, 0, numel), b,
+                                  hashes=None if hashes is None else hashes[src:src + 1])
+        else:
+            table = segments.block_table(b)
+            kernels.decode_blocks(_as_bits(table[0], "output buffer"), self._payloads(gathered, len(sizes), stride,
+                                                                                     numel), b, table, 0, skip,
+                                  hashes=hashes)
+        if hashes is not None:  # every row's, those not decoded 0
             self._unsummed = (hashes, self._decoded(gathered.device))
 
     def decode_slots(self, target, gathered, stride, sizes, capacity, skip) -> None:

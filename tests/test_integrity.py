@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from compression.codec import CastShard
+from compression.codec import CastShard, Segments
 from compression.delta import FLAG_KEYFRAME, FLAG_RAW, HEADER, DeltaCodec, DeltaConfig, _Layout
 from compression.wire import WireFormatError
 from dist_utils import run_on_ranks
@@ -39,7 +39,8 @@ def _steps(n: int, g: torch.Generator) -> list:
 
 def _encode(codec, shard):
     start = codec.begin_encode(shard)
-    payload = torch.empty(int(start.nbytes) + codec.read_slack_bytes, dtype=torch.uint8)[:int(start.nbytes)]
+    payload = torch.empty(int(start.nbytes) + codec.read_slack_bytes, dtype=torch.uint8,
+                          device=start.header.device)[:int(start.nbytes)]
     codec.finish_encode(start, payload)
     return payload, start.hash
 
@@ -50,7 +51,8 @@ def _check_hashes_match_reference(triton: bool = True) -> None:
     for block_size, n, dtype in ((32, 997, torch.bfloat16), (256, 5000, torch.float16), (512, 3001, torch.bfloat16)):
         _check_shard_hashes(block_size, n, dtype, triton, g)
     _check_cast_hashes(triton)
-    _check_gathered_hashes(triton)
+    for world, segmented in ((3, False), (2, False), (2, True)):
+        _check_gathered_hashes(triton, world, segmented)
     _check_hash_sums(triton)
 
 
@@ -90,43 +92,62 @@ def _check_cast_hashes(triton: bool) -> None:
         assert torch.equal(start.hash, kernels.change_hash_reference(old, target.view(torch.int16), 256)), step
 
 
-def _check_gathered_hashes(triton: bool) -> None:
-    """``decode_gathered`` and ``decode_slots`` of three sources in one launch: one hash per source, 0 for the own."""
+def _check_gathered_hashes(triton: bool, world: int = 3, segmented: bool = False, device: str = "cpu") -> None:
+    """``decode_gathered`` and ``decode_slots`` of ``world - 1`` sources (a bucket buffer, or ``segmented``: its
+    ``Segments``) in one launch: one hash per source, 0 for the own; the integrity check sums the decode's hash slots
+    itself (no ``take_hash_sums`` launch)."""
     g = torch.Generator().manual_seed(9)
-    world, n = 3, 1200
+    n, last = 1200, world - 1
     config = DeltaConfig(64)
     encoders = [DeltaCodec(config, world, r, triton=triton) for r in range(world)]
     decoder = DeltaCodec(config, world, 0, triton=triton)
-    bucket = torch.zeros(world * n, dtype=torch.bfloat16)
+    bucket = torch.zeros(world * n, dtype=torch.bfloat16, device=device)
+    target = Segments((bucket,), world) if segmented else bucket
     shards = [random_bits(n, g) for _ in range(world)]
-    for step in range(3):
-        shards = [nudge(s, 0.2, 3, g) for s in shards] if step else shards
-        sent = [_encode(e, s.clone().view(torch.bfloat16)) for e, s in zip(encoders, shards)]
-        stride = -(-max(p.numel() for p, _ in sent) // 16) * 16
-        gathered = torch.zeros(world * stride + decoder.read_slack_bytes, dtype=torch.uint8)
-        for r, (p, _) in enumerate(sent):
-            gathered[r * stride:r * stride + p.numel()] = p
-        sizes = [p.numel() for p, _ in sent]
-        headers = [bytes(p[:HEADER.size].tolist()) for p, _ in sent]
-        bucket[:n] = shards[0].view(torch.bfloat16)
-        # the hashes sent, as a gather's size messages or slot prefixes (strided) deliver them; one wrong at step 1
-        prefixes = torch.tensor([[size, int(h)] for size, (_, h) in zip(sizes, sent)])
-        prefixes[2, 1] += step == 1
-        if step < 2:
-            decoder.decode_gathered(bucket, gathered[:world * stride], stride, sizes, headers, skip=0)
-            checks = [decoder.mismatched_sources(prefixes[:, 1], 0) for _ in range(2)]
-            want = [False, False, step == 1]
-        else:  # slots: the payloads' sizes in a device tensor; source 2 taken as too large for its slot
-            decoder.decode_slots(bucket, gathered[:world * stride], stride, prefixes[:, 0], max(sizes), skip=0)
-            prefixes[1, 1] += 1
-            checks = [decoder.mismatched_sources(prefixes[:, 1], 0, prefixes[:, 0], capacity)
-                      for capacity in (max(sizes), sizes[2] - 1)]
-            want = [False, True, sizes[2] <= sizes[2] - 1]
-        assert torch.equal(bucket.view(torch.int16), torch.cat(shards)), step
-        # the first comparison sums the decode kernel's slots on the way, the second reads the sums
-        for mismatched, count in checks:
-            assert mismatched.tolist() == want and count.tolist() == [sum(want)], (step, mismatched, count)
-        assert decoder.decoded_hashes.tolist() == [0] + [int(h) for _, h in sent[1:]], step
+    # what each sender encodes: its shard, or its slices of its own bucket's Segments (padded to whole blocks)
+    own = [torch.zeros(world * n, dtype=torch.bfloat16, device=device) for _ in range(world)] if segmented else None
+    inputs = [Segments((b,), world).shard(r) for r, b in enumerate(own)] if segmented else None
+    taken, take = [], kernels.take_hash_sums
+    kernels.take_hash_sums = lambda *args: taken.append(take(*args))
+    try:
+        for step in range(3):
+            shards = [nudge(s, 0.2, 3, g) for s in shards] if step else shards
+            values = [s.clone().view(torch.bfloat16).to(device) for s in shards]
+            if segmented:
+                for r, v in enumerate(values):
+                    own[r][r * n:(r + 1) * n] = v
+                values = inputs
+            sent = [_encode(e, v) for e, v in zip(encoders, values)]
+            stride = -(-max(p.numel() for p, _ in sent) // 16) * 16
+            gathered = torch.zeros(world * stride + decoder.read_slack_bytes, dtype=torch.uint8, device=device)
+            for r, (p, _) in enumerate(sent):
+                gathered[r * stride:r * stride + p.numel()] = p
+            sizes = [p.numel() for p, _ in sent]
+            headers = [bytes(p[:HEADER.size].tolist()) for p, _ in sent]
+            bucket[:n] = shards[0].view(torch.bfloat16).to(device)
+            # the hashes sent, as a gather's size messages or slot prefixes (strided) deliver them; the last one wrong
+            # at step 1
+            prefixes = torch.tensor([[size, int(h)] for size, (_, h) in zip(sizes, sent)], device=device)
+            prefixes[last, 1] += step == 1
+            if step < 2:
+                decoder.decode_gathered(target, gathered[:world * stride], stride, sizes, headers, skip=0)
+                checks = [decoder.mismatched_sources(prefixes[:, 1], 0) for _ in range(2)]
+                wants = [[src == last and step == 1 for src in range(world)]] * 2
+            else:  # slots: the payloads' sizes in a device tensor; source 1's hash wrong, the last source taken as
+                # too large for its slot by the second check
+                decoder.decode_slots(target, gathered[:world * stride], stride, prefixes[:, 0], max(sizes), skip=0)
+                prefixes[1, 1] += 1
+                capacities = (max(sizes), sizes[last] - 1)
+                checks = [decoder.mismatched_sources(prefixes[:, 1], 0, prefixes[:, 0], c) for c in capacities]
+                wants = [[src == 1 and sizes[src] <= c for src in range(world)] for c in capacities]
+            assert torch.equal(bucket.view(torch.int16).cpu(), torch.cat(shards)), step
+            # the first comparison sums the decode kernel's slots on the way, the second reads the sums
+            for (mismatched, count), want in zip(checks, wants):
+                assert mismatched.tolist() == want and count.tolist() == [sum(want)], (step, mismatched, count)
+            assert decoder.decoded_hashes.tolist() == [0] + [int(h) for _, h in sent[1:]], step
+    finally:
+        kernels.take_hash_sums = take
+    assert not taken, f"{len(taken)} take_hash_sums launches"
 
 
 def _check_hash_sums(triton: bool) -> None:
@@ -238,6 +259,8 @@ def _check_hashes_match_reference_cuda() -> None:
     # B < 256: several threads hold a row, and one of them adds the block's hash (kernels.delta._add_once)
     for block_size, n in ((32, 9_999), (64, 20_001), (256, 300_001), (512, 70_000), (1024, 9_999)):
         _check_shard_hashes_cuda(block_size, n, g)
+    for world, segmented in ((3, False), (2, False), (2, True)):
+        _check_gathered_hashes(None, world, segmented, "cuda")
 
 
 def _check_shard_hashes_cuda(block_size: int, n: int, g: torch.Generator) -> None:
